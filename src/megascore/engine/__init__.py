@@ -1,0 +1,1 @@
+"""The scoring engine: packed forward, logprobs, losses, metrics, distributed runtime."""

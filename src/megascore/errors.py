@@ -1,0 +1,35 @@
+"""Typed errors. The gRPC layer maps each type to one status code (server/.../status.py)."""
+
+from __future__ import annotations
+
+
+class MegascoreError(Exception):
+    """Base class: carries a human-readable reason."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class InvalidRequestError(MegascoreError):
+    """The request is malformed (-> INVALID_ARGUMENT). Names the field and sequence."""
+
+
+class ResourceExhaustedError(MegascoreError):
+    """Too large, or the queue is full (-> RESOURCE_EXHAUSTED)."""
+
+
+class UnavailableError(MegascoreError):
+    """Not ready, draining, or a rank was lost (-> UNAVAILABLE)."""
+
+
+class UnauthenticatedError(MegascoreError):
+    """Missing or wrong credentials (-> UNAUTHENTICATED)."""
+
+
+class WorkerLostError(UnavailableError):
+    """A worker rank died or timed out in a collective; the replica must restart."""
+
+
+class CheckpointError(MegascoreError):
+    """A checkpoint is missing, corrupt or does not match the model (names the tensor)."""

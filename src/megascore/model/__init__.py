@@ -1,0 +1,1 @@
+"""Megatron-Core model building: configs, attention backends, CPU compatibility."""

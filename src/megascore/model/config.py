@@ -1,0 +1,146 @@
+"""Model architecture config (torch-free) and the built-in named models.
+
+Field names follow Megatron-Core's ``TransformerConfig`` where one exists.
+``megascore.model.build`` turns a :class:`ModelConfig` into a ``GPTModel``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Architecture of a decoder-only GPT-family model (Llama-style by default)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    """Vocabulary size of the checkpoint (token ids must be below it)."""
+    ffn_hidden_size: int
+    max_position_embeddings: int = 4096
+    """Longest sequence served."""
+    num_query_groups: int | None = None
+    """GQA: number of key/value heads (None = num_attention_heads)."""
+    kv_channels: int | None = None
+    """Head dim (None = hidden_size // num_attention_heads)."""
+    normalization: str = "RMSNorm"
+    """"RMSNorm" or "LayerNorm"."""
+    layernorm_epsilon: float = 1e-6
+    gated_linear_unit: bool = True
+    """SwiGLU when True with activation "silu"."""
+    activation: str = "silu"
+    """"silu" or "gelu"."""
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection only (Qwen2)."""
+    qk_layernorm: bool = False
+    """Per-head RMSNorm on q and k (Qwen3)."""
+    position_embedding_type: str = "rope"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False
+    """Llama-3.1-style RoPE frequency scaling."""
+    rope_scaling_factor: float = 8.0
+    share_embeddings_and_output_weights: bool = False
+    # --- MoE ---
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_router_score_function: str = "softmax"
+    """"softmax" or "sigmoid"."""
+    moe_router_pre_softmax: bool = False
+    moe_router_load_balancing_type: str | list[str] = "aux_loss"
+    """"aux_loss", "seq_aux_loss", "global_aux_loss", "none", or a list of them."""
+    moe_aux_loss_coeff: float | list[float] = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | list[int] = 1
+    # --- MTP ---
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
+    # --- init ---
+    init_method_std: float = 0.02
+    seed: int = 1234
+    """Seed for random initialisation (built-in models are deterministic)."""
+    architecture: str = "gpt"
+    """Family label reported by GetModelInfo ("gpt", "llama", "qwen2", ...)."""
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups})"
+            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError("hidden_size must be divisible by num_attention_heads")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"normalization must be RMSNorm or LayerNorm, got {self.normalization}")
+        if self.activation not in ("silu", "gelu"):
+            raise ValueError(f"activation must be silu or gelu, got {self.activation}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError("moe_router_score_function must be softmax or sigmoid")
+        if self.vocab_size <= 0 or self.num_layers <= 0:
+            raise ValueError("vocab_size and num_layers must be positive")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.mtp_num_layers)
+
+
+BUILTIN_MODELS: dict[str, ModelConfig] = {
+    # Dense, the embedded default: GQA, SwiGLU, RoPE, untied embeddings.
+    "tiny": ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=512,
+        max_position_embeddings=1024,
+    ),
+    # MoE + MTP: 4 experts top-2, shared expert, aux + z losses, 1 MTP layer.
+    "tiny-moe": ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+        moe_aux_loss_coeff=[1e-2, 1e-3],
+        moe_z_loss_coeff=1e-3,
+        moe_shared_expert_intermediate_size=64,
+        mtp_num_layers=1,
+    ),
+    # Dense ~100M parameters for benchmarks.
+    "bench": ModelConfig(
+        num_layers=12,
+        hidden_size=640,
+        num_attention_heads=10,
+        num_query_groups=5,
+        ffn_hidden_size=1728,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def builtin_model(name: str) -> ModelConfig:
+    """Returns a fresh copy of a built-in model config by name."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; known: {sorted(BUILTIN_MODELS)}")
+    return dataclasses.replace(BUILTIN_MODELS[name])

@@ -1,0 +1,133 @@
+"""Domain objects exchanged between the gRPC layer and the engine (numpy, torch-free).
+
+The servicer converts protobuf messages into :class:`ScoreBatch`, the engine
+returns :class:`ScoreOutput`; neither side sees the other's types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreBatch:
+    """One engine step's worth of sequences.
+
+    Attributes:
+        token_ids: int64 ``[T]``, all sequences concatenated.
+        lengths: int64 ``[B]``, every entry >= 1, ``lengths.sum() == T``.
+        loss_mask: uint8 ``[T]`` of 0/1, or None for all ones. Entry 0 of each
+            sequence never contributes (it has no prediction).
+        temperature: float32 ``[B]``, per-sequence softmax temperature (> 0).
+        top_k: number of top alternatives per token (0 = none).
+        losses: loss names to compute per sequence.
+        want_logprobs: whether per-token logprobs are needed in the output.
+        want_moe_metrics: whether to compute MoE router metrics.
+        want_mtp_metrics: whether to compute MTP metrics.
+    """
+
+    token_ids: np.ndarray
+    lengths: np.ndarray
+    loss_mask: np.ndarray | None = None
+    temperature: np.ndarray | None = None
+    top_k: int = 0
+    losses: tuple[str, ...] = ()
+    want_logprobs: bool = True
+    want_moe_metrics: bool = False
+    want_mtp_metrics: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def offsets(self) -> np.ndarray:
+        """int64 ``[B+1]`` start offsets of each sequence in ``token_ids``."""
+        return np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+
+    def temperatures(self) -> np.ndarray:
+        """float32 ``[B]`` temperatures (ones when unset)."""
+        if self.temperature is None:
+            return np.ones(self.num_sequences, dtype=np.float32)
+        return self.temperature
+
+
+@dataclasses.dataclass
+class ScoreOutput:
+    """Engine results for one :class:`ScoreBatch`, in the batch's token layout.
+
+    Attributes:
+        logprobs: float32 ``[T]``; entry 0 of each sequence is 0.0, entry t is
+            ``log p(x_t | x_<t)``. None when not requested.
+        top_k_ids: int64 ``[T, k]`` (entry 0 of each sequence all -1) or None.
+        top_k_logprobs: float32 ``[T, k]`` (entry 0 of each sequence all 0.0) or None.
+        losses: name -> float64 ``[B]`` per-sequence loss.
+        num_loss_tokens: int64 ``[B]`` tokens that contributed to the losses.
+        moe_metrics: MoE metric name -> value for this forward.
+        mtp_metrics: MTP metric name -> value for this forward.
+        weights_version: version of the weights that produced these numbers.
+    """
+
+    logprobs: np.ndarray | None
+    top_k_ids: np.ndarray | None = None
+    top_k_logprobs: np.ndarray | None = None
+    losses: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    num_loss_tokens: np.ndarray | None = None
+    moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    weights_version: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """What the served model is and what it accepts (mirrors ``megascore.v1.ModelInfo``)."""
+
+    name: str
+    architecture: str
+    num_parameters: int
+    vocab_size: int
+    max_sequence_length: int
+    dtype: str
+    parallel: ParallelLayout
+    attention_backend: str
+    checkpoint_path: str = ""
+    weights_version: str = ""
+    has_tokenizer: bool = False
+    max_top_k: int = 64
+    loss_names: tuple[str, ...] = ("nll",)
+    moe_metric_names: tuple[str, ...] = ()
+    mtp_metric_names: tuple[str, ...] = ()
+
+
+class Engine(Protocol):
+    """What the server needs from a scoring engine.
+
+    ``score`` and ``load_weights`` are called from one executor thread only, one
+    call at a time; they may block for the duration of a forward step.
+    """
+
+    def info(self) -> ModelInfo: ...
+
+    def score(self, batch: ScoreBatch) -> ScoreOutput: ...
+
+    def load_weights(self, model: str, weights_version: str) -> str:
+        """Loads new weights; returns the new weights version. Raises on failure,
+        leaving the old weights in place."""
+        ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,196 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_INT32: _ClassVar[Dtype]
+    DTYPE_INT64: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT64: _ClassVar[Dtype]
+    DTYPE_UINT8: _ClassVar[Dtype]
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_INT32: Dtype
+DTYPE_INT64: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT64: Dtype
+DTYPE_UINT8: Dtype
+
+class Array(_message.Message):
+    __slots__ = ("dtype", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: Dtype
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ScoreOptions(_message.Message):
+    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature")
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_MOE_METRICS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_MTP_METRICS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    return_logprobs: bool
+    top_k: int
+    losses: _containers.RepeatedScalarFieldContainer[str]
+    return_moe_metrics: bool
+    return_mtp_metrics: bool
+    temperature: float
+    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: Array
+    lengths: Array
+    loss_mask: Array
+    options: ScoreOptions
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., options: _Optional[_Union[ScoreOptions, _Mapping]] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue_ms", "compute_ms", "total_ms", "num_steps")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    compute_ms: float
+    total_ms: float
+    num_steps: int
+    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_steps: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings")
+    class SequenceLossesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Array
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    class MoeMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MtpMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MOE_METRICS_FIELD_NUMBER: _ClassVar[int]
+    MTP_METRICS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lengths: Array
+    token_logprobs: Array
+    top_k_ids: Array
+    top_k_logprobs: Array
+    top_k: int
+    sequence_losses: _containers.MessageMap[str, Array]
+    num_loss_tokens: Array
+    moe_metrics: _containers.ScalarMap[str, float]
+    mtp_metrics: _containers.ScalarMap[str, float]
+    weights_version: str
+    timings: Timings
+    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ParallelLayout(_message.Message):
+    __slots__ = ("world_size", "tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_MODEL_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_MODEL_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_MODEL_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    tensor_model_parallel_size: int
+    context_parallel_size: int
+    expert_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    def __init__(self, world_size: _Optional[int] = ..., tensor_model_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., expert_model_parallel_size: _Optional[int] = ..., pipeline_model_parallel_size: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MOE_METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MTP_METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    num_parameters: int
+    vocab_size: int
+    max_sequence_length: int
+    dtype: str
+    parallel: ParallelLayout
+    attention_backend: str
+    checkpoint_path: str
+    weights_version: str
+    has_tokenizer: bool
+    max_top_k: int
+    max_request_tokens: int
+    loss_names: _containers.RepeatedScalarFieldContainer[str]
+    moe_metric_names: _containers.RepeatedScalarFieldContainer[str]
+    mtp_metric_names: _containers.RepeatedScalarFieldContainer[str]
+    max_tokens_per_batch: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ...) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("model", "weights_version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    weights_version: str
+    def __init__(self, model: _Optional[str] = ..., weights_version: _Optional[str] = ...) -> None: ...
+
+class LoadWeightsResponse(_message.Message):
+    __slots__ = ("weights_version", "previous_weights_version", "load_ms")
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    weights_version: str
+    previous_weights_version: str
+    load_ms: float
+    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., load_ms: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,42 @@
+"""Runs a script under ``torch.distributed.run`` (gloo on CPU) from pytest.
+
+Scripts write their results (numpy ``.npz`` / JSON) into an output directory the
+test then compares; a failure anywhere fails the test with the ranks' output.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 300) -> str:
+    """Runs ``script`` on ``nproc`` local ranks; returns combined output, raises on failure."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "--max-restarts=0",
+        str(script),
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True
+    )
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun exited {proc.returncode}:\n{out[-8000:]}")
+    return out
