@@ -50,7 +50,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
             )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")

@@ -80,7 +80,9 @@ class ModelConfig:
                 raise ValueError("hidden_size must be divisible by num_attention_heads")
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.normalization not in ("RMSNorm", "LayerNorm"):
-            raise ValueError(f"normalization must be RMSNorm or LayerNorm, got {self.normalization}")
+            raise ValueError(
+                f"normalization must be RMSNorm or LayerNorm, got {self.normalization}"
+            )
         if self.activation not in ("silu", "gelu"):
             raise ValueError(f"activation must be silu or gelu, got {self.activation}")
         if self.moe_router_score_function not in ("softmax", "sigmoid"):

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Installs the dev environment (if needed) and runs the test suite.
+# Extra arguments go to pytest, e.g. scripts/test.sh tests/unit -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh dev
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,324 @@
+"""The rank-0 -> workers broadcast protocol.
+
+Every engine step starts with rank 0 broadcasting a fixed-size int64 header to
+the model-parallel group; the header says what follows. Nothing is pickled:
+every payload is a flat buffer of a known dtype whose size the header gives.
+
+Header (``HEADER_SLOTS`` int64, unused slots 0):
+
+====  ================  =====================================================
+slot  name              meaning
+====  ================  =====================================================
+0     command           :class:`Command`
+1     version           ``PROTOCOL_VERSION`` (a mismatch is a ``ProtocolError``)
+2     step              caller's step id (echoed to workers, for logs)
+3     num_tokens        FORWARD: ``T``
+4     num_sequences     FORWARD: ``B``
+5     top_k             FORWARD: alternatives per token
+6     flags             FORWARD: bitmask of ``FLAG_*``
+7     losses            FORWARD: bit ``i`` = ``sorted(loss_names)[i]``
+8     path_bytes        RELOAD: UTF-8 length of the checkpoint path
+9     version_bytes     RELOAD: UTF-8 length of the weights version
+====  ================  =====================================================
+
+Payloads, in order, after the header:
+
+* FORWARD: int64 ``[T + B]`` (token ids, then lengths); uint8 ``[T]`` loss
+  mask if ``FLAG_HAS_LOSS_MASK``; float32 ``[B]`` temperatures if
+  ``FLAG_HAS_TEMPERATURE``.
+* RELOAD: uint8 ``[path_bytes + version_bytes]``, the two UTF-8 strings
+  (nothing when both are empty).
+* SHUTDOWN: nothing.
+
+Rank 0 validates before its first broadcast, so a bad batch raises there and
+the workers never see a partial message. The loss registry (``loss_names``)
+must be identical on every rank; the worker's batch lists its losses in the
+registry's sorted order.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megascore.types import ScoreBatch
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+HEADER_SLOTS = 16
+MAX_LOSSES = 63
+
+_H_COMMAND = 0
+_H_VERSION = 1
+_H_STEP = 2
+_H_NUM_TOKENS = 3
+_H_NUM_SEQUENCES = 4
+_H_TOP_K = 5
+_H_FLAGS = 6
+_H_LOSSES = 7
+_H_PATH_BYTES = 8
+_H_VERSION_BYTES = 9
+
+FLAG_WANT_LOGPROBS = 1 << 0
+FLAG_WANT_MOE = 1 << 1
+FLAG_WANT_MTP = 1 << 2
+FLAG_HAS_LOSS_MASK = 1 << 3
+FLAG_HAS_TEMPERATURE = 1 << 4
+
+
+class Command(enum.IntEnum):
+    """What the workers do next."""
+
+    FORWARD = 1
+    SHUTDOWN = 2
+    RELOAD = 3
+
+
+class ProtocolError(RuntimeError):
+    """A worker received a header it cannot interpret; the ranks are out of step."""
+
+
+class Extra(NamedTuple):
+    """Non-batch fields of a received message.
+
+    Attributes:
+        step: the step id rank 0 sent.
+        path: RELOAD: checkpoint path ("" otherwise).
+        version: RELOAD: weights version ("" otherwise).
+    """
+
+    step: int
+    path: str = ""
+    version: str = ""
+
+
+class Received(NamedTuple):
+    """One message as a worker sees it: ``command, batch, extra = recv_command(...)``."""
+
+    command: Command
+    batch: ScoreBatch | None
+    extra: Extra
+
+
+def _registry(loss_names: Sequence[str]) -> list[str]:
+    names = sorted(set(loss_names))
+    if len(names) > MAX_LOSSES:
+        raise ValueError(f"at most {MAX_LOSSES} loss names fit the header, got {len(names)}")
+    return names
+
+
+def _header(command: Command, step: int, slots: dict[int, int] | None = None) -> torch.Tensor:
+    """int64 ``[HEADER_SLOTS]``: command, version, step, then ``slots`` (index -> value)."""
+    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
+    header[_H_COMMAND] = int(command)
+    header[_H_VERSION] = PROTOCOL_VERSION
+    header[_H_STEP] = step
+    for index, value in (slots or {}).items():
+        header[index] = value
+    return header
+
+
+def _bcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def _validate(batch: ScoreBatch, registry: list[str]) -> None:
+    num_tokens, num_sequences = batch.num_tokens, batch.num_sequences
+    if batch.token_ids.ndim != 1 or batch.lengths.ndim != 1:
+        raise ValueError("token_ids and lengths must be 1-D")
+    if num_sequences and int(np.min(batch.lengths)) < 0:
+        raise ValueError(f"negative sequence length at index {int(np.argmin(batch.lengths))}")
+    if int(np.sum(batch.lengths)) != num_tokens:
+        raise ValueError(f"lengths sum to {int(np.sum(batch.lengths))}, token_ids has {num_tokens}")
+    if batch.loss_mask is not None and batch.loss_mask.shape != (num_tokens,):
+        raise ValueError(f"loss_mask shape {batch.loss_mask.shape} != ({num_tokens},)")
+    if batch.temperature is not None and batch.temperature.shape != (num_sequences,):
+        raise ValueError(f"temperature shape {batch.temperature.shape} != ({num_sequences},)")
+    if batch.top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {batch.top_k}")
+    unknown = sorted(set(batch.losses) - set(registry))
+    if unknown:
+        raise ValueError(f"unknown loss names {unknown}; registry is {registry}")
+
+
+def send_batch(
+    batch: ScoreBatch,
+    group: dist.ProcessGroup,
+    src: int,
+    loss_names: Sequence[str],
+    *,
+    device: torch.device | str,
+    step: int = 0,
+) -> None:
+    """Rank ``src``: broadcasts a FORWARD header and the batch buffers.
+
+    Args:
+        batch: the batch to run.
+        group: the group of ranks that run the model (required).
+        src: global rank of the sender (this rank).
+        loss_names: the loss registry (same on every rank).
+        device: where the collective's tensors live (cpu for gloo, cuda for NCCL).
+        step: step id for the workers' logs.
+
+    Raises:
+        ValueError: the batch is inconsistent (before any collective).
+    """
+    registry = _registry(loss_names)
+    _validate(batch, registry)
+    flags = (
+        (FLAG_WANT_LOGPROBS if batch.want_logprobs else 0)
+        | (FLAG_WANT_MOE if batch.want_moe_metrics else 0)
+        | (FLAG_WANT_MTP if batch.want_mtp_metrics else 0)
+        | (FLAG_HAS_LOSS_MASK if batch.loss_mask is not None else 0)
+        | (FLAG_HAS_TEMPERATURE if batch.temperature is not None else 0)
+    )
+    losses = sum(1 << registry.index(name) for name in set(batch.losses))
+    header = _header(
+        Command.FORWARD,
+        step,
+        {
+            _H_NUM_TOKENS: batch.num_tokens,
+            _H_NUM_SEQUENCES: batch.num_sequences,
+            _H_TOP_K: batch.top_k,
+            _H_FLAGS: flags,
+            _H_LOSSES: losses,
+        },
+    )
+    # ids_and_lengths: [T + B], token ids then lengths, one collective for both.
+    ids_and_lengths = np.concatenate(
+        [batch.token_ids.astype(np.int64, copy=False), batch.lengths.astype(np.int64, copy=False)]
+    )
+    _bcast(header.to(device), src, group)
+    _bcast(torch.from_numpy(ids_and_lengths).to(device), src, group)
+    if batch.loss_mask is not None:
+        mask = np.array(batch.loss_mask, dtype=np.uint8)
+        _bcast(torch.from_numpy(mask).to(device), src, group)
+    if batch.temperature is not None:
+        temps = np.array(batch.temperature, dtype=np.float32)
+        _bcast(torch.from_numpy(temps).to(device), src, group)
+    logger.debug("step %d: sent FORWARD T=%d B=%d", step, batch.num_tokens, batch.num_sequences)
+
+
+def send_command(
+    command: Command,
+    group: dist.ProcessGroup,
+    src: int,
+    *,
+    device: torch.device | str,
+    path: str = "",
+    version: str = "",
+    step: int = 0,
+) -> None:
+    """Rank ``src``: broadcasts a SHUTDOWN or RELOAD message.
+
+    Args:
+        command: ``Command.SHUTDOWN`` or ``Command.RELOAD`` (FORWARD goes through
+            :func:`send_batch`).
+        group: the group of ranks that run the model (required).
+        src: global rank of the sender (this rank).
+        device: where the collective's tensors live.
+        path: RELOAD: checkpoint path.
+        version: RELOAD: weights version.
+        step: step id for the workers' logs.
+
+    Raises:
+        ValueError: FORWARD, or an unknown command (before any collective).
+    """
+    command = Command(command)
+    if command == Command.FORWARD:
+        raise ValueError("send FORWARD with send_batch")
+    if command == Command.SHUTDOWN:
+        _bcast(_header(command, step).to(device), src, group)
+        return
+    path_bytes, version_bytes = path.encode("utf-8"), version.encode("utf-8")
+    header = _header(
+        command, step, {_H_PATH_BYTES: len(path_bytes), _H_VERSION_BYTES: len(version_bytes)}
+    )
+    _bcast(header.to(device), src, group)
+    if path_bytes or version_bytes:
+        payload = np.frombuffer(path_bytes + version_bytes, dtype=np.uint8).copy()
+        _bcast(torch.from_numpy(payload).to(device), src, group)
+
+
+def recv_command(
+    group: dist.ProcessGroup,
+    src: int,
+    loss_names: Sequence[str],
+    *,
+    device: torch.device | str,
+) -> Received:
+    """Workers: receives the next message from rank ``src``.
+
+    Args:
+        group: the group of ranks that run the model (required).
+        src: global rank of the sender.
+        loss_names: the loss registry (same on every rank).
+        device: where the collective's tensors live.
+
+    Returns:
+        ``(command, batch, extra)``: batch is a :class:`ScoreBatch` for FORWARD
+        (numpy, on the host), None otherwise.
+
+    Raises:
+        ProtocolError: unknown command, protocol version or loss bit.
+    """
+    registry = _registry(loss_names)
+    header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=device)
+    _bcast(header, src, group)
+    h = [int(x) for x in header.cpu().tolist()]
+    if h[_H_VERSION] != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {h[_H_VERSION]} != {PROTOCOL_VERSION}")
+    try:
+        command = Command(h[_H_COMMAND])
+    except ValueError as e:
+        raise ProtocolError(f"unknown command {h[_H_COMMAND]}") from e
+    if min(h[_H_NUM_TOKENS], h[_H_NUM_SEQUENCES], h[_H_PATH_BYTES], h[_H_VERSION_BYTES]) < 0:
+        raise ProtocolError(f"negative size in header {h}")
+    extra = Extra(step=h[_H_STEP])
+    if command == Command.SHUTDOWN:
+        return Received(command, None, extra)
+    if command == Command.RELOAD:
+        n_path, n_version = h[_H_PATH_BYTES], h[_H_VERSION_BYTES]
+        raw = b""
+        if n_path + n_version:
+            payload = torch.empty(n_path + n_version, dtype=torch.uint8, device=device)
+            _bcast(payload, src, group)
+            raw = payload.cpu().numpy().tobytes()
+        path, version = raw[:n_path].decode("utf-8"), raw[n_path:].decode("utf-8")
+        return Received(command, None, extra._replace(path=path, version=version))
+
+    num_tokens, num_sequences, flags = h[_H_NUM_TOKENS], h[_H_NUM_SEQUENCES], h[_H_FLAGS]
+    if h[_H_LOSSES] >> len(registry):
+        raise ProtocolError(f"loss bitmask {h[_H_LOSSES]:#x} exceeds the registry {registry}")
+    ids_and_lengths = torch.empty(num_tokens + num_sequences, dtype=torch.int64, device=device)
+    _bcast(ids_and_lengths, src, group)
+    ids_and_lengths_np = ids_and_lengths.cpu().numpy()
+    loss_mask = temperature = None
+    if flags & FLAG_HAS_LOSS_MASK:
+        mask = torch.empty(num_tokens, dtype=torch.uint8, device=device)
+        _bcast(mask, src, group)
+        loss_mask = mask.cpu().numpy()
+    if flags & FLAG_HAS_TEMPERATURE:
+        temps = torch.empty(num_sequences, dtype=torch.float32, device=device)
+        _bcast(temps, src, group)
+        temperature = temps.cpu().numpy()
+    batch = ScoreBatch(
+        token_ids=ids_and_lengths_np[:num_tokens],
+        lengths=ids_and_lengths_np[num_tokens:],
+        loss_mask=loss_mask,
+        temperature=temperature,
+        top_k=h[_H_TOP_K],
+        losses=tuple(name for i, name in enumerate(registry) if h[_H_LOSSES] >> i & 1),
+        want_logprobs=bool(flags & FLAG_WANT_LOGPROBS),
+        want_moe_metrics=bool(flags & FLAG_WANT_MOE),
+        want_mtp_metrics=bool(flags & FLAG_WANT_MTP),
+    )
+    logger.debug("step %d: received FORWARD T=%d B=%d", extra.step, num_tokens, num_sequences)
+    return Received(command, batch, extra)

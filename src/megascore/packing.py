@@ -1,0 +1,327 @@
+"""Sequence packing into Megatron's THD layout, context-parallel sharding and unpacking.
+
+The layout is the one NeMo-RL's ``_pack_sequences_for_megatron`` produces, so a
+model trained with NeMo-RL packing sees identical inputs here:
+
+* sequence ``b`` occupies ``[cu_seqlens_padded[b], cu_seqlens_padded[b+1])`` of
+  the packed axis: its ``seq_lengths[b]`` real tokens first, then pad token 0 up
+  to ``round_up_to_multiple(seq_lengths[b], pad_individual_seqs_to_multiple_of)``;
+* ``pad_packed_seq_to`` raises the *last* boundary: the extra pad tokens belong
+  to the last sequence's padded segment;
+* ``PackedSeqParams(qkv_format="thd")`` carries the padded boundaries for q and
+  kv (also as ``cu_seqlens_*_padded``) and the longest padded segment as
+  ``max_seqlen_*``;
+* with context parallelism every padded segment is cut into ``2 * cp_size``
+  equal chunks and rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r``
+  (load-balanced causal attention), segment after segment.
+
+Unlike NeMo-RL, nothing is truncated silently: inputs that do not fit the
+layout raise ``ValueError`` naming the offending sequence. A zero-length
+sequence among non-empty ones is allowed and occupies 0 packed tokens (its
+padded length is ``round_up_to_multiple(0, m) == 0``), giving an empty segment
+with two equal boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+logger = logging.getLogger(__name__)
+
+PAD_TOKEN_ID = 0
+
+
+class PackedSequences(NamedTuple):
+    """Result of :func:`pack_sequences`.
+
+    Attributes:
+        input_ids: ``[1, T]`` the full packed ids (``T = cu_seqlens_padded[-1]``).
+        input_ids_cp_sharded: ``[1, T / cp_size]`` this CP rank's shard (the model input).
+        packed_seq_params: THD parameters with the padded boundaries.
+        cu_seqlens: int32 ``[B+1]`` boundaries of the real tokens.
+        cu_seqlens_padded: int32 ``[B+1]`` boundaries of the padded segments.
+    """
+
+    input_ids: torch.Tensor
+    input_ids_cp_sharded: torch.Tensor
+    packed_seq_params: PackedSeqParams
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+
+
+def round_up_to_multiple(value: int, multiple: int) -> int:
+    """Rounds ``value`` up to the next multiple of ``multiple``.
+
+    Args:
+        value: a non-negative integer.
+        multiple: a positive integer.
+
+    Returns:
+        The smallest multiple of ``multiple`` that is >= ``value``.
+    """
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    return -(-value // multiple) * multiple
+
+
+def _segment_lengths(cu_seqlens_padded: torch.Tensor) -> list[int]:
+    bounds = [int(x) for x in cu_seqlens_padded.tolist()]
+    if len(bounds) < 2 or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens_padded must start at 0 and have >= 2 entries: {bounds}")
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    for b, length in enumerate(lengths):
+        if length < 0:
+            raise ValueError(f"cu_seqlens_padded decreases at sequence {b}: {bounds}")
+    return lengths
+
+
+def _runs_to_indices(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenates ``arange(start, start + length)`` for every run, in order."""
+    total = int(lengths.sum())
+    run_offsets = torch.cumsum(lengths, 0) - lengths  # exclusive prefix sum
+    within = torch.arange(total, dtype=torch.long) - torch.repeat_interleave(run_offsets, lengths)
+    return torch.repeat_interleave(starts, lengths) + within
+
+
+def cp_shard_indices(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Indices into the full packed axis that form one context-parallel rank's shard.
+
+    ``full[:, cp_shard_indices(...)]`` is exactly what :func:`pack_sequences` puts
+    in ``input_ids_cp_sharded``; use it to shard targets and masks identically.
+
+    Args:
+        cu_seqlens_padded: ``[B+1]`` padded segment boundaries.
+        cp_rank: this rank's index in the CP group, ``0 <= cp_rank < cp_size``.
+        cp_size: size of the CP group.
+
+    Returns:
+        int64 ``[T / cp_size]`` indices (on the CPU), segment after segment: chunk
+        ``cp_rank`` then chunk ``2 * cp_size - 1 - cp_rank`` of each segment.
+
+    Raises:
+        ValueError: bad rank/size, or a segment length not divisible by ``2 * cp_size``.
+    """
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+    seg_lens = _segment_lengths(cu_seqlens_padded)
+    total = int(cu_seqlens_padded[-1])
+    if cp_size == 1:
+        return torch.arange(total, dtype=torch.long)
+    n_chunks = 2 * cp_size
+    for b, length in enumerate(seg_lens):
+        if length % n_chunks:
+            raise ValueError(
+                f"sequence {b}: padded length {length} is not divisible by 2 * cp_size = "
+                f"{n_chunks}; pad sequences to a multiple of {n_chunks}"
+            )
+    starts = cu_seqlens_padded[:-1].to(device="cpu", dtype=torch.long)
+    chunk = torch.tensor(seg_lens, dtype=torch.long) // n_chunks
+    # run_starts: [B, 2] -> [2B], first and mirrored chunk of each segment
+    run_starts = torch.stack(
+        [starts + cp_rank * chunk, starts + (n_chunks - 1 - cp_rank) * chunk], dim=1
+    ).reshape(-1)
+    run_lens = chunk.repeat_interleave(2)
+    return _runs_to_indices(run_starts, run_lens)
+
+
+def pack_sequences(
+    input_ids: torch.Tensor,
+    seq_lengths: torch.Tensor | Sequence[int],
+    *,
+    pad_individual_seqs_to_multiple_of: int = 1,
+    pad_packed_seq_to: int | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+) -> PackedSequences:
+    """Packs a padded batch into one THD sequence (NeMo-RL layout).
+
+    Args:
+        input_ids: ``[B, S]`` ids; row ``b`` holds ``seq_lengths[b]`` real tokens first.
+        seq_lengths: ``[B]`` number of real tokens per row (0 allowed, not all 0).
+        pad_individual_seqs_to_multiple_of: every sequence is padded to a multiple of
+            this; with ``cp_size > 1`` it must be a multiple of ``2 * cp_size``.
+        pad_packed_seq_to: total packed length (before CP sharding); the padding
+            is appended to the last sequence's segment. Must be >= the packed length
+            and, with CP, a multiple of ``2 * cp_size``.
+        cp_rank: this rank's index in the CP group.
+        cp_size: size of the CP group.
+
+    Returns:
+        A :class:`PackedSequences`; all tensors on ``input_ids.device``.
+
+    Raises:
+        ValueError: where the inputs do not fit the layout (names the sequence).
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+    batch_size, row_len = input_ids.shape
+    lengths = [
+        int(x) for x in (seq_lengths.tolist() if torch.is_tensor(seq_lengths) else seq_lengths)
+    ]
+    if len(lengths) != batch_size:
+        raise ValueError(f"got {len(lengths)} seq_lengths for {batch_size} rows of input_ids")
+    multiple = pad_individual_seqs_to_multiple_of
+    if multiple < 1:
+        raise ValueError(f"pad_individual_seqs_to_multiple_of must be >= 1, got {multiple}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+    if cp_size > 1 and multiple % (2 * cp_size):
+        raise ValueError(
+            f"pad_individual_seqs_to_multiple_of ({multiple}) must be a multiple of "
+            f"2 * cp_size = {2 * cp_size} with context parallelism"
+        )
+    for b, length in enumerate(lengths):
+        if length < 0:
+            raise ValueError(f"sequence {b}: negative length {length}")
+        if length > row_len:
+            raise ValueError(f"sequence {b}: length {length} exceeds the row length {row_len}")
+    if sum(lengths) == 0:
+        raise ValueError(f"nothing to pack: all {batch_size} sequences are empty")
+
+    padded = [round_up_to_multiple(length, multiple) for length in lengths]
+    natural_total = sum(padded)
+    if pad_packed_seq_to is not None:
+        if pad_packed_seq_to < natural_total:
+            raise ValueError(
+                f"pad_packed_seq_to ({pad_packed_seq_to}) is smaller than the packed length "
+                f"{natural_total} of {batch_size} sequences"
+            )
+        if cp_size > 1 and pad_packed_seq_to % (2 * cp_size):
+            raise ValueError(
+                f"sequence {batch_size - 1}: pad_packed_seq_to ({pad_packed_seq_to}) must be "
+                f"a multiple of 2 * cp_size = {2 * cp_size}"
+            )
+        padded[-1] += pad_packed_seq_to - natural_total
+
+    device = input_ids.device
+    seq_lens_t = torch.tensor(lengths, dtype=torch.int32)
+    padded_t = torch.tensor(padded, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    cu_seqlens = torch.cat([zero, torch.cumsum(seq_lens_t, 0, dtype=torch.int32)])
+    cu_seqlens_padded = torch.cat([zero, torch.cumsum(padded_t, 0, dtype=torch.int32)])
+    total = int(cu_seqlens_padded[-1])
+
+    # Scatter the real tokens of each row to their packed positions; the rest stays pad.
+    rows = torch.repeat_interleave(torch.arange(batch_size), seq_lens_t.long())
+    cols = _runs_to_indices(torch.zeros(batch_size, dtype=torch.long), seq_lens_t.long())
+    dest = torch.repeat_interleave(cu_seqlens_padded[:-1].long(), seq_lens_t.long()) + cols
+    packed = torch.full((total,), PAD_TOKEN_ID, dtype=input_ids.dtype, device=device)
+    packed[dest.to(device)] = input_ids[rows.to(device), cols.to(device)]
+    packed = packed.unsqueeze(0)  # [1, T]
+
+    if cp_size > 1:
+        shard = packed[:, cp_shard_indices(cu_seqlens_padded, cp_rank, cp_size).to(device)]
+    else:
+        shard = packed
+
+    cu_seqlens = cu_seqlens.to(device)
+    cu_seqlens_padded = cu_seqlens_padded.to(device)
+    max_seqlen = max(padded)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens_padded,
+        cu_seqlens_kv=cu_seqlens_padded,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        # Only Mamba's seq_idx reads this. NeMo-RL passes the CP-local token count,
+        # which with CP builds a seq_idx that matches neither the full layout nor
+        # the shard; we set it only where the boundaries describe the model input.
+        total_tokens=total if cp_size == 1 else None,
+    )
+    return PackedSequences(
+        input_ids=packed.contiguous(),
+        input_ids_cp_sharded=shard.contiguous(),
+        packed_seq_params=params,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_padded=cu_seqlens_padded,
+    )
+
+
+def roll_within_segments(
+    packed: torch.Tensor, cu_seqlens_padded: torch.Tensor, shifts: int = -1
+) -> torch.Tensor:
+    """Rolls every padded segment of the packed axis independently (like ``torch.roll``).
+
+    With ``shifts=-1`` position ``t`` of a segment receives position ``t + 1`` and
+    the last position receives the segment's first: next-token targets. Build
+    targets this way on the full packed tensor, then CP-shard them.
+
+    Args:
+        packed: ``[1, T, ...]`` full (not CP-sharded) packed tensor.
+        cu_seqlens_padded: ``[B+1]`` padded boundaries, last one ``== T``.
+        shifts: roll distance, as in ``torch.roll``.
+
+    Returns:
+        ``[1, T, ...]`` rolled copy.
+    """
+    seg_lens = _segment_lengths(cu_seqlens_padded)
+    if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] != int(cu_seqlens_padded[-1]):
+        raise ValueError(
+            f"packed must be [1, {int(cu_seqlens_padded[-1])}, ...], got {tuple(packed.shape)}"
+        )
+    lens = torch.tensor(seg_lens, dtype=torch.long)
+    starts = cu_seqlens_padded[:-1].to(device="cpu", dtype=torch.long)
+    pos = _runs_to_indices(starts, lens)  # [T] = arange(T)
+    seg_start = torch.repeat_interleave(starts, lens)
+    seg_len = torch.repeat_interleave(lens, lens)
+    src = seg_start + torch.remainder(pos - seg_start - shifts, seg_len)
+    return packed[:, src.to(packed.device)]
+
+
+def unpack_sequences(
+    packed: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    batch_size: int,
+    seq_length: int,
+) -> torch.Tensor:
+    """Scatters a full packed per-token tensor back to a padded batch.
+
+    Args:
+        packed: ``[1, T_padded, ...]`` full (gathered) packed per-token values.
+        cu_seqlens: ``[B+1]`` real boundaries.
+        cu_seqlens_padded: ``[B+1]`` padded boundaries (where each sequence starts).
+        batch_size: ``B``.
+        seq_length: ``S`` of the output, >= every sequence length.
+
+    Returns:
+        ``[B, S, ...]``: row ``b`` holds sequence ``b``'s values at ``0..len-1``, zeros after.
+    """
+    if cu_seqlens.numel() != batch_size + 1 or cu_seqlens_padded.numel() != batch_size + 1:
+        raise ValueError(
+            f"cu_seqlens ({cu_seqlens.numel()}) and cu_seqlens_padded "
+            f"({cu_seqlens_padded.numel()}) must have batch_size + 1 = {batch_size + 1} entries"
+        )
+    if packed.dim() < 2 or packed.shape[0] != 1:
+        raise ValueError(f"packed must be [1, T, ...], got {tuple(packed.shape)}")
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device="cpu", dtype=torch.long)
+    seg_lens = _segment_lengths(cu_seqlens_padded)
+    for b, (length, seg) in enumerate(zip(lens.tolist(), seg_lens, strict=True)):
+        if length < 0 or length > seg:
+            raise ValueError(f"sequence {b}: length {length} does not fit its segment of {seg}")
+        if length > seq_length:
+            raise ValueError(f"sequence {b}: length {length} exceeds seq_length {seq_length}")
+    if int(cu_seqlens_padded[-1]) > packed.shape[1]:
+        raise ValueError(
+            f"packed has {packed.shape[1]} tokens, cu_seqlens_padded needs "
+            f"{int(cu_seqlens_padded[-1])}"
+        )
+    out = packed.new_zeros((batch_size, seq_length, *packed.shape[2:]))
+    starts = cu_seqlens_padded[:-1].to(device="cpu", dtype=torch.long)
+    src = _runs_to_indices(starts, lens)
+    rows = torch.repeat_interleave(torch.arange(batch_size), lens)
+    cols = _runs_to_indices(torch.zeros(batch_size, dtype=torch.long), lens)
+    dev = packed.device
+    out[rows.to(dev), cols.to(dev)] = packed[0, src.to(dev)]
+    return out

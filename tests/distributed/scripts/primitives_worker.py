@@ -1,0 +1,216 @@
+"""Two-rank gloo checks of broadcast_tensor, gather_cp_shards and the engine protocol.
+
+Run by tests/distributed/test_primitives.py under torchrun (--nproc-per-node 2).
+Each check runs on both ranks; its outcome ("ok" or the traceback) goes to
+``OUT_DIR/rank{r}.json``. The process exits non-zero when any check failed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megascore.distributed import broadcast_tensor, gather_cp_shards
+from megascore.engine.protocol import Command, recv_command, send_batch, send_command
+from megascore.packing import pack_sequences
+from megascore.types import ScoreBatch
+
+CPU = torch.device("cpu")
+LOSS_REGISTRY = ("nll", "kl", "entropy")
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def expect_value_error(fn, match: str) -> None:
+    try:
+        fn()
+    except ValueError as e:
+        assert match in str(e), f"ValueError {e!r} does not mention {match!r}"
+    else:
+        raise AssertionError(f"expected ValueError mentioning {match!r}")
+
+
+@check
+def broadcast_into_none(rank, groups):
+    src_value = torch.arange(6, dtype=torch.float64).reshape(2, 3) / 7
+    out = broadcast_tensor(src_value if rank == 0 else None, 0, groups["pair"])
+    assert out.dtype == torch.float64 and out.shape == (2, 3), (out.dtype, out.shape)
+    assert torch.equal(out, src_value)
+
+
+@check
+def broadcast_into_provided_buffer(rank, groups):
+    src_value = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    buf = src_value if rank == 0 else torch.zeros(3, 4, dtype=torch.int32)
+    out = broadcast_tensor(buf, 0, groups["pair"])
+    assert out is buf and torch.equal(out, src_value)
+    # A non-contiguous receive buffer is filled through a copy.
+    buf_t = src_value if rank == 0 else torch.zeros(4, 3, dtype=torch.int32).t()
+    out = broadcast_tensor(buf_t, 0, groups["pair"])
+    assert out is buf_t and torch.equal(out, src_value)
+
+
+@check
+def broadcast_buffer_mismatch_raises_and_stays_in_step(rank, groups):
+    value = torch.ones(5, dtype=torch.float32)
+    for bad in (torch.zeros(4, dtype=torch.float32), torch.zeros(5, dtype=torch.int64)):
+        if rank == 0:
+            assert torch.equal(broadcast_tensor(value, 0, groups["pair"]), value)
+        else:
+            expect_value_error(
+                lambda bad=bad: broadcast_tensor(bad, 0, groups["pair"]),
+                f"is {tuple(bad.shape)} {bad.dtype}, the source sent (5,) torch.float32",
+            )
+    # Both ranks are still in step: the next broadcast goes through.
+    follow = broadcast_tensor(torch.tensor([42]) if rank == 0 else None, 0, groups["pair"])
+    assert follow.tolist() == [42]
+
+
+@check
+def broadcast_source_none_raises_everywhere(rank, groups):
+    expect_value_error(lambda: broadcast_tensor(None, 0, groups["pair"]), "passed None")
+
+
+@check
+def broadcast_from_nonzero_source(rank, groups):
+    value = torch.tensor([[3, 1], [4, 1]], dtype=torch.int64)
+    out = broadcast_tensor(value if rank == 1 else None, 1, groups["pair"])
+    assert torch.equal(out, value)
+
+
+@check
+def gather_cp_shards_matches_single_process_packing(rank, groups):
+    ids = torch.arange(1, 29).reshape(4, 7)
+    lengths = [5, 0, 3, 7]
+    kwargs = {"pad_individual_seqs_to_multiple_of": 4, "pad_packed_seq_to": 24}
+    full = pack_sequences(ids, lengths, **kwargs)
+    mine = pack_sequences(ids, lengths, cp_rank=rank, cp_size=2, **kwargs)
+    assert mine.input_ids_cp_sharded.shape == (1, 12)
+    # local: [1, T/2, 2] per-token values with a trailing dimension
+    local = torch.stack([mine.input_ids_cp_sharded.float(), -mine.input_ids_cp_sharded.float()], -1)
+    gathered = gather_cp_shards(local, mine.cu_seqlens_padded, groups["pair"])
+    expected = torch.stack([full.input_ids.float(), -full.input_ids.float()], -1)
+    assert gathered.shape == (1, 24, 2) and torch.equal(gathered, expected)
+    # A one-rank CP group returns the input itself.
+    alone = groups["self"]
+    assert gather_cp_shards(full.input_ids, full.cu_seqlens_padded, alone) is full.input_ids
+    # A shard of the wrong size raises on every rank before any collective.
+    expect_value_error(
+        lambda: gather_cp_shards(local[:, :10], mine.cu_seqlens_padded, groups["pair"]),
+        "is not [1, 24 / 2, ...]",
+    )
+
+
+def _full_batch() -> ScoreBatch:
+    lengths = np.array([3, 1, 4], np.int64)
+    return ScoreBatch(
+        token_ids=np.array([5, 9, 2, 7, 1, 1, 3, 8], np.int64),
+        lengths=lengths,
+        loss_mask=np.array([1, 1, 0, 1, 1, 0, 1, 1], np.uint8),
+        temperature=np.array([1.0, 0.5, 2.25], np.float32),
+        top_k=4,
+        losses=("nll", "kl"),
+        want_logprobs=False,
+        want_moe_metrics=True,
+        want_mtp_metrics=True,
+    )
+
+
+def _minimal_batch() -> ScoreBatch:
+    return ScoreBatch(token_ids=np.array([11, 12], np.int64), lengths=np.array([2], np.int64))
+
+
+def _assert_same_batch(got: ScoreBatch, want: ScoreBatch) -> None:
+    for name in ("token_ids", "lengths"):
+        value = getattr(got, name)
+        assert value.dtype == np.int64 and np.array_equal(value, getattr(want, name)), name
+    if want.loss_mask is None:
+        assert got.loss_mask is None
+    else:
+        assert got.loss_mask.dtype == np.uint8 and np.array_equal(got.loss_mask, want.loss_mask)
+    if want.temperature is None:
+        assert got.temperature is None
+    else:
+        assert got.temperature.dtype == np.float32
+        assert np.array_equal(got.temperature, want.temperature)
+    assert got.losses == tuple(sorted(want.losses)), got.losses
+    for name in ("top_k", "want_logprobs", "want_moe_metrics", "want_mtp_metrics"):
+        assert getattr(got, name) == getattr(want, name), name
+
+
+@check
+def protocol_round_trip(rank, groups):
+    group = groups["pair"]
+    path, version = "/ckpt/модель-β", "v2 ✓"
+    if rank == 0:
+        bad = ScoreBatch(
+            token_ids=np.array([1, 2], np.int64), lengths=np.array([2]), losses=("bogus",)
+        )
+        # Rejected before any collective: the worker does not see it.
+        expect_value_error(
+            lambda: send_batch(bad, group, 0, LOSS_REGISTRY, device=CPU), "unknown loss"
+        )
+        expect_value_error(
+            lambda: send_command(Command.FORWARD, group, 0, device=CPU), "send_batch"
+        )
+        send_batch(_full_batch(), group, 0, LOSS_REGISTRY, device=CPU, step=7)
+        send_batch(_minimal_batch(), group, 0, LOSS_REGISTRY, device=CPU, step=8)
+        send_command(Command.RELOAD, group, 0, device=CPU, path=path, version=version, step=9)
+        send_command(Command.RELOAD, group, 0, device=CPU, step=10)  # empty strings
+        send_command(Command.SHUTDOWN, group, 0, device=CPU, step=11)
+        return
+    received = []
+    while True:
+        message = recv_command(group, 0, LOSS_REGISTRY, device=CPU)
+        received.append(message)
+        if message.command == Command.SHUTDOWN:
+            break
+    assert [m.command for m in received] == [
+        Command.FORWARD,
+        Command.FORWARD,
+        Command.RELOAD,
+        Command.RELOAD,
+        Command.SHUTDOWN,
+    ]
+    assert [m.extra.step for m in received] == [7, 8, 9, 10, 11]
+    _assert_same_batch(received[0].batch, _full_batch())
+    _assert_same_batch(received[1].batch, _minimal_batch())
+    command, batch, extra = received[2]
+    assert batch is None and (extra.path, extra.version) == (path, version), extra
+    assert received[3].batch is None and received[3].extra[1:] == ("", "")
+    assert received[4].batch is None and received[4].extra.path == ""
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    groups = {"pair": dist.new_group([0, 1])}
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    groups["self"] = singles[rank]
+    results = {}
+    for fn in CHECKS:
+        try:
+            fn(rank, groups)
+            results[fn.__name__] = "ok"
+        except Exception:
+            results[fn.__name__] = traceback.format_exc()
+        dist.barrier(group=groups["pair"])
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+    return 0 if all(v == "ok" for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
