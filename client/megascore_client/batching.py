@@ -1,0 +1,272 @@
+"""Request planning: options, splitting under the message limit, decoding and merging.
+
+A call's batch is cut, in order, into consecutive runs of sequences whose request
+*and* response both fit the channel's message limit (and, when known, the server's
+``max_request_tokens``). Sizes are estimated per token and per sequence from the
+options: request ``itemsize(ids) + 1 (mask)`` bytes per token; response ``4
+(logprob) + 12 * top_k`` bytes per token and ``16 + 8 * len(losses)`` per sequence;
+a fixed reserve covers headers, strings and metric maps.
+
+Merging a split batch concatenates the per-sequence results in order; MoE / MTP
+metrics, which the server reports per request, become the token-weighted mean over
+the requests (weights = tokens of each request), i.e. the value a single request
+would have reported for metrics that are per-token averages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+
+import numpy as np
+
+from megascore.errors import MegascoreError
+from megascore.v1 import scoring_pb2 as pb
+from megascore.wire import decode_array, encode_array
+from megascore_client.errors import InvalidInputError, malformed_response
+from megascore_client.inputs import Batch
+from megascore_client.results import ScoreResult, Timings
+
+METRIC_GROUPS = ("moe", "mtp")
+_RESERVE_BYTES = 8192
+_SAFETY = 0.97
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreOptions:
+    """What to compute (see ``ScoringClient.score``)."""
+
+    top_k: int = 0
+    temperature: float = 1.0
+    losses: tuple[str, ...] = ("nll",)
+    metrics: tuple[str, ...] = ()
+    return_logprobs: bool = True
+
+    def __post_init__(self):
+        losses = (self.losses,) if isinstance(self.losses, str) else tuple(self.losses)
+        metrics = (self.metrics,) if isinstance(self.metrics, str) else tuple(self.metrics)
+        object.__setattr__(self, "losses", losses)
+        object.__setattr__(self, "metrics", metrics)
+        if not isinstance(self.top_k, int | np.integer) or self.top_k < 0:
+            raise InvalidInputError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise InvalidInputError(f"temperature must be finite and > 0, got {self.temperature}")
+        unknown = set(metrics) - set(METRIC_GROUPS)
+        if unknown:
+            raise InvalidInputError(f"metrics must be among {METRIC_GROUPS}, got {sorted(unknown)}")
+
+    def to_proto(self) -> pb.ScoreOptions:
+        return pb.ScoreOptions(
+            return_logprobs=self.return_logprobs,
+            top_k=self.top_k,
+            losses=list(self.losses),
+            return_moe_metrics="moe" in self.metrics,
+            return_mtp_metrics="mtp" in self.metrics,
+            temperature=float(self.temperature),
+        )
+
+
+@dataclasses.dataclass
+class Part:
+    """One gRPC request of a call and what is needed to decode its response."""
+
+    request: pb.ScoreRequest
+    lengths: np.ndarray
+    options: ScoreOptions
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def new_request_id() -> str:
+    """A fresh client-side request id (16 hex chars)."""
+    return uuid.uuid4().hex[:16]
+
+
+def plan(
+    batch: Batch,
+    options: ScoreOptions,
+    *,
+    max_message_bytes: int,
+    max_request_tokens: int | None = None,
+) -> list[tuple[int, int]]:
+    """Cuts the batch into ``[start, stop)`` sequence ranges that fit the limits.
+
+    Args:
+        batch: the call's batch.
+        options: the call's options (they set the response size).
+        max_message_bytes: the channel's send/receive limit.
+        max_request_tokens: the server's per-request token limit (None = none).
+
+    Returns:
+        Consecutive ranges covering all sequences, in order.
+
+    Raises:
+        InvalidInputError: one sequence alone exceeds a limit.
+    """
+    lengths = batch.lengths
+    budget = int(max_message_bytes * _SAFETY) - _RESERVE_BYTES
+    req_tok = batch.token_ids.itemsize + (1 if batch.loss_mask is not None else 0)
+    resp_tok = (4 if options.return_logprobs else 0) + 12 * options.top_k
+    resp_seq = 16 + 8 * len(options.losses)
+    zero = np.zeros(1, dtype=np.int64)
+    request_cost = np.cumsum(lengths * req_tok + 8)
+    response_cost = np.cumsum(lengths * resp_tok + resp_seq)
+    prefixes = [
+        (np.concatenate([zero, request_cost]), budget, "request bytes"),
+        (np.concatenate([zero, response_cost]), budget, "response bytes"),
+    ]
+    if max_request_tokens:
+        prefixes.append((np.concatenate([zero, np.cumsum(lengths)]), max_request_tokens, "tokens"))
+    ranges, start, count = [], 0, len(lengths)
+    while start < count:
+        stop = count
+        for prefix, limit, what in prefixes:
+            end = int(np.searchsorted(prefix, prefix[start] + limit, side="right")) - 1
+            if end <= start:
+                raise InvalidInputError(
+                    f"sequences[{start}]: {int(prefix[start + 1] - prefix[start])} {what} "
+                    f"exceed the per-request limit of {limit}"
+                )
+            stop = min(stop, end)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def build_parts(
+    batch: Batch,
+    options: ScoreOptions,
+    request_id: str,
+    *,
+    max_message_bytes: int,
+    max_request_tokens: int | None = None,
+) -> list[Part]:
+    """Plans the batch and encodes one ``ScoreRequest`` per range.
+
+    A single request carries ``request_id``; parts of a split call carry
+    ``"{request_id}/{i}"``.
+    """
+    ranges = plan(
+        batch, options, max_message_bytes=max_message_bytes, max_request_tokens=max_request_tokens
+    )
+    proto_options = options.to_proto()
+    parts = []
+    for i, (start, stop) in enumerate(ranges):
+        sub = batch.slice(start, stop)
+        request = pb.ScoreRequest(
+            request_id=request_id if len(ranges) == 1 else f"{request_id}/{i}",
+            token_ids=encode_array(sub.token_ids),
+            lengths=encode_array(sub.lengths),
+            options=proto_options,
+        )
+        if sub.loss_mask is not None:
+            request.loss_mask.CopyFrom(encode_array(sub.loss_mask))
+        parts.append(Part(request=request, lengths=sub.lengths, options=options))
+    return parts
+
+
+def _decode(array: pb.Array, field: str, dtype: int, count: int) -> np.ndarray:
+    try:
+        values = decode_array(array, field, allowed=(dtype,))
+    except MegascoreError as exc:
+        raise malformed_response(exc.reason) from None
+    if values.shape[0] != count:
+        raise malformed_response(f"{field} has {values.shape[0]} values, expected {count}")
+    return values.copy()
+
+
+def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:
+    """Decodes the response to one part into a :class:`ScoreResult`.
+
+    Raises:
+        ScoringError: (INTERNAL) the response does not match the request.
+    """
+    sent_id = part.request.request_id
+    if response.request_id != sent_id:
+        raise malformed_response(f"request_id {response.request_id!r} answers {sent_id!r}")
+    lengths, options = part.lengths, part.options
+    num_seqs, num_tokens = int(lengths.shape[0]), part.num_tokens
+    if response.HasField("lengths"):
+        echoed = _decode(response.lengths, "lengths", pb.DTYPE_INT64, num_seqs)
+        if not np.array_equal(echoed, lengths):
+            raise malformed_response("lengths differ from the request's")
+    split_at = np.cumsum(lengths)[:-1]
+    result = ScoreResult(request_id=sent_id, lengths=lengths.copy(), logprobs=None)
+    if options.return_logprobs:
+        flat = _decode(response.token_logprobs, "token_logprobs", pb.DTYPE_FLOAT32, num_tokens)
+        result.logprobs = np.split(flat, split_at)
+    if options.top_k:
+        k = response.top_k
+        if k <= 0:
+            raise malformed_response(f"top_k is {k} for a request with top_k={options.top_k}")
+        ids = _decode(response.top_k_ids, "top_k_ids", pb.DTYPE_INT64, num_tokens * k)
+        lps = _decode(response.top_k_logprobs, "top_k_logprobs", pb.DTYPE_FLOAT32, num_tokens * k)
+        result.top_k = k
+        result.top_k_ids = np.split(ids.reshape(num_tokens, k), split_at)
+        result.top_k_logprobs = np.split(lps.reshape(num_tokens, k), split_at)
+    for name in options.losses:
+        if name not in response.sequence_losses:
+            raise malformed_response(f"loss {name!r} missing")
+        result.loss[name] = _decode(
+            response.sequence_losses[name], f"sequence_losses[{name}]", pb.DTYPE_FLOAT64, num_seqs
+        )
+    if response.HasField("num_loss_tokens"):
+        result.num_tokens = _decode(
+            response.num_loss_tokens, "num_loss_tokens", pb.DTYPE_INT64, num_seqs
+        )
+    result.moe_metrics = dict(response.moe_metrics)
+    result.mtp_metrics = dict(response.mtp_metrics)
+    result.weights_version = response.weights_version
+    result.timings = Timings.from_proto(response.timings)
+    return result
+
+
+def _weighted_metrics(dicts: list[dict[str, float]], weights: list[int]) -> dict[str, float]:
+    totals: dict[str, list[float]] = {}
+    for metrics, weight in zip(dicts, weights, strict=True):
+        for name, value in metrics.items():
+            acc = totals.setdefault(name, [0.0, 0.0])
+            acc[0] += value * weight
+            acc[1] += weight
+    return {name: num / den if den else 0.0 for name, (num, den) in totals.items()}
+
+
+def _concat(lists):
+    return None if lists[0] is None else [item for sub in lists for item in sub]
+
+
+def merge(results: list[ScoreResult], request_id: str) -> ScoreResult:
+    """Reassembles the results of a call's parts (in part order) into one result."""
+    if len(results) == 1:
+        result = results[0]
+        result.request_id = request_id
+        return result
+    weights = [int(r.lengths.sum()) for r in results]
+    versions = list(dict.fromkeys(r.weights_version for r in results))
+    loss_names = results[0].loss.keys()
+    num_tokens = [r.num_tokens for r in results]
+    return ScoreResult(
+        request_id=request_id,
+        lengths=np.concatenate([r.lengths for r in results]),
+        logprobs=_concat([r.logprobs for r in results]),
+        top_k=results[0].top_k,
+        top_k_ids=_concat([r.top_k_ids for r in results]),
+        top_k_logprobs=_concat([r.top_k_logprobs for r in results]),
+        loss={name: np.concatenate([r.loss[name] for r in results]) for name in loss_names},
+        num_tokens=None if any(n is None for n in num_tokens) else np.concatenate(num_tokens),
+        moe_metrics=_weighted_metrics([r.moe_metrics for r in results], weights),
+        mtp_metrics=_weighted_metrics([r.mtp_metrics for r in results], weights),
+        weights_version=",".join(versions),
+        timings=Timings(
+            queue_ms=max(r.timings.queue_ms for r in results),
+            compute_ms=sum(r.timings.compute_ms for r in results),
+            total_ms=max(r.timings.total_ms for r in results),
+            num_steps=sum(r.timings.num_steps for r in results),
+            num_requests=len(results),
+        ),
+    )

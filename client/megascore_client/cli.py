@@ -1,0 +1,184 @@
+"""The ``megascore`` command line.
+
+Subcommands::
+
+    megascore serve ...                       run a server (needs megascore[server])
+    megascore score INPUT.jsonl -o OUT.jsonl  score a JSONL file (resumable)
+    megascore info                            model info as JSON
+    megascore health                          exit 0 when SERVING
+    megascore load-weights MODEL              hot-swap weights
+
+Connection flags (all but ``serve``): ``--target`` (default ``$MEGASCORE_TARGET`` or
+127.0.0.1:50051), ``--token`` (default ``$MEGASCORE_TOKEN``), ``--tls``,
+``--root-ca``, ``--client-cert``, ``--client-key``, ``--server-name``, ``--timeout``,
+``--load-balancing``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from megascore import __version__
+from megascore_client import score_jsonl
+from megascore_client.channel import TlsConfig
+from megascore_client.client import ScoringClient
+from megascore_client.errors import ScoringError
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _add_connection_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection")
+    group.add_argument(
+        "--target",
+        default=os.environ.get("MEGASCORE_TARGET", DEFAULT_TARGET),
+        help="server address, e.g. host:port or dns:///name:port (env MEGASCORE_TARGET)",
+    )
+    group.add_argument(
+        "--token",
+        default=os.environ.get("MEGASCORE_TOKEN"),
+        help="bearer token (env MEGASCORE_TOKEN)",
+    )
+    group.add_argument("--tls", action="store_true", help="use TLS (implied by the TLS files)")
+    group.add_argument("--root-ca", help="PEM CA bundle of the server certificate")
+    group.add_argument("--client-cert", help="PEM client certificate (mutual TLS)")
+    group.add_argument("--client-key", help="PEM client key (mutual TLS)")
+    group.add_argument("--server-name", help="expected server certificate name")
+    group.add_argument("--timeout", type=float, default=60.0, help="per-request deadline (s)")
+    group.add_argument(
+        "--load-balancing", choices=("pick_first", "round_robin"), help="gRPC LB policy"
+    )
+
+
+def make_client(args: argparse.Namespace) -> ScoringClient:
+    """Builds a :class:`ScoringClient` from the connection flags."""
+    tls_files = (args.root_ca, args.client_cert, args.client_key, args.server_name)
+    tls = None
+    if args.tls or any(tls_files):
+        tls = TlsConfig(
+            root_ca=args.root_ca,
+            client_cert=args.client_cert,
+            client_key=args.client_key,
+            server_name=args.server_name,
+        )
+    return ScoringClient(
+        args.target,
+        tls=tls,
+        token=args.token,
+        timeout=args.timeout,
+        load_balancing=args.load_balancing,
+    )
+
+
+def _cmd_score(args, client: ScoringClient) -> int:
+    return score_jsonl.run(args, client)
+
+
+def _cmd_info(args, client: ScoringClient) -> int:
+    print(json.dumps(client.model_info().to_dict(), indent=2))
+    return 0
+
+
+def _cmd_health(args, client: ScoringClient) -> int:
+    if args.wait:
+        try:
+            status = client.wait_until_serving(timeout=args.wait)
+        except ScoringError as exc:
+            print(exc.details)
+            return 1
+    else:
+        try:
+            status = client.health(args.service)
+        except ScoringError as exc:
+            print(f"{exc.code.name}: {exc.details}")
+            return 1
+    print(status.status)
+    return 0 if status.serving else 1
+
+
+def _cmd_load_weights(args, client: ScoringClient) -> int:
+    result = client.load_weights(args.model, args.weights_version)
+    print(
+        json.dumps(
+            {
+                "weights_version": result.weights_version,
+                "previous_weights_version": result.previous_weights_version,
+                "load_ms": result.load_ms,
+            }
+        )
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand except ``serve``."""
+    parser = argparse.ArgumentParser(
+        prog="megascore", description="Score token sequences with a megascore server."
+    )
+    parser.add_argument("--version", action="version", version=f"megascore {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("serve", help="run a server (arguments go to the server; needs the extra)")
+
+    score = sub.add_parser("score", help="score a JSONL file of token ids or texts")
+    score_jsonl.add_arguments(score)
+    score.set_defaults(func=_cmd_score)
+
+    info = sub.add_parser("info", help="print model info as JSON")
+    info.set_defaults(func=_cmd_info)
+
+    health = sub.add_parser("health", help="gRPC health check: exit 0 when SERVING")
+    health.add_argument("--service", default="", help="service name ('' = whole server)")
+    health.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS", help="poll until SERVING"
+    )
+    health.set_defaults(func=_cmd_health)
+
+    load = sub.add_parser("load-weights", help="load new weights into the running server")
+    load.add_argument("model", help="checkpoint on the server: hf:DIR or megatron:DIR")
+    load.add_argument("--weights-version", default="", help="version label")
+    load.set_defaults(func=_cmd_load_weights)
+
+    for name in ("score", "info", "health", "load-weights"):
+        _add_connection_args(sub.choices[name])
+    return parser
+
+
+def serve(argv: list[str]) -> int:
+    """``megascore serve``: runs ``megascore_server.main.main(argv)``."""
+    try:
+        from megascore_server.main import main as server_main
+    except ModuleNotFoundError as exc:
+        print(
+            "megascore serve needs the server, which is not installed "
+            f"(missing module {exc.name!r}). Install it with: pip install 'megascore[server]'",
+            file=sys.stderr,
+        )
+        return 2
+    return int(server_main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``megascore`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "serve":
+        return serve(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        with make_client(args) as client:
+            return args.func(args, client)
+    except ScoringError as exc:
+        print(f"megascore {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"megascore {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"megascore {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

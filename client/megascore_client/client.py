@@ -1,0 +1,322 @@
+"""Synchronous client: :class:`ScoringClient`."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import grpc
+
+from megascore.v1 import scoring_pb2 as pb
+from megascore.v1 import scoring_pb2_grpc as pb_grpc
+from megascore_client import health as health_codec
+from megascore_client.batching import (
+    Part,
+    ScoreOptions,
+    build_parts,
+    decode_part,
+    merge,
+    new_request_id,
+)
+from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, TlsConfig
+from megascore_client.errors import ScoringError
+from megascore_client.inputs import make_batch
+from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
+from megascore_client.stream import ScoreStream
+
+_UNRESOLVED = object()
+LOAD_WEIGHTS_TIMEOUT_S = 600.0
+
+
+class ClientBase:
+    """Configuration shared by :class:`ScoringClient` and ``AsyncScoringClient``.
+
+    Args:
+        target: gRPC target: ``"host:port"``, ``"dns:///name:port"`` (with
+            ``load_balancing="round_robin"`` to spread calls over every address),
+            ``"ipv4:10.0.0.1:50051,10.0.0.2:50051"``, ``"unix:/path"``.
+        tls: None (plaintext), True (TLS with the system roots) or a
+            :class:`TlsConfig` (custom CA, mutual TLS, server-name override).
+        token: bearer token sent as ``authorization: Bearer <token>`` metadata.
+        timeout: default deadline in seconds of each RPC (None = no deadline).
+            Retries happen within the deadline.
+        max_message_bytes: send and receive limit of the channel; larger batches are
+            split into several requests.
+        retries: retry policy for UNAVAILABLE only: a :class:`RetryPolicy`, True
+            (default policy: 5 attempts, backoff 0.2 s x2 up to 5 s), an int number
+            of retries (0-4), or None to disable.
+        load_balancing: None (gRPC default, pick_first), "pick_first" or
+            "round_robin" (set in the service config).
+        keepalive_time_s: HTTP/2 keepalive ping interval while calls are active
+            (None = off). gRPC servers by default punish pings more frequent than
+            every 300 s on a call that sends no data (GOAWAY "too_many_pings"), so
+            go lower only when the server allows it
+            (``grpc.http2.min_recv_ping_interval_without_data_ms``).
+        max_request_tokens: tokens per request before a batch is split: an int,
+            None (no token limit), or "auto" (ask the server once through
+            GetModelInfo, on the first ``score``).
+        max_concurrency: parts of one split batch in flight at once.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: TlsConfig | bool | None = None,
+        token: str | None = None,
+        timeout: float | None = 60.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries=True,
+        load_balancing: str | None = None,
+        keepalive_time_s: float | None = 300.0,
+        max_request_tokens: int | str | None = "auto",
+        max_concurrency: int = 4,
+    ):
+        if max_request_tokens != "auto" and not (
+            max_request_tokens is None or int(max_request_tokens) > 0
+        ):
+            raise ValueError("max_request_tokens must be > 0, None or 'auto'")
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        self.settings = ChannelSettings.build(
+            target,
+            tls=tls,
+            retries=retries,
+            token=token,
+            max_message_bytes=max_message_bytes,
+            load_balancing=load_balancing,
+            keepalive_time_s=keepalive_time_s,
+        )
+        self.timeout = timeout
+        self.max_concurrency = max_concurrency
+        self._token_limit = _UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
+        self._metadata = self.settings.metadata()
+
+    @property
+    def target(self) -> str:
+        return self.settings.target
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def _plan(
+        self, sequences, loss_mask, lengths, options: ScoreOptions, request_id, limit
+    ) -> tuple[list[Part], str]:
+        batch = make_batch(sequences, loss_mask=loss_mask, lengths=lengths)
+        rid = request_id or new_request_id()
+        parts = build_parts(
+            batch,
+            options,
+            rid,
+            max_message_bytes=self.settings.max_message_bytes,
+            max_request_tokens=limit,
+        )
+        return parts, rid
+
+    @staticmethod
+    def _limit_from_info(info_or_error) -> int | None:
+        if isinstance(info_or_error, ScoringError):
+            if info_or_error.code is grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise info_or_error
+        return info_or_error.max_request_tokens or None
+
+
+class ScoringClient(ClientBase):
+    """Blocking megascore client. Thread-safe; use as a context manager.
+
+    See :class:`ClientBase` for the constructor arguments.
+
+    Example:
+        >>> with ScoringClient("127.0.0.1:50051") as client:
+        ...     result = client.score([[1, 2, 3], [4, 5]], top_k=2)
+        ...     result.logprobs[0]  # float32 [3], entry 0 is 0.0
+    """
+
+    def __init__(self, target: str, **kwargs):
+        super().__init__(target, **kwargs)
+        self._channel = self.settings.open_sync()
+        self._stub = pb_grpc.ScorerStub(self._channel)
+        self._health = health_codec.check_callable(self._channel)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> ScoringClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def _call(self, method, request, timeout):
+        try:
+            return method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise ScoringError.from_rpc_error(exc) from None
+
+    def request_token_limit(self) -> int | None:
+        """The per-request token limit used for splitting (resolves "auto" once)."""
+        with self._lock:
+            if self._token_limit is _UNRESOLVED:
+                try:
+                    info = self.model_info()
+                except ScoringError as exc:
+                    info = exc
+                self._token_limit = self._limit_from_info(info)
+            return self._token_limit
+
+    def score(
+        self,
+        sequences,
+        *,
+        loss_mask=None,
+        lengths=None,
+        top_k: int = 0,
+        temperature: float = 1.0,
+        losses=("nll",),
+        metrics=(),
+        return_logprobs: bool = True,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> ScoreResult:
+        """Scores a batch of token sequences.
+
+        Args:
+            sequences: a list of sequences (lists of ints, 1-D numpy arrays or any
+                array-like such as torch tensors) or a 2-D array ``[B, W]``.
+            loss_mask: optional 0/1 mask, same structure; entry 0 of each sequence
+                never counts. Applies to the losses, not to ``logprobs``.
+            lengths: with a 2-D ``sequences``, the length of each row (right padding
+                is dropped).
+            top_k: number of most likely alternatives per position (0 = none).
+            temperature: softmax temperature (> 0).
+            losses: per-sequence losses to compute ("nll" = summed masked NLL).
+            metrics: metric groups to return: any of "moe", "mtp".
+            return_logprobs: whether to return per-token logprobs.
+            request_id: id echoed by the server and in its logs (generated if None).
+            timeout: deadline of each request in seconds (default: the client's).
+
+        Returns:
+            A :class:`ScoreResult` with one entry per sequence, in input order.
+
+        Raises:
+            InvalidInputError: the input is rejected before sending.
+            ScoringError: the call failed (``code`` holds the gRPC status code).
+        """
+        start = time.perf_counter()
+        options = ScoreOptions(
+            top_k=top_k,
+            temperature=temperature,
+            losses=losses,
+            metrics=metrics,
+            return_logprobs=return_logprobs,
+        )
+        limit = self.request_token_limit()
+        parts, rid = self._plan(sequences, loss_mask, lengths, options, request_id, limit)
+        result = merge(self._send(parts, self._deadline(timeout)), rid)
+        result.timings.client_ms = (time.perf_counter() - start) * 1e3
+        return result
+
+    def _send(self, parts: list[Part], timeout: float | None) -> list[ScoreResult]:
+        if len(parts) == 1:
+            return [decode_part(self._call(self._stub.Score, parts[0].request, timeout), parts[0])]
+        results: list[ScoreResult | None] = [None] * len(parts)
+        inflight: collections.deque = collections.deque()
+
+        def collect():
+            index, future = inflight.popleft()
+            try:
+                response = future.result()
+            except grpc.RpcError as exc:
+                raise ScoringError.from_rpc_error(exc) from None
+            results[index] = decode_part(response, parts[index])
+
+        try:
+            for index, part in enumerate(parts):
+                if len(inflight) >= self.max_concurrency:
+                    collect()
+                future = self._stub.Score.future(
+                    part.request, timeout=timeout, metadata=self._metadata
+                )
+                inflight.append((index, future))
+            while inflight:
+                collect()
+        finally:
+            for _, future in inflight:
+                future.cancel()
+        return results
+
+    def stream(self, *, timeout: float | None = None) -> ScoreStream:
+        """Opens a ScoreStream bidi call for rollout loops (see :class:`ScoreStream`).
+
+        Args:
+            timeout: deadline of the whole stream (default: none).
+        """
+        return ScoreStream(self, timeout=timeout)
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        """Describes the served model and its limits."""
+        msg = self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), self._deadline(timeout))
+        return ModelInfo.from_proto(msg)
+
+    def load_weights(
+        self, model: str, weights_version: str = "", *, timeout: float | None = None
+    ) -> LoadWeightsResult:
+        """Asks the server to load new weights ("hf:DIR" / "megatron:DIR" on the server).
+
+        Args:
+            model: checkpoint to load.
+            weights_version: optional label (the server derives one when empty).
+            timeout: deadline in seconds (default: 600).
+        """
+        request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
+        msg = self._call(
+            self._stub.LoadWeights, request, LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout
+        )
+        return LoadWeightsResult.from_proto(msg)
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
+        """Runs the ``grpc.health.v1`` check ("" = the whole server).
+
+        Returns:
+            The status; SERVICE_UNKNOWN when the server does not know ``service``.
+
+        Raises:
+            ScoringError: the server cannot be reached (UNAVAILABLE) or similar.
+        """
+        try:
+            data = self._health(
+                health_codec.encode_request(service),
+                timeout=self._deadline(timeout),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.NOT_FOUND:
+                return health_codec.not_found_status()
+            raise ScoringError.from_rpc_error(exc) from None
+        return health_codec.decode_response(data)
+
+    def wait_until_serving(self, timeout: float = 60.0, interval: float = 0.5) -> HealthStatus:
+        """Polls ``health()`` until SERVING.
+
+        Raises:
+            ScoringError: DEADLINE_EXCEEDED with the last status or error after ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = self.health(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                if status.serving:
+                    return status
+                last = status.status
+            except ScoringError as exc:
+                last = str(exc)
+            if time.monotonic() + interval > deadline:
+                raise ScoringError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{self.target} not SERVING after {timeout:.1f}s (last: {last})",
+                )
+            time.sleep(interval)

@@ -1,0 +1,67 @@
+"""The one SDK exception: :class:`ScoringError`, carrying the gRPC status code and details.
+
+Every ``grpc.RpcError`` raised by a call (sync or asyncio) is converted with
+:func:`ScoringError.from_rpc_error`; input the client rejects before sending raises
+:class:`InvalidInputError`, which is both a ``ScoringError`` (code INVALID_ARGUMENT,
+as the server would answer) and a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ScoringError(Exception):
+    """A failed megascore call.
+
+    Attributes:
+        code: the ``grpc.StatusCode`` of the failure (the server's, or the one the
+            client assigned to a local failure).
+        details: the status message (the server names the offending field and
+            sequence index for INVALID_ARGUMENT).
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> ScoringError:
+        """Converts a ``grpc.RpcError`` (sync or ``grpc.aio``) into a ``ScoringError``.
+
+        Args:
+            error: the error raised by a stub call or a call future.
+
+        Returns:
+            A ``ScoringError`` with the call's status code and details; UNKNOWN when the
+            error carries no status (should not happen for real calls).
+        """
+        code = error.code() if callable(getattr(error, "code", None)) else None
+        details = error.details() if callable(getattr(error, "details", None)) else None
+        if not isinstance(code, grpc.StatusCode):
+            code = grpc.StatusCode.UNKNOWN
+        return cls(code, details or str(error) or code.name)
+
+    @property
+    def retryable(self) -> bool:
+        """True for UNAVAILABLE: the only code the SDK's retry policy retries."""
+        return self.code is grpc.StatusCode.UNAVAILABLE
+
+    def __reduce__(self):
+        return (type(self), (self.code, self.details))
+
+
+class InvalidInputError(ScoringError, ValueError):
+    """Input rejected by the client before any call (code INVALID_ARGUMENT)."""
+
+    def __init__(self, details: str):
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, details)
+
+    def __reduce__(self):
+        return (type(self), (self.details,))
+
+
+def malformed_response(details: str) -> ScoringError:
+    """A response that breaks the wire contract (a server bug): code INTERNAL."""
+    return ScoringError(grpc.StatusCode.INTERNAL, f"malformed response: {details}")

@@ -1,0 +1,183 @@
+"""Turns what callers pass to ``score`` into flat numpy arrays, without importing torch.
+
+Accepted batches:
+
+* a list/tuple of sequences, each a list of ints, a 1-D numpy array, or anything
+  array-like (torch / jax / cupy tensors via ``__array__`` or ``.tolist()``; a torch
+  tensor on GPU is moved with ``.detach().cpu()``, found by duck typing);
+* a 2-D array-like ``[B, W]``, optionally with ``lengths`` (``[B]``): row i is then its
+  first ``lengths[i]`` entries (right padding is dropped).
+
+Loss masks take the same forms (a 2-D mask is cut to the sequence lengths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from megascore_client.errors import InvalidInputError
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def as_numpy(value) -> np.ndarray:
+    """Converts an array-like to numpy by duck typing (never imports torch).
+
+    Args:
+        value: numpy array, list, or an object with ``__array__`` / ``tolist``. Objects
+            with ``detach`` and ``cpu`` (torch tensors) are detached and moved to host.
+
+    Returns:
+        A numpy array (a view when ``value`` already is one).
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu()
+    array_like = isinstance(value, (list, tuple)) or any(
+        hasattr(value, name) for name in ("__array__", "__array_interface__", "__buffer__")
+    )
+    if array_like:
+        try:
+            return np.asarray(value)
+        except (TypeError, ValueError, RuntimeError):
+            if not hasattr(value, "tolist"):
+                raise
+    if hasattr(value, "tolist"):
+        return np.asarray(value.tolist())
+    if hasattr(value, "__iter__") and not isinstance(value, (str, bytes, dict)):
+        return np.asarray(list(value))
+    return np.asarray(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A batch in wire layout.
+
+    Attributes:
+        token_ids: int32 (when every id fits) or int64 ``[T]``, sequences concatenated.
+        lengths: int64 ``[B]``, all >= 1.
+        loss_mask: uint8 ``[T]`` of 0/1, or None (all ones).
+    """
+
+    token_ids: np.ndarray
+    lengths: np.ndarray
+    loss_mask: np.ndarray | None = None
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64 ``[B+1]``: sequence i is ``token_ids[offsets[i]:offsets[i+1]]``."""
+        return np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def slice(self, start: int, stop: int) -> Batch:
+        """Sequences ``[start, stop)`` as a new batch (array views, no copy)."""
+        offsets = self.offsets
+        lo, hi = int(offsets[start]), int(offsets[stop])
+        return Batch(
+            token_ids=self.token_ids[lo:hi],
+            lengths=self.lengths[start:stop],
+            loss_mask=None if self.loss_mask is None else self.loss_mask[lo:hi],
+        )
+
+
+def _rows(obj, lengths, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Flattens a batch-like object into (values ``[T]``, lengths ``[B]``)."""
+    if isinstance(obj, (str, bytes)):
+        raise InvalidInputError(f"{what}: expected token sequences, got {type(obj).__name__}")
+    if isinstance(obj, (list, tuple)):
+        if lengths is not None:
+            raise InvalidInputError("lengths is only accepted with a 2-D array of sequences")
+        rows = []
+        for i, item in enumerate(obj):
+            arr = as_numpy(item)
+            if arr.ndim != 1:
+                raise InvalidInputError(
+                    f"{what}[{i}]: expected a 1-D sequence, got shape {arr.shape} "
+                    "(pass a list of sequences or a 2-D array)"
+                )
+            rows.append(arr)
+        if not rows:
+            raise InvalidInputError(f"{what}: at least one sequence is required")
+        row_lengths = np.array([r.shape[0] for r in rows], dtype=np.int64)
+        return np.concatenate(rows), row_lengths
+    arr = as_numpy(obj)
+    if arr.ndim != 2:
+        raise InvalidInputError(
+            f"{what}: expected a list of sequences or a 2-D array, got shape {arr.shape} "
+            "(wrap a single sequence in a list)"
+        )
+    batch, width = arr.shape
+    if batch == 0:
+        raise InvalidInputError(f"{what}: at least one sequence is required")
+    if lengths is None:
+        return arr.reshape(-1), np.full(batch, width, dtype=np.int64)
+    lengths = as_numpy(lengths).astype(np.int64, copy=False).reshape(-1)
+    if lengths.shape[0] != batch:
+        raise InvalidInputError(f"lengths has {lengths.shape[0]} entries for {batch} rows")
+    if (lengths > width).any():
+        i = int(np.argmax(lengths > width))
+        raise InvalidInputError(f"lengths[{i}] = {lengths[i]} exceeds the row width {width}")
+    keep = np.arange(width)[None, :] < lengths[:, None]
+    return arr[keep], lengths
+
+
+def _check_nonempty(lengths: np.ndarray, what: str) -> None:
+    if (lengths < 1).any():
+        i = int(np.argmax(lengths < 1))
+        raise InvalidInputError(f"{what}[{i}]: empty sequence (every length must be >= 1)")
+
+
+def make_batch(sequences, loss_mask=None, lengths=None) -> Batch:
+    """Validates and flattens ``score`` arguments into a :class:`Batch`.
+
+    Args:
+        sequences: the batch (see the module docstring).
+        loss_mask: optional 0/1 (or bool) mask with the same structure.
+        lengths: optional ``[B]`` row lengths, only with a 2-D ``sequences``.
+
+    Returns:
+        The batch in wire layout.
+
+    Raises:
+        InvalidInputError: empty batch or sequence, non-integer or negative ids, a
+            mask whose shape or values do not match.
+    """
+    ids, seq_lengths = _rows(sequences, lengths, "sequences")
+    _check_nonempty(seq_lengths, "sequences")
+    if ids.dtype.kind not in "iu":
+        raise InvalidInputError(f"sequences: token ids must be integers, got dtype {ids.dtype}")
+    if ids.size and ids.min() < 0:
+        offsets = np.concatenate([[0], np.cumsum(seq_lengths)])
+        seq = int(np.searchsorted(offsets, int(np.argmax(ids < 0)), side="right") - 1)
+        raise InvalidInputError(f"sequences[{seq}]: negative token id")
+    if ids.size and int(ids.max()) > _INT32_MAX:
+        ids = ids.astype(np.int64, copy=False)
+    else:
+        ids = ids.astype(np.int32, copy=False)
+    mask = None
+    if loss_mask is not None:
+        is_2d = not isinstance(loss_mask, (list, tuple)) and as_numpy(loss_mask).ndim == 2
+        mask, mask_lengths = _rows(loss_mask, seq_lengths if is_2d else None, "loss_mask")
+        if len(mask_lengths) != len(seq_lengths):
+            raise InvalidInputError(
+                f"loss_mask: {len(mask_lengths)} masks for {len(seq_lengths)} sequences"
+            )
+        if (mask_lengths != seq_lengths).any():
+            i = int(np.argmax(mask_lengths != seq_lengths))
+            raise InvalidInputError(
+                f"loss_mask[{i}]: length {mask_lengths[i]} != sequence length {seq_lengths[i]}"
+            )
+        if mask.dtype.kind not in "biu" or not np.isin(mask, (0, 1)).all():
+            raise InvalidInputError("loss_mask: values must be 0/1 (or bool)")
+        mask = mask.astype(np.uint8, copy=False)
+    return Batch(token_ids=ids, lengths=seq_lengths.astype(np.int64, copy=False), loss_mask=mask)

@@ -1,0 +1,288 @@
+"""Streaming helpers for rollout loops: one ``ScoreStream`` bidi call, many batches.
+
+Each ``submit`` returns a future at once; the server answers the requests of a
+stream one by one, in order, each response echoing its ``request_id`` (checked
+here). A batch over the message limit is split into several requests like
+``score`` does, and its future resolves when all of them are answered.
+
+gRPC ends a bidi call with a single status, so a failure (bad input, server
+restart) fails the stream: every outstanding future gets the
+:class:`~megascore_client.errors.ScoringError`, and later ``submit`` calls raise it.
+Streams are not retried; open a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from megascore_client.batching import ScoreOptions, decode_part, merge
+from megascore_client.errors import ScoringError, malformed_response
+from megascore_client.results import ScoreResult
+
+
+class _Assembler:
+    """Collects the part results of one submitted batch and reports once."""
+
+    def __init__(self, num_parts: int, request_id: str, on_result: Callable, on_error: Callable):
+        self._results: list[ScoreResult | None] = [None] * num_parts
+        self._missing = num_parts
+        self._request_id = request_id
+        self._on_result = on_result
+        self._on_error = on_error
+        self._failed = False
+
+    def part_done(self, index: int, result: ScoreResult) -> None:
+        if self._failed:
+            return
+        self._results[index] = result
+        self._missing -= 1
+        if not self._missing:
+            self._on_result(merge(self._results, self._request_id))
+
+    def fail(self, error: BaseException) -> None:
+        if not self._failed:
+            self._failed = True
+            self._on_error(error)
+
+
+def _ended() -> ScoringError:
+    """Recorded when a stream ends without error: later submits fail with it."""
+    return ScoringError(grpc.StatusCode.CANCELLED, "the stream has ended")
+
+
+def _plan(client, sequences, kwargs: dict, limit: int | None):
+    """Splits ``submit`` keyword arguments and plans the parts (as ``score`` does)."""
+    batch = {k: kwargs.pop(k, None) for k in ("loss_mask", "lengths", "request_id")}
+    options = ScoreOptions(**kwargs)
+    return client._plan(
+        sequences, batch["loss_mask"], batch["lengths"], options, batch["request_id"], limit
+    )
+
+
+def _resolve(pending: collections.deque, response) -> None:
+    if not pending:
+        raise malformed_response(f"unexpected response {response.request_id!r}")
+    part, index, assembler = pending.popleft()
+    try:
+        result = decode_part(response, part)
+    except ScoringError as exc:
+        assembler.fail(exc)
+        raise
+    assembler.part_done(index, result)
+
+
+class ScoreStream:
+    """Sync streaming helper; obtain it with ``ScoringClient.stream()``.
+
+    Example:
+        >>> with client.stream() as stream:
+        ...     futures = [stream.submit(batch, top_k=1) for batch in batches]
+        ...     results = [f.result() for f in futures]
+    """
+
+    def __init__(self, client, *, timeout: float | None = None):
+        self._client = client
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._error: ScoringError | None = None
+        self._closed = False
+        self._call = client._stub.ScoreStream(
+            self._request_iter(), timeout=timeout, metadata=client._metadata
+        )
+        self._reader = threading.Thread(target=self._read, name="megascore-stream", daemon=True)
+        self._reader.start()
+
+    def _request_iter(self):
+        while (request := self._requests.get()) is not None:
+            yield request
+
+    def __enter__(self) -> ScoreStream:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.cancel()
+        self.close()
+
+    def submit(self, sequences, **kwargs) -> concurrent.futures.Future:
+        """Queues a batch; returns a ``Future[ScoreResult]``.
+
+        Args:
+            sequences: as for ``ScoringClient.score``.
+            **kwargs: the keyword arguments of ``score`` except ``timeout``.
+
+        Raises:
+            InvalidInputError: bad input (the stream stays usable).
+            ScoringError: the stream has failed.
+            RuntimeError: the stream is closed.
+        """
+        limit = self._client.request_token_limit()
+        parts, rid = _plan(self._client, sequences, kwargs, limit)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()  # ordered results: not cancellable one by one
+        assembler = _Assembler(len(parts), rid, future.set_result, future.set_exception)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("submit on a closed stream")
+            if self._error is not None:
+                raise self._error
+            for index, part in enumerate(parts):
+                self._pending.append((part, index, assembler))
+                self._requests.put(part.request)
+        return future
+
+    def _read(self) -> None:
+        error: ScoringError | None = None
+        try:
+            for response in self._call:
+                with self._lock:
+                    _resolve(self._pending, response)
+        except grpc.RpcError as exc:
+            error = ScoringError.from_rpc_error(exc)
+        except ScoringError as exc:
+            error = exc
+            self._call.cancel()
+        with self._lock:
+            if error is None and self._pending:
+                error = malformed_response(f"stream ended with {len(self._pending)} unanswered")
+            self._fail_pending(error or _ended())
+
+    def _fail_pending(self, error: ScoringError | None) -> None:
+        if error is not None and self._error is None:
+            self._error = error
+        while self._pending:
+            _, _, assembler = self._pending.popleft()
+            assembler.fail(self._error)
+
+    def close(self) -> None:
+        """Half-closes the stream and waits until every submitted batch is answered."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._requests.put(None)
+        self._reader.join()
+
+    def cancel(self) -> None:
+        """Cancels the call; outstanding futures fail with CANCELLED."""
+        self._call.cancel()
+
+
+class AsyncScoreStream:
+    """Asyncio streaming helper; obtain it with ``AsyncScoringClient.stream()``.
+
+    Example:
+        >>> async with aclient.stream() as stream:
+        ...     future = await stream.submit([[1, 2, 3]])
+        ...     result = await future
+    """
+
+    def __init__(self, client, *, timeout: float | None = None):
+        self._client = client
+        self._timeout = timeout
+        self._pending: collections.deque = collections.deque()
+        self._write_lock = asyncio.Lock()
+        self._error: ScoringError | None = None
+        self._closed = False
+        self._call = None
+        self._reader: asyncio.Task | None = None
+
+    async def __aenter__(self) -> AsyncScoreStream:
+        self._call = self._client._stub.ScoreStream(
+            timeout=self._timeout, metadata=self._client._metadata
+        )
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.cancel()
+        await self.close()
+
+    async def submit(self, sequences, **kwargs) -> asyncio.Future:
+        """Sends a batch; returns an ``asyncio.Future[ScoreResult]`` (await it).
+
+        Args and raises as for :meth:`ScoreStream.submit`.
+        """
+        if self._call is None:
+            raise RuntimeError("use the stream as 'async with client.stream() as stream'")
+        limit = await self._client.request_token_limit()
+        parts, rid = _plan(self._client, sequences, kwargs, limit)
+        future = asyncio.get_running_loop().create_future()
+
+        def on_result(result: ScoreResult) -> None:
+            if not future.done():
+                future.set_result(result)
+
+        def on_error(exc: BaseException) -> None:
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()  # consumed: the caller may stop awaiting a failed stream
+
+        assembler = _Assembler(len(parts), rid, on_result, on_error)
+        async with self._write_lock:
+            if self._closed:
+                raise RuntimeError("submit on a closed stream")
+            if self._error is not None:
+                raise self._error
+            for index, part in enumerate(parts):
+                self._pending.append((part, index, assembler))
+                try:
+                    await self._call.write(part.request)
+                except grpc.RpcError as exc:
+                    self._fail_pending(ScoringError.from_rpc_error(exc))
+                    raise self._error from None
+                except asyncio.InvalidStateError:
+                    await asyncio.shield(self._reader)
+                    raise self._error from None
+        return future
+
+    async def _read(self) -> None:
+        error: ScoringError | None = None
+        try:
+            while (response := await self._call.read()) is not grpc.aio.EOF:
+                _resolve(self._pending, response)
+        except grpc.RpcError as exc:
+            error = ScoringError.from_rpc_error(exc)
+        except ScoringError as exc:
+            error = exc
+            self._call.cancel()
+        if error is None and self._pending:
+            error = malformed_response(f"stream ended with {len(self._pending)} unanswered")
+        if error is None and self._call.done():
+            code = await self._call.code()
+            if code is not grpc.StatusCode.OK:
+                error = ScoringError(code, await self._call.details() or code.name)
+        self._fail_pending(error or _ended())
+
+    def _fail_pending(self, error: ScoringError | None) -> None:
+        if error is not None and self._error is None:
+            self._error = error
+        while self._pending:
+            _, _, assembler = self._pending.popleft()
+            assembler.fail(self._error)
+
+    async def close(self) -> None:
+        """Half-closes the stream and waits until every submitted batch is answered."""
+        async with self._write_lock:
+            if not self._closed and self._call is not None:
+                self._closed = True
+                if not self._call.done():
+                    try:
+                        await self._call.done_writing()
+                    except (grpc.RpcError, asyncio.InvalidStateError):
+                        pass  # the reader reports the call's status
+        if self._reader is not None:
+            await self._reader
+
+    def cancel(self) -> None:
+        """Cancels the call; outstanding futures fail with CANCELLED."""
+        if self._call is not None:
+            self._call.cancel()

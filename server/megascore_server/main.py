@@ -1,0 +1,79 @@
+"""``megascore serve``: entry point of the server (``main(argv)``).
+
+Three ways to run:
+
+* ``megascore serve [flags]`` — one rank in this process (world size 1).
+* ``megascore serve --nproc N`` — this process launches and supervises N local
+  ranks (:class:`~megascore_server.launcher.LocalLauncher`); rank 0 serves gRPC.
+* ``torchrun --nproc-per-node N -m megascore_server.main [flags]`` — detected by
+  RANK / WORLD_SIZE in the environment; each process runs its rank
+  (``--nproc`` is then ignored). Multi-node replicas use torchrun's rendezvous.
+
+Exit codes: 0 after a clean SIGTERM / SIGINT drain, 1 when a rank was lost or
+the engine failed, 2 for an invalid configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from megascore_server.bootstrap import run_rank
+from megascore_server.config import ServeConfig
+from megascore_server.config_loader import load_serve_config
+from megascore_server.launcher import LAUNCHED_ENV, RESOLVED_CONFIG_ENV, LocalLauncher
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(level: str) -> None:
+    """Structured-ish log lines tagged with the rank (a no-op when logging is configured)."""
+    rank = os.environ.get("RANK", "-")
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s rank={rank} %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def resolve_config(argv: Sequence[str]) -> ServeConfig:
+    """The config passed down by the launcher, or the one resolved from flags / file / env."""
+    resolved = os.environ.get(RESOLVED_CONFIG_ENV)
+    if resolved:
+        return ServeConfig.from_dict(json.loads(resolved))
+    return load_serve_config(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``megascore serve``.
+
+    Args:
+        argv: arguments after ``serve`` (None = ``sys.argv[1:]``).
+
+    Returns:
+        The process exit code.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        config = resolve_config(argv)
+    except (ValueError, OSError) as exc:
+        print(f"megascore serve: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.server.log_level)
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not os.environ.get(LAUNCHED_ENV) and os.environ.get("RANK", "0") == "0":
+        config.log_resolved()
+    if distributed:
+        world = int(os.environ["WORLD_SIZE"])
+        if config.nproc > 1 and not os.environ.get(LAUNCHED_ENV):
+            logger.warning("started by a launcher (WORLD_SIZE=%d): --nproc ignored", world)
+        return run_rank(config)
+    if config.nproc > 1:
+        return LocalLauncher(config).run()
+    return run_rank(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

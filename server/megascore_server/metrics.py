@@ -1,0 +1,129 @@
+"""Prometheus metrics of the server, exported on a separate HTTP port.
+
+Every server owns its :class:`prometheus_client.CollectorRegistry` (several
+servers in one process, as in the tests, do not collide). Names:
+
+* ``megascore_requests_total{rpc,code}`` — finished RPCs by gRPC status code.
+* ``megascore_request_latency_seconds{rpc}`` — RPC latency (per stream message
+  for ScoreStream).
+* ``megascore_tokens_scored_total`` — real tokens of answered requests.
+* ``megascore_queue_depth`` / ``megascore_queue_tokens`` — waiting work.
+* ``megascore_batch_fill_ratio`` — real tokens of a step / its token budget.
+* ``megascore_padding_overhead`` — (padded - real) / padded tokens of a step.
+* ``megascore_step_latency_seconds`` — one engine step on the executor.
+* ``megascore_steps_total``, ``megascore_dropped_requests_total`` (cancelled or
+  expired before their turn).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import prometheus_client as prom
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+_RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class ServerMetrics:
+    """The server's Prometheus collectors, in their own registry."""
+
+    def __init__(self):
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+        self.requests = prom.Counter(
+            "megascore_requests",
+            "Finished RPCs by method and status code",
+            ["rpc", "code"],
+            registry=r,
+        )
+        self.request_latency = prom.Histogram(
+            "megascore_request_latency_seconds",
+            "RPC latency",
+            ["rpc"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens_scored = prom.Counter(
+            "megascore_tokens_scored", "Real tokens of answered requests", registry=r
+        )
+        self.queue_depth = prom.Gauge(
+            "megascore_queue_depth", "Requests waiting for the engine", registry=r
+        )
+        self.queue_tokens = prom.Gauge(
+            "megascore_queue_tokens", "Tokens waiting for the engine", registry=r
+        )
+        self.fill_ratio = prom.Histogram(
+            "megascore_batch_fill_ratio",
+            "Real tokens of a step / token budget",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.padding_overhead = prom.Histogram(
+            "megascore_padding_overhead",
+            "(padded - real) / padded tokens of a step",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.step_latency = prom.Histogram(
+            "megascore_step_latency_seconds",
+            "Engine step latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.steps = prom.Counter("megascore_steps", "Engine steps run", registry=r)
+        self.dropped = prom.Counter(
+            "megascore_dropped_requests",
+            "Requests cancelled or expired while queued",
+            registry=r,
+        )
+        self._httpd = None
+
+    def set_queue(self, requests: int, tokens: int) -> None:
+        """Updates the queue gauges."""
+        self.queue_depth.set(requests)
+        self.queue_tokens.set(tokens)
+
+    def observe_step(self, real_tokens: int, padded_tokens: int, budget: int, seconds: float):
+        """Records one engine step."""
+        self.steps.inc()
+        self.step_latency.observe(seconds)
+        self.fill_ratio.observe(real_tokens / budget)
+        if padded_tokens:
+            self.padding_overhead.observe((padded_tokens - real_tokens) / padded_tokens)
+
+    def observe_request(self, rpc: str, code: str, seconds: float) -> None:
+        """Records one finished RPC (or ScoreStream message) with its status code name."""
+        self.requests.labels(rpc=rpc, code=code).inc()
+        self.request_latency.labels(rpc=rpc).observe(seconds)
+
+    def start_http(self, host: str, port: int) -> int:
+        """Serves ``/metrics`` on ``host:port`` from a daemon thread; returns the bound port."""
+        self._httpd, _ = prom.start_http_server(port, addr=host, registry=self.registry)
+        bound = self._httpd.server_port
+        logger.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def stop_http(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None

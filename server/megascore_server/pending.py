@@ -1,0 +1,165 @@
+"""Work items of the batcher: a request being scored piecewise, and a barrier.
+
+A :class:`PendingRequest` tracks which of its sequences still wait, collects
+the pieces of output each engine step produced for it and, once every
+sequence was scored, assembles its :class:`ScoreResult` in its own order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from megascore.types import ScoreBatch, ScoreOutput
+from megascore_server.convert import concat_outputs, select_sequences
+from megascore_server.microbatch import padded_lengths
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ScoreResult:
+    """A request's output with its server-side timings."""
+
+    output: ScoreOutput
+    queue_ms: float
+    compute_ms: float
+    num_steps: int
+
+
+@dataclasses.dataclass(eq=False)
+class Barrier:
+    """A call that runs on the engine thread once everything queued before it is done."""
+
+    fn: Callable[[], object]
+    future: asyncio.Future
+
+
+@dataclasses.dataclass(eq=False)
+class PendingRequest:
+    """One validated request inside the batcher.
+
+    ``solo`` requests (MoE / MTP metrics) never share a step; their metrics are
+    the token-weighted mean over the steps that scored them.
+    """
+
+    request_id: str
+    batch: ScoreBatch
+    future: asyncio.Future
+    arrival: float
+    deadline: float | None
+    padded: np.ndarray
+    remaining: np.ndarray
+    """Request-sequence indices not yet dispatched, longest first."""
+    remaining_tokens: int
+    parts: list[tuple[np.ndarray, ScoreOutput]] = dataclasses.field(default_factory=list)
+    metric_sums: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    metric_tokens: int = 0
+    first_start: float | None = None
+    compute_s: float = 0.0
+    num_steps: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        batch: ScoreBatch,
+        *,
+        arrival: float,
+        deadline: float | None,
+        pad_multiple: int,
+    ) -> PendingRequest:
+        padded = padded_lengths(batch.lengths, pad_multiple)
+        return cls(
+            request_id=request_id,
+            batch=batch,
+            future=asyncio.get_running_loop().create_future(),
+            arrival=arrival,
+            deadline=deadline,
+            padded=padded,
+            remaining=np.argsort(-padded, kind="stable"),
+            remaining_tokens=batch.num_tokens,
+        )
+
+    @property
+    def solo(self) -> bool:
+        return self.batch.want_moe_metrics or self.batch.want_mtp_metrics
+
+    def dropped(self, now: float) -> bool:
+        """Cancelled by its caller, answered already, or past its deadline."""
+        return self.future.done() or (self.deadline is not None and now >= self.deadline)
+
+    def remaining_padded(self) -> np.ndarray:
+        """Padded lengths of the waiting sequences, longest first."""
+        return self.padded[self.remaining]
+
+    def take(self, positions: np.ndarray) -> tuple[np.ndarray, int]:
+        """Removes ``remaining[positions]`` from the waiting sequences.
+
+        Returns:
+            ``(request-sequence indices ascending, their real token count)``.
+        """
+        idx = np.sort(self.remaining[positions])
+        keep = np.ones(self.remaining.size, dtype=bool)
+        keep[positions] = False
+        self.remaining = self.remaining[keep]
+        tokens = int(self.batch.lengths[idx].sum())
+        self.remaining_tokens -= tokens
+        return idx, tokens
+
+    def record_step(
+        self,
+        step: ScoreBatch,
+        output: ScoreOutput,
+        step_idx: np.ndarray,
+        idx: np.ndarray,
+        elapsed: float,
+    ) -> None:
+        """Keeps this request's part of a step's output.
+
+        Args:
+            step: the merged batch of the step.
+            output: the step's output.
+            step_idx: where this request's sequences sit in the step.
+            idx: which request sequences those are.
+            elapsed: seconds the step took.
+        """
+        self.compute_s += elapsed
+        self.num_steps += 1
+        if self.future.done():
+            return
+        batch = self.batch
+        part = select_sequences(
+            output,
+            step.lengths,
+            step_idx,
+            top_k=batch.top_k,
+            losses=batch.losses,
+            want_logprobs=batch.want_logprobs,
+        )
+        self.parts.append((idx, part))
+        if self.solo:
+            for kind in ("moe", "mtp"):
+                sums = self.metric_sums.setdefault(kind, {})
+                for name, value in getattr(output, f"{kind}_metrics").items():
+                    sums[name] = sums.get(name, 0.0) + float(value) * step.num_tokens
+            self.metric_tokens += step.num_tokens
+
+    def result(self) -> ScoreResult:
+        """The assembled result (every sequence must have been recorded)."""
+        output = concat_outputs(self.parts, self.batch.lengths)
+        output.weights_version = self.parts[-1][1].weights_version
+        if self.solo and self.metric_tokens:
+            for kind, sums in self.metric_sums.items():
+                means = {name: value / self.metric_tokens for name, value in sums.items()}
+                setattr(output, f"{kind}_metrics", means)
+        return ScoreResult(
+            output=output,
+            queue_ms=(self.first_start - self.arrival) * 1000.0,
+            compute_ms=self.compute_s * 1000.0,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,31 @@
+"""Checkpoint loading: HF safetensors and Megatron distributed checkpoints.
+
+Torch-free to import; the weight readers import torch / Megatron when used.
+
+* :func:`resolve_model` turns ``tiny`` / ``hf:DIR`` / ``megatron:DIR`` into
+  ``(ModelConfig, load_weights, CheckpointMetadata)`` without reading weights.
+* :func:`reload_weights` swaps new weights into a running model (all ranks).
+* ``megascore.checkpoint.megatron_ckpt.save_checkpoint`` writes a checkpoint
+  that loads into any TP / CP / EP layout (also the way to convert HF -> Megatron).
+"""
+
+from megascore.checkpoint.hf_config import SUPPORTED_MODEL_TYPES, hf_config_to_model_config
+from megascore.checkpoint.loader import (
+    CheckpointMetadata,
+    ResolvedModel,
+    check_same_architecture,
+    parse_model_string,
+    reload_weights,
+    resolve_model,
+)
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "CheckpointMetadata",
+    "ResolvedModel",
+    "check_same_architecture",
+    "hf_config_to_model_config",
+    "parse_model_string",
+    "reload_weights",
+    "resolve_model",
+]

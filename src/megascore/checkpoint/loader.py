@@ -1,0 +1,235 @@
+"""Model strings -> (ModelConfig, weight loader, metadata).
+
+A model string names what a replica serves:
+
+* ``tiny``, ``tiny-moe``, ``bench`` ...: a built-in config with seeded random
+  weights (``build_model`` initialises them; nothing to load);
+* ``hf:DIR``: a Hugging Face checkpoint (``config.json`` + safetensors);
+* ``megatron:DIR``: a Megatron-Core distributed checkpoint with ``megascore.json``
+  (see :mod:`megascore.checkpoint.megatron_ckpt`).
+
+:func:`resolve_model` reads only configs and file metadata (cheap, no weights),
+so rank 0 can describe a model before building it. The returned ``load_weights``
+runs on every rank after ``build_model`` and loads that rank's shards; it checks
+the whole checkpoint against the model before overwriting any parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+from megascore.checkpoint.hf_config import hf_config_to_model_config, read_hf_config
+from megascore.errors import CheckpointError
+from megascore.model.config import BUILTIN_MODELS, ModelConfig, builtin_model
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+DTYPES = ("float32", "bfloat16", "float16")
+
+WeightLoader = Callable[["torch.nn.Module"], None]  # noqa: F821 - torch stays unimported here
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    """What a model string resolved to (reported by GetModelInfo).
+
+    Attributes:
+        kind: "builtin", "hf" or "megatron".
+        name: built-in name, or the checkpoint directory's name.
+        checkpoint_path: absolute checkpoint directory ("" for built-ins).
+        weights_version: identifies the weights: the ``megascore.json`` label, else a
+            hash of the weight files' names, sizes and mtimes; ``<name>-seed<seed>``
+            for built-ins.
+        has_tokenizer: a tokenizer file sits beside the weights.
+        checkpoint_dtype: dtype the weights are stored in ("" when unknown).
+    """
+
+    kind: str
+    name: str
+    checkpoint_path: str = ""
+    weights_version: str = ""
+    has_tokenizer: bool = False
+    checkpoint_dtype: str = ""
+
+
+class ResolvedModel(NamedTuple):
+    """Result of :func:`resolve_model`; unpacks as ``(config, load_weights, metadata)``."""
+
+    model_config: ModelConfig
+    load_weights: WeightLoader | None
+    """Loads this rank's weights into a built model (collective for megatron:);
+    None for built-ins, whose weights ``build_model`` draws from the seed."""
+    metadata: CheckpointMetadata
+
+
+def parse_model_string(model: str) -> tuple[str, str]:
+    """Splits a model string into ``(kind, argument)``.
+
+    Returns:
+        ``("builtin", name)``, ``("hf", DIR)`` or ``("megatron", DIR)``.
+
+    Raises:
+        CheckpointError: unknown prefix or built-in name, or an empty directory.
+    """
+    for kind in ("hf", "megatron"):
+        if model.startswith(kind + ":"):
+            path = model[len(kind) + 1 :]
+            if not path:
+                raise CheckpointError(f"model {model!r}: missing directory after '{kind}:'")
+            return kind, path
+    if model in BUILTIN_MODELS:
+        return "builtin", model
+    raise CheckpointError(
+        f"unknown model {model!r}: use a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
+        "hf:DIR or megatron:DIR"
+    )
+
+
+def _directory(path: str, model: str) -> Path:
+    directory = Path(path).expanduser().resolve()
+    if not directory.is_dir():
+        raise CheckpointError(f"model {model!r}: {directory} is not a directory")
+    return directory
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in TOKENIZER_FILES)
+
+
+def _hash(items: list[tuple[str, int, int]]) -> str:
+    h = hashlib.sha1()
+    for name, size, mtime in items:
+        h.update(f"{name}\0{size}\0{mtime}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _resolve_hf(directory: Path) -> ResolvedModel:
+    from megascore.checkpoint.safetensors_io import SafetensorsDir
+
+    config = read_hf_config(directory)
+    model_cfg = hf_config_to_model_config(config)
+    with SafetensorsDir(directory) as reader:  # headers + sizes only
+        files = reader.fingerprint()
+    cfg_stat = (directory / "config.json").stat()
+    version = _hash([("config.json", cfg_stat.st_size, cfg_stat.st_mtime_ns), *files])
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
+
+    def load_weights(model) -> None:
+        from megascore.checkpoint.hf_weights import load_hf_weights
+
+        load_hf_weights(model, model_cfg, directory)
+
+    meta = CheckpointMetadata(
+        "hf", directory.name, str(directory), version, _has_tokenizer(directory), dtype
+    )
+    return ResolvedModel(model_cfg, load_weights, meta)
+
+
+def _resolve_megatron(directory: Path) -> ResolvedModel:
+    from megascore.checkpoint import megatron_ckpt
+
+    model_cfg, data = megatron_ckpt.read_checkpoint_config(directory)
+    version = data.get("weights_version") or megatron_ckpt.checkpoint_fingerprint(directory)
+
+    def load_weights(model) -> None:
+        megatron_ckpt.load_checkpoint(model, model_cfg, directory)
+
+    meta = CheckpointMetadata(
+        "megatron",
+        directory.name,
+        str(directory),
+        str(version),
+        _has_tokenizer(directory),
+        str(data.get("dtype", "")),
+    )
+    return ResolvedModel(model_cfg, load_weights, meta)
+
+
+def resolve_model(model: str, *, seed: int | None = None) -> ResolvedModel:
+    """Resolves a model string without reading any weights.
+
+    Args:
+        model: ``tiny``/``tiny-moe``/``bench``, ``hf:DIR`` or ``megatron:DIR``.
+        seed: overrides a built-in model's seed (EngineConfig.seed).
+
+    Returns:
+        ``(model_config, load_weights, metadata)``.
+
+    Raises:
+        CheckpointError: unknown model, missing/corrupt config or weight files, or
+            an unsupported architecture.
+    """
+    kind, arg = parse_model_string(model)
+    if kind == "builtin":
+        cfg = builtin_model(arg)
+        if seed is not None:
+            cfg = dataclasses.replace(cfg, seed=seed)
+        return ResolvedModel(
+            cfg, None, CheckpointMetadata("builtin", arg, "", f"{arg}-seed{cfg.seed}")
+        )
+    directory = _directory(arg, model)
+    resolved = _resolve_hf(directory) if kind == "hf" else _resolve_megatron(directory)
+    logger.info(
+        "resolved %s: %s, weights version %s",
+        model,
+        resolved.model_config.architecture,
+        resolved.metadata.weights_version,
+    )
+    return resolved
+
+
+def check_same_architecture(new: ModelConfig, current: ModelConfig, source: str = "") -> None:
+    """Raises unless ``new`` computes the same function shape as ``current`` (hot reload).
+
+    Ignores only the seed, init std, family label and max length.
+
+    Raises:
+        CheckpointError: naming every differing field.
+    """
+    from megascore.checkpoint.megatron_ckpt import architecture_diff
+
+    diff = architecture_diff(new, current)
+    if diff:
+        where = f"{source}: " if source else ""
+        raise CheckpointError(f"{where}architecture differs from the served model: {diff}")
+
+
+def reload_weights(model, current: ModelConfig, spec: str) -> CheckpointMetadata:
+    """Loads new weights (``hf:DIR`` / ``megatron:DIR``) into a running model.
+
+    Run on every rank of the replica with the same arguments. The new checkpoint
+    must have the same architecture; it is validated entirely before any
+    parameter changes, so on error the old weights keep serving.
+
+    Args:
+        model: the built (possibly wrapped) GPTModel of this rank.
+        current: the architecture the model was built from.
+        spec: the model string to load.
+
+    Returns:
+        The new checkpoint's metadata.
+
+    Raises:
+        CheckpointError: bad string, different architecture, or a bad checkpoint.
+    """
+    resolved = resolve_model(spec)
+    if resolved.load_weights is None:
+        raise CheckpointError(f"LoadWeights needs hf:DIR or megatron:DIR, got {spec!r}")
+    check_same_architecture(resolved.model_config, current, spec)
+    resolved.load_weights(model)
+    return resolved.metadata
+
+
+def torch_dtype(name: str):
+    """ "float32" / "bfloat16" / "float16" -> the torch dtype."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
+    return getattr(torch, name)

@@ -1,0 +1,246 @@
+"""Megatron-Core distributed checkpoints (``torch_dist``) plus a ``megascore.json``.
+
+A megascore Megatron checkpoint directory holds what
+``megatron.core.dist_checkpointing.save`` writes from the model's
+``sharded_state_dict()`` (``metadata.json``, ``.metadata``, ``__*_*.distcp``)
+and a ``megascore.json`` with the :class:`ModelConfig` and a weights version.
+Because every tensor is stored with its global shape and offsets, the
+checkpoint loads into any TP / CP / EP layout, and into either attention
+backend (Megatron maps the local spec's norm names onto TE's fused ones).
+
+``megascore.json`` is written last, so a directory without it is incomplete.
+Loading reads into fresh host buffers and copies into the model only after the
+whole checkpoint has been read: a failed load leaves the model unchanged.
+
+All functions here are collective over the default process group (the replica).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megascore.distributed import collective_device
+from megascore.errors import CheckpointError
+from megascore.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "megascore.json"
+FORMAT = "megascore-megatron/1"
+_MARKER = "metadata.json"  # written by dist_checkpointing.save when complete
+# ModelConfig fields that do not change the function the weights compute.
+_NON_ARCH_FIELDS = ("seed", "init_method_std", "architecture", "max_position_embeddings")
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def config_to_json(model_cfg: ModelConfig) -> dict[str, Any]:
+    """The :class:`ModelConfig` as a JSON-able dict."""
+    return dataclasses.asdict(model_cfg)
+
+
+def config_from_json(data: dict[str, Any], source: str) -> ModelConfig:
+    """Rebuilds a :class:`ModelConfig`, rejecting unknown fields (a newer format)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise CheckpointError(f"{source}: unknown model config fields {unknown}")
+    try:
+        return ModelConfig(**data)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: invalid model config: {e}") from e
+
+
+def architecture_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """Fields (other than seed/init/label/max length) in which two configs differ."""
+    out = []
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in _NON_ARCH_FIELDS:
+            continue
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        if va != vb:
+            out.append(f"{f.name}: {va!r} != {vb!r}")
+    return out
+
+
+def read_checkpoint_config(directory: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """Reads ``DIR/megascore.json``.
+
+    Args:
+        directory: checkpoint directory.
+
+    Returns:
+        ``(model config, the whole JSON object)``.
+
+    Raises:
+        CheckpointError: missing/corrupt file, unknown format, or incomplete checkpoint.
+    """
+    directory = Path(directory)
+    path = directory / CONFIG_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: missing; not a megascore Megatron checkpoint (or an incomplete save)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read: {e}") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown format {data.get('format')!r}, want {FORMAT!r}")
+    if not (directory / _MARKER).is_file():
+        raise CheckpointError(f"{directory}: no {_MARKER}: incomplete distributed checkpoint")
+    return config_from_json(data.get("model_config") or {}, str(path)), data
+
+
+def checkpoint_fingerprint(directory: str | Path) -> str:
+    """Hash of the checkpoint's file names, sizes and mtimes (a cheap weights version)."""
+    h = hashlib.sha1()
+    for path in sorted(Path(directory).iterdir()):
+        if path.is_file():
+            st = path.stat()
+            h.update(f"{path.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    directory: str | Path,
+    *,
+    weights_version: str | None = None,
+) -> None:
+    """Saves ``model`` as a Megatron distributed checkpoint plus ``megascore.json``.
+
+    Collective: every rank of the replica calls it with the same arguments.
+
+    Args:
+        model: the built (possibly wrapped) GPTModel of this rank.
+        model_cfg: its architecture.
+        directory: target directory; created if needed, must be empty.
+        weights_version: optional label stored in ``megascore.json`` and reported
+            by the server (default: a fingerprint of the files).
+
+    Raises:
+        CheckpointError: the directory is not empty.
+    """
+    directory = Path(directory)
+    not_empty = 0
+    if _rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        not_empty = int(any(directory.iterdir()))
+    if dist.is_initialized():  # every rank raises, or none does
+        flag = torch.tensor([not_empty], device=collective_device(dist.group.WORLD))
+        dist.all_reduce(flag)
+        not_empty = int(flag.item())
+    if not_empty:
+        raise CheckpointError(f"{directory}: not empty; refusing to overwrite")
+    sharded = _unwrap(model).sharded_state_dict()
+    dist_checkpointing.save(sharded, str(directory))
+    if _rank() == 0:
+        dtype = next(_unwrap(model).parameters()).dtype
+        data = {
+            "format": FORMAT,
+            "model_config": config_to_json(model_cfg),
+            "weights_version": weights_version or "",
+            "dtype": str(dtype).removeprefix("torch."),
+            "saved_world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        }
+        tmp = directory / (CONFIG_FILE + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, directory / CONFIG_FILE)
+    _barrier()
+    logger.info("saved Megatron checkpoint to %s", directory)
+
+
+def _fresh_host_buffer(x: Any) -> Any:
+    """Points a sharded entry at an empty host tensor so loading never writes the model."""
+    if isinstance(x, (ShardedTensor, ShardedTensorFactory)) and isinstance(x.data, torch.Tensor):
+        x.data = torch.empty(x.data.shape, dtype=x.data.dtype, device="cpu")
+    return x
+
+
+def load_checkpoint(
+    model: torch.nn.Module, model_cfg: ModelConfig, directory: str | Path
+) -> dict[str, Any]:
+    """Loads a checkpoint written by :func:`save_checkpoint` into ``model`` (any layout).
+
+    Collective over the replica. Reads everything into host buffers first; the
+    model's parameters change only once the whole checkpoint was read.
+
+    Args:
+        model: the built (possibly wrapped) GPTModel of this rank.
+        model_cfg: the architecture the model was built from.
+        directory: the checkpoint directory.
+
+    Returns:
+        The checkpoint's ``megascore.json`` object.
+
+    Raises:
+        CheckpointError: incomplete or corrupt checkpoint, different architecture,
+            a tensor missing from the checkpoint, or a shape mismatch.
+    """
+    directory = Path(directory)
+    ckpt_cfg, data = read_checkpoint_config(directory)
+    diff = architecture_diff(ckpt_cfg, model_cfg)
+    if diff:
+        raise CheckpointError(f"{directory}: architecture differs from the model: {diff}")
+    module = _unwrap(model)
+    sharded = module.sharded_state_dict()
+    dict_list_map_inplace(_fresh_host_buffer, sharded)
+    try:
+        loaded, missing, _unexpected = dist_checkpointing.load(
+            sharded, str(directory), strict=StrictHandling.RETURN_ALL
+        )
+    except CheckpointError:
+        raise
+    # torch DCP's CheckpointException derives from BaseException; Megatron raises
+    # CheckpointingException; a damaged file surfaces as OSError / pickle errors.
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"{directory}: cannot load distributed checkpoint: {e}") from e
+    if missing:
+        missing = sorted(missing)
+        raise CheckpointError(f"{directory}: tensors missing from checkpoint: {missing[:8]}")
+    targets = {
+        k: v for k, v in module.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
+    }
+    for name, target in targets.items():
+        value = loaded.get(name)
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{directory}: tensor {name!r} was not loaded")
+        if value.shape != target.shape:
+            raise CheckpointError(
+                f"{directory}: tensor {name!r} loaded as {tuple(value.shape)}, "
+                f"model has {tuple(target.shape)}"
+            )
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.copy_(loaded[name])
+    logger.info("loaded Megatron checkpoint %s", directory)
+    return data

@@ -1,0 +1,329 @@
+"""One packed GPTModel forward: vocab-parallel logits plus the MoE / MTP metrics.
+
+:func:`forward_packed` feeds a :class:`~megascore.packing.PackedSequences` (THD,
+this rank's CP shard) through the model and returns this rank's logits
+``[T_local, V / tp]``. The logits come from an ``output_processor`` hook of
+``GPTModel.forward``: Megatron calls it with the final hidden states after the
+MTP block, in place of its own logits/loss step, so logits are available even
+when labels are passed (MTP needs labels; with labels GPTModel would otherwise
+return the per-token loss).
+
+Metrics. Megatron records MoE aux losses and MTP losses only in training mode
+(aux losses also need grad enabled). When metrics are requested the model runs
+one training-mode forward with dropout off and grad enabled (parameters do not
+require grad, nothing is back-propagated), reads the trackers exactly as
+Megatron's ``training.py`` does (``MoEMetricsTracker.report`` with
+``force_initialize``; ``MTPLossLoggingHelper.track_mtp_metrics``), clears them,
+restores the routers' running buffers and returns the model to eval mode. The
+logits are identical in both modes (dropout is off, MoE is dropless). Semantics
+are Megatron's, including where they depend on the layout:
+
+* no ``padding_mask`` is passed (Megatron's default): pad tokens of the packed
+  layout are routed and count in the aux losses, as in a trainer using the same
+  packing; the per-sequence pad multiple therefore matters for MoE metrics;
+* an MTP loss is the mean over the DP x CP ranks of each rank's own masked mean;
+  acceptance rates sum the counts (percent, as Megatron logs them);
+* with DP > 1 every metric is averaged over the DP ranks (their batches).
+
+An eval forward whose MTP outputs nobody reads skips the MTP block (it only
+produces MTP losses): ``model.mtp_process`` and ``config.mtp_num_layers`` are
+switched off for that call and restored after it (single-threaded engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from megascore.packing import PackedSequences, cp_shard_indices, roll_within_segments
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ModelOutputs:
+    """Result of :func:`forward_packed` on one rank.
+
+    Attributes:
+        logits: ``[T_local, V / tp]`` this rank's vocabulary slice (Megatron's
+            ``VocabUtility`` layout) for this rank's CP shard of the packed tokens,
+            in the model's dtype (fp32 / bf16 / fp16), detached. Row ``t`` predicts
+            the token after packed position ``t``.
+        moe_metrics: name -> value, reduced across ranks (identical on every rank).
+        mtp_metrics: ``mtp_{i}_loss`` and ``mtp_{i}_acceptance_rate`` (percent, as
+            Megatron logs it), i from 1, reduced across ranks.
+    """
+
+    logits: torch.Tensor
+    moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def moe_metric_names(cfg) -> list[str]:
+    """MoE metrics a model reports: the aux losses configured with a coefficient > 0, z_loss.
+
+    Args:
+        cfg: a ``ModelConfig`` or ``TransformerConfig`` (same field names).
+
+    Returns:
+        Names among ``load_balancing_loss``, ``seq_load_balancing_loss``,
+        ``global_load_balancing_loss``, ``z_loss``; empty for a dense model.
+    """
+    if not cfg.num_moe_experts:
+        return []
+    types = cfg.moe_router_load_balancing_type
+    coeffs = cfg.moe_aux_loss_coeff
+    if isinstance(types, str):
+        types, coeffs = [types], [coeffs]
+    elif not isinstance(coeffs, list | tuple):
+        coeffs = [coeffs] * len(types)
+    names = []
+    for aux_type, name in (
+        ("aux_loss", "load_balancing_loss"),
+        ("seq_aux_loss", "seq_load_balancing_loss"),
+        ("global_aux_loss", "global_load_balancing_loss"),
+    ):
+        if aux_type in types and coeffs[types.index(aux_type)] > 0:
+            names.append(name)
+    if cfg.moe_z_loss_coeff:
+        names.append("z_loss")
+    return names
+
+
+def mtp_metric_names(cfg) -> list[str]:
+    """``mtp_{i}_loss`` and ``mtp_{i}_acceptance_rate`` for i in 1..mtp_num_layers."""
+    names = []
+    for i in range(1, (cfg.mtp_num_layers or 0) + 1):
+        names += [f"mtp_{i}_loss", f"mtp_{i}_acceptance_rate"]
+    return names
+
+
+def packed_position_ids(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int):
+    """Position of every token inside its padded segment, CP-sharded.
+
+    Args:
+        cu_seqlens_padded: ``[B+1]`` padded boundaries.
+        cp_rank: this rank in the CP group.
+        cp_size: CP group size.
+
+    Returns:
+        int64 ``[1, T / cp_size]`` (positions restart at 0 for every sequence).
+    """
+    cu = cu_seqlens_padded.to("cpu", torch.long)
+    lens = cu[1:] - cu[:-1]
+    pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+    return pos[cp_shard_indices(cu, cp_rank, cp_size)].unsqueeze(0)
+
+
+def _position_and_length(packed: PackedSequences) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[T]`` pairs over the full packed axis: position inside the padded
+    segment and the real length of the segment's sequence."""
+    cu = packed.cu_seqlens.to("cpu", torch.long)
+    cu_pad = packed.cu_seqlens_padded.to("cpu", torch.long)
+    seg = cu_pad[1:] - cu_pad[:-1]
+    pos = torch.arange(int(cu_pad[-1])) - torch.repeat_interleave(cu_pad[:-1], seg)
+    return pos, torch.repeat_interleave(cu[1:] - cu[:-1], seg)
+
+
+def packed_labels_and_mask(packed: PackedSequences, cp_rank: int, cp_size: int):
+    """Next-token targets and Megatron's loss mask for this CP shard.
+
+    Targets are rolled by -1 inside each padded segment on the full packed axis,
+    then sharded like the inputs. The mask is Megatron's (aligned with the
+    targets): 1 where the target of position ``t`` is a real token of the same
+    sequence (``t + 1 < length``).
+
+    Args:
+        packed: the packed batch (full ``input_ids`` and boundaries are used).
+        cp_rank: this rank in the CP group.
+        cp_size: CP group size.
+
+    Returns:
+        ``(labels int64 [1, T_local], loss_mask float32 [1, T_local])``.
+    """
+    cu_pad = packed.cu_seqlens_padded.to("cpu")
+    idx = cp_shard_indices(cu_pad, cp_rank, cp_size)
+    ids = packed.input_ids.to("cpu", torch.long)
+    labels = roll_within_segments(ids, cu_pad, shifts=-1)[:, idx]
+    pos, length = _position_and_length(packed)
+    return labels, (pos + 1 < length)[idx][None].float()
+
+
+class _ScalarCollector:
+    """Minimal ``SummaryWriter`` stand-in that keeps the scalars Megatron logs."""
+
+    def __init__(self):
+        self.scalars: dict[str, float] = {}
+
+    def add_scalar(self, name: str, value, iteration: int) -> None:
+        self.scalars[name] = float(value)
+
+
+@contextlib.contextmanager
+def _mtp_skipped(model):
+    """Skips the MTP block in an eval forward whose MTP outputs nobody reads."""
+    if not getattr(model, "mtp_process", False):
+        yield
+        return
+    saved = model.config.mtp_num_layers
+    model.mtp_process, model.config.mtp_num_layers = False, None
+    try:
+        yield
+    finally:
+        model.mtp_process, model.config.mtp_num_layers = True, saved
+
+
+@contextlib.contextmanager
+def _training_forward(model):
+    """Training mode with grad enabled; restores eval mode and the routers' buffers."""
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    saved = [{k: b.clone() for k, b in r.named_buffers(recurse=False)} for r in routers]
+    for router in routers:
+        router.reset_global_aux_loss_tracker()  # this batch is one "global batch"
+    was_training = model.training
+    model.train()
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for router, bufs in zip(routers, saved, strict=True):
+                for name, value in bufs.items():
+                    getattr(router, name).copy_(value)
+
+
+def _logits_processor(*, hidden_states, output_layer, output_weight, scale_logits, **_):
+    """GPTModel ``output_processor``: vocab-parallel logits ``[s, b, V / tp]``."""
+    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=False)
+    return scale_logits(logits)
+
+
+def _read_moe_metrics(model, names: list[str]) -> dict[str, float]:
+    cfg = model.config
+    writer = _ScalarCollector()
+    get_moe_metrics_tracker().report(
+        loss_scale=1.0,
+        iteration=0,
+        writer=writer,
+        force_initialize=True,
+        track_names=names,
+        num_layers=cfg.num_layers,
+        moe_layer_freq=cfg.moe_layer_freq,
+        mtp_num_layers=cfg.mtp_num_layers,
+        pg_collection=model.pg_collection,
+    )
+    return {name: writer.scalars[name] for name in names}
+
+
+def _read_mtp_metrics(model) -> dict[str, float]:
+    n = model.config.mtp_num_layers
+    # Adding zeros creates the entries where this rank recorded nothing and sets the same
+    # reduction group on every rank, so all of them join the same all-reduces.
+    zero = torch.zeros((), device=next(model.parameters()).device)
+    MTPLossLoggingHelper.save_metrics_to_tracker(
+        zero, zero, zero, 0, n, avg_group=model.pg_collection.dp_cp
+    )
+    writer = _ScalarCollector()
+    MTPLossLoggingHelper.track_mtp_metrics(1.0, 0, writer)
+    out = {}
+    for i in range(1, n + 1):
+        out[f"mtp_{i}_loss"] = writer.scalars[f"mtp_{i} loss"]
+        out[f"mtp_{i}_acceptance_rate"] = writer.scalars[f"mtp_{i}_acceptance_rate"]
+    return out
+
+
+def _clear_trackers() -> None:
+    get_moe_metrics_tracker().clear()
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+
+
+def forward_packed(
+    model,
+    packed: PackedSequences,
+    *,
+    want_moe_metrics: bool = False,
+    want_mtp_metrics: bool = False,
+    loss_mask_packed_local: torch.Tensor | None = None,
+) -> ModelOutputs:
+    """Runs the model on this rank's shard of a packed batch.
+
+    Every rank of the replica calls it with the same batch packed for its own
+    ``cp_rank`` (the model's ``pg_collection.cp``) and the same flags.
+
+    Args:
+        model: a ``GPTModel`` from ``megascore.model.build.build_model`` (eval mode).
+        packed: the batch, packed for this rank's CP rank (``input_ids_cp_sharded``
+            is the model input; ``input_ids`` the full packed ids).
+        want_moe_metrics: compute the MoE aux-loss metrics (MoE models only).
+        want_mtp_metrics: compute the MTP metrics (MTP models only).
+        loss_mask_packed_local: ``[1, T_local]`` or ``[T_local]`` Megatron-style loss
+            mask for the MTP metrics (entry t: whether the target of position t
+            counts), CP-sharded. None: every target that is a real token of the
+            same sequence.
+
+    Returns:
+        The vocab-parallel logits and the requested metrics (empty dicts otherwise).
+
+    Raises:
+        ValueError: metrics requested from a model that has none, or MoE training-mode
+            metrics with TP > 1 without sequence parallelism (Megatron refuses it).
+    """
+    cfg = model.config
+    cp_group = model.pg_collection.cp
+    cp_size = cp_group.size()
+    cp_rank = cp_group.rank() if cp_size > 1 else 0
+    device = next(model.parameters()).device
+    moe_names = moe_metric_names(cfg) if want_moe_metrics else []
+    if want_moe_metrics and not cfg.num_moe_experts:
+        raise ValueError("MoE metrics requested from a dense model")
+    if want_mtp_metrics and not cfg.mtp_num_layers:
+        raise ValueError("MTP metrics requested from a model without MTP layers")
+    train_fwd = want_moe_metrics or want_mtp_metrics
+    if train_fwd and cfg.num_moe_experts and cfg.tensor_model_parallel_size > 1:
+        if not cfg.sequence_parallel:
+            raise ValueError("MoE metrics with tensor parallelism need sequence_parallel")
+
+    input_ids = packed.input_ids_cp_sharded.to(device, torch.long)  # [1, T_local]
+    position_ids = packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size).to(device)
+    p = packed.packed_seq_params
+    params = dataclasses.replace(
+        p,
+        cu_seqlens_q=p.cu_seqlens_q.to(device),
+        cu_seqlens_kv=p.cu_seqlens_kv.to(device),
+        cu_seqlens_q_padded=p.cu_seqlens_q_padded.to(device),
+        cu_seqlens_kv_padded=p.cu_seqlens_kv_padded.to(device),
+    )
+    kwargs = dict(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=None,
+        packed_seq_params=params,
+        output_processor=_logits_processor,
+    )
+    if not train_fwd:
+        with torch.no_grad(), _mtp_skipped(model):
+            logits = model(**kwargs)
+        return ModelOutputs(logits=logits.squeeze(1).detach())
+
+    labels, loss_mask = packed_labels_and_mask(packed, cp_rank, cp_size)
+    if loss_mask_packed_local is not None:
+        loss_mask = loss_mask_packed_local.reshape(1, -1).float()
+    if cfg.mtp_num_layers:
+        kwargs.update(labels=labels.to(device), loss_mask=loss_mask.to(device))
+    _clear_trackers()
+    try:
+        with _training_forward(model):
+            logits = model(**kwargs)
+        logits = logits.squeeze(1).detach()
+        moe = _read_moe_metrics(model, moe_names) if moe_names else {}
+        mtp = _read_mtp_metrics(model) if want_mtp_metrics else {}
+    finally:
+        _clear_trackers()
+    return ModelOutputs(logits=logits, moe_metrics=moe, mtp_metrics=mtp)

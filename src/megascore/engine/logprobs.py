@@ -1,0 +1,300 @@
+"""Token log-probabilities and top-k alternatives from vocab-parallel logits.
+
+Each tensor-parallel rank holds a contiguous slice of the vocabulary
+(``[tp_rank * V_local, (tp_rank + 1) * V_local)``, Megatron's ``VocabUtility``
+layout) of the output-layer logits. The full-vocabulary logits are never
+materialised: per chunk of tokens each rank computes its local max and sum of
+exponentials in fp32, the TP group all-reduces them (MAX, then one SUM that
+also carries the target logit from the rank owning the target), and the top-k
+is a two-stage selection (local top-k, all-gather ``k`` candidates per rank,
+top-k again). Peak memory is ``O(chunk_tokens * V_local)`` whatever the number
+of tokens.
+
+``tp_group=None`` means the logits are not sharded (the whole vocabulary is
+local) and no collective is issued; a size-1 group gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TokenScores:
+    """Per-token outputs of :func:`score_tokens`.
+
+    Attributes:
+        logprobs: float32 ``[T]``, ``log softmax(logits[t] / temperature[t])[targets[t]]``,
+            or None when not requested.
+        top_k_ids: int64 ``[T, k]`` global vocabulary ids, most likely first, or None.
+        top_k_logprobs: float32 ``[T, k]`` log-probabilities of ``top_k_ids``, or None.
+    """
+
+    logprobs: torch.Tensor | None
+    top_k_ids: torch.Tensor | None = None
+    top_k_logprobs: torch.Tensor | None = None
+
+
+def _group_rank_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if tp_group is None:
+        return 0, 1
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def _chunk_log_normalizer(
+    logits: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global max and log-sum-exp of one chunk.
+
+    Args:
+        logits: float32 ``[C, V_local]`` (already divided by the temperature).
+        tp_group: tensor-parallel group, or None for unsharded logits.
+        tp_size: size of ``tp_group`` (1 when None).
+
+    Returns:
+        ``(global_max [C], sum_exp_local [C])``: the max over the full vocabulary
+        and this rank's sum of ``exp(logits - global_max)``, not yet reduced.
+    """
+    # local_max: [C]
+    global_max = logits.max(dim=-1).values
+    if tp_size > 1:
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+    sum_exp = torch.exp(logits - global_max.unsqueeze(-1)).sum(dim=-1)
+    return global_max, sum_exp
+
+
+def _local_top_k_lowest_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each row where ties at the k-th value go to the lowest column.
+
+    ``torch.topk`` picks an arbitrary subset of equal values at the boundary
+    (common with bf16 logits); this makes the choice deterministic and
+    independent of how the vocabulary is split across TP ranks.
+
+    Args:
+        values: float32 ``[C, V]``.
+        k: ``1 <= k <= V``.
+
+    Returns:
+        ``(ids [C, k] int64, values [C, k])``, ids in ascending order (not by value).
+    """
+    num_rows = values.shape[0]
+    if num_rows == 0:
+        return (
+            torch.empty(0, k, dtype=torch.int64, device=values.device),
+            values.new_empty(0, k),
+        )
+    # kth: [C, 1], the k-th largest value of each row
+    kth = torch.topk(values, k, dim=-1, sorted=True).values[:, -1:]
+    above = values > kth
+    n_above = above.sum(dim=-1, keepdim=True, dtype=torch.int32)
+    tied = values == kth
+    take_tied = tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= k - n_above)
+    # Exactly k columns per row are selected; nonzero lists them row-major.
+    ids = (above | take_tied).nonzero()[:, 1].view(num_rows, k)
+    return ids, torch.gather(values, -1, ids)
+
+
+def _chunk_top_k(
+    shifted: torch.Tensor,
+    k: int,
+    vocab_start: int,
+    vocab_size: int | None,
+    tp_group: dist.ProcessGroup | None,
+    tp_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distributed top-k of one chunk of normalised logits.
+
+    Args:
+        shifted: float32 ``[C, V_local]`` log-probabilities (logits minus global lse).
+        k: number of alternatives.
+        vocab_start: global id of this shard's column 0.
+        vocab_size: ids >= vocab_size (Megatron vocabulary padding) are never chosen;
+            None keeps every column.
+        tp_group: tensor-parallel group, or None.
+        tp_size: size of ``tp_group``.
+
+    Returns:
+        ``(ids [C, k] int64, logprobs [C, k] float32)``, most likely first; equal
+        values are ordered by ascending id (for any TP split).
+    """
+    num_tokens, v_local = shifted.shape
+    if vocab_size is not None and vocab_start + v_local > vocab_size:
+        shifted = shifted.clone()
+        shifted[:, max(vocab_size - vocab_start, 0) :] = float("-inf")
+    k_local = min(k, v_local)
+    cand_ids, cand_vals = _local_top_k_lowest_id(shifted, k_local)
+    cand_ids = cand_ids + vocab_start
+    if tp_size > 1:
+        gathered_vals = [torch.empty_like(cand_vals) for _ in range(tp_size)]
+        gathered_ids = [torch.empty_like(cand_ids) for _ in range(tp_size)]
+        dist.all_gather(gathered_vals, cand_vals.contiguous(), group=tp_group)
+        dist.all_gather(gathered_ids, cand_ids.contiguous(), group=tp_group)
+        # [C, tp * k_local]; ids ascend along the row (shards are in rank order)
+        cand_vals = torch.cat(gathered_vals, dim=-1)
+        cand_ids = torch.cat(gathered_ids, dim=-1)
+    # Stable descending sort keeps equal values in ascending id order.
+    val_order = torch.sort(cand_vals, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert val_order.shape == (num_tokens, k)
+    return torch.gather(cand_ids, -1, val_order), torch.gather(cand_vals, -1, val_order)
+
+
+def score_tokens(
+    logits: torch.Tensor,
+    targets: torch.Tensor | None,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    temperature: torch.Tensor | None = None,
+    top_k: int = 0,
+    chunk_tokens: int = 1024,
+    vocab_size: int | None = None,
+) -> TokenScores:
+    """Log-probabilities of ``targets`` and top-k alternatives from vocab-parallel logits.
+
+    Every rank of ``tp_group`` must call this with the same number of tokens,
+    ``top_k``, ``chunk_tokens`` and whether ``targets`` is given (the
+    collectives are issued per chunk).
+
+    Args:
+        logits: ``[T, V_local]`` any float dtype; this rank's vocabulary slice.
+        targets: int64 ``[T]`` global target ids, or None to skip logprobs.
+        tp_group: tensor-parallel group over which the vocabulary is split, or None
+            when ``logits`` holds the full vocabulary.
+        temperature: float32 ``[T]`` per-token temperature (> 0), or None for 1.0.
+        top_k: number of alternatives per token (0 = none).
+        chunk_tokens: tokens processed per chunk; bounds the fp32 working set to
+            ``chunk_tokens x V_local``.
+        vocab_size: true vocabulary size; ids at or above it (padding columns)
+            are excluded from the top-k. They still count in the softmax
+            normaliser, as in Megatron's vocab-parallel cross-entropy.
+
+    Returns:
+        A :class:`TokenScores` with float32 / int64 tensors on ``logits.device``.
+
+    Raises:
+        ValueError: on inconsistent shapes or a ``top_k`` larger than the vocabulary.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, V_local], got shape {tuple(logits.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    num_tokens, v_local = logits.shape
+    tp_rank, tp_size = _group_rank_size(tp_group)
+    vocab_start = tp_rank * v_local
+    full_vocab = v_local * tp_size if vocab_size is None else min(vocab_size, v_local * tp_size)
+    if top_k < 0 or top_k > full_vocab:
+        raise ValueError(f"top_k must be in [0, {full_vocab}], got {top_k}")
+    if targets is not None and targets.shape != (num_tokens,):
+        raise ValueError(f"targets must be [{num_tokens}], got {tuple(targets.shape)}")
+    if temperature is not None and temperature.shape != (num_tokens,):
+        raise ValueError(f"temperature must be [{num_tokens}], got {tuple(temperature.shape)}")
+
+    device = logits.device
+    out_lp = torch.zeros(num_tokens, dtype=torch.float32, device=device)
+    out_ids = torch.full((num_tokens, top_k), -1, dtype=torch.int64, device=device)
+    out_top = torch.zeros((num_tokens, top_k), dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for start in range(0, num_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, num_tokens)
+            # chunk: [C, V_local] fp32
+            chunk = logits[start:end].float()
+            if temperature is not None:
+                chunk = chunk / temperature[start:end].to(device, torch.float32).unsqueeze(-1)
+            global_max, sum_exp = _chunk_log_normalizer(chunk, tp_group, tp_size)
+            if targets is not None:
+                tgt = targets[start:end].to(device, torch.int64) - vocab_start
+                owned = (tgt >= 0) & (tgt < v_local)
+                local_idx = torch.where(owned, tgt, torch.zeros_like(tgt))
+                # target_logit: [C], nonzero only where this rank owns the target
+                target_logit = torch.gather(chunk, -1, local_idx.unsqueeze(-1)).squeeze(-1)
+                target_logit = torch.where(owned, target_logit, torch.zeros_like(target_logit))
+                # One SUM for both reductions: [2, C]
+                packed = torch.stack([sum_exp, target_logit])
+            else:
+                packed = sum_exp.unsqueeze(0)
+            if tp_size > 1:
+                dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+            # lse: [C]
+            lse = global_max + torch.log(packed[0])
+            if targets is not None:
+                out_lp[start:end] = packed[1] - lse
+            if top_k > 0:
+                ids, vals = _chunk_top_k(
+                    chunk - lse.unsqueeze(-1), top_k, vocab_start, vocab_size, tp_group, tp_size
+                )
+                out_ids[start:end] = ids
+                out_top[start:end] = vals
+    return TokenScores(
+        logprobs=out_lp if targets is not None else None,
+        top_k_ids=out_ids if top_k > 0 else None,
+        top_k_logprobs=out_top if top_k > 0 else None,
+    )
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    temperature: torch.Tensor | None = None,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """Log-probabilities of ``targets``: float32 ``[T]`` (see :func:`score_tokens`).
+
+    Args:
+        logits: ``[T, V_local]`` vocab-parallel logits.
+        targets: int64 ``[T]`` global target ids.
+        tp_group: tensor-parallel group, or None for unsharded logits.
+        temperature: float32 ``[T]`` or None.
+        chunk_tokens: tokens per chunk.
+
+    Returns:
+        float32 ``[T]`` log-probabilities.
+    """
+    scores = score_tokens(
+        logits, targets, tp_group=tp_group, temperature=temperature, chunk_tokens=chunk_tokens
+    )
+    assert scores.logprobs is not None
+    return scores.logprobs
+
+
+def vocab_parallel_top_k(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    temperature: torch.Tensor | None = None,
+    chunk_tokens: int = 1024,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and log-probabilities per token (see :func:`score_tokens`).
+
+    Args:
+        logits: ``[T, V_local]`` vocab-parallel logits.
+        k: number of alternatives (>= 1).
+        tp_group: tensor-parallel group, or None for unsharded logits.
+        temperature: float32 ``[T]`` or None.
+        chunk_tokens: tokens per chunk.
+        vocab_size: true vocabulary size (padding columns excluded), or None.
+
+    Returns:
+        ``(ids int64 [T, k], logprobs float32 [T, k])``, most likely first.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    scores = score_tokens(
+        logits,
+        None,
+        tp_group=tp_group,
+        temperature=temperature,
+        top_k=k,
+        chunk_tokens=chunk_tokens,
+        vocab_size=vocab_size,
+    )
+    assert scores.top_k_ids is not None and scores.top_k_logprobs is not None
+    return scores.top_k_ids, scores.top_k_logprobs

@@ -1,0 +1,411 @@
+"""The distributed engine: one model replica across the ranks of a torch.distributed job.
+
+Every rank calls :meth:`DistributedEngine.create`; then rank 0 serves
+:meth:`~DistributedEngine.score` / :meth:`~DistributedEngine.load_weights` /
+:meth:`~DistributedEngine.shutdown` (the :class:`~megascore.types.Engine`
+protocol) and every other rank runs :meth:`~DistributedEngine.worker_loop`
+until rank 0 shuts down::
+
+    engine = DistributedEngine.create(EngineConfig(model="tiny"))
+    if engine.rank != 0:
+        engine.worker_loop()  # returns after SHUTDOWN
+    else:
+        ...  # serve engine.score(batch); finally engine.shutdown()
+
+Process groups (all explicit):
+
+* ``command``: every rank, gloo, a very long timeout: idle workers wait in it
+  for rank 0's next message (``megascore.engine.protocol``).
+* ``status``: every rank, gloo, ``3 x collective_timeout_s``: the per-step
+  failure flags and the start-up barrier. It outlasts the step collectives so
+  that a rank that failed early still hears from the ranks that first had to
+  time out waiting for it.
+* Megatron's TP / CP / EP groups from ``megascore.model.parallel`` (timeout
+  ``collective_timeout_s``, rounded up to whole minutes).
+
+Failure: when any rank fails a step, every rank learns it through the status
+all-reduce (:func:`megascore.engine.step.run_step`); the engine is then
+*broken*: rank 0 raises :class:`~megascore.errors.WorkerLostError` for that and
+every later call, and the workers leave their loop with the same error (exit
+non-zero so that the launcher tears the replica down).
+
+Weights: ``EngineConfig.model`` and ``load_weights`` take the model strings of
+:mod:`megascore.engine.loading` (built-in ``tiny``, ``builtin:tiny@7`` for weight
+seed 7, ...). ``load_weights`` runs on every rank (RELOAD) and swaps the new
+weights in only after every rank loaded them; otherwise the old ones stay.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from megascore.config import EngineConfig
+from megascore.engine import protocol
+from megascore.engine.forward import moe_metric_names, mtp_metric_names
+from megascore.engine.loading import (
+    LoadedModel,
+    load_model_config_and_weights,
+    parse_model_spec,
+    same_architecture,
+)
+from megascore.engine.losses import loss_names
+from megascore.engine.step import (
+    StepConfig,
+    StepGroups,
+    agree_on_status,
+    finish_step,
+    run_step,
+    step_pad_multiple,
+    validate_batch,
+)
+from megascore.errors import CheckpointError, InvalidRequestError, WorkerLostError
+from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
+from megascore.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
+
+logger = logging.getLogger(__name__)
+
+_COMMAND_TIMEOUT = datetime.timedelta(days=365)
+_SRC = 0
+
+
+def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
+    """Initialises the default process group from the environment (torchrun / launcher).
+
+    Returns:
+        True when this call initialised it (the engine then destroys it on shutdown),
+        False when the caller had (the caller keeps owning it).
+    """
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        timeout=datetime.timedelta(seconds=engine_cfg.collective_timeout_s),
+    )
+    logger.info("rank %d/%d: %s initialised", dist.get_rank(), dist.get_world_size(), backend)
+    return True
+
+
+def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> None:
+    """Destroys Megatron's parallel state, ``groups`` and, if asked, the default group."""
+    try:
+        destroy_parallel()
+        for group in groups:
+            dist.destroy_process_group(group)
+    finally:
+        if destroy_default and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DistributedEngine:
+    """A model replica; implements :class:`megascore.types.Engine` on rank 0."""
+
+    def __init__(
+        self,
+        engine_cfg: EngineConfig,
+        loaded: LoadedModel,
+        pg_collection,
+        groups: StepGroups,
+        command_group: dist.ProcessGroup,
+    ):
+        """Use :meth:`create`; this only stores what it built."""
+        self.engine_cfg = engine_cfg
+        self.loaded = loaded
+        self.pg_collection = pg_collection
+        self.groups = groups
+        self.command_group = command_group
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = resolve_device(engine_cfg)
+        self.step_cfg = StepConfig(
+            pad_multiple=step_pad_multiple(
+                engine_cfg.tensor_model_parallel_size,
+                engine_cfg.context_parallel_size,
+                engine_cfg.sequence_parallel,
+                engine_cfg.pad_to_multiple_of,
+            ),
+            chunk_tokens=engine_cfg.logprob_chunk_tokens,
+            vocab_size=loaded.config.vocab_size,
+            device=self.device,
+            output_rank=_SRC,
+        )
+        self._step = 0
+        self._broken: str | None = None
+        self._closed = False
+        self._owns_default_group = False
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, engine_cfg: EngineConfig) -> DistributedEngine:
+        """Builds the replica; call on every rank (collective).
+
+        Reads ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` from the
+        environment unless ``torch.distributed`` is already initialised.
+
+        Args:
+            engine_cfg: the engine config, identical on every rank.
+
+        Returns:
+            The engine, after every rank has built the model.
+
+        Raises:
+            ValueError: an unsupported model spec (on every rank, before any collective).
+            WorkerLostError: some rank failed to build the model.
+        """
+        parse_model_spec(engine_cfg.model)  # bad specs fail alike everywhere, early
+        device = resolve_device(engine_cfg)
+        if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            device = resolve_device(engine_cfg)
+        owns_default_group = _init_distributed(engine_cfg, device)
+        own_groups: list[dist.ProcessGroup] = []
+        try:
+            pg_collection = initialize_parallel(engine_cfg)
+            world = list(range(dist.get_world_size()))
+            status_timeout = datetime.timedelta(seconds=3 * engine_cfg.collective_timeout_s)
+            own_groups.append(dist.new_group(world, backend="gloo", timeout=status_timeout))
+            own_groups.append(dist.new_group(world, backend="gloo", timeout=_COMMAND_TIMEOUT))
+            status, command = own_groups
+            groups = StepGroups(tp=pg_collection.tp, cp=pg_collection.cp, status=status)
+            loaded, error = None, None
+            try:
+                loaded = load_model_config_and_weights(engine_cfg.model, engine_cfg, pg_collection)
+            except Exception as e:  # reported to every rank below
+                logger.exception("rank %d: building the model failed", dist.get_rank())
+                error = e
+            failed = agree_on_status(error is not None, status)  # every rank has built it
+            config_error = isinstance(error, (ValueError, CheckpointError))
+            if failed and config_error and len(failed) == len(world):
+                raise error  # a config / checkpoint error, the same everywhere
+            if failed:
+                raise WorkerLostError(f"building the model failed on ranks {failed}: {error}")
+        except BaseException:
+            _teardown_groups(own_groups, owns_default_group)
+            raise
+        logger.info("rank %d: every rank has built %s", dist.get_rank(), loaded.weights_version)
+        engine = cls(engine_cfg, loaded, pg_collection, groups, command)
+        engine._owns_default_group = owns_default_group
+        return engine
+
+    # ---- Engine protocol (rank 0) -------------------------------------------------------------
+
+    def info(self) -> ModelInfo:
+        """Describes the served model (any rank; no collective)."""
+        cfg, e = self.loaded.config, self.engine_cfg
+        return ModelInfo(
+            name=self.loaded.spec.name,
+            architecture=cfg.architecture,
+            num_parameters=self.loaded.num_parameters,
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_position_embeddings,
+            dtype=e.dtype,
+            parallel=ParallelLayout(
+                world_size=self.world_size,
+                tensor_model_parallel_size=e.tensor_model_parallel_size,
+                context_parallel_size=e.context_parallel_size,
+                expert_model_parallel_size=e.expert_model_parallel_size,
+                pipeline_model_parallel_size=1,
+            ),
+            attention_backend=self.loaded.model.megascore_attention_backend,
+            checkpoint_path=self.loaded.spec.path,
+            weights_version=self.loaded.weights_version,
+            has_tokenizer=self.loaded.has_tokenizer,
+            max_top_k=e.max_top_k,
+            loss_names=loss_names(),
+            moe_metric_names=tuple(moe_metric_names(cfg)),
+            mtp_metric_names=tuple(mtp_metric_names(cfg)),
+        )
+
+    def score(self, batch: ScoreBatch) -> ScoreOutput:
+        """Rank 0: scores one batch on every rank of the replica.
+
+        Args:
+            batch: the batch (validated by the caller; re-checked here before any
+                collective).
+
+        Returns:
+            The batch's :class:`ScoreOutput` (flat token layout, ``weights_version`` set).
+
+        Raises:
+            InvalidRequestError: the batch does not fit the model (no collective issued).
+            WorkerLostError: a rank failed or a collective timed out; the replica
+                must be restarted.
+        """
+        self._require_driver("score")
+        self._check_batch(batch)
+        self._step += 1
+        try:
+            protocol.send_batch(
+                batch, self.command_group, _SRC, loss_names(), device="cpu", step=self._step
+            )
+        except (RuntimeError, OSError) as e:
+            raise self._mark_broken(f"broadcasting step {self._step} failed: {e}") from e
+        result = self._run_step(batch)
+        out = finish_step(batch, result)
+        out.weights_version = self.loaded.weights_version
+        return out
+
+    def load_weights(self, model: str, weights_version: str) -> str:
+        """Rank 0: loads new weights on every rank; the old ones stay on failure.
+
+        Args:
+            model: ``builtin:NAME@SEED`` of the served built-in architecture, or
+                ``hf:DIR`` / ``megatron:DIR`` of a checkpoint with the served architecture.
+            weights_version: label of the new weights ("" derives one: the seed, or the
+                checkpoint's label / file hash).
+
+        Returns:
+            The new weights version.
+
+        Raises:
+            InvalidRequestError: unsupported or mismatching spec (no collective issued).
+            CheckpointError: some rank failed to load (old weights kept everywhere).
+            WorkerLostError: the replica is broken or a collective failed.
+        """
+        self._require_driver("load_weights")
+        try:
+            spec = parse_model_spec(model)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        served = self.loaded.spec
+        if spec.kind == "builtin" and spec.name != served.name:
+            raise InvalidRequestError(f"model {model!r}: the served model is {served.name!r}")
+        version = weights_version  # "" lets the loader derive one (seed, checkpoint hash)
+        self._step += 1
+        try:
+            protocol.send_command(
+                protocol.Command.RELOAD,
+                self.command_group,
+                _SRC,
+                device="cpu",
+                path=model,
+                version=version,
+                step=self._step,
+            )
+        except (RuntimeError, OSError) as e:
+            raise self._mark_broken(f"broadcasting RELOAD failed: {e}") from e
+        self._reload(model, version)
+        return self.loaded.weights_version
+
+    def shutdown(self) -> None:
+        """Tears down the replica's state on this rank.
+
+        On rank 0 it first broadcasts SHUTDOWN (workers then leave their loop and
+        tear down themselves); on a worker whose loop raised, or on a broken
+        replica, it only tears down the local state. Megatron's parallel state and
+        the engine's groups are destroyed; the default process group only if
+        :meth:`create` initialised it. Idempotent.
+        """
+        if self._closed:
+            return
+        if self.rank == _SRC and self._broken is None:
+            try:
+                protocol.send_command(
+                    protocol.Command.SHUTDOWN, self.command_group, _SRC, device="cpu"
+                )
+            except (RuntimeError, OSError) as e:
+                logger.warning("SHUTDOWN broadcast failed: %s", e)
+        self._teardown()
+
+    # ---- workers ------------------------------------------------------------------------------
+
+    def worker_loop(self) -> None:
+        """Ranks != 0: executes rank 0's commands until SHUTDOWN.
+
+        Raises:
+            WorkerLostError: a step failed on some rank, rank 0 vanished or the
+                protocol went out of step (the process should exit non-zero).
+        """
+        if self.rank == _SRC:
+            raise RuntimeError("worker_loop runs on ranks != 0")
+        while True:
+            try:
+                command, batch, extra = protocol.recv_command(
+                    self.command_group, _SRC, loss_names(), device="cpu"
+                )
+            except (RuntimeError, OSError, protocol.ProtocolError) as e:
+                raise self._mark_broken(f"rank {self.rank}: lost rank 0: {e}") from e
+            if command == protocol.Command.SHUTDOWN:
+                logger.info("rank %d: SHUTDOWN", self.rank)
+                self._teardown()
+                return
+            if command == protocol.Command.RELOAD:
+                try:
+                    self._reload(extra.path, extra.version)
+                except CheckpointError as e:
+                    logger.warning("rank %d: reload failed, old weights kept: %s", self.rank, e)
+                continue
+            self._run_step(batch)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _run_step(self, batch: ScoreBatch):
+        try:
+            return run_step(self.loaded.model, batch, self.groups, self.step_cfg)
+        except WorkerLostError as e:
+            raise self._mark_broken(str(e)) from e
+
+    def _reload(self, model: str, version: str) -> None:
+        """Every rank: loads ``model``, agrees, swaps in the new weights only if all loaded."""
+        new, error = None, None
+        try:
+            new = load_model_config_and_weights(
+                model, self.engine_cfg, self.pg_collection, weights_version=version
+            )
+            if not same_architecture(new.config, self.loaded.config):
+                raise CheckpointError(f"{model!r} does not match the served architecture")
+        except Exception as e:  # reported to every rank below
+            logger.exception("rank %d: loading %r failed", self.rank, model)
+            error = e
+        try:
+            failed = agree_on_status(error is not None, self.groups.status)
+        except RuntimeError as e:
+            raise self._mark_broken(f"reload status all-reduce failed: {e}") from e
+        if failed:
+            raise CheckpointError(f"loading {model!r} failed on ranks {failed}: {error}")
+        old, self.loaded = self.loaded, new
+        del old
+        logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)
+
+    def _check_batch(self, batch: ScoreBatch) -> None:
+        if self._broken is not None:
+            raise WorkerLostError(f"replica is broken: {self._broken}")
+        cfg, e = self.loaded.config, self.engine_cfg
+        try:
+            validate_batch(
+                batch,
+                vocab_size=cfg.vocab_size,
+                max_length=cfg.max_position_embeddings,
+                max_top_k=e.max_top_k,
+                # Megatron's training-mode MoE forward (the metrics) needs SP with TP > 1.
+                metrics_supported=not (
+                    cfg.is_moe and e.tensor_model_parallel_size > 1 and not e.sequence_parallel
+                ),
+            )
+        except ValueError as err:
+            raise InvalidRequestError(str(err)) from err
+
+    def _require_driver(self, what: str) -> None:
+        if self.rank != _SRC:
+            raise RuntimeError(f"{what} is called on rank 0 only")
+        if self._closed:
+            raise WorkerLostError("the engine is shut down")
+
+    def _mark_broken(self, reason: str) -> WorkerLostError:
+        if self._broken is None:
+            logger.error("rank %d: replica broken: %s", self.rank, reason)
+            self._broken = reason
+        return WorkerLostError(reason)
+
+    def _teardown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _teardown_groups([self.groups.status, self.command_group], self._owns_default_group)

@@ -1,0 +1,277 @@
+"""Portable core attention (the "torch" backend): PyTorch SDPA per packed sequence.
+
+:class:`TorchCoreAttention` replaces Megatron's local ``DotProductAttention`` in
+the layer ``ModuleSpec`` (see ``megascore.model.build``). It takes the same
+constructor and forward arguments and supports what the local module does not:
+
+* packed THD input (``packed_seq_params.qkv_format == "thd"``): every padded
+  segment ``[cu_seqlens_q_padded[i], cu_seqlens_q_padded[i+1])`` is attended
+  causally on its own. Segments of equal length are batched into one SDPA call,
+  so memory is linear in the number of tokens plus one ``L x L`` score block per
+  segment length (never a ``T x T`` mask over the pack);
+* plain causal ``[s, b, heads, dim]`` input (``packed_seq_params`` None);
+* GQA (``num_query_groups < num_attention_heads``) through SDPA's ``enable_gqa``;
+* context parallelism: K and V are all-gathered in the CP group and every local
+  query chunk attends to the keys that precede it. The layout is Megatron's
+  load-balanced one: each (padded) sequence is cut into ``2 * cp`` chunks and CP
+  rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` in that order.
+
+Numbers equal a dense causal softmax attention per sequence within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+from megascore.packing import cp_shard_indices
+
+logger = logging.getLogger(__name__)
+
+_PLAN_ATTR = "_megascore_attention_plan"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """One batched SDPA call: ``n`` query chunks of ``q_len`` tokens, ``k_len`` keys each.
+
+    Attributes:
+        q_index: ``[n, q_len]`` positions of the queries (and outputs) in the local tensor.
+        k_index: ``[n, k_len]`` positions of the keys in the (gathered) key tensor.
+        offset: global position of the first query inside its sequence; the query at
+            chunk position ``i`` sees keys ``0 .. offset + i``.
+    """
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    key: tuple
+    buckets: tuple[_Bucket, ...]
+
+
+def _build_plan(seg_lens: list[int], cp_rank: int, cp_size: int, device: torch.device) -> _Plan:
+    """Groups the local query chunks of every segment by shape.
+
+    Args:
+        seg_lens: global (padded) length of every segment, in packing order.
+        cp_rank: this rank's index in the CP group.
+        cp_size: size of the CP group.
+        device: where the index tensors live.
+
+    Returns:
+        The buckets of SDPA calls covering every non-empty segment.
+    """
+    n_chunks = 2 * cp_size if cp_size > 1 else 1
+    cu = torch.tensor([0, *seg_lens], dtype=torch.long).cumsum(0)
+    if cp_size > 1:
+        # gathered position of every full packed position: rank j's shard is block j
+        order = torch.cat([cp_shard_indices(cu, j, cp_size) for j in range(cp_size)])
+        full_to_gathered = torch.empty_like(order)
+        full_to_gathered[order] = torch.arange(order.numel())
+    else:
+        full_to_gathered = torch.arange(int(cu[-1]))
+
+    # (q_len, offset, k_len) -> list of (local query start, global sequence start)
+    groups: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    local_start = 0
+    for b, length in enumerate(seg_lens):
+        if length == 0:
+            continue
+        if length % n_chunks:
+            raise ValueError(
+                f"sequence {b}: padded length {length} is not divisible by 2 * cp_size = {n_chunks}"
+            )
+        chunk = length // n_chunks
+        chunk_ids = (cp_rank, n_chunks - 1 - cp_rank) if cp_size > 1 else (0,)
+        for slot, chunk_id in enumerate(chunk_ids):
+            offset = chunk_id * chunk
+            groups.setdefault((chunk, offset, offset + chunk), []).append(
+                (local_start + slot * chunk, int(cu[b]))
+            )
+        local_start += len(chunk_ids) * chunk
+
+    buckets = []
+    for (q_len, offset, k_len), starts in sorted(groups.items()):
+        q_starts = torch.tensor([s[0] for s in starts], dtype=torch.long)
+        k_starts = torch.tensor([s[1] for s in starts], dtype=torch.long)
+        q_index = q_starts[:, None] + torch.arange(q_len)  # [n, q_len]
+        k_full = k_starts[:, None] + torch.arange(k_len)  # [n, k_len]
+        buckets.append(
+            _Bucket(
+                q_index=q_index.to(device),
+                k_index=full_to_gathered[k_full].to(device),
+                offset=offset,
+            )
+        )
+    return _Plan(key=(tuple(seg_lens), cp_rank, cp_size, str(device)), buckets=tuple(buckets))
+
+
+class TorchCoreAttention(MegatronModule):
+    """Causal core attention with PyTorch SDPA; drop-in for Megatron's ``DotProductAttention``.
+
+    Args:
+        config: the transformer config.
+        layer_number: 1-based layer index (unused; kept for the spec interface).
+        attn_mask_type: must be ``AttnMaskType.causal`` (or ``padding_causal``).
+        attention_type: "self" (kept for the spec interface).
+        attention_dropout: dropout probability; None = ``config.attention_dropout``.
+        softmax_scale: None = ``1 / sqrt(head_dim)``.
+        cp_comm_type: ignored (this module always all-gathers K/V).
+        pg_collection: process groups; ``tp`` and ``cp`` are used. Required.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config=config)
+        if pg_collection is None:
+            raise ValueError("TorchCoreAttention needs an explicit pg_collection (tp and cp)")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"TorchCoreAttention supports causal masks only, got {attn_mask_type}")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ValueError("TorchCoreAttention supports vanilla softmax without windows only")
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("TorchCoreAttention does not support apply_query_key_layer_scaling")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.tp_group = pg_collection.tp
+        self.cp_group = pg_collection.cp
+        tp_size = self.tp_group.size()
+        self.num_heads = divide(config.num_attention_heads, tp_size)
+        self.num_groups = divide(config.num_query_groups, tp_size)
+        self.head_dim = config.kv_channels
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        )
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def _plan(self, seg_lens: list[int], params: PackedSeqParams | None, device) -> _Plan:
+        cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        cp_rank = self.cp_group.rank() if cp_size > 1 else 0
+        key = (tuple(seg_lens), cp_rank, cp_size, str(device))
+        # the plan is shared by every layer of one forward: cache it on the params object
+        cached = getattr(params, _PLAN_ATTR, None) if params is not None else None
+        if cached is not None and cached.key == key:
+            return cached
+        plan = _build_plan(seg_lens, cp_rank, cp_size, device)
+        if params is not None:
+            setattr(params, _PLAN_ATTR, plan)
+        return plan
+
+    def _gather_cp(self, x: torch.Tensor) -> torch.Tensor:
+        """All-gathers ``x`` [t, g, d] over the CP group into [cp * t, g, d] (rank-major).
+
+        Megatron's autograd-aware gather (backward: reduce-scatter of the K/V grads).
+        """
+        if self.cp_group is None or self.cp_group.size() == 1:
+            return x
+        return gather_from_sequence_parallel_region(x, True, group=self.cp_group)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan):
+        """Runs every bucket. q: [t, heads, dim], k/v: [t_k, groups, dim] -> [t, heads, dim]."""
+        out = torch.zeros_like(q)
+        dropout_p = self.dropout_p if self.training else 0.0
+        gqa = self.num_groups != self.num_heads
+        for bucket in plan.buckets:
+            n, q_len = bucket.q_index.shape
+            k_len = bucket.k_index.shape[1]
+            # qb: [n, heads, q_len, dim]; kb/vb: [n, groups, k_len, dim]
+            qb = q[bucket.q_index].permute(0, 2, 1, 3)
+            kb = k[bucket.k_index].permute(0, 2, 1, 3)
+            vb = v[bucket.k_index].permute(0, 2, 1, 3)
+            if bucket.offset == 0 and q_len == k_len:
+                mask, causal = None, True
+            else:
+                # query i (global offset + i) sees keys 0 .. offset + i: [q_len, k_len]
+                rows = torch.arange(q_len, device=q.device)[:, None] + bucket.offset
+                mask = torch.arange(k_len, device=q.device)[None, :] <= rows
+                causal = False
+            ob = F.scaled_dot_product_attention(
+                qb,
+                kb,
+                vb,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=causal,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
+            )
+            out[bucket.q_index] = ob.permute(0, 2, 1, 3).to(out.dtype)  # [n, q_len, heads, dim]
+        return out
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """Causal attention over each sequence.
+
+        Args:
+            query: THD ``[t, heads, dim]`` or ``[s, b, heads, dim]`` (local heads, local tokens).
+            key: ``[t, groups, dim]`` or ``[s, b, groups, dim]``.
+            value: same shape as ``key``.
+            attention_mask: ignored; the mask is causal per sequence (Megatron passes
+                None for THD and a causal mask or None otherwise).
+            attn_mask_type: ignored (causal).
+            attention_bias: must be None.
+            packed_seq_params: THD boundaries (padded ones are used) or None.
+
+        Returns:
+            ``[t, heads * dim]`` for THD input, ``[s, b, heads * dim]`` otherwise.
+        """
+        if attention_bias is not None:
+            raise ValueError("TorchCoreAttention does not support attention_bias")
+        cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            bounds = cu.tolist()
+            seg_lens = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+            if sum(seg_lens) != query.shape[0] * cp_size:
+                raise ValueError(
+                    f"packed boundaries cover {sum(seg_lens)} tokens, the input holds "
+                    f"{query.shape[0]} x cp {cp_size}"
+                )
+            plan = self._plan(seg_lens, packed_seq_params, query.device)
+            out = self._attend(query, self._gather_cp(key), self._gather_cp(value), plan)
+            return out.reshape(out.shape[0], -1)  # [t, heads * dim]
+
+        # plain [s, b, h, d]: every batch row is one sequence of s * cp tokens
+        s, b = query.shape[:2]
+        q = query.transpose(0, 1).reshape(b * s, *query.shape[2:])  # [b*s, heads, dim]
+        k = key.transpose(0, 1).reshape(b * s, *key.shape[2:])  # [b*s, groups, dim]
+        v = value.transpose(0, 1).reshape(b * s, *value.shape[2:])
+        plan = self._plan([s * cp_size] * b, None, query.device)
+        out = self._attend(q, self._gather_cp(k), self._gather_cp(v), plan)
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, heads * dim]

@@ -1,0 +1,119 @@
+"""Compatibility measures that let Megatron-Core run its real GPTModel code path on the CPU.
+
+Megatron-Core 0.19 assumes CUDA in a few places that are not about the maths.
+On a CPU-only host (a CUDA build of torch without a driver, gloo collectives)
+these are the only changes megascore makes; everything else is Megatron's own
+code (layers, mappings, router, dispatcher, MTP):
+
+* ``torch.cuda.current_device()`` is called to place buffers (tensor-parallel
+  mappings, MoE router buffers, MTP trackers, rotary embeddings ...). On the CPU
+  it raises ("no NVIDIA driver"); :func:`apply` makes it return the CPU device.
+* ``torch.cuda.synchronize()`` is called by Megatron's distributed-checkpoint
+  writer after staging tensors to the host; on the CPU :func:`apply` makes it a
+  no-op (there is no device work to wait for).
+* ``model_parallel_cuda_manual_seed`` needs CUDA generators. On the CPU the torch
+  CPU generator is seeded instead and Megatron's RNG tracker is the inference
+  tracker whose ``fork()`` is a no-op context: scoring runs with dropout off and
+  megascore initialises weights itself (``megascore.model.build``), so no code
+  path draws from a forked CUDA generator.
+* The alltoall token dispatcher and shared-expert overlap create CUDA streams:
+  :func:`transformer_config_overrides` selects the ``allgather`` dispatcher and
+  turns overlap and fused kernels off.
+* The local ``DotProductAttention`` supports neither packed THD input nor
+  context parallelism; ``megascore.model.attention.TorchCoreAttention`` replaces
+  it through the layer spec (that is a backend, not a patch, so it lives there).
+
+Everything here is applied only when the model runs on the CPU; on a GPU host
+:func:`apply` is never called and the CUDA code paths are untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_APPLIED = False
+
+
+def _cpu_current_device() -> torch.device:
+    """Stand-in for ``torch.cuda.current_device`` on a CPU-only host.
+
+    Returns:
+        The CPU device, usable wherever Megatron passes ``device=current_device()``.
+    """
+    return torch.device("cpu")
+
+
+def _cpu_synchronize(device: Any = None) -> None:
+    """Stand-in for ``torch.cuda.synchronize`` on a CPU-only host: nothing to wait for."""
+
+
+def is_applied() -> bool:
+    """Whether :func:`apply` has run in this process."""
+    return _APPLIED
+
+
+def apply() -> None:
+    """Applies the process-wide CPU measures (idempotent, thread-safe).
+
+    Call it before building a Megatron model on the CPU. It refuses to run when
+    CUDA is available, so a GPU process can never be patched by accident.
+
+    Raises:
+        RuntimeError: CUDA is available (the CPU measures would hide real devices).
+    """
+    global _APPLIED
+    with _LOCK:
+        if _APPLIED:
+            return
+        if torch.cuda.is_available():
+            raise RuntimeError("cpu_compat.apply() called on a host where CUDA is available")
+        torch.cuda.current_device = _cpu_current_device
+        torch.cuda.synchronize = _cpu_synchronize
+        _APPLIED = True
+        logger.info(
+            "megatron CPU compatibility applied: torch.cuda.current_device -> cpu, "
+            "torch.cuda.synchronize -> no-op"
+        )
+
+
+def seed_rng(seed: int) -> None:
+    """Seeds the CPU generator and installs a no-op Megatron RNG tracker (CPU replacement
+    for ``model_parallel_cuda_manual_seed``).
+
+    Args:
+        seed: the seed; every rank passes the same value.
+    """
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.manual_seed(seed)
+    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def transformer_config_overrides() -> dict[str, Any]:
+    """``TransformerConfig`` fields that must take these values on the CPU.
+
+    Returns:
+        Field name -> value: the allgather MoE dispatcher, no shared-expert overlap,
+        no fused kernels (they are CUDA/TE-only), CPU parameter allocation.
+    """
+    return {
+        "moe_token_dispatcher_type": "allgather",
+        "moe_shared_expert_overlap": False,
+        "moe_router_fusion": False,
+        "moe_permute_fusion": False,
+        "moe_grouped_gemm": False,
+        "apply_rope_fusion": False,
+        "masked_softmax_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "persist_layer_norm": False,
+        "use_cpu_initialization": True,
+    }

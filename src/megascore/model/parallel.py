@@ -1,0 +1,92 @@
+"""Megatron ``parallel_state`` set-up for one model replica (TP x CP, EP over DP x CP).
+
+The caller owns ``torch.distributed``: it initialises the default group (gloo
+on the CPU, NCCL on GPUs) before :func:`initialize_parallel` and destroys it
+after :func:`destroy_parallel`. Library code takes the returned
+``ProcessGroupCollection`` explicitly instead of reading ``parallel_state``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megascore.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(engine_cfg: EngineConfig) -> torch.device:
+    """The device the model runs on.
+
+    Args:
+        engine_cfg: the engine config ("auto" means CUDA when available).
+
+    Returns:
+        ``cuda:<current device>`` or ``cpu``.
+
+    Raises:
+        ValueError: "cuda" was requested on a host without CUDA.
+    """
+    if engine_cfg.device == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if engine_cfg.device == "cuda":
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return torch.device("cpu")
+
+
+def initialize_parallel(engine_cfg: EngineConfig) -> ProcessGroupCollection:
+    """Creates Megatron's TP / CP / EP / DP process groups for this job.
+
+    ``world_size`` must be a multiple of ``TP x CP``; the remaining factor is data
+    parallel. Expert parallelism is carved out of ``DP x CP`` as in Megatron
+    (expert tensor parallel size = TP).
+
+    Args:
+        engine_cfg: parallel sizes and the collective timeout.
+
+    Returns:
+        The process-group collection (``tp``, ``cp``, ``tp_cp``, ``ep``, ``expt_tp``,
+        ``dp``, ``pp`` ...) to pass to ``build_model`` and the forward.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised, or Megatron's model
+            parallel state already is (call :func:`destroy_parallel` first).
+        ValueError: the world size does not fit the parallel sizes.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("initialize_parallel needs an initialised torch.distributed")
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is already initialised")
+    world = dist.get_world_size()
+    tp = engine_cfg.tensor_model_parallel_size
+    cp = engine_cfg.context_parallel_size
+    ep = engine_cfg.expert_model_parallel_size
+    if world % (tp * cp):
+        raise ValueError(f"world size {world} is not a multiple of TP x CP = {tp} x {cp}")
+    dp = world // (tp * cp)
+    if (dp * cp) % ep:
+        raise ValueError(f"expert_model_parallel_size {ep} must divide DP x CP = {dp} x {cp}")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        distributed_timeout_minutes=max(1, math.ceil(engine_cfg.collective_timeout_s / 60)),
+        create_gloo_process_groups=False,
+    )
+    logger.info("parallel state: world=%d tp=%d cp=%d ep=%d dp=%d", world, tp, cp, ep, dp)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def destroy_parallel() -> None:
+    """Destroys Megatron's parallel state (not the default process group)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

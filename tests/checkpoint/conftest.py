@@ -1,0 +1,52 @@
+"""Fixtures for the checkpoint tests: tiny HF checkpoints and a one-rank gloo world."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from megascore.config import EngineConfig
+from megascore.model.build import build_model
+from megascore.model.parallel import destroy_parallel, initialize_parallel
+from tests.checkpoint.scripts.ckpt_common import FAMILIES, write_hf_checkpoint
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """family -> HF checkpoint dir (``reference.npy`` inside); ``llama_b`` is a second
+    llama with other weights; ``llama_sharded`` is llama saved in several shards."""
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {}
+    for family in FAMILIES:
+        dirs[family] = root / family
+        write_hf_checkpoint(family, dirs[family])
+    dirs["llama_b"] = root / "llama_b"
+    write_hf_checkpoint("llama", dirs["llama_b"], seed=1)
+    dirs["llama_sharded"] = root / "llama_sharded"
+    write_hf_checkpoint("llama", dirs["llama_sharded"], max_shard_size="40KB")
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def pgs():
+    """Megatron parallel state for a one-rank gloo world (TP = CP = EP = 1)."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    pg_collection = initialize_parallel(EngineConfig())
+    yield pg_collection
+    destroy_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def build(pgs):
+    """build(model_cfg, dtype="float32") -> a one-rank CPU GPTModel."""
+
+    def _build(model_cfg, dtype: str = "float32"):
+        return build_model(model_cfg, EngineConfig(device="cpu", dtype=dtype), pgs)
+
+    return _build

@@ -1,0 +1,135 @@
+"""torchrun worker (2 gloo ranks) for tests/checkpoint/test_parallel_load.py.
+
+``WORK`` holds ``hf_<family>/`` (HF checkpoints with ``reference.npy``) and
+``mg_tp1_<family>/`` (Megatron checkpoints saved at TP=1 by the test). Phases:
+
+* TP=2 (expert TP=2): load each HF checkpoint, score; save ``mg_tp2_<family>``;
+  load ``mg_tp1_<family>`` and score; hot-reload ``hf_llama_b`` into the llama model
+  via ``reload_weights`` and score.
+* TP=1, EP=2: the same for mixtral (experts split 2 + 2).
+* DistributedEngine at TP=2 serving ``hf:hf_llama``: score, LoadWeights
+  ``megatron:mg_tp1_llama_b`` (RELOAD on both ranks), a refused reload (other
+  architecture) that keeps the weights, and a reload back to ``hf_llama``.
+
+Rank 0 writes ``out/<case>.npy``; any exception is written to ``out/<case>.error``
+and re-raised so torchrun fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from ckpt_common import megatron_logprobs, token_batch  # noqa: E402
+
+
+def _record(out: Path, case: str, fn) -> None:
+    try:
+        value = fn()
+    except Exception:
+        (out / f"{case}.rank{dist.get_rank()}.error").write_text(traceback.format_exc())
+        raise
+    np.save(out / f"{case}.rank{dist.get_rank()}.npy", value)
+
+
+def _phase(work: Path, out: Path, tag: str, engine_cfg, families: list[str]) -> None:
+    from megascore.checkpoint.loader import reload_weights, resolve_model
+    from megascore.checkpoint.megatron_ckpt import save_checkpoint
+    from megascore.model.build import build_model
+    from megascore.model.parallel import destroy_parallel, initialize_parallel
+
+    pgs = initialize_parallel(engine_cfg)
+    ids = token_batch()
+    for family in families:
+        cfg, load, _ = resolve_model(f"hf:{work / f'hf_{family}'}")
+        model = build_model(cfg, engine_cfg, pgs)
+
+        def from_hf(model=model, load=load):
+            load(model)
+            return megatron_logprobs(model, ids, pgs.tp)
+
+        _record(out, f"hf_{tag}_{family}", from_hf)
+        save_checkpoint(model, cfg, out / f"mg_{tag}_{family}")
+
+        mg_cfg, mg_load, _ = resolve_model(f"megatron:{work / f'mg_tp1_{family}'}")
+        mg_model = build_model(mg_cfg, engine_cfg, pgs)
+
+        def from_megatron(mg_model=mg_model, mg_load=mg_load):
+            mg_load(mg_model)
+            return megatron_logprobs(mg_model, ids, pgs.tp)
+
+        _record(out, f"mg_tp1_to_{tag}_{family}", from_megatron)
+        if family == "llama":
+
+            def reloaded(model=model, cfg=cfg):
+                reload_weights(model, cfg, f"hf:{work / 'hf_llama_b'}")
+                return megatron_logprobs(model, ids, pgs.tp)
+
+            _record(out, f"reload_{tag}_llama", reloaded)
+    destroy_parallel()
+
+
+def _engine_phase(work: Path, out: Path) -> None:
+    from megascore.config import EngineConfig
+    from megascore.engine.runtime import DistributedEngine
+    from megascore.errors import CheckpointError
+    from megascore.types import ScoreBatch
+
+    cfg = EngineConfig(
+        model=f"hf:{work / 'hf_llama'}",
+        tensor_model_parallel_size=2,
+        device="cpu",
+        collective_timeout_s=60,
+    )
+    engine = DistributedEngine.create(cfg)
+    if dist.get_rank() != 0:
+        engine.worker_loop()
+        return
+    ids = token_batch()
+    batch = ScoreBatch(token_ids=ids.reshape(-1).numpy(), lengths=np.full(len(ids), ids.shape[1]))
+
+    def score() -> np.ndarray:  # [b, s-1] like the references
+        return engine.score(batch).logprobs.reshape(ids.shape)[:, 1:]
+
+    info = engine.info()
+    versions = {"start": info.weights_version, "name": info.name}
+    np.save(out / "engine_hf.npy", score())
+    versions["megatron"] = engine.load_weights(f"megatron:{work / 'mg_tp1_llama_b'}", "")
+    np.save(out / "engine_mg_b.npy", score())
+    try:
+        engine.load_weights(f"hf:{work / 'hf_qwen2'}", "")
+        versions["refused"] = "no error"
+    except CheckpointError as e:
+        versions["refused"] = str(e)
+    versions["after_refused"] = engine.info().weights_version
+    np.save(out / "engine_after_refused.npy", score())
+    versions["back"] = engine.load_weights(f"hf:{work / 'hf_llama'}", "v-back")
+    np.save(out / "engine_back.npy", score())
+    (out / "engine.json").write_text(json.dumps(versions))
+    engine.shutdown()
+
+
+def main() -> None:
+    work, out = Path(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    from megascore.config import EngineConfig
+
+    tp2 = EngineConfig(device="cpu", tensor_model_parallel_size=2)
+    _phase(work, out, "tp2", tp2, ["llama", "qwen2", "mistral", "mixtral"])
+    ep2 = EngineConfig(device="cpu", expert_model_parallel_size=2)
+    _phase(work, out, "ep2", ep2, ["mixtral"])
+    _engine_phase(work, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""HF safetensors -> Megatron GPTModel on one rank: parity with transformers, dtypes,
+sharded files, and every way a checkpoint can be broken (model left untouched)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megascore.checkpoint.hf_weights import load_hf_weights
+from megascore.checkpoint.loader import reload_weights, resolve_model
+from megascore.errors import CheckpointError
+from tests.checkpoint.scripts.ckpt_common import FAMILIES, megatron_logprobs, token_batch
+
+TOL = 1e-4
+
+
+def _reference(directory) -> np.ndarray:
+    return np.load(directory / "reference.npy")
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _rewrite(src, dst, edit) -> None:
+    """Copies an HF checkpoint, passing its tensors through ``edit(dict) -> dict``."""
+    shutil.copytree(src, dst)
+    path = dst / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(edit(tensors), str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_match_transformers(hf_dirs, build, pgs, family):
+    cfg, load, meta = resolve_model(f"hf:{hf_dirs[family]}")
+    assert cfg.architecture == family and meta.kind == "hf"
+    model = build(cfg)
+    load(model)
+    got = megatron_logprobs(model, token_batch(), pgs.tp)
+    ref = _reference(hf_dirs[family])
+    assert ref.std() > 0.5, "reference logprobs too flat to detect conversion errors"
+    assert np.abs(got - ref).max() <= TOL
+
+
+def test_sharded_index_checkpoint(hf_dirs, build, pgs):
+    directory = hf_dirs["llama_sharded"]
+    assert (directory / "model.safetensors.index.json").is_file()
+    assert len(list(directory.glob("*.safetensors"))) > 2
+    cfg, load, _ = resolve_model(f"hf:{directory}")
+    model = build(cfg)
+    load(model)
+    got = megatron_logprobs(model, token_batch(), pgs.tp)
+    assert np.abs(got - _reference(directory)).max() <= TOL
+
+
+def test_bf16_checkpoint_into_fp32_and_bf16_models(hf_dirs, tmp_path, build, pgs):
+    src = hf_dirs["llama"]
+    _rewrite(src, tmp_path / "bf16", lambda t: {k: v.bfloat16() for k, v in t.items()})
+    cfg, load, _ = resolve_model(f"hf:{tmp_path / 'bf16'}")
+    fp32 = build(cfg)
+    load(fp32)
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    assert embed.dtype == torch.bfloat16
+    assert torch.equal(fp32.embedding.word_embeddings.weight, embed.float())
+    bf16 = build(cfg, dtype="bfloat16")
+    load(bf16)
+    assert bf16.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    assert torch.equal(bf16.embedding.word_embeddings.weight, embed)
+    # bf16 weights in an fp32 model still track the fp32 reference closely
+    got = megatron_logprobs(fp32, token_batch(), pgs.tp)
+    assert np.abs(got - _reference(src)).max() < 0.1
+
+
+def _corrupt_cases():
+    def drop(t):
+        del t["model.layers.1.self_attn.k_proj.weight"]
+        return t
+
+    def reshape(t):
+        w = t["model.layers.0.mlp.down_proj.weight"]
+        t["model.layers.0.mlp.down_proj.weight"] = w[:, :64].contiguous()
+        return t
+
+    def vocab(t):
+        t["model.embed_tokens.weight"] = torch.cat([t["model.embed_tokens.weight"]] * 2)
+        return t
+
+    return {
+        "missing": (drop, "model.layers.1.self_attn.k_proj.weight"),
+        "wrong_shape": (reshape, "model.layers.0.mlp.down_proj.weight"),
+        "vocab": (vocab, "vocab mismatch"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_corrupt_cases()))
+def test_corrupt_checkpoint_raises_and_leaves_model(hf_dirs, tmp_path, build, case):
+    edit, needle = _corrupt_cases()[case]
+    _rewrite(hf_dirs["llama"], tmp_path / case, edit)
+    cfg, load, _ = resolve_model(f"hf:{hf_dirs['llama']}")
+    model = build(cfg)
+    before = _params(model)
+    with pytest.raises(CheckpointError, match=needle.replace(".", r"\.")):
+        load_hf_weights(model, cfg, tmp_path / case)
+    after = _params(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_truncated_file_names_file_and_tensor(hf_dirs, tmp_path):
+    directory = tmp_path / "trunc"
+    shutil.copytree(hf_dirs["llama"], directory)
+    path = directory / "model.safetensors"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 1000)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated: tensor '"):
+        resolve_model(f"hf:{directory}")
+    with open(path, "r+b") as f:
+        f.truncate(5)
+    with pytest.raises(CheckpointError, match="truncated safetensors file"):
+        resolve_model(f"hf:{directory}")
+
+
+def test_missing_shard_and_no_weights(hf_dirs, tmp_path):
+    directory = tmp_path / "sharded"
+    shutil.copytree(hf_dirs["llama_sharded"], directory)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (directory / victim).unlink()
+    with pytest.raises(CheckpointError, match=f"{victim}: shard named by"):
+        resolve_model(f"hf:{directory}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(hf_dirs["llama"] / "config.json", empty)
+    with pytest.raises(CheckpointError, match="no safetensors weights"):
+        resolve_model(f"hf:{empty}")
+
+
+def test_reload_swaps_weights_and_failed_reload_keeps_old(hf_dirs, tmp_path, build, pgs):
+    cfg, load, _ = resolve_model(f"hf:{hf_dirs['llama']}")
+    model = build(cfg)
+    load(model)
+    meta = reload_weights(model, cfg, f"hf:{hf_dirs['llama_b']}")
+    assert meta.checkpoint_path == str(hf_dirs["llama_b"])
+    got = megatron_logprobs(model, token_batch(), pgs.tp)
+    assert np.abs(got - _reference(hf_dirs["llama_b"])).max() <= TOL
+
+    _rewrite(
+        hf_dirs["llama"],
+        tmp_path / "bad",
+        lambda t: {k: v for k, v in t.items() if "layers.1.mlp" not in k},
+    )
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp"):
+        reload_weights(model, cfg, f"hf:{tmp_path / 'bad'}")
+    with pytest.raises(CheckpointError, match="architecture differs"):
+        reload_weights(model, cfg, f"hf:{hf_dirs['qwen2']}")
+    got = megatron_logprobs(model, token_batch(), pgs.tp)
+    assert np.abs(got - _reference(hf_dirs["llama_b"])).max() <= TOL

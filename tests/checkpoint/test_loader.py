@@ -1,0 +1,79 @@
+"""Model strings, metadata and weights versions (no model is built here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megascore.checkpoint.loader import (
+    check_same_architecture,
+    parse_model_string,
+    resolve_model,
+)
+from megascore.errors import CheckpointError
+from megascore.model.config import builtin_model
+
+
+def test_parse_model_string():
+    assert parse_model_string("tiny") == ("builtin", "tiny")
+    assert parse_model_string("hf:/a/b") == ("hf", "/a/b")
+    assert parse_model_string("megatron:rel/dir") == ("megatron", "rel/dir")
+    with pytest.raises(CheckpointError, match="use a built-in name"):
+        parse_model_string("llama-7b")
+    with pytest.raises(CheckpointError, match="missing directory"):
+        parse_model_string("hf:")
+
+
+def test_builtin_resolves_without_loader():
+    cfg, load, meta = resolve_model("tiny", seed=5)
+    assert (
+        load is None and cfg.seed == 5 and cfg == dataclasses.replace(builtin_model("tiny"), seed=5)
+    )
+    assert (meta.kind, meta.name, meta.checkpoint_path, meta.weights_version) == (
+        "builtin",
+        "tiny",
+        "",
+        "tiny-seed5",
+    )
+
+
+def test_hf_metadata_tokenizer_and_version(hf_dirs, tmp_path):
+    directory = tmp_path / "m"
+    shutil.copytree(hf_dirs["llama"], directory)
+    _, load, meta = resolve_model(f"hf:{directory}")
+    assert callable(load)
+    assert (meta.kind, meta.name, meta.checkpoint_path) == ("hf", "m", str(directory))
+    assert not meta.has_tokenizer and meta.checkpoint_dtype == "float32"
+    (directory / "tokenizer.json").write_text("{}")
+    again = resolve_model(f"hf:{directory}").metadata
+    assert again.has_tokenizer and again.weights_version == meta.weights_version
+    weights = directory / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert resolve_model(f"hf:{directory}").metadata.weights_version != meta.weights_version
+
+
+def test_bad_directories(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        resolve_model(f"hf:{tmp_path / 'nope'}")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        resolve_model(f"hf:{tmp_path}")
+    with pytest.raises(CheckpointError, match="megascore.json: missing"):
+        resolve_model(f"megatron:{tmp_path}")
+
+
+def test_check_same_architecture():
+    cfg = builtin_model("tiny")
+    check_same_architecture(dataclasses.replace(cfg, seed=9, architecture="llama"), cfg)
+    with pytest.raises(CheckpointError, match=r"x: architecture differs.*vocab_size: 256 != 512"):
+        check_same_architecture(dataclasses.replace(cfg, vocab_size=256), cfg, "x")
+
+
+def test_package_import_is_torch_free():
+    code = "import sys, megascore.checkpoint; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,179 @@
+"""Parallel layouts of DistributedEngine in one 4-rank gloo launch.
+
+The script initialises torch.distributed itself, so every layout re-initialises
+only Megatron's parallel state (``DistributedEngine.create`` / ``shutdown``).
+For each layout rank 0 scores the edge-case batch and writes
+``OUT_DIR/<layout>.npz/.json``; the test compares them with the TP=1 reference
+layout (and the world-size-1 launch). Layouts with world 4 and TP x CP < 4 run
+data-parallel copies of the same batch, which is how the engine uses DP.
+
+Then the failure paths: a worker that reports a failed step, and a worker that
+hangs past the status timeout. Check outcomes: ``OUT_DIR/layouts_rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from engine_common import CheckLog, edge_case_batch, save_output
+
+from megascore.config import EngineConfig
+from megascore.engine import step as step_module
+from megascore.engine.logprobs import score_tokens
+from megascore.engine.runtime import DistributedEngine
+from megascore.errors import WorkerLostError
+
+# name -> (model, tp, cp, ep, sequence_parallel). Sequence parallelism is not in the list:
+# on the CPU Megatron's local layer spec falls back to torch norms, which refuse it
+# (and Megatron's training-mode MoE forward, for the metrics, needs it with TP > 1).
+LAYOUTS = {
+    "tiny_ref": ("tiny", 1, 1, 1, False),
+    "tiny_tp2": ("tiny", 2, 1, 1, False),
+    "tiny_cp2": ("tiny", 1, 2, 1, False),
+    "tiny_tp2_cp2": ("tiny", 2, 2, 1, False),
+    "moe_ref": ("tiny-moe", 1, 1, 1, False),
+    "moe_ep2": ("tiny-moe", 1, 1, 2, False),
+    "moe_ep4": ("tiny-moe", 1, 1, 4, False),
+    "moe_cp2_ep2": ("tiny-moe", 1, 2, 2, False),
+    "moe_tp2_ep2": ("tiny-moe", 2, 1, 2, False),
+}
+# Layouts that also return the MoE / MTP metrics.
+WITH_METRICS = {"moe_ref", "moe_ep2", "moe_ep4", "moe_cp2_ep2"}
+
+
+def engine_config(model, tp, cp, ep, sp, timeout=60.0) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=sp,
+        logprob_chunk_tokens=100,  # several chunks per step
+        collective_timeout_s=timeout,
+    )
+
+
+def check_vocab_parallel_random_logits(tp_group):
+    """score_tokens on a vocab shard == torch on the full logits (fp32 and tie-heavy bf16)."""
+    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    gen = torch.Generator().manual_seed(11)
+    full = torch.randn(37, 512, generator=gen) * 4
+    targets = torch.randint(0, 512, (37,), generator=gen)
+    temps = torch.rand(37, generator=gen) + 0.5
+    ties = (torch.randint(-6, 6, (37, 512), generator=gen).float() / 4).to(torch.bfloat16)
+    width = 512 // tp_size
+    for logits in (full, ties):
+        local = logits[:, tp_rank * width : (tp_rank + 1) * width]
+        got = score_tokens(
+            local, targets, tp_group=tp_group, temperature=temps, top_k=64, chunk_tokens=5
+        )
+        ref = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+        want_lp = ref.gather(-1, targets[:, None])[:, 0]
+        torch.testing.assert_close(got.logprobs, want_lp, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            got.top_k_logprobs, torch.topk(ref, 64, dim=-1).values, rtol=0, atol=1e-5
+        )
+        # Layout-independent ids, ties included: same as the unsharded computation.
+        single = score_tokens(logits, None, tp_group=None, temperature=temps, top_k=64)
+        assert torch.equal(got.top_k_ids, single.top_k_ids)
+
+
+def run_layout(name, spec, rank, out_dir, log) -> None:
+    engine = DistributedEngine.create(engine_config(*spec))
+    if spec[1] > 1 and name.startswith("tiny"):
+        log.run(
+            f"{name}:vocab_parallel_random_logits",
+            check_vocab_parallel_random_logits,
+            engine.groups.tp,
+        )
+    if rank != 0:
+        engine.worker_loop()
+        return
+    try:
+        batch = edge_case_batch(moe=name in WITH_METRICS)
+        out = engine.score(batch)
+        save_output(out_dir / name, out, num_parameters=engine.info().num_parameters)
+        if name == "tiny_tp2_cp2":
+            engine.load_weights("builtin:tiny@7", "")
+            save_output(out_dir / f"{name}_seed7", engine.score(batch))
+    finally:
+        engine.shutdown()
+
+
+def expect_worker_lost(fn, match: str) -> float:
+    start = time.monotonic()
+    try:
+        fn()
+    except WorkerLostError as e:
+        assert match in str(e), f"WorkerLostError {e!r} does not mention {match!r}"
+        return time.monotonic() - start
+    raise AssertionError("expected WorkerLostError")
+
+
+def check_reported_failure(rank):
+    """Rank 1 raises after its step collectives: everyone learns it from the status flags."""
+    engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, False))
+    real = step_module.score_tokens
+
+    def failing(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("injected failure")
+
+    if rank == 1:
+        step_module.score_tokens = failing
+    try:
+        if rank == 0:
+            expect_worker_lost(lambda: engine.score(edge_case_batch()), "ranks [1]")
+            expect_worker_lost(lambda: engine.score(edge_case_batch()), "broken")
+        else:
+            expect_worker_lost(engine.worker_loop, "ranks [1]")
+    finally:
+        step_module.score_tokens = real
+        engine.shutdown()  # rank 0: broken, so no SHUTDOWN broadcast; all: local teardown
+
+
+def check_hung_worker(rank):
+    """Rank 1 stalls before the status all-reduce: rank 0 gives up after the status timeout."""
+    engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, False, timeout=3.0))
+    real = step_module.agree_on_status
+
+    def stalled(*args, **kwargs):
+        time.sleep(12.0)  # > the status timeout (3 x 3 s)
+        return real(*args, **kwargs)
+
+    if rank == 1:
+        step_module.agree_on_status = stalled
+    if rank == 0:
+        elapsed = expect_worker_lost(lambda: engine.score(edge_case_batch()), "status")
+        assert elapsed < 40, f"took {elapsed:.1f} s"
+    elif rank == 1:
+        try:
+            engine.worker_loop()
+        except WorkerLostError:
+            pass
+    else:
+        expect_worker_lost(engine.worker_loop, "status")
+
+
+def main(out_dir: Path) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    log = CheckLog(out_dir / f"layouts_rank{rank}.json")
+    for name, spec in LAYOUTS.items():
+        log.run(f"{name}:run", run_layout, name, spec, rank, out_dir, log)
+    log.run("reported_failure", check_reported_failure, rank)
+    log.run("hung_worker", check_hung_worker, rank)
+    # The process group is unusable after the hung-worker check: leave without teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,66 @@
+"""TransformerEngine attention backend against the portable torch backend (one CUDA rank).
+
+Both models are built from the same seed; weights are layout- and backend-independent
+(``megascore.model.weights`` maps TE's fused norm names), so the two must agree up to
+kernel rounding. Skipped without CUDA (tests/conftest.py) or without TransformerEngine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megascore.config import EngineConfig
+from megascore.engine.forward import forward_packed
+from megascore.model.build import HAVE_TE, build_model
+from megascore.model.config import builtin_model
+from megascore.model.parallel import destroy_parallel, initialize_parallel
+from megascore.packing import pack_sequences
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [37, 1, 64, 5, 18]
+# bf16 activations, different attention kernels: differences are rounding-sized
+LOGPROB_TOL = 0.05
+METRIC_REL_TOL = 0.02
+
+
+@pytest.fixture(scope="module")
+def pgs():
+    if not HAVE_TE:
+        pytest.skip("TransformerEngine is not installed")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    pg_collection = initialize_parallel(EngineConfig(device="cuda"))
+    yield pg_collection
+    destroy_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def _run(pgs, model_name: str, backend: str):
+    engine_cfg = EngineConfig(device="cuda", dtype="bfloat16", attention_backend=backend)
+    model = build_model(builtin_model(model_name), engine_cfg, pgs)
+    assert model.megascore_attention_backend == backend
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 512, (len(LENGTHS), max(LENGTHS)), generator=gen)
+    packed = pack_sequences(ids.cuda(), torch.tensor(LENGTHS), pad_individual_seqs_to_multiple_of=8)
+    is_moe = builtin_model(model_name).is_moe
+    out = forward_packed(model, packed, want_moe_metrics=is_moe, want_mtp_metrics=is_moe)
+    starts = packed.cu_seqlens_padded.tolist()
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, LENGTHS, strict=False)])
+    logprobs = torch.log_softmax(out.logits[rows.cuda()].float(), dim=-1)
+    return logprobs, {**out.moe_metrics, **out.mtp_metrics}
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-moe"])
+def test_te_matches_torch_backend(pgs, model_name):
+    lp_torch, metrics_torch = _run(pgs, model_name, "torch")
+    lp_te, metrics_te = _run(pgs, model_name, "te")
+    diff = (lp_te - lp_torch).abs().max().item()
+    assert diff <= LOGPROB_TOL, f"max |dlogprob| {diff}"
+    assert set(metrics_te) == set(metrics_torch)
+    for name, value in metrics_torch.items():
+        assert metrics_te[name] == pytest.approx(value, rel=METRIC_REL_TOL, abs=1e-3), name

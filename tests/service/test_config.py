@@ -1,0 +1,212 @@
+"""Serve config: defaults, flags, YAML, TOML, environment overrides, precedence, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from megascore.config import EngineConfig
+from megascore_server.config import MIB, ServeConfig, ServerConfig
+from megascore_server.config_loader import load_serve_config
+from megascore_server.main import main
+
+
+def test_defaults():
+    config = load_serve_config([], environ={})
+    assert config == ServeConfig()
+    assert config.server.host == "127.0.0.1" and config.server.port == 50051
+    assert config.server.max_message_bytes == 256 * MIB and config.server.metrics_port == 0
+    assert config.server.max_sequence_length is None and config.nproc == 1
+
+
+def test_flags():
+    config = load_serve_config(
+        [
+            "--port",
+            "6000",
+            "--host",
+            "0.0.0.0",
+            "--max-tokens-per-batch",
+            "8192",
+            "--max-batch-wait-ms",
+            "1.5",
+            "--max-sequence-length",
+            "1024",
+            "--tp",
+            "2",
+            "--model",
+            "tiny-moe",
+            "--sequence-parallel",
+            "--nproc",
+            "2",
+            "--grace-s",
+            "3",
+            "--auth-token-file",
+            "/run/token",
+        ],
+        environ={},
+    )
+    assert config.server.port == 6000 and config.server.host == "0.0.0.0"
+    assert config.server.max_tokens_per_batch == 8192
+    assert config.server.max_batch_wait_ms == 1.5 and config.server.max_sequence_length == 1024
+    assert config.server.grace_s == 3.0 and config.server.auth_token_file == "/run/token"
+    assert config.engine == EngineConfig(
+        model="tiny-moe", tensor_model_parallel_size=2, sequence_parallel=True
+    )
+    assert config.nproc == 2
+
+
+YAML = """
+nproc: 2
+max_queue: 7
+server:
+  port: 6001
+  max_sequence_length: null
+  metrics_port: 9100
+engine:
+  model: "hf:/ckpt"
+  context_parallel_size: 2
+  seed: 5
+"""
+
+TOML = """
+nproc = 2
+max_queue = 7
+
+[server]
+port = 6001
+metrics_port = 9100
+
+[engine]
+model = "hf:/ckpt"
+context_parallel_size = 2
+seed = 5
+"""
+
+
+@pytest.mark.parametrize("suffix,text", [(".yaml", YAML), (".toml", TOML)])
+def test_config_file(tmp_path, suffix, text):
+    path = tmp_path / f"serve{suffix}"
+    path.write_text(text)
+    config = load_serve_config(["--config", str(path)], environ={})
+    assert config.nproc == 2 and config.server.max_queue == 7
+    assert config.server.port == 6001 and config.server.metrics_port == 9100
+    assert config.engine.model == "hf:/ckpt" and config.engine.context_parallel_size == 2
+    assert config.engine.seed == 5
+
+
+def test_precedence_file_env_flags(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(YAML)
+    env = {
+        "MEGASCORE_CONFIG": str(path),
+        "MEGASCORE_PORT": "7000",
+        "MEGASCORE_MAX_QUEUE": "9",
+        "MEGASCORE_SEQUENCE_PARALLEL": "false",
+        "MEGASCORE_MAX_SEQUENCE_LENGTH": "none",
+        "MEGASCORE_SEED": "11",
+        "MEGASCORE_UNRELATED": "ignored",
+    }
+    config = load_serve_config(["--max-queue", "12"], environ=env)
+    assert config.server.port == 7000  # env over file
+    assert config.server.max_queue == 12  # flag over env
+    assert config.server.metrics_port == 9100  # file over default
+    assert config.engine.seed == 11 and config.server.max_sequence_length is None
+    assert not config.engine.sequence_parallel
+
+
+@pytest.mark.parametrize(
+    "argv,environ,file_text,message",
+    [
+        (["--port", "abc"], {}, None, "port: invalid value 'abc'"),
+        (["--port", "70000"], {}, None, "port must be in"),
+        ([], {"MEGASCORE_SEQUENCE_PARALLEL": "maybe"}, None, "sequence_parallel"),
+        ([], {"MEGASCORE_MAX_TOKENS_PER_BATCH": "0"}, None, "max_tokens_per_batch must be >= 1"),
+        (["--nproc", "0"], {}, None, "nproc must be >= 1"),
+        (["--max-batch-wait-ms", "-1"], {}, None, "max_batch_wait_ms"),
+        (["--tp", "0"], {}, None, "tensor_model_parallel_size must be >= 1"),
+        (["--dtype", "int8"], {}, None, "dtype must be one of"),
+        (["--tls-cert", "c.pem"], {}, None, "given together"),
+        (["--max-queue-tokens", "10"], {}, None, "max_queue_tokens"),
+        (["--log-level", "LOUD"], {}, None, "log_level"),
+        ([], {}, "bogus_key: 1\n", "unknown key 'bogus_key'"),
+        ([], {}, "server:\n  model: x\n", "unknown key server.model"),
+        ([], {}, "port: [1, 2]\n", "port: invalid value"),
+        ([], {}, "- 1\n- 2\n", "must be a mapping"),
+        ([], {}, "host: 5\n", "host: invalid value 5"),
+    ],
+)
+def test_invalid_values(tmp_path, argv, environ, file_text, message):
+    if file_text is not None:
+        path = tmp_path / "bad.yaml"
+        path.write_text(file_text)
+        argv = [*argv, "--config", str(path)]
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        load_serve_config(argv, environ=environ)
+
+
+def test_unsupported_file_type(tmp_path):
+    path = tmp_path / "serve.json"
+    path.write_text("{}")
+    with pytest.raises(ValueError, match=r"expected \.yaml"):
+        load_serve_config(["--config", str(path)], environ={})
+
+
+def test_round_trip_dict():
+    config = ServeConfig(
+        server=ServerConfig(port=0, max_sequence_length=128),
+        engine=EngineConfig(model="tiny", seed=3),
+        nproc=3,
+    )
+    assert ServeConfig.from_dict(config.to_dict()) == config
+
+
+def test_main_reports_invalid_config(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["--port", "nope"]) == 2
+    assert "port: invalid value 'nope'" in capsys.readouterr().err
+
+
+def test_help_lists_fields(capsys):
+    with pytest.raises(SystemExit) as info:
+        load_serve_config(["--help"], environ={})
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in (
+        "--max-tokens-per-batch",
+        "--tensor-model-parallel-size",
+        "--tp",
+        "--nproc",
+        "--config",
+        "--no-sequence-parallel",
+    ):
+        assert flag in out
+    assert "Token budget of one engine step" in out
+
+
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        ({}, 1),
+        ({"pad_to_multiple_of": 8}, 8),
+        ({"context_parallel_size": 2}, 4),
+        ({"context_parallel_size": 2, "pad_to_multiple_of": 3}, 12),
+        ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, 2),
+        (
+            {
+                "tensor_model_parallel_size": 2,
+                "context_parallel_size": 2,
+                "sequence_parallel": True,
+            },
+            4,
+        ),
+    ],
+)
+def test_pad_multiple_follows_the_engine_layout(kw, expected):
+    from megascore_server.bootstrap import pad_multiple
+
+    assert pad_multiple(object(), EngineConfig(**kw)) == expected
+
+    class Exposed:
+        pad_multiple = 16
+
+    assert pad_multiple(Exposed(), EngineConfig(**kw)) == 16

@@ -1,0 +1,88 @@
+"""Rank-local pieces of the engine step: layout shifts, pad multiples, validation, specs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megascore.engine.loading import parse_model_spec
+from megascore.engine.step import (
+    _megatron_loss_mask,
+    packed_to_flat,
+    step_pad_multiple,
+    validate_batch,
+)
+from megascore.packing import pack_sequences
+from megascore.types import ScoreBatch
+
+
+def test_packed_to_flat_shifts_right_within_each_sequence():
+    lengths = np.array([3, 1, 2])
+    cu_padded = torch.tensor([0, 4, 8, 10])  # padded to multiples of 2 / 4
+    # packed[p] = 100 * segment + position: the prediction made at packed position p
+    packed = torch.tensor([[0.0], [1], [2], [3], [100], [101], [102], [103], [200], [201]])
+    flat = packed_to_flat(packed, cu_padded, lengths, fill=-7.0)
+    assert flat.dtype == np.float64 and flat.shape == (6, 1)
+    # seq 0: [fill, pred@0, pred@1]; seq 1: [fill]; seq 2: [fill, pred@0]
+    np.testing.assert_array_equal(flat[:, 0], [-7, 0, 1, -7, -7, 200])
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "sp", "extra", "want"),
+    [
+        (1, 1, False, 1, 1),
+        (1, 2, False, 1, 4),
+        (2, 2, True, 1, 4),
+        (4, 2, True, 1, 8),
+        (2, 1, True, 3, 6),
+        (1, 3, False, 4, 12),
+    ],
+)
+def test_step_pad_multiple(tp, cp, sp, extra, want):
+    assert step_pad_multiple(tp, cp, sp, extra) == want
+
+
+def _batch(**kw) -> ScoreBatch:
+    base = dict(token_ids=np.array([1, 2, 3, 4]), lengths=np.array([1, 3]))
+    return ScoreBatch(**{**base, **kw})
+
+
+def test_validate_batch_accepts_and_rejects():
+    ok = dict(vocab_size=10, max_length=3, max_top_k=4, metrics_supported=True)
+    validate_batch(_batch(top_k=4, losses=("nll",)), **ok)
+    for bad, match in (
+        (_batch(token_ids=np.array([1, 2, 3, 10])), "sequence 1: token ids"),
+        (_batch(lengths=np.array([2, 3])), "lengths sum"),
+        (_batch(token_ids=np.arange(5), lengths=np.array([1, 4])), "sequence 1: length 4"),
+        (_batch(lengths=np.array([0, 4])), "sequence 0"),
+        (_batch(top_k=5), "top_k"),
+        (_batch(losses=("nope",)), "unknown losses"),
+        (_batch(temperature=np.array([1.0, np.inf], np.float32)), "temperature"),
+        (_batch(loss_mask=np.ones(3, np.uint8)), "loss_mask"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            validate_batch(bad, **ok)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        validate_batch(_batch(want_moe_metrics=True), **{**ok, "metrics_supported": False})
+
+
+def test_megatron_loss_mask_is_aligned_with_targets():
+    batch = _batch(loss_mask=np.array([1, 1, 0, 1], np.uint8))
+    packed = pack_sequences(
+        torch.tensor([[1, 0, 0], [2, 3, 4]]), [1, 3], pad_individual_seqs_to_multiple_of=2
+    )
+    mask = _megatron_loss_mask(batch, packed.cu_seqlens, packed.cu_seqlens_padded.long())
+    # segments [0,2) and [2,6): seq 1 tokens 2,3,4 at 2,3,4; token 3 masked out, token 4 kept
+    np.testing.assert_array_equal(mask[0].numpy(), [0, 0, 0, 1, 0, 0])
+
+
+def test_parse_model_spec():
+    assert parse_model_spec("tiny").seed is None
+    spec = parse_model_spec("builtin:tiny-moe@7")
+    assert (spec.kind, spec.name, spec.seed) == ("builtin", "tiny-moe", 7)
+    hf = parse_model_spec("hf:/ckpt/llama-3/")
+    assert (hf.kind, hf.name, hf.path) == ("hf", "llama-3", "/ckpt/llama-3/")
+    for bad in ("nope", "tiny@x", "hf:"):
+        with pytest.raises(ValueError):
+            parse_model_spec(bad)
