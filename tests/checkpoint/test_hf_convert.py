@@ -4,6 +4,7 @@ sharded files, and every way a checkpoint can be broken (model left untouched)."
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -12,8 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megascore.checkpoint.hf_weights import load_hf_weights
+from megascore.checkpoint.hf_weights import _Mapper, load_hf_weights, plan_hf_load
 from megascore.checkpoint.loader import reload_weights, resolve_model
+from megascore.checkpoint.recipes import ParallelRanks, Src, VocabRows
+from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.errors import CheckpointError
 from tests.checkpoint.scripts.ckpt_common import FAMILIES, megatron_logprobs, token_batch
 
@@ -163,3 +166,44 @@ def test_reload_swaps_weights_and_failed_reload_keeps_old(hf_dirs, tmp_path, bui
         reload_weights(model, cfg, f"hf:{hf_dirs['qwen2']}")
     got = megatron_logprobs(model, token_batch(), pgs.tp)
     assert np.abs(got - _reference(hf_dirs["llama_b"])).max() <= TOL
+
+
+def _te_name(name: str, is_moe: bool) -> str:
+    """The TransformerEngine-spec name of a local-spec parameter."""
+    name = name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+    if not is_moe:  # TE fuses the pre-MLP norm into linear_fc1 of a dense MLP only
+        name = name.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+    return re.sub(
+        r"experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight", r"experts.\2.weight\1", name
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_te_parameter_names_map_like_local_ones(hf_dirs, build, family):
+    cfg, _, _ = resolve_model(f"hf:{hf_dirs[family]}")
+    model = build(cfg)
+    with SafetensorsDir(hf_dirs[family]) as reader:
+        local = plan_hf_load(model, cfg, reader).recipes
+        mapper = _Mapper(cfg, reader, ParallelRanks())
+        for name, recipe in local.items():
+            te = mapper(_te_name(name, cfg.is_moe), 0)
+            assert te.sources() == recipe.sources(), name
+            assert type(te) is type(recipe) and te.local_shape() == recipe.local_shape()
+
+
+def test_vocab_padding_rows_are_zero(hf_dirs):
+    src = Src("model.embed_tokens.weight", (256, 64))
+    with SafetensorsDir(hf_dirs["llama"]) as reader:
+        full = reader.read(src.name)
+        parts = []
+        for rank in range(2):  # 2 TP ranks of a model padded to 260 rows
+            recipe = VocabRows(src, rank, 2)
+            recipe.fit((130, 64))
+            recipe.validate(reader, "embedding.word_embeddings.weight")
+            parts.append(recipe.read(reader))
+        recipe = VocabRows(src, 0, 2)
+        recipe.fit((100, 64))
+        with pytest.raises(CheckpointError, match="vocab mismatch"):
+            recipe.validate(reader, "embedding.word_embeddings.weight")
+    padded = torch.cat(parts)
+    assert torch.equal(padded[:256], full) and not padded[256:].any()

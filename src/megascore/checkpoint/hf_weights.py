@@ -17,14 +17,14 @@ it comes from and how this rank's shard is cut out of them:
 Everything is checked from the file headers (names, shapes, sizes) before any
 data is read, and the full set of local shards is staged on the host before the
 first parameter is overwritten, so a bad checkpoint leaves the model untouched.
-When megatron-bridge is importable (GPU images) its ``AutoBridge`` performs the
-copy instead (:func:`_load_with_bridge`), after the same validation.
+When megatron-bridge is importable (``HAVE_BRIDGE``; GPU images) its
+``AutoBridge`` performs the copy instead (:func:`_load_with_bridge`), after the
+same validation; ``MEGASCORE_HF_LOADER=native`` keeps megascore's reader.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import re
@@ -54,21 +54,21 @@ _SEQ_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.
 _TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)")
 
 
-@functools.cache
-def _bridge_cls():
-    """megatron-bridge's AutoBridge, or None (CPU images; MEGASCORE_HF_LOADER=native)."""
-    if os.environ.get("MEGASCORE_HF_LOADER", "auto") == "native":
-        return None
-    try:
-        from megatron.bridge import AutoBridge
-    except Exception:  # noqa: BLE001 - it imports transformer_engine, which fails without CUDA
-        return None
-    return AutoBridge
+try:  # the GPU path: megatron-bridge imports transformer_engine, which needs CUDA
+    from megatron.bridge import AutoBridge
+
+    HAVE_BRIDGE = True
+except Exception:  # noqa: BLE001 - ImportError, or TE failing to find CUDA libraries
+    AutoBridge = None
+    HAVE_BRIDGE = False
 
 
-def have_bridge() -> bool:
-    """True when megatron-bridge is importable and not disabled (HAVE_BRIDGE)."""
-    return _bridge_cls() is not None
+def use_bridge(model: torch.nn.Module) -> bool:
+    """Whether HF weights go through AutoBridge: HAVE_BRIDGE and a TransformerEngine-spec
+    model (the parameter names the bridge maps), unless ``MEGASCORE_HF_LOADER=native``."""
+    if not HAVE_BRIDGE or os.environ.get("MEGASCORE_HF_LOADER", "auto") == "native":
+        return False
+    return getattr(model, "megascore_attention_backend", "te") == "te"
 
 
 @dataclasses.dataclass
@@ -255,10 +255,18 @@ def copy_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
             targets[name].copy_(value, non_blocking=False)
 
 
-def _load_with_bridge(model: torch.nn.Module, directory: Path) -> None:
-    """Loads HF weights with megatron-bridge's AutoBridge (GPU images only)."""
-    bridge = _bridge_cls().from_hf_pretrained(str(directory))
-    bridge.load_hf_weights([_unwrap(model)], hf_path=str(directory))
+def _load_with_bridge(model: torch.nn.Module, plan: HFLoadPlan, reader: SafetensorsDir) -> None:
+    """Loads HF weights with megatron-bridge's AutoBridge (GPU images), then checks the
+    replicated parameters (norms, routers) against the checkpoint, so a bridge that
+    skipped parameters cannot go unnoticed."""
+    bridge = AutoBridge.from_hf_pretrained(str(plan.directory))
+    bridge.load_hf_weights([_unwrap(model)])
+    targets = _unwrap(model).state_dict(keep_vars=True)
+    for name, recipe in plan.recipes.items():
+        if isinstance(recipe, Replicated):
+            got = targets[name].detach().float().cpu()
+            if not torch.allclose(got, recipe.read(reader).float(), rtol=1e-2, atol=1e-3):
+                raise CheckpointError(f"megatron-bridge did not load {name!r} from the checkpoint")
 
 
 def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: str | Path) -> None:
@@ -270,14 +278,16 @@ def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: s
         directory: HF checkpoint directory (``config.json`` + safetensors).
 
     Raises:
-        CheckpointError: the checkpoint does not fit the model (the model is unchanged).
+        CheckpointError: the checkpoint does not fit the model. Found before any
+            parameter is written; with megascore's reader the model is then unchanged
+            (the AutoBridge path validates the same way but copies as it reads).
     """
     directory = Path(directory)
     with SafetensorsDir(directory) as reader:
         plan = plan_hf_load(model, model_cfg, reader)
-        if have_bridge():
+        if use_bridge(model):
             logger.info("loading %s with megatron-bridge AutoBridge", directory)
-            _load_with_bridge(model, directory)
+            _load_with_bridge(model, plan, reader)
             return
         staged = stage_hf_weights(plan, reader, model)
     copy_into_model(model, staged)

@@ -29,26 +29,29 @@ from megascore.engine.logprobs import score_tokens
 from megascore.engine.runtime import DistributedEngine
 from megascore.errors import WorkerLostError
 
-# name -> (model, tp, cp, ep, sequence_parallel). Sequence parallelism is not in the list:
-# on the CPU Megatron's local layer spec falls back to torch norms, which refuse it
-# (and Megatron's training-mode MoE forward, for the metrics, needs it with TP > 1).
+# name -> (model, tp, cp, ep, sequence_parallel, pad_to_multiple_of). Sequence parallelism
+# is not in the list: on the CPU Megatron's local layer spec falls back to torch norms,
+# which refuse it (and Megatron's training-mode MoE forward, for the metrics, needs it with
+# TP > 1). "moe_ref_pad4" packs like CP=2 does (pads count in Megatron's MoE aux losses).
 LAYOUTS = {
-    "tiny_ref": ("tiny", 1, 1, 1, False),
-    "tiny_tp2": ("tiny", 2, 1, 1, False),
-    "tiny_cp2": ("tiny", 1, 2, 1, False),
-    "tiny_tp2_cp2": ("tiny", 2, 2, 1, False),
-    "moe_ref": ("tiny-moe", 1, 1, 1, False),
-    "moe_ep2": ("tiny-moe", 1, 1, 2, False),
-    "moe_ep4": ("tiny-moe", 1, 1, 4, False),
-    "moe_cp2_ep2": ("tiny-moe", 1, 2, 2, False),
-    "moe_tp2_ep2": ("tiny-moe", 2, 1, 2, False),
+    "tiny_ref": ("tiny", 1, 1, 1, False, 1),
+    "tiny_tp2": ("tiny", 2, 1, 1, False, 1),
+    "tiny_cp2": ("tiny", 1, 2, 1, False, 1),
+    "tiny_tp2_cp2": ("tiny", 2, 2, 1, False, 1),
+    "moe_ref": ("tiny-moe", 1, 1, 1, False, 1),
+    "moe_ref_pad4": ("tiny-moe", 1, 1, 1, False, 4),
+    "moe_ep2": ("tiny-moe", 1, 1, 2, False, 1),
+    "moe_ep4": ("tiny-moe", 1, 1, 4, False, 1),
+    "moe_cp2_ep2": ("tiny-moe", 1, 2, 2, False, 1),
+    "moe_tp2_ep2": ("tiny-moe", 2, 1, 2, False, 1),
 }
 # Layouts that also return the MoE / MTP metrics.
-WITH_METRICS = {"moe_ref", "moe_ep2", "moe_ep4", "moe_cp2_ep2"}
+WITH_METRICS = {"moe_ref", "moe_ref_pad4", "moe_ep2", "moe_ep4", "moe_cp2_ep2"}
 
 
-def engine_config(model, tp, cp, ep, sp, timeout=60.0) -> EngineConfig:
+def engine_config(model, tp, cp, ep, sp, pad=1, timeout=60.0) -> EngineConfig:
     return EngineConfig(
+        pad_to_multiple_of=pad,
         model=model,
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
