@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from megascore_server.bootstrap import run_rank
+from megascore_server.bootstrap import ensure_dist_env, run_rank
 from megascore_server.config import ServeConfig
 from megascore_server.config_loader import load_serve_config
 from megascore_server.launcher import LAUNCHED_ENV, RESOLVED_CONFIG_ENV, LocalLauncher
@@ -61,8 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"megascore serve: error: {exc}", file=sys.stderr)
         return 2
-    setup_logging(config.server.log_level)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not distributed and config.nproc == 1:
+        ensure_dist_env()  # this process is rank 0 of a world of 1
+    setup_logging(config.server.log_level)
     if not os.environ.get(LAUNCHED_ENV) and os.environ.get("RANK", "0") == "0":
         config.log_resolved()
     if distributed:

@@ -163,8 +163,13 @@ class ScorerServicer(pb_grpc.ScorerServicer):
             reader.cancel()
             while not queue.empty():
                 item = queue.get_nowait()
-                if item is not None:
-                    item[2].cancel()
+                if item is None:
+                    continue
+                task = item[2]
+                if not task.done():
+                    task.cancel()  # the batcher drops it
+                elif not task.cancelled():
+                    task.exception()  # retrieved: a later failure is not logged as lost
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         """The model, its current weights version and the server's limits."""

@@ -187,6 +187,7 @@ def test_te_parameter_names_map_like_local_ones(hf_dirs, build, family):
         mapper = _Mapper(cfg, reader, ParallelRanks())
         for name, recipe in local.items():
             te = mapper(_te_name(name, cfg.is_moe), 0)
+            te.fit(recipe.target_shape)
             assert te.sources() == recipe.sources(), name
             assert type(te) is type(recipe) and te.local_shape() == recipe.local_shape()
 

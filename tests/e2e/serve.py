@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
@@ -384,3 +385,25 @@ class SharedServers:
 
 
 SHARED = SharedServers()
+
+
+def shared_server_fixture(name: str):
+    """A session fixture yielding the shared server ``name`` (see :class:`SharedServers`).
+
+    Each conftest that needs the server defines its own fixture from this factory;
+    the process is still started once per session.
+    """
+
+    @pytest.fixture(scope="session")
+    def fixture(tmp_path_factory):
+        server = SHARED.acquire(name, tmp_path_factory.mktemp(f"serve-{name}"))
+        yield server
+        SHARED.release(name)
+
+    return fixture
+
+
+def running(server: ServeProcess) -> ServeProcess:
+    """Fails the calling test at once when a shared server died in an earlier test."""
+    assert server.running(), f"shared server exited {server.proc.returncode}:\n{server.output()}"
+    return server
