@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -24,6 +26,16 @@ from megascore.model.build import build_model
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
 
 logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 
 
 def main() -> None:
@@ -49,12 +61,21 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         pgs = initialize_parallel(engine_cfg)
-        model_cfg, load_weights, meta = resolve_model(engine_cfg.model)
+        model_cfg, load_weights, _ = resolve_model(engine_cfg.model)
         model = build_model(model_cfg, engine_cfg, pgs)
         load_weights(model)
         save_checkpoint(model, model_cfg, args.out, weights_version=args.weights_version or None)
         if dist.get_rank() == 0:
-            logger.info("converted %s (%s) -> %s", args.hf, model_cfg.architecture, args.out)
+            copied = [f for f in TOKENIZER_FILES if (Path(args.hf) / f).is_file()]
+            for name in copied:  # the served model then reports has_tokenizer
+                shutil.copy2(Path(args.hf) / name, Path(args.out) / name)
+            logger.info(
+                "converted %s (%s) -> %s, tokenizer files %s",
+                args.hf,
+                model_cfg.architecture,
+                args.out,
+                copied,
+            )
         destroy_parallel()
     finally:
         dist.destroy_process_group()
