@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
 from packed_forward import PeakMemory, linear_fit, token_budget_batches
 
 logger = logging.getLogger(__name__)
@@ -163,19 +162,25 @@ def rollout_lengths(
 
 
 def make_workloads(
-    num: int, seed: int, vocab_size: int, *, median: float = 400.0, sigma: float = 0.8
+    num: int,
+    seed: int,
+    vocab_size: int,
+    *,
+    median: float = 400.0,
+    sigma: float = 0.8,
+    max_len: int = 2048,
 ) -> tuple[Workload, Workload]:
     """The rollout mix and its uniform-length control (same number of sequences and tokens).
 
     Returns:
         ``(rollout, uniform)``.
     """
-    lengths = rollout_lengths(num, seed, median=median, sigma=sigma)
+    lengths = rollout_lengths(num, seed, median=median, sigma=sigma, max_len=max_len)
     rng = np.random.default_rng(seed + 1)
     rollout = Workload(
         "rollout",
         [rng.integers(0, vocab_size, int(n)).astype(np.int64) for n in lengths],
-        f"log-normal(median {median:g}, sigma {sigma:g}) clipped to [16, 2048], seed {seed}",
+        f"log-normal(median {median:g}, sigma {sigma:g}) clipped to [16, {max_len}], seed {seed}",
     )
     uniform_len = int(round(lengths.mean()))
     uniform = Workload(
@@ -184,6 +189,11 @@ def make_workloads(
         f"every sequence {uniform_len} tokens (the mix's mean length), seed {seed + 1}",
     )
     return rollout, uniform
+
+
+def warmup_sequences(workload: Workload) -> list[np.ndarray]:
+    """The warm-up batch of both the in-process engine and the server: 4 x <= 256 tokens."""
+    return [seq[:256] for seq in workload.sequences[:4]]
 
 
 def score_batch(sequences: list[np.ndarray]):
@@ -262,7 +272,9 @@ def machine_info(device: str) -> dict[str, str]:
     }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        info["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}"
+        info["gpu"] = (
+            f"{props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}"
+        )
     return info
 
 
@@ -452,3 +464,56 @@ def python_profile(fn: Callable[[], object], top: int = 15) -> str:
     text = buf.getvalue()
     start = text.find("   ncalls")
     return text[start:].rstrip() if start >= 0 else text.rstrip()
+
+
+# ---- results --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the results table.
+
+    Attributes:
+        number: measurement number ("1", "2a", ...).
+        measurement: what the ratio is.
+        workload: "rollout", "uniform" or a description.
+        value: the measured ratio.
+        detail: the two sides of the ratio, in words.
+        target: the threshold, or None for a control row.
+        higher_is_better: whether the target is a minimum (True) or a maximum.
+        why: on a miss, the factors of the ratio (markdown).
+        profile: on a miss, a short profile (preformatted text).
+    """
+
+    number: str
+    measurement: str
+    workload: str
+    value: float
+    detail: str
+    target: float | None = None
+    higher_is_better: bool = True
+    why: str = ""
+    profile: str = ""
+
+    @property
+    def passed(self) -> bool | None:
+        if self.target is None:
+            return None
+        return self.value >= self.target if self.higher_is_better else self.value <= self.target
+
+    def target_text(self) -> str:
+        if self.target is None:
+            return "control"
+        return f"{'>=' if self.higher_is_better else '<='} {self.target:g}"
+
+    def result_text(self) -> str:
+        if self.passed is None:
+            return "-"
+        return "pass" if self.passed else f"**miss** ({self.shortfall()})"
+
+    def shortfall(self) -> str:
+        """How far from the target, e.g. "0.12 below, 6% short"."""
+        gap = abs(self.value - self.target)
+        rel = gap / self.target if self.target else float("inf")
+        side = "below" if self.higher_is_better else "above"
+        return f"{gap:.3g} {side}, {rel:.0%} off"

@@ -24,9 +24,8 @@ import argparse
 import logging
 import time
 
-import numpy as np
-
 import common
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +134,35 @@ def check_agreement(engine, hf, workload: common.Workload, device: str) -> dict:
     return result
 
 
+def explain(workload: common.Workload, order: str, t_ours: float, t_hf: float, target) -> str:
+    """The ratio as padding x per-token speed, and what the target would need."""
+    tokens = workload.num_tokens
+    padded = padded_tokens(workload, order)
+    pad = padded / tokens
+    ours_ms, hf_ms = t_ours / tokens * 1e3, t_hf / padded * 1e3
+    speed = hf_ms / ours_ms
+    return (
+        f"ratio {t_hf / t_ours:.2f} = padding x{pad:.2f} (transformers computes {padded} "
+        f"tokens for {tokens} real ones) x per-token speed {speed:.2f} (transformers "
+        f"{hf_ms:.2f} ms per computed token, megascore {ours_ms:.2f} ms per real token). "
+        f"At this padding the target needs a per-token speed of {target / pad:.2f}: "
+        + (
+            "the padding of these batches is too small for the target; per token megascore "
+            "runs at the speed of the same model in transformers (both spend their time in "
+            "the same matmuls, see the profile)."
+            if speed >= 0.9
+            else "megascore is slower per token than transformers here (see the profile)."
+        )
+    )
+
+
 def profile_pair(engine, hf, workload: common.Workload, max_tokens: int, device: str) -> str:
     """torch.profiler top ops of one megascore step and one padded HF batch (arrival order)."""
     seqs = workload.sequences
     first = workload.batches(max_tokens)[0]
-    ours = common.torch_profile(lambda: engine.score(common.score_batch([seqs[i] for i in first])), device)
+    ours = common.torch_profile(
+        lambda: engine.score(common.score_batch([seqs[i] for i in first])), device
+    )
     rows = [seqs[i] for i in batch_order(workload, "arrival")[:BATCH_SIZE]]
     theirs = common.torch_profile(lambda: hf_score_rows(hf, rows, device, common.TOP_K), device)
     return (

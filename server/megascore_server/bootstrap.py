@@ -1,12 +1,24 @@
 """Rank bootstrap: build the engine on every rank, serve on rank 0, work on the others.
 
 The only place of the server that touches the torch-based engine, and only
-lazily (:func:`_create_engine`). Lifecycle of rank 0: engine built on every
-rank -> gRPC server started, health SERVING -> SIGTERM / SIGINT: health
-NOT_SERVING, ``server.stop(grace)`` (in-flight requests finish), then
-``engine.shutdown()`` (broadcasts SHUTDOWN, destroys the process group) ->
-exit 0. A lost rank (``WorkerLostError``) -> health NOT_SERVING, in-flight
-requests fail with UNAVAILABLE, exit 1 so the launcher tears the replica down.
+lazily (:func:`_create_engine`). Lifecycle of rank 0:
+
+* gRPC server bound and started first: health NOT_SERVING, Scorer calls
+  UNAVAILABLE ("model loading") while every rank builds the engine. Rank 0
+  builds it on the engine thread, the single executor thread that later runs
+  every step (its collectives, and its CUDA current device, stay on one thread).
+* ``create_engine`` returned (the engine barriers after every rank built it):
+  health SERVING.
+* SIGTERM / SIGINT: health NOT_SERVING, ``server.stop(grace)`` (in-flight
+  requests finish), then ``engine.shutdown()`` (broadcasts SHUTDOWN, destroys
+  the process group) -> exit 0.
+* A lost rank (``WorkerLostError``) -> health NOT_SERVING, in-flight requests
+  fail with UNAVAILABLE, exit 1 so the launcher tears the replica down.
+* Building the engine failed -> reason logged, health never SERVING, server
+  stopped, exit 1.
+* SIGTERM / SIGINT while loading: a collective model load cannot be interrupted,
+  so the server stops and the process exits 1 at once without waiting for it
+  (the launcher / torchrun then stops the other ranks, still in the model build).
 
 Worker ranks ignore SIGTERM / SIGINT: they leave ``engine.worker_loop()``
 when rank 0 broadcasts SHUTDOWN (or fail when it is gone, after the
@@ -19,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import math
 import os
 import signal
 import socket
@@ -27,7 +38,7 @@ import threading
 
 from megascore.config import EngineConfig
 from megascore.errors import WorkerLostError
-from megascore_server.app import build_server
+from megascore_server.app import ServerHandles, build_server
 from megascore_server.config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -59,21 +70,14 @@ def create_engine(engine_config: EngineConfig):
 def pad_multiple(engine, engine_config: EngineConfig) -> int:
     """Per-sequence pad multiple of the engine (the batcher budgets padded tokens).
 
-    Uses ``engine.pad_multiple`` when the engine exposes it, else the engine's
-    layout rule (``megascore.engine.step.step_pad_multiple``, restated here to stay
-    torch-free): ``pad_to_multiple_of``, lcm ``2 * cp`` with CP, lcm ``tp * cp`` with
-    sequence parallelism.
+    Uses ``engine.pad_multiple`` when the engine exposes it (``DistributedEngine``
+    does: it knows whether the served model turned sequence parallelism on), else
+    :meth:`EngineConfig.pad_multiple` (the same torch-free rule the engine uses).
     """
     exposed = getattr(engine, "pad_multiple", None)
     if isinstance(exposed, int) and exposed >= 1:
         return exposed
-    multiple = engine_config.pad_to_multiple_of
-    cp = engine_config.context_parallel_size
-    if cp > 1:
-        multiple = math.lcm(multiple, 2 * cp)
-    if engine_config.sequence_parallel:
-        multiple = math.lcm(multiple, engine_config.tensor_model_parallel_size * cp)
-    return multiple
+    return engine_config.pad_multiple()
 
 
 def ensure_dist_env() -> None:
@@ -94,14 +98,19 @@ def ensure_dist_env() -> None:
         os.environ.setdefault(key, value)
 
 
-async def serve_async(engine, config: ServeConfig) -> int:
-    """Serves on rank 0 until SIGTERM / SIGINT (exit 0) or a lost rank (exit 1)."""
+async def serve_async(config: ServeConfig) -> int:
+    """Rank 0: binds and starts the server, loads the engine on the engine thread, serves.
+
+    Health answers NOT_SERVING (Scorer calls UNAVAILABLE, "model loading") while
+    every rank builds the model; SERVING once ``create_engine`` returned (the
+    engine barriers after every rank has built it).
+
+    Returns:
+        The exit code: 0 after a SIGTERM / SIGINT drain; 1 when a rank was lost,
+        building the engine failed, or a signal came while loading; 2 when the
+        server cannot be set up (TLS / token files, limits not fitting the model).
+    """
     server_config = config.server
-    server, port, handles = build_server(
-        engine, server_config, pad_multiple=pad_multiple(engine, config.engine)
-    )
-    await handles.start()
-    logger.info("megascore serving on %s:%d", server_config.host, port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -114,6 +123,20 @@ async def serve_async(engine, config: ServeConfig) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        _, port, handles = build_server(None, server_config)
+    except (ValueError, OSError) as exc:
+        logger.error("cannot set up the gRPC server: %s", exc)
+        return 2
+    except RuntimeError as exc:
+        logger.error("cannot start the gRPC server: %s", exc)
+        return 1
+    await handles.start()
+    logger.info("megascore listening on %s:%d, NOT_SERVING while loading", server_config.host, port)
+    code = await _load(handles, config, stop)
+    if code is not None:
+        return code
+    logger.info("megascore serving on %s:%d", server_config.host, port)
     waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(handles.fatal.wait())]
     try:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -128,6 +151,41 @@ async def serve_async(engine, config: ServeConfig) -> int:
     return 0 if ok else 1
 
 
+async def _load(handles: ServerHandles, config: ServeConfig, stop: asyncio.Event) -> int | None:
+    """Builds the engine on the engine thread and attaches it; an exit code when it failed.
+
+    A signal while loading cannot interrupt the (collective) load: the server stops,
+    and the caller exits 1 without waiting for it (the launcher / torchrun then stops
+    the other ranks, which are still inside the model build).
+    """
+    load = asyncio.ensure_future(handles.load_engine(lambda: create_engine(config.engine)))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not load.done():
+        logger.warning("signal while the model is loading: stopping without serving (exit 1)")
+        await handles.stop(grace=0.0, engine_timeout_s=0.0)
+        load.cancel()
+        return 1
+    if load.exception() is not None:
+        exc = load.exception()
+        logger.error("building the engine failed: %s", exc, exc_info=exc)
+        await handles.stop(grace=0.0, engine_timeout_s=10.0)
+        return 1
+    if stop.is_set():
+        return None  # loaded just as the signal came: the caller drains (engine shutdown)
+    engine = load.result()
+    try:
+        await handles.attach_engine(engine, pad_multiple=pad_multiple(engine, config.engine))
+    except Exception as exc:  # ValueError: the config's limits do not fit the model
+        logger.error("cannot serve the model: %s", exc, exc_info=not isinstance(exc, ValueError))
+        await handles.stop(grace=0.0, engine_timeout_s=config.engine.collective_timeout_s + 10)
+        return 2 if isinstance(exc, ValueError) else 1
+    return None
+
+
 def run_rank(config: ServeConfig) -> int:
     """Runs this process's rank (RANK from the environment); returns its exit code."""
     ensure_dist_env()
@@ -135,15 +193,15 @@ def run_rank(config: ServeConfig) -> int:
     if rank != 0:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, _worker_signal)
+    if rank == 0:
+        code = asyncio.run(serve_async(config))
+        _exit_if_engine_stuck(code)
+        return code
     try:
         engine = create_engine(config.engine)
     except Exception:
         logger.exception("rank %d: building the engine failed", rank)
         return 1
-    if rank == 0:
-        code = asyncio.run(serve_async(engine, config))
-        _exit_if_engine_stuck(code)
-        return code
     try:
         engine.worker_loop()
     except WorkerLostError as exc:
@@ -157,7 +215,8 @@ def run_rank(config: ServeConfig) -> int:
 
 
 def _exit_if_engine_stuck(code: int) -> None:
-    """A step or shutdown hung on a dead rank would block interpreter exit: leave now."""
+    """A step or shutdown hung on a dead rank, or a model load still running, would block
+    interpreter exit: leave now."""
     engine_threads = [t for t in threading.enumerate() if t.name.startswith("megascore-engine")]
     for thread in engine_threads:
         thread.join(2.0)  # an idle executor thread exits right after shutdown()

@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         for name, type_str in fields.items():
             flags = ["--" + name.replace("_", "-"), *_ALIASES.get(name, [])]
             help_text = docs.get(name, "")
-            if type_str == "bool":
+            if type_str in ("bool", "bool | None"):
                 group.add_argument(
                     *flags, dest=name, action=argparse.BooleanOptionalAction, help=help_text
                 )

@@ -36,14 +36,20 @@ def _new_request_id() -> str:
     return "srv-" + uuid.uuid4().hex[:16]
 
 
+LOADING_MESSAGE = (
+    "server is starting: model loading on every rank (health NOT_SERVING until it is "
+    "loaded); retry later"
+)
+
+
 class ScorerServicer(pb_grpc.ScorerServicer):
     """``megascore.v1.Scorer`` on top of a :class:`DynamicBatcher`.
 
+    Every RPC answers UNAVAILABLE (:data:`LOADING_MESSAGE`) until :meth:`attach`
+    gives it the engine's batcher, so the server can start while the model loads.
+
     Args:
-        batcher: queues requests for the engine.
         health: health servicer; requests are refused while it is not SERVING.
-        limits: request limits (validation).
-        info: the engine's model description.
         max_tokens_per_batch: step budget, reported in ``ModelInfo``.
         max_stream_inflight: ScoreStream messages submitted ahead of their responses.
         metrics: optional Prometheus metrics.
@@ -51,22 +57,28 @@ class ScorerServicer(pb_grpc.ScorerServicer):
 
     def __init__(
         self,
-        batcher: DynamicBatcher,
         health: ScorerHealth,
-        limits: RequestLimits,
-        info: ModelInfo,
         *,
         max_tokens_per_batch: int,
         max_stream_inflight: int = 32,
         metrics: ServerMetrics | None = None,
     ):
-        self._batcher = batcher
         self._health = health
-        self._limits = limits
-        self._info = info
         self._max_tokens_per_batch = max_tokens_per_batch
         self._max_stream_inflight = max_stream_inflight
         self._metrics = metrics
+        self._batcher: DynamicBatcher | None = None
+        self._limits: RequestLimits | None = None
+        self._info: ModelInfo | None = None
+
+    def attach(self, batcher: DynamicBatcher, limits: RequestLimits, info: ModelInfo) -> None:
+        """Serves the engine behind ``batcher`` (its limits and model description)."""
+        self._batcher, self._limits, self._info = batcher, limits, info
+
+    def _ready(self) -> DynamicBatcher:
+        if self._batcher is None:
+            raise UnavailableError(LOADING_MESSAGE)
+        return self._batcher
 
     def _observe(self, rpc: str, code: grpc.StatusCode, start: float) -> None:
         if self._metrics is not None:
@@ -75,11 +87,12 @@ class ScorerServicer(pb_grpc.ScorerServicer):
     async def _score_one(
         self, request: pb.ScoreRequest, request_id: str, arrival: float, remaining: float | None
     ) -> pb.ScoreResponse:
+        batcher = self._ready()
         if not self._health.serving:
             raise UnavailableError("server is not serving (starting up or draining)")
         batch = validate_request(request, self._limits)
         deadline = None if remaining is None else arrival + remaining
-        result = await self._batcher.submit(request_id, batch, arrival=arrival, deadline=deadline)
+        result = await batcher.submit(request_id, batch, arrival=arrival, deadline=deadline)
         timings = pb.Timings(
             queue_ms=result.queue_ms, compute_ms=result.compute_ms, num_steps=result.num_steps
         )
@@ -174,27 +187,34 @@ class ScorerServicer(pb_grpc.ScorerServicer):
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         """The model, its current weights version and the server's limits."""
         start = time.monotonic()
+        try:
+            batcher = self._ready()
+        except UnavailableError as exc:
+            code, message = status_for(exc)
+            self._observe("GetModelInfo", code, start)
+            await context.abort(code, message)
         self._observe("GetModelInfo", grpc.StatusCode.OK, start)
         return model_info_to_proto(
             self._info,
             max_sequence_length=self._limits.max_sequence_length,
             max_request_tokens=self._limits.max_request_tokens,
             max_tokens_per_batch=self._max_tokens_per_batch,
-            weights_version=self._batcher.weights_version,
+            weights_version=batcher.weights_version,
         )
 
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context):
         """Swaps weights between steps; on failure the old weights keep serving."""
         start = time.monotonic()
         try:
+            batcher = self._ready()
             if not request.model:
                 raise InvalidRequestError(
                     "model: required ('hf:DIR', 'megatron:DIR' or 'builtin:NAME@SEED')"
                 )
             logger.info("loading weights %s (version %r)", request.model, request.weights_version)
-            previous = self._batcher.weights_version
+            previous = batcher.weights_version
             try:
-                new, previous, info = await self._batcher.load_weights(
+                new, previous, info = await batcher.load_weights(
                     request.model, request.weights_version
                 )
             except CheckpointError as exc:

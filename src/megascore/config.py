@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "te")
@@ -18,8 +19,11 @@ class EngineConfig:
     tensor_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism (only meaningful with TP > 1)."""
+    sequence_parallel: bool | None = None
+    """Megatron sequence parallelism (TP > 1 only); unset: on for a MoE model with TP > 1.
+
+    None (``none`` / ``null`` in a config file or the environment) lets the engine
+    decide (:meth:`sequence_parallel_for`); True / False is an explicit override."""
     device: str = "auto"
     """"cpu", "cuda" or "auto" (cuda when available)."""
     dtype: str = "float32"
@@ -59,6 +63,45 @@ class EngineConfig:
             raise ValueError("collective_timeout_s must be > 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+
+    def sequence_parallel_for(self, is_moe: bool) -> bool:
+        """Whether sequence parallelism is on for a model.
+
+        An explicit ``sequence_parallel`` wins. Unset (None), it is on for a MoE model
+        with TP > 1: Megatron's training-mode MoE forward, which the MoE / MTP metrics
+        need, refuses TP > 1 without it. Dense models keep it off.
+
+        Args:
+            is_moe: whether the served model has MoE layers.
+
+        Returns:
+            The sequence-parallel setting the model is built with.
+        """
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel
+        return is_moe and self.tensor_model_parallel_size > 1
+
+    def pad_multiple(self, is_moe: bool = False) -> int:
+        """Per-sequence pad multiple of an engine step: lcm of what CP, SP and the config need.
+
+        ``pad_to_multiple_of``; lcm ``2 * cp`` with CP (``2 * cp`` chunks per sequence);
+        lcm ``tp * cp`` with sequence parallelism (tokens split over TP). The engine
+        pads with it and the server's batcher budgets padded tokens with it.
+
+        Args:
+            is_moe: whether the served model has MoE layers (see
+                :meth:`sequence_parallel_for`).
+
+        Returns:
+            The multiple every sequence is padded to.
+        """
+        tp, cp = self.tensor_model_parallel_size, self.context_parallel_size
+        multiple = self.pad_to_multiple_of
+        if cp > 1:
+            multiple = math.lcm(multiple, 2 * cp)
+        if self.sequence_parallel_for(is_moe):
+            multiple = math.lcm(multiple, tp * cp)
+        return multiple
 
     @property
     def model_parallel_size(self) -> int:

@@ -208,3 +208,29 @@ def test_vocab_padding_rows_are_zero(hf_dirs):
             recipe.validate(reader, "embedding.word_embeddings.weight")
     padded = torch.cat(parts)
     assert torch.equal(padded[:256], full) and not padded[256:].any()
+
+
+def _to_stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mixtral hub layout -> transformers 5's stacked one (gate_up_proj [E, 2F, H])."""
+    out = {}
+    for i in range(2):
+        p = f"model.layers.{i}.block_sparse_moe."
+        experts = range(4)
+        out[f"model.layers.{i}.mlp.gate.weight"] = tensors.pop(p + "gate.weight")
+        w = {
+            k: [tensors.pop(f"{p}experts.{e}.{k}.weight") for e in experts]
+            for k in ("w1", "w2", "w3")
+        }
+        gate_up = [torch.cat([g, u]) for g, u in zip(w["w1"], w["w3"], strict=True)]
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(w["w2"])
+    return {**tensors, **out}
+
+
+def test_transformers5_stacked_experts(hf_dirs, tmp_path, build, pgs):
+    _rewrite(hf_dirs["mixtral"], tmp_path / "stacked", _to_stacked_experts)
+    cfg, load, _ = resolve_model(f"hf:{tmp_path / 'stacked'}")
+    model = build(cfg)
+    load(model)
+    got = megatron_logprobs(model, token_batch(), pgs.tp)
+    assert np.abs(got - _reference(hf_dirs["mixtral"])).max() <= TOL

@@ -7,7 +7,8 @@ Two torchrun launches (module-scoped fixtures):
   equal log_softmax of the model's own logits per sequence, losses, output
   switches, validation, hot reload, shutdown;
 * ``engine_layouts.py`` on 4 ranks: TP=2, CP=2, TP=2xCP=2 (tiny) and EP=2/4,
-  CP=2xEP=2, TP=2xEP=2 (tiny-moe) each score the edge-case batch (length-1
+  CP=2xEP=2, TP=2xEP=2 with automatic sequence parallelism and with it disabled
+  (tiny-moe) each score the edge-case batch (length-1
   sequences, one at max length, one long + many short); vocab-parallel logprobs
   / top-k on random logits at TP=2; a worker failure and a hung worker make
   rank 0 raise WorkerLostError.
@@ -37,8 +38,10 @@ SINGLE_CHECKS = (
     "shutdown",
 )
 DENSE = ("tiny_tp2", "tiny_cp2", "tiny_tp2_cp2")
-MOE = ("moe_ep2", "moe_ep4", "moe_cp2_ep2", "moe_tp2_ep2")
-MOE_WITH_METRICS = ("moe_ep2", "moe_ep4", "moe_cp2_ep2")
+MOE = ("moe_ep2", "moe_ep4", "moe_cp2_ep2", "moe_tp2_ep2", "moe_tp2_ep2_nosp")
+# MoE layouts packed with a pad multiple of 4 (CP=2; TP=2 with automatic SP and
+# pad_to_multiple_of=4): their metrics are compared with "moe_ref_pad4".
+PAD4_MOE = ("moe_cp2_ep2", "moe_tp2_ep2")
 LAYOUT_CHECKS = (
     *(f"{name}:run" for name in ("tiny_ref", *DENSE, "moe_ref", "moe_ref_pad4", *MOE)),
     "tiny_tp2:vocab_parallel_random_logits",
@@ -128,19 +131,21 @@ def test_layout_matches_reference(layouts, name):
     ref = "tiny_ref" if name.startswith("tiny") else "moe_ref"
     got, want = load_output(layouts["dir"] / name), load_output(layouts["dir"] / ref)
     no_metrics = {"moe_metrics": {}, "mtp_metrics": {}}
-    if name == "moe_tp2_ep2":  # no metrics there (see engine_layouts.LAYOUTS)
+    if name == "moe_tp2_ep2_nosp":  # SP disabled: metrics rejected, scored without them
         want = (want[0], {**want[1], **no_metrics})
-    if "cp2" in name and name.startswith("moe"):  # metrics compared below
+    if name in PAD4_MOE:  # metrics compared below
         got, want = (got[0], {**got[1], **no_metrics}), (want[0], {**want[1], **no_metrics})
     assert_outputs_match(got, want)
     assert got[1]["num_parameters"] == want[1]["num_parameters"]
 
 
-def test_cp_moe_metrics_match_reference_with_the_same_padding(layouts):
-    """CP=2 pads sequences to multiples of 4 and Megatron routes pads too (they count in
-    the aux losses): compare with a CP=1 reference packed the same way. (The MTP loss is
-    Megatron's mean of per-CP-rank means; here within 1e-5 of the CP=1 value.)"""
-    got = load_output(layouts["dir"] / "moe_cp2_ep2")
+@pytest.mark.parametrize("name", PAD4_MOE)
+def test_moe_metrics_match_reference_with_the_same_padding(layouts, name):
+    """CP=2 and TP=2 with SP pad sequences to multiples of 4 and Megatron routes pads too
+    (they count in the aux losses): compare with a single-rank reference packed the same
+    way. (The MTP loss is Megatron's mean of per-CP-rank means; here within 1e-5 of the
+    CP=1 value.)"""
+    got = load_output(layouts["dir"] / name)
     want = load_output(layouts["dir"] / "moe_ref_pad4")
     assert_outputs_match(got, want)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.reference import engine_outputs, sample_cases
 from tests.e2e.serve import running, shared_server_fixture
 
 shared_tp1 = shared_server_fixture("tp1")
@@ -26,3 +27,15 @@ def tp1(shared_tp1):
 def tp2(shared_tp2):
     """The shared ``--nproc 2 --tensor-model-parallel-size 2`` server (checked alive)."""
     return running(shared_tp2)
+
+
+@pytest.fixture(scope="session")
+def cases():
+    """The sample cases every parity test scores."""
+    return sample_cases()
+
+
+@pytest.fixture(scope="session")
+def engine_reference(cases):
+    """The outputs of the engine built in this process (no server) for ``cases``."""
+    return engine_outputs([case.batch() for case in cases])

@@ -24,10 +24,13 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
+from megascore.wire import encode_array
 
 ROOT = Path(__file__).resolve().parents[2]
 MEGASCORE = Path(sys.executable).with_name("megascore")
@@ -140,6 +143,8 @@ class ServeProcess:
             ranks per node instead of the console script.
         metrics: also expose the Prometheus endpoint on a free port.
         env: extra environment variables.
+        credentials: TLS credentials of the helper's own channel (health polling);
+            None for a plaintext server.
     """
 
     def __init__(
@@ -149,12 +154,14 @@ class ServeProcess:
         torchrun_nproc: int | None = None,
         metrics: bool = False,
         env: dict[str, str] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ):
         self.log_path = Path(log_path)
         self.port = free_port()
         self.metrics_port = free_port() if metrics else None
         self.target = f"127.0.0.1:{self.port}"
         self.health_seen: list[str] = []
+        self.startup_probe: tuple[grpc.StatusCode, str] | None = None
         flags = ["--host", "127.0.0.1", "--port", str(self.port), *args]
         if self.metrics_port:
             flags += ["--metrics-port", str(self.metrics_port)]
@@ -194,7 +201,10 @@ class ServeProcess:
             start_new_session=True,
         )
         self.pid = self.proc.pid
-        self._channel = grpc.insecure_channel(self.target)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(self.target)
+        else:
+            self._channel = grpc.secure_channel(self.target, credentials)
         self.known_pids: set[int] = {self.pid}
 
     # ---- state ----------------------------------------------------------------------------
@@ -220,12 +230,23 @@ class ServeProcess:
         if not self.health_seen or self.health_seen[-1] != state:
             self.health_seen.append(state)
 
-    def wait_serving(self, timeout: float = START_TIMEOUT_S, check_health: bool = True) -> None:
+    def _probe_score(self) -> tuple[grpc.StatusCode, str]:
+        """What a Score call gets before SERVING (code, details)."""
+        request = pb.ScoreRequest(
+            token_ids=encode_array(np.array([1, 2, 3], dtype=np.int64)),
+            lengths=encode_array(np.array([3], dtype=np.int64)),
+        )
+        try:
+            self.stub().Score(request, timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
         """Polls Health/Check until SERVING, recording each distinct state seen.
 
         States: "unreachable" (no answer), "NOT_SERVING", "SERVING", or another
-        status code name. With ``check_health=False`` (a TLS server), waits for the
-        log line instead.
+        status code name.
         """
         end = time.monotonic() + timeout
         while time.monotonic() < end:
@@ -233,11 +254,6 @@ class ServeProcess:
                 raise AssertionError(
                     f"serve exited early ({self.proc.returncode}):\n{self.output()}"
                 )
-            if not check_health:
-                if "health: SERVING" in self.output(tail=10**7):
-                    return
-                time.sleep(0.2)
-                continue
             try:
                 status = self.health(timeout=2.0)
                 state = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
@@ -245,6 +261,8 @@ class ServeProcess:
                 code = exc.code()
                 state = "unreachable" if code is grpc.StatusCode.UNAVAILABLE else code.name
             self._note(state)
+            if state == "NOT_SERVING" and self.startup_probe is None:
+                self.startup_probe = self._probe_score()
             if state == "SERVING":
                 self.known_pids.update(descendants(self.pid))
                 return

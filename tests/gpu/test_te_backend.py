@@ -51,7 +51,8 @@ def _run(pgs, model_name: str, backend: str):
     out = forward_packed(model, packed, want_moe_metrics=is_moe, want_mtp_metrics=is_moe)
     starts = packed.cu_seqlens_padded.tolist()
     rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, LENGTHS, strict=False)])
-    logprobs = torch.log_softmax(out.logits[rows.cuda()].float(), dim=-1)
+    logits = out.head.logits(0, out.head.num_tokens)  # [T, V]: a tiny test batch
+    logprobs = torch.log_softmax(logits[rows.cuda()].float(), dim=-1)
     return logprobs, {**out.moe_metrics, **out.mtp_metrics}
 
 

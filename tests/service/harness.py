@@ -8,6 +8,7 @@ asyncio code path.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import socket
@@ -33,7 +34,11 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """A built server on its own event-loop thread; ``stop()`` tears everything down."""
+    """A built server on its own event-loop thread; ``stop()`` tears everything down.
+
+    With ``engine=None`` the server starts without an engine (model loading);
+    :meth:`load` then builds one on the engine thread and attaches it.
+    """
 
     def __init__(
         self,
@@ -61,6 +66,17 @@ class ServerThread:
 
     async def _build(self):
         return build_server(self.engine, self.config, pad_multiple=self.pad_multiple)
+
+    def load(self, factory) -> concurrent.futures.Future:
+        """Starts ``load_engine(factory)`` then ``attach_engine``; the future yields the engine."""
+
+        async def load_and_attach():
+            engine = await self.handles.load_engine(factory)
+            self.engine = engine
+            await self.handles.attach_engine(engine, pad_multiple=self.pad_multiple)
+            return engine
+
+        return asyncio.run_coroutine_threadsafe(load_and_attach(), self.loop)
 
     def call(self, coro, timeout: float = 30):
         """Runs a coroutine on the server loop and returns its result."""

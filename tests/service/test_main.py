@@ -1,4 +1,4 @@
-"""``megascore serve`` as a process: local launcher, signals, lost rank, no orphans.
+"""``megascore serve`` as a process: local launcher, signals, lost rank, loading, no orphans.
 
 The engine comes from ``tests.service.dist_fake`` through MEGASCORE_ENGINE_FACTORY.
 """
@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from tests.service.harness import Req, check_response, free_port
 
@@ -59,6 +60,25 @@ class Serve:
 
     def output(self) -> str:
         return (self.dir / "serve.log").read_text()
+
+    def health_status(self) -> int | None:
+        """Health of the server, or None when nothing answers."""
+        try:
+            stub = health_pb2_grpc.HealthStub(self.channel)
+            return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+        except grpc.RpcError:
+            return None
+
+    def wait_answering(self, timeout: float = 60) -> int:
+        """Polls until the server answers health; returns that first status."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, f"serve exited early:\n{self.output()}"
+            status = self.health_status()
+            if status is not None:
+                return status
+            time.sleep(0.05)
+        raise AssertionError(f"never answered health:\n{self.output()}")
 
     def wait_serving(self, timeout: float = 60) -> None:
         health = health_pb2_grpc.HealthStub(self.channel)
@@ -161,3 +181,69 @@ def test_launcher_sigkill_leaves_no_orphans(serve):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in pids)
+
+
+HOLD = {"MEGASCORE_FAKE_HOLD_LOAD": "1"}
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_files(*paths: Path, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < end, f"missing {[str(p) for p in paths if not p.exists()]}"
+        time.sleep(0.05)
+
+
+def test_health_not_serving_while_every_rank_loads_then_serving(serve, tmp_path):
+    s = serve("--nproc", "2", env=HOLD)
+    assert s.wait_answering() == NOT_SERVING  # the server is up before the model
+    wait_files(tmp_path / "loading0", tmp_path / "loading1")
+    assert s.health_status() == NOT_SERVING
+    with pytest.raises(grpc.RpcError) as info:
+        s.stub.Score(REQ.proto(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "loading" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    (tmp_path / "release").write_text("")
+    s.wait_serving()
+    check_response(s.stub.Score(REQ.proto(), timeout=10), REQ)
+    # Rank 0 built its engine on the thread that runs its steps.
+    built_on = (tmp_path / "built_on").read_text()
+    assert built_on.startswith("megascore-engine")
+    assert (tmp_path / "step_thread").read_text() == built_on
+    pids = s.rank_pids(2)
+    os.killpg(s.proc.pid, signal.SIGINT)
+    assert s.wait() == 0, s.output()
+    assert (tmp_path / "SHUTDOWN").exists() and (tmp_path / "clean1").exists()
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_failed_engine_build_exits_nonzero_never_serving(serve, tmp_path):
+    reason = "hf:/ckpt: tensor 'embedding.weight' missing"
+    s = serve(env={**HOLD, "MEGASCORE_FAKE_LOAD_ERROR": reason})
+    assert s.wait_answering() == NOT_SERVING
+    wait_files(tmp_path / "loading0")
+    (tmp_path / "release").write_text("")
+    seen = set()
+    while s.proc.poll() is None:
+        seen.add(s.health_status())
+        time.sleep(0.02)
+    assert SERVING not in seen and NOT_SERVING in seen
+    assert s.wait() == 1, s.output()
+    assert "building the engine failed" in s.output() and reason in s.output()
+    assert s.health_status() is None  # the server stopped with the process
+
+
+def test_sigterm_while_loading_exits_promptly_without_orphans(serve, tmp_path):
+    s = serve("--nproc", "2", env=HOLD)  # the load is never released
+    assert s.wait_answering() == NOT_SERVING
+    wait_files(tmp_path / "loading0", tmp_path / "loading1")
+    pids = s.rank_pids(2)
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    assert s.wait(timeout=30) == 1, s.output()  # no hang; 1: the load cannot be interrupted
+    assert not any(alive(pid) for pid in pids)
+    assert "signal while the model is loading" in s.output()
+    assert not (tmp_path / "built_on").exists()

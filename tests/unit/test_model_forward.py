@@ -55,6 +55,11 @@ def _batch(lengths: list[int], vocab: int, seed: int = 0) -> tuple[torch.Tensor,
     return ids, torch.tensor(lengths)
 
 
+def _full_logits(out) -> torch.Tensor:
+    """All rows of the head's logits at once: [T, V] (small test batches only)."""
+    return out.head.logits(0, out.head.num_tokens)
+
+
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)
 
@@ -83,9 +88,10 @@ def test_packed_equals_each_sequence_alone(pgs, name, lengths, pad_multiple, pad
         ids, lens, pad_individual_seqs_to_multiple_of=pad_multiple, pad_packed_seq_to=pad_to
     )
     out = forward_packed(model, packed)
-    assert out.logits.shape == (packed.input_ids.shape[1], model.vocab_size)
+    assert out.head.num_tokens == packed.input_ids.shape[1]
+    assert out.head.vocab_local == model.vocab_size
     assert out.moe_metrics == {} and out.mtp_metrics == {}
-    packed_lp = _logprobs(out.logits)
+    packed_lp = _logprobs(_full_logits(out))
     starts = packed.cu_seqlens_padded.tolist()
     for b, length in enumerate(lengths):
         alone = _alone_logprobs(model, ids[b, :length])
@@ -161,7 +167,7 @@ def test_logits_match_plain_pytorch_reference(pgs, model_cfg):
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
     ids, lens = _batch([9, 1, 16], model_cfg.vocab_size, seed=4)
     packed = pack_sequences(ids, lens)
-    packed_lp = _logprobs(forward_packed(model, packed).logits)
+    packed_lp = _logprobs(_full_logits(forward_packed(model, packed)))
     sd = model.state_dict()
     starts = packed.cu_seqlens_padded.tolist()
     for b, length in enumerate(lens.tolist()):
@@ -182,8 +188,8 @@ def test_weights_depend_only_on_seed(pgs):
 def test_bf16_model_runs_close_to_fp32(pgs):
     ids, lens = _batch([10, 4], 512, seed=5)
     packed = pack_sequences(ids, lens)
-    lp32 = _logprobs(forward_packed(_build(pgs, builtin_model("tiny")), packed).logits)
-    logits16 = forward_packed(_build(pgs, builtin_model("tiny"), "bfloat16"), packed).logits
+    lp32 = _logprobs(_full_logits(forward_packed(_build(pgs, builtin_model("tiny")), packed)))
+    logits16 = _full_logits(forward_packed(_build(pgs, builtin_model("tiny"), "bfloat16"), packed))
     assert logits16.dtype == torch.bfloat16
     assert (_logprobs(logits16) - lp32).abs().max().item() < 0.1
 
@@ -242,12 +248,13 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
     ids, lens = _batch([11, 1, 6, 3], model_cfg.vocab_size, seed=6)
     packed = pack_sequences(ids, lens, pad_individual_seqs_to_multiple_of=pad_multiple)
     before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
-    eval_logits = forward_packed(model, packed).logits
+    eval_head = forward_packed(model, packed).head
 
     out = forward_packed(model, packed, want_moe_metrics=True, want_mtp_metrics=True)
     assert set(out.moe_metrics) == {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"}
     assert list(out.mtp_metrics) == mtp_metric_names(model_cfg)
-    assert torch.equal(out.logits, eval_logits)
+    assert torch.equal(out.head.hidden_states, eval_head.hidden_states)
+    assert torch.equal(_full_logits(out), eval_head.logits(0, eval_head.num_tokens))
     assert not model.training
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
     after = model.state_dict()

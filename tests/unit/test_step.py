@@ -6,13 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from megascore.config import EngineConfig
 from megascore.engine.loading import parse_model_spec
-from megascore.engine.step import (
-    _megatron_loss_mask,
-    packed_to_flat,
-    step_pad_multiple,
-    validate_batch,
-)
+from megascore.engine.step import _megatron_loss_mask, packed_to_flat, validate_batch
 from megascore.packing import pack_sequences
 from megascore.types import ScoreBatch
 
@@ -37,10 +33,36 @@ def test_packed_to_flat_shifts_right_within_each_sequence():
         (4, 2, True, 1, 8),
         (2, 1, True, 3, 6),
         (1, 3, False, 4, 12),
+        (2, 1, None, 1, 1),  # unset: off for a dense model
     ],
 )
-def test_step_pad_multiple(tp, cp, sp, extra, want):
-    assert step_pad_multiple(tp, cp, sp, extra) == want
+def test_pad_multiple(tp, cp, sp, extra, want):
+    cfg = EngineConfig(
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=sp,
+        pad_to_multiple_of=extra,
+    )
+    assert cfg.pad_multiple() == want
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "sp", "is_moe", "want_sp", "want_pad"),
+    [
+        (2, 1, None, True, True, 2),  # MoE at TP > 1: on automatically
+        (4, 2, None, True, True, 8),
+        (2, 1, None, False, False, 1),  # dense: off
+        (1, 2, None, True, False, 4),  # TP = 1: nothing to split
+        (2, 1, False, True, False, 1),  # explicit override wins
+        (2, 1, True, False, True, 2),
+    ],
+)
+def test_sequence_parallel_for(tp, cp, sp, is_moe, want_sp, want_pad):
+    cfg = EngineConfig(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp
+    )
+    assert cfg.sequence_parallel_for(is_moe) is want_sp
+    assert cfg.pad_multiple(is_moe) == want_pad
 
 
 def _batch(**kw) -> ScoreBatch:

@@ -68,7 +68,7 @@ def use_bridge(model: torch.nn.Module) -> bool:
     model (the parameter names the bridge maps), unless ``MEGASCORE_HF_LOADER=native``."""
     if not HAVE_BRIDGE or os.environ.get("MEGASCORE_HF_LOADER", "auto") == "native":
         return False
-    return getattr(model, "megascore_attention_backend", "te") == "te"
+    return getattr(_unwrap(model), "megascore_attention_backend", "te") == "te"
 
 
 @dataclasses.dataclass

@@ -1,12 +1,17 @@
-"""One packed GPTModel forward: vocab-parallel logits plus the MoE / MTP metrics.
+"""One packed GPTModel forward: the LM head's input plus the MoE / MTP metrics.
 
 :func:`forward_packed` feeds a :class:`~megascore.packing.PackedSequences` (THD,
-this rank's CP shard) through the model and returns this rank's logits
-``[T_local, V / tp]``. The logits come from an ``output_processor`` hook of
-``GPTModel.forward``: Megatron calls it with the final hidden states after the
-MTP block, in place of its own logits/loss step, so logits are available even
-when labels are passed (MTP needs labels; with labels GPTModel would otherwise
-return the per-token loss).
+this rank's CP shard) through the model and returns an :class:`OutputHead`: the
+final hidden states (after the final layernorm) and the model's output layer,
+which computes the vocab-parallel logits ``[C, V / tp]`` of any chunk of rows on
+demand. The full ``[T_local, V / tp]`` logits are never materialised (they are
+the classic OOM of prompt-logprob servers: 64k tokens x 128k vocabulary in fp32
+is 32 GB); :func:`megascore.engine.logprobs.score_tokens` asks for one chunk of
+``chunk_tokens`` rows at a time. The head comes from an ``output_processor`` hook
+of ``GPTModel.forward``: Megatron calls it with the final hidden states after
+the MTP block, in place of its own output-layer / loss step, so GPTModel never
+computes the main logits itself (MTP needs labels; with labels GPTModel would
+otherwise return the per-token loss).
 
 Metrics. Megatron records MoE aux losses and MTP losses only in training mode
 (aux losses also need grad enabled). When metrics are requested the model runs
@@ -15,15 +20,18 @@ require grad, nothing is back-propagated), reads the trackers exactly as
 Megatron's ``training.py`` does (``MoEMetricsTracker.report`` with
 ``force_initialize``; ``MTPLossLoggingHelper.track_mtp_metrics``), clears them,
 restores the routers' running buffers and returns the model to eval mode. The
-logits are identical in both modes (dropout is off, MoE is dropless). Semantics
-are Megatron's, including where they depend on the layout:
+hidden states are identical in both modes (dropout is off, MoE is dropless).
+Semantics are Megatron's, including where they depend on the layout:
 
 * no ``padding_mask`` is passed (Megatron's default): pad tokens of the packed
   layout are routed and count in the aux losses, as in a trainer using the same
   packing; the per-sequence pad multiple therefore matters for MoE metrics;
 * an MTP loss is the mean over the DP x CP ranks of each rank's own masked mean;
   acceptance rates sum the counts (percent, as Megatron logs them);
-* with DP > 1 every metric is averaged over the DP ranks (their batches).
+* with DP > 1 every metric is averaged over the DP ranks (their batches);
+* Megatron's MTP loss (``process_mtp_loss``) computes each MTP layer's full
+  ``[T_local, V / tp]`` logits: a metrics forward of an MTP model is the one
+  place where memory still grows with tokens x vocabulary.
 
 An eval forward whose MTP outputs nobody reads skips the MTP block (it only
 produces MTP losses): ``model.mtp_process`` and ``config.mtp_num_layers`` are
@@ -35,8 +43,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -47,20 +57,80 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
+class OutputHead:
+    """The LM head of one forward, applied to chunks of rows on demand.
+
+    Attributes:
+        hidden_states: ``[T_local, 1, H]`` final hidden states (after the final
+            layernorm) of this rank's CP shard, in the model's dtype, detached. With
+            sequence parallelism they were all-gathered over the TP group (the model
+            hands over ``T_local / tp`` rows per rank), so every TP rank holds all rows.
+        output_layer: the model's ``ColumnParallelLinear`` (``output_layer``).
+        weight: the weight to pass to it: the shared word-embedding weight when
+            embeddings are tied, None for the layer's own weight.
+        scale_logits: the model's logit scaling (``GPTModel._scale_logits``, MuP).
+    """
+
+    hidden_states: torch.Tensor
+    output_layer: torch.nn.Module
+    weight: torch.Tensor | None
+    scale_logits: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        """``T_local``: rows (packed positions of this CP shard)."""
+        return self.hidden_states.shape[0]
+
+    @property
+    def vocab_local(self) -> int:
+        """``V / tp``: logit columns of this TP rank (Megatron's ``VocabUtility`` slice)."""
+        weight = self.output_layer.weight if self.weight is None else self.weight
+        return weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden_states.device
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        """Vocab-parallel logits of rows ``[start, end)``, as Megatron's forward computes them.
+
+        Memory is ``(end - start) x V / tp`` in the model's dtype: callers bound it by
+        asking for chunks.
+
+        Args:
+            start: first row.
+            end: one past the last row.
+
+        Returns:
+            ``[end - start, V / tp]`` in the model's dtype; row ``t`` predicts the token
+            after packed position ``start + t``.
+        """
+        # rows: [C, 1, H]; already gathered over TP, so the layer must not gather again
+        rows = self.hidden_states[start:end]
+        layer = self.output_layer
+        saved = layer.sequence_parallel
+        layer.sequence_parallel = False
+        try:
+            with torch.no_grad():
+                logits, _ = layer(rows, weight=self.weight, runtime_gather_output=False)
+        finally:
+            layer.sequence_parallel = saved
+        return self.scale_logits(logits).squeeze(1)  # [C, V / tp]
+
+
+@dataclasses.dataclass
 class ModelOutputs:
     """Result of :func:`forward_packed` on one rank.
 
     Attributes:
-        logits: ``[T_local, V / tp]`` this rank's vocabulary slice (Megatron's
-            ``VocabUtility`` layout) for this rank's CP shard of the packed tokens,
-            in the model's dtype (fp32 / bf16 / fp16), detached. Row ``t`` predicts
-            the token after packed position ``t``.
+        head: computes this rank's vocab-parallel logits chunk by chunk; row ``t``
+            predicts the token after packed position ``t`` of this rank's CP shard.
         moe_metrics: name -> value, reduced across ranks (identical on every rank).
         mtp_metrics: ``mtp_{i}_loss`` and ``mtp_{i}_acceptance_rate`` (percent, as
             Megatron logs it), i from 1, reduced across ranks.
     """
 
-    logits: torch.Tensor
+    head: OutputHead
     moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -199,10 +269,24 @@ def _training_forward(model):
                     getattr(router, name).copy_(value)
 
 
-def _logits_processor(*, hidden_states, output_layer, output_weight, scale_logits, **_):
-    """GPTModel ``output_processor``: vocab-parallel logits ``[s, b, V / tp]``."""
-    logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=False)
-    return scale_logits(logits)
+def _head_processor(*, hidden_states, output_layer, output_weight, scale_logits, **_):
+    """GPTModel ``output_processor``: hands over the head instead of computing logits.
+
+    ``hidden_states`` is ``[s, 1, H]`` after the final layernorm (and, with MTP, the
+    main model's share of the MTP block's output); with sequence parallelism ``s`` is
+    this rank's ``T_local / tp`` rows, gathered here over TP once (``T_local x H``).
+    """
+    hidden = hidden_states.detach()
+    if output_layer.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=False, group=output_layer.tp_group
+        )
+    return OutputHead(
+        hidden_states=hidden,
+        output_layer=output_layer,
+        weight=None if output_weight is None else output_weight.detach(),
+        scale_logits=scale_logits,
+    )
 
 
 def _read_moe_metrics(model, names: list[str]) -> dict[str, float]:
@@ -269,11 +353,13 @@ def forward_packed(
             same sequence.
 
     Returns:
-        The vocab-parallel logits and the requested metrics (empty dicts otherwise).
+        The output head (vocab-parallel logits chunk by chunk) and the requested
+        metrics (empty dicts otherwise).
 
     Raises:
         ValueError: metrics requested from a model that has none, or MoE training-mode
-            metrics with TP > 1 without sequence parallelism (Megatron refuses it).
+            metrics with TP > 1 without sequence parallelism (Megatron refuses it; the
+            engine turns it on for MoE models unless the config disables it).
     """
     cfg = model.config
     cp_group = model.pg_collection.cp
@@ -288,7 +374,7 @@ def forward_packed(
     train_fwd = want_moe_metrics or want_mtp_metrics
     if train_fwd and cfg.num_moe_experts and cfg.tensor_model_parallel_size > 1:
         if not cfg.sequence_parallel:
-            raise ValueError("MoE metrics with tensor parallelism need sequence_parallel")
+            raise ValueError("MoE / MTP metrics of a MoE model at TP > 1 need sequence_parallel")
 
     input_ids = packed.input_ids_cp_sharded.to(device, torch.long)  # [1, T_local]
     position_ids = packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size).to(device)
@@ -305,12 +391,12 @@ def forward_packed(
         position_ids=position_ids,
         attention_mask=None,
         packed_seq_params=params,
-        output_processor=_logits_processor,
+        output_processor=_head_processor,
     )
     if not train_fwd:
         with torch.no_grad(), _mtp_skipped(model):
-            logits = model(**kwargs)
-        return ModelOutputs(logits=logits.squeeze(1).detach())
+            head = model(**kwargs)
+        return ModelOutputs(head=head)
 
     labels, loss_mask = packed_labels_and_mask(packed, cp_rank, cp_size)
     if loss_mask_packed_local is not None:
@@ -320,10 +406,9 @@ def forward_packed(
     _clear_trackers()
     try:
         with _training_forward(model):
-            logits = model(**kwargs)
-        logits = logits.squeeze(1).detach()
+            head = model(**kwargs)
         moe = _read_moe_metrics(model, moe_names) if moe_names else {}
         mtp = _read_mtp_metrics(model) if want_mtp_metrics else {}
     finally:
         _clear_trackers()
-    return ModelOutputs(logits=logits, moe_metrics=moe, mtp_metrics=mtp)
+    return ModelOutputs(head=head, moe_metrics=moe, mtp_metrics=mtp)

@@ -7,8 +7,14 @@ materialised: per chunk of tokens each rank computes its local max and sum of
 exponentials in fp32, the TP group all-reduces them (MAX, then one SUM that
 also carries the target logit from the rank owning the target), and the top-k
 is a two-stage selection (local top-k, all-gather ``k`` candidates per rank,
-top-k again). Peak memory is ``O(chunk_tokens * V_local)`` whatever the number
-of tokens.
+top-k again).
+
+The logits come from a :class:`ChunkedLogits` source that produces one chunk of
+rows at a time: the engine passes the model's output head
+(:class:`megascore.engine.forward.OutputHead`, final hidden states times the
+output weight), so not even this rank's ``[T, V_local]`` slice exists and peak
+memory is ``O(chunk_tokens * V_local)`` whatever the number of tokens. A plain
+``[T, V_local]`` tensor is accepted too (logits that already exist).
 
 ``tp_group=None`` means the logits are not sharded (the whole vocabulary is
 local) and no collective is issued; a size-1 group gives the same numbers.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,6 +46,49 @@ class TokenScores:
     logprobs: torch.Tensor | None
     top_k_ids: torch.Tensor | None = None
     top_k_logprobs: torch.Tensor | None = None
+
+
+class ChunkedLogits(Protocol):
+    """Vocab-parallel logits ``[num_tokens, vocab_local]`` handed out one chunk at a time."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def vocab_local(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        """``[end - start, vocab_local]`` logits of rows ``[start, end)``, any float dtype."""
+        ...
+
+
+@dataclasses.dataclass
+class TensorLogits:
+    """A :class:`ChunkedLogits` over a ``[T, V_local]`` tensor that already exists."""
+
+    tensor: torch.Tensor
+
+    def __post_init__(self):
+        if self.tensor.dim() != 2:
+            raise ValueError(f"logits must be [T, V_local], got shape {tuple(self.tensor.shape)}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tensor.shape[0]
+
+    @property
+    def vocab_local(self) -> int:
+        return self.tensor.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        return self.tensor[start:end]
 
 
 def _group_rank_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -145,7 +195,7 @@ def _chunk_top_k(
 
 
 def score_tokens(
-    logits: torch.Tensor,
+    logits: torch.Tensor | ChunkedLogits,
     targets: torch.Tensor | None,
     *,
     tp_group: dist.ProcessGroup | None,
@@ -161,29 +211,30 @@ def score_tokens(
     collectives are issued per chunk).
 
     Args:
-        logits: ``[T, V_local]`` any float dtype; this rank's vocabulary slice.
+        logits: this rank's vocabulary slice, ``[T, V_local]`` any float dtype: a
+            tensor, or a :class:`ChunkedLogits` asked for one chunk of at most
+            ``chunk_tokens`` rows at a time (in order, each row once).
         targets: int64 ``[T]`` global target ids, or None to skip logprobs.
         tp_group: tensor-parallel group over which the vocabulary is split, or None
             when ``logits`` holds the full vocabulary.
         temperature: float32 ``[T]`` per-token temperature (> 0), or None for 1.0.
         top_k: number of alternatives per token (0 = none).
-        chunk_tokens: tokens processed per chunk; bounds the fp32 working set to
-            ``chunk_tokens x V_local``.
+        chunk_tokens: tokens processed per chunk; bounds the working set (the chunk's
+            logits and their fp32 copies) to ``chunk_tokens x V_local``.
         vocab_size: true vocabulary size; ids at or above it (padding columns)
             are excluded from the top-k. They still count in the softmax
             normaliser, as in Megatron's vocab-parallel cross-entropy.
 
     Returns:
-        A :class:`TokenScores` with float32 / int64 tensors on ``logits.device``.
+        A :class:`TokenScores` with float32 / int64 tensors on the logits' device.
 
     Raises:
         ValueError: on inconsistent shapes or a ``top_k`` larger than the vocabulary.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [T, V_local], got shape {tuple(logits.shape)}")
+    source = TensorLogits(logits) if isinstance(logits, torch.Tensor) else logits
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    num_tokens, v_local = logits.shape
+    num_tokens, v_local = source.num_tokens, source.vocab_local
     tp_rank, tp_size = _group_rank_size(tp_group)
     vocab_start = tp_rank * v_local
     full_vocab = v_local * tp_size if vocab_size is None else min(vocab_size, v_local * tp_size)
@@ -194,15 +245,17 @@ def score_tokens(
     if temperature is not None and temperature.shape != (num_tokens,):
         raise ValueError(f"temperature must be [{num_tokens}], got {tuple(temperature.shape)}")
 
-    device = logits.device
+    device = source.device
     out_lp = torch.zeros(num_tokens, dtype=torch.float32, device=device)
     out_ids = torch.full((num_tokens, top_k), -1, dtype=torch.int64, device=device)
     out_top = torch.zeros((num_tokens, top_k), dtype=torch.float32, device=device)
     with torch.no_grad():
         for start in range(0, num_tokens, chunk_tokens):
             end = min(start + chunk_tokens, num_tokens)
-            # chunk: [C, V_local] fp32
-            chunk = logits[start:end].float()
+            # chunk: [C, V_local] fp32 (the only place vocabulary-wide rows exist)
+            chunk = source.logits(start, end).float()
+            if chunk.shape != (end - start, v_local):
+                raise ValueError(f"chunk of rows [{start}, {end}) has shape {tuple(chunk.shape)}")
             if temperature is not None:
                 chunk = chunk / temperature[start:end].to(device, torch.float32).unsqueeze(-1)
             global_max, sum_exp = _chunk_log_normalizer(chunk, tp_group, tp_size)
@@ -237,7 +290,7 @@ def score_tokens(
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor,
+    logits: torch.Tensor | ChunkedLogits,
     targets: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None,
@@ -247,7 +300,7 @@ def vocab_parallel_logprobs(
     """Log-probabilities of ``targets``: float32 ``[T]`` (see :func:`score_tokens`).
 
     Args:
-        logits: ``[T, V_local]`` vocab-parallel logits.
+        logits: ``[T, V_local]`` vocab-parallel logits (tensor or :class:`ChunkedLogits`).
         targets: int64 ``[T]`` global target ids.
         tp_group: tensor-parallel group, or None for unsharded logits.
         temperature: float32 ``[T]`` or None.
@@ -264,7 +317,7 @@ def vocab_parallel_logprobs(
 
 
 def vocab_parallel_top_k(
-    logits: torch.Tensor,
+    logits: torch.Tensor | ChunkedLogits,
     k: int,
     *,
     tp_group: dist.ProcessGroup | None,
@@ -275,7 +328,7 @@ def vocab_parallel_top_k(
     """Top-k ids and log-probabilities per token (see :func:`score_tokens`).
 
     Args:
-        logits: ``[T, V_local]`` vocab-parallel logits.
+        logits: ``[T, V_local]`` vocab-parallel logits (tensor or :class:`ChunkedLogits`).
         k: number of alternatives (>= 1).
         tp_group: tensor-parallel group, or None for unsharded logits.
         temperature: float32 ``[T]`` or None.

@@ -60,7 +60,6 @@ from megascore.engine.step import (
     agree_on_status,
     finish_step,
     run_step,
-    step_pad_multiple,
     validate_batch,
 )
 from megascore.errors import CheckpointError, InvalidRequestError, WorkerLostError
@@ -123,13 +122,10 @@ class DistributedEngine:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = resolve_device(engine_cfg)
+        is_moe = loaded.config.is_moe  # reloads keep the architecture, hence the layout
+        self.sequence_parallel = engine_cfg.sequence_parallel_for(is_moe)
         self.step_cfg = StepConfig(
-            pad_multiple=step_pad_multiple(
-                engine_cfg.tensor_model_parallel_size,
-                engine_cfg.context_parallel_size,
-                engine_cfg.sequence_parallel,
-                engine_cfg.pad_to_multiple_of,
-            ),
+            pad_multiple=engine_cfg.pad_multiple(is_moe),
             chunk_tokens=engine_cfg.logprob_chunk_tokens,
             vocab_size=loaded.config.vocab_size,
             device=self.device,
@@ -191,8 +187,23 @@ class DistributedEngine:
             raise
         logger.info("rank %d: every rank has built %s", dist.get_rank(), loaded.weights_version)
         engine = cls(engine_cfg, loaded, pg_collection, groups, command)
+        auto_sp = engine.sequence_parallel and engine_cfg.sequence_parallel is None
+        if auto_sp and engine.rank == _SRC:
+            logger.info(
+                "sequence parallelism turned on for MoE model %s at TP=%d (Megatron's "
+                "training-mode MoE forward needs it for the metrics; set sequence_parallel "
+                "to override); per-sequence pad multiple %d",
+                loaded.spec.name,
+                engine_cfg.tensor_model_parallel_size,
+                engine.pad_multiple,
+            )
         engine._owns_default_group = owns_default_group
         return engine
+
+    @property
+    def pad_multiple(self) -> int:
+        """Per-sequence pad multiple of every step (the server's batcher budgets with it)."""
+        return self.step_cfg.pad_multiple
 
     # ---- Engine protocol (rank 0) -------------------------------------------------------------
 
@@ -384,9 +395,10 @@ class DistributedEngine:
                 vocab_size=cfg.vocab_size,
                 max_length=cfg.max_position_embeddings,
                 max_top_k=e.max_top_k,
-                # Megatron's training-mode MoE forward (the metrics) needs SP with TP > 1.
+                # Megatron's training-mode MoE forward (the metrics) needs SP with TP > 1;
+                # only an explicit sequence_parallel=False gets here.
                 metrics_supported=not (
-                    cfg.is_moe and e.tensor_model_parallel_size > 1 and not e.sequence_parallel
+                    cfg.is_moe and e.tensor_model_parallel_size > 1 and not self.sequence_parallel
                 ),
             )
         except ValueError as err:

@@ -6,8 +6,10 @@ Every rank of the replica runs :func:`run_step` with the same
 1. pack the batch for this rank's CP rank (NeMo-RL layout), with next-token
    targets rolled inside each padded segment on the *full* packed axis and
    then CP-sharded like the inputs;
-2. ``forward_packed`` -> vocab-parallel logits ``[T_local, V/tp]``;
-3. logprobs / top-k over the TP group (:func:`megascore.engine.logprobs.score_tokens`);
+2. ``forward_packed`` -> the output head (final hidden states + output layer);
+3. logprobs / top-k over the TP group (:func:`megascore.engine.logprobs.score_tokens`),
+   chunk by chunk: the head computes the vocab-parallel logits of ``chunk_tokens``
+   rows at a time, so ``[T_local, V/tp]`` never exists;
 4. the CP group that holds the output rank gathers the per-token results;
 5. every rank all-reduces a per-rank failure flag over the status group, so a
    rank that raised anywhere in 1-4 is known to all (the others reach the flag
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import numpy as np
 import torch
@@ -64,7 +65,8 @@ class StepConfig:
     """Per-replica constants of a step.
 
     Attributes:
-        pad_multiple: per-sequence pad multiple (see :func:`step_pad_multiple`).
+        pad_multiple: per-sequence pad multiple
+            (:meth:`megascore.config.EngineConfig.pad_multiple`).
         chunk_tokens: tokens per chunk of the vocab-parallel log-softmax.
         vocab_size: true vocabulary size (padded logit columns never enter the top-k).
         device: device of the model inputs.
@@ -97,31 +99,6 @@ class StepResult:
     mtp_metrics: dict[str, float]
 
 
-def step_pad_multiple(
-    tensor_model_parallel_size: int,
-    context_parallel_size: int,
-    sequence_parallel: bool,
-    pad_to_multiple_of: int,
-) -> int:
-    """Per-sequence pad multiple: lcm of what CP, SP and the config require.
-
-    Args:
-        tensor_model_parallel_size: TP size.
-        context_parallel_size: CP size (``2 * cp`` chunks per sequence when > 1).
-        sequence_parallel: whether Megatron sequence parallelism is on (tokens split by TP).
-        pad_to_multiple_of: extra multiple from the engine config.
-
-    Returns:
-        The multiple every sequence is padded to.
-    """
-    multiple = pad_to_multiple_of
-    if context_parallel_size > 1:
-        multiple = math.lcm(multiple, 2 * context_parallel_size)
-    if sequence_parallel:
-        multiple = math.lcm(multiple, tensor_model_parallel_size * context_parallel_size)
-    return multiple
-
-
 def validate_batch(
     batch: ScoreBatch, *, vocab_size: int, max_length: int, max_top_k: int, metrics_supported: bool
 ) -> None:
@@ -132,7 +109,8 @@ def validate_batch(
         vocab_size: token ids must be below it.
         max_length: longest sequence accepted.
         max_top_k: largest ``top_k`` accepted.
-        metrics_supported: whether MoE / MTP metrics can be computed in this layout.
+        metrics_supported: whether MoE / MTP metrics can be computed in this layout
+            (False: a MoE model with TP > 1 and sequence parallelism disabled).
 
     Raises:
         ValueError: naming the offending field (and sequence).
@@ -165,7 +143,10 @@ def validate_batch(
     if unknown:
         raise ValueError(f"unknown losses {unknown}; known: {list(loss_names())}")
     if (batch.want_moe_metrics or batch.want_mtp_metrics) and not metrics_supported:
-        raise ValueError("MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel")
+        raise ValueError(
+            "MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel, which the "
+            "engine config disables (leave it unset to turn it on)"
+        )
 
 
 def _wants_logprobs(batch: ScoreBatch) -> bool:
@@ -243,7 +224,7 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
     )
     k = batch.top_k
     scores = score_tokens(
-        outputs.logits,
+        outputs.head,
         targets[0] if _wants_logprobs(batch) else None,
         tp_group=groups.tp,
         temperature=temperature,

@@ -82,6 +82,8 @@ def make_transformer_config(
 
     Dropout is off, MoE is dropless (no capacity factor: a token's result never
     depends on the rest of the batch), weights are initialised by megascore.
+    Sequence parallelism follows ``engine_cfg.sequence_parallel_for`` (on by default
+    for a MoE model with TP > 1).
 
     Args:
         model_cfg: architecture.
@@ -114,7 +116,7 @@ def make_transformer_config(
         tensor_model_parallel_size=engine_cfg.tensor_model_parallel_size,
         context_parallel_size=engine_cfg.context_parallel_size,
         expert_model_parallel_size=engine_cfg.expert_model_parallel_size,
-        sequence_parallel=engine_cfg.sequence_parallel,
+        sequence_parallel=engine_cfg.sequence_parallel_for(model_cfg.is_moe),
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 VOCAB = 256
-SEQ_LEN = 19
+SEQ_LEN = 20  # divisible by TP: MoE models with TP > 1 run sequence parallel
 COMMON = dict(
     hidden_size=64,
     num_attention_heads=4,

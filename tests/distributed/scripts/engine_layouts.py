@@ -27,26 +27,29 @@ from megascore.config import EngineConfig
 from megascore.engine import step as step_module
 from megascore.engine.logprobs import score_tokens
 from megascore.engine.runtime import DistributedEngine
-from megascore.errors import WorkerLostError
+from megascore.errors import InvalidRequestError, WorkerLostError
 
-# name -> (model, tp, cp, ep, sequence_parallel, pad_to_multiple_of). Sequence parallelism
-# is not in the list: on the CPU Megatron's local layer spec falls back to torch norms,
-# which refuse it (and Megatron's training-mode MoE forward, for the metrics, needs it with
-# TP > 1). "moe_ref_pad4" packs like CP=2 does (pads count in Megatron's MoE aux losses).
+# name -> (model, tp, cp, ep, sequence_parallel, pad_to_multiple_of). sequence_parallel None
+# is the engine's default: on for a MoE model with TP > 1 (Megatron's training-mode MoE
+# forward, for the metrics, needs it), so "moe_tp2_ep2" runs with SP and returns metrics;
+# "moe_tp2_ep2_nosp" disables it explicitly and must reject metric requests. MoE layouts
+# whose pad multiple is 4 (CP=2; TP=2 with SP and pad_to_multiple_of=4) are compared with
+# "moe_ref_pad4", which packs the same way (pads count in Megatron's MoE aux losses).
 LAYOUTS = {
-    "tiny_ref": ("tiny", 1, 1, 1, False, 1),
-    "tiny_tp2": ("tiny", 2, 1, 1, False, 1),
-    "tiny_cp2": ("tiny", 1, 2, 1, False, 1),
-    "tiny_tp2_cp2": ("tiny", 2, 2, 1, False, 1),
-    "moe_ref": ("tiny-moe", 1, 1, 1, False, 1),
-    "moe_ref_pad4": ("tiny-moe", 1, 1, 1, False, 4),
-    "moe_ep2": ("tiny-moe", 1, 1, 2, False, 1),
-    "moe_ep4": ("tiny-moe", 1, 1, 4, False, 1),
-    "moe_cp2_ep2": ("tiny-moe", 1, 2, 2, False, 1),
-    "moe_tp2_ep2": ("tiny-moe", 2, 1, 2, False, 1),
+    "tiny_ref": ("tiny", 1, 1, 1, None, 1),
+    "tiny_tp2": ("tiny", 2, 1, 1, None, 1),
+    "tiny_cp2": ("tiny", 1, 2, 1, None, 1),
+    "tiny_tp2_cp2": ("tiny", 2, 2, 1, None, 1),
+    "moe_ref": ("tiny-moe", 1, 1, 1, None, 1),
+    "moe_ref_pad4": ("tiny-moe", 1, 1, 1, None, 4),
+    "moe_ep2": ("tiny-moe", 1, 1, 2, None, 1),
+    "moe_ep4": ("tiny-moe", 1, 1, 4, None, 1),
+    "moe_cp2_ep2": ("tiny-moe", 1, 2, 2, None, 1),
+    "moe_tp2_ep2": ("tiny-moe", 2, 1, 2, None, 4),
+    "moe_tp2_ep2_nosp": ("tiny-moe", 2, 1, 2, False, 1),
 }
 # Layouts that also return the MoE / MTP metrics.
-WITH_METRICS = {"moe_ref", "moe_ref_pad4", "moe_ep2", "moe_ep4", "moe_cp2_ep2"}
+WITH_METRICS = {"moe_ref", "moe_ref_pad4", "moe_ep2", "moe_ep4", "moe_cp2_ep2", "moe_tp2_ep2"}
 
 
 def engine_config(model, tp, cp, ep, sp, pad=1, timeout=60.0) -> EngineConfig:
@@ -99,6 +102,11 @@ def run_layout(name, spec, rank, out_dir, log) -> None:
         engine.worker_loop()
         return
     try:
+        if name == "moe_tp2_ep2_nosp":
+            check_metrics_rejected_without_sp(engine)
+        elif name == "moe_tp2_ep2":
+            assert engine.sequence_parallel and engine.pad_multiple == 4, engine.pad_multiple
+            assert engine.loaded.model.config.sequence_parallel
         batch = edge_case_batch(moe=name in WITH_METRICS)
         out = engine.score(batch)
         save_output(out_dir / name, out, num_parameters=engine.info().num_parameters)
@@ -107,6 +115,17 @@ def run_layout(name, spec, rank, out_dir, log) -> None:
             save_output(out_dir / f"{name}_seed7", engine.score(batch))
     finally:
         engine.shutdown()
+
+
+def check_metrics_rejected_without_sp(engine) -> None:
+    """Rank 0, SP explicitly off: a metrics request fails validation, before any collective."""
+    assert not engine.sequence_parallel and not engine.loaded.model.config.sequence_parallel
+    try:
+        engine.score(edge_case_batch(moe=True))
+    except InvalidRequestError as e:
+        assert "sequence_parallel" in str(e), str(e)
+    else:
+        raise AssertionError("metrics accepted for a MoE model at TP=2 with SP disabled")
 
 
 def expect_worker_lost(fn, match: str) -> float:

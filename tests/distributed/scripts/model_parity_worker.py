@@ -75,7 +75,7 @@ def run_layout(name: str, out_dir: Path) -> None:
             want_moe_metrics=model_cfg.is_moe,
             want_mtp_metrics=model_cfg.has_mtp,
         )
-        logits = out.logits  # [T_local, V / tp]
+        logits = out.head.logits(0, out.head.num_tokens)  # [T_local, V / tp], a tiny batch
         if tp > 1:
             shards = [torch.empty_like(logits) for _ in range(tp)]
             dist.all_gather(shards, logits.contiguous(), group=pgs.tp)

@@ -1,0 +1,438 @@
+"""Runs every megascore benchmark side by side and writes ``bench/RESULTS.md``.
+
+``python bench/run_all.py [--device cpu|cuda] [--quick]`` (start with ``--quick``:
+minutes on 2 CPU cores; the full run uses more tokens and repetitions).
+
+Every target is a ratio of two numbers measured in this one run, interleaved
+per repetition so that a shared, noisy machine affects both sides alike:
+
+1. e2e / engine: tokens/s through gRPC (``megascore serve`` subprocess, SDK
+   client in another process) over tokens/s of the engine in-process, same
+   batches (``e2e_vs_engine.py``). Target >= 0.90.
+2. packed / padded: megascore tokens/s over ``transformers`` ``LlamaForCausalLM``
+   (same weights, logprobs checked first) on padded batches of 8, in arrival
+   order (target >= 2.0) and length-sorted (target >= 1.3) (``packed_vs_hf.py``).
+3. model FLOP/s / measured ``torch.mm`` FLOP/s (``mfu.py``). Target >= 0.5 on CPU.
+4. wire encode + decode of 1M tokens (logprobs, top-5) / time to score them
+   (``wire_cost.py``). Target <= 0.05.
+5. peak memory vs tokens per batch, 4 sizes in fresh processes: linear fit,
+   R^2 >= 0.99 (``memory.py``).
+
+Targets apply to the RL-rollout length mix; the uniform-length rows are the
+control. Where a target is missed, RESULTS.md says by how much, why (the
+factors of the ratio) and prints a short profile. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+import e2e_vs_engine
+import memory
+import mfu
+import packed_vs_hf
+import wire_cost
+from common import Row
+
+logger = logging.getLogger("run_all")
+
+HERE = Path(__file__).resolve().parent
+E2E_TARGET, PADDED_TARGET, SORTED_TARGET, MFU_TARGET, WIRE_TARGET = 0.90, 2.0, 1.3, 0.5, 0.05
+
+
+@dataclasses.dataclass
+class Settings:
+    """Sizes of one run (``--quick`` or full)."""
+
+    num_sequences: int
+    reps: int
+    max_tokens: int
+    wire_tokens: int
+    wire_repeats: int
+    memory_sizes: list[int]
+    memory_jobs: int
+    mm_repeats: int
+
+
+def settings(quick: bool) -> Settings:
+    if quick:
+        return Settings(12, 1, 4096, 1_000_000, 2, [512, 1024, 2048, 4096], 2, 3)
+    return Settings(64, 3, 4096, 1_000_000, 5, [2048, 4096, 8192, 16384], 1, 5)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def med(values) -> float:
+    return float(statistics.median(values))
+
+
+# ---- timing loop ----------------------------------------------------------------------------
+
+
+def timing_reps(engine, hf, server, workloads, cfg: Settings, device: str, workdir: Path) -> dict:
+    """Interleaved passes per repetition: matmul rate, engine, e2e, HF arrival, HF sorted.
+
+    The order is reversed on odd repetitions. Returns per workload name:
+    ``{"engine": [s], "e2e": [client summary], "hf_arrival": [s], "hf_sorted": [s],
+    "mm": [FLOP/s], "diff_e2e": float, "diff_hf": float}``.
+    """
+    out = {}
+    for rep in range(cfg.reps):
+        for workload in workloads:
+            rec = out.setdefault(
+                workload.name, {k: [] for k in ("engine", "e2e", "hf_arrival", "hf_sorted", "mm")}
+            )
+            steps = ["mm", "engine", "e2e", "hf_arrival"]
+            if workload.name == "rollout":  # uniform lengths: sorted batches = arrival batches
+                steps.append("hf_sorted")
+            for step in reversed(steps) if rep % 2 else steps:
+                log(f"rep {rep + 1}/{cfg.reps} {workload.name}: {step}")
+                if step == "mm":
+                    rec["mm"].append(mfu.machine_rate(device, cfg.mm_repeats))
+                elif step == "engine":
+                    seconds, rec["lp_engine"] = common.engine_pass(engine, workload, cfg.max_tokens)
+                    rec["engine"].append(seconds)
+                elif step == "e2e":
+                    summary, rec["lp_e2e"] = e2e_vs_engine.e2e_pass(
+                        server.target, workload.sequences, workload.batches(cfg.max_tokens), workdir
+                    )
+                    rec["e2e"].append(summary)
+                else:
+                    seconds, rec["lp_hf"] = packed_vs_hf.hf_pass(
+                        hf, workload, step.split("_")[1], device
+                    )
+                    rec[step].append(seconds)
+            tokens = workload.num_tokens
+            log(
+                f"  engine {tokens / rec['engine'][-1]:.1f} tok/s, e2e "
+                f"{tokens / rec['e2e'][-1]['seconds']:.1f} tok/s, transformers arrival "
+                f"{tokens / rec['hf_arrival'][-1]:.1f} tok/s"
+            )
+    for rec in out.values():
+        rec["hf_sorted"] = rec["hf_sorted"] or list(rec["hf_arrival"])
+        rec["diff_e2e"] = packed_vs_hf.max_abs_diff(rec["lp_engine"], rec.pop("lp_e2e"))
+        rec["diff_hf"] = packed_vs_hf.max_abs_diff(rec.pop("lp_engine"), rec.pop("lp_hf"))
+    return out
+
+
+# ---- rows -----------------------------------------------------------------------------------
+
+
+def per_rep(num: list[float], den: list[float]) -> tuple[float, str]:
+    """Median of per-repetition ratios, and the range when there are several."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    spread = f" (reps {min(ratios):.3f}..{max(ratios):.3f})" if len(ratios) > 1 else ""
+    return med(ratios), spread
+
+
+def timing_rows(workloads, timings: dict, engine, on_cpu: bool) -> list[Row]:
+    rows = []
+    for workload in workloads:
+        rec, tokens, name = timings[workload.name], workload.num_tokens, workload.name
+        control = name != "rollout"
+        engine_tps = [tokens / s for s in rec["engine"]]
+        e2e_tps = [tokens / e["seconds"] for e in rec["e2e"]]
+        value, spread = per_rep(e2e_tps, engine_tps)
+        rows.append(
+            Row(
+                "1",
+                "e2e gRPC tokens/s / in-process engine tokens/s",
+                name,
+                value,
+                f"e2e {med(e2e_tps):.1f} / engine {med(engine_tps):.1f} tokens/s{spread}; "
+                f"max abs logprob diff {rec['diff_e2e']:.1e}",
+                None if control else E2E_TARGET,
+            )
+        )
+        for order, number, target in (
+            ("arrival", "2a", PADDED_TARGET),
+            ("sorted", "2b", SORTED_TARGET),
+        ):
+            if control and order == "sorted":
+                continue
+            hf_tps = [tokens / s for s in rec[f"hf_{order}"]]
+            value, spread = per_rep(engine_tps, hf_tps)
+            pad = packed_vs_hf.padded_tokens(workload, order) / tokens
+            rows.append(
+                Row(
+                    number,
+                    f"packed megascore / padded transformers ({order} batches of 8)",
+                    name,
+                    value,
+                    f"megascore {med(engine_tps):.1f} / transformers {med(hf_tps):.1f} tokens/s"
+                    f"{spread}; padding x{pad:.2f}; max abs logprob diff {rec['diff_hf']:.1e}",
+                    None if control else target,
+                )
+            )
+        flops = [mfu.achieved(engine, workload, s) for s in rec["engine"]]
+        value, spread = per_rep(flops, rec["mm"])
+        rows.append(
+            Row(
+                "3",
+                "model FLOP/s / measured torch.mm FLOP/s",
+                name,
+                value,
+                f"model {med(flops) / 1e9:.1f} / torch.mm {med(rec['mm']) / 1e9:.1f} "
+                f"GFLOP/s{spread}",
+                MFU_TARGET if on_cpu and not control else None,
+            )
+        )
+    return rows
+
+
+def explain_misses(rows, workloads, timings, engine, hf, server, cfg, device, workdir, profile):
+    """Fills ``why`` and ``profile`` of every missed row (runs the profiles)."""
+    by_name = {w.name: w for w in workloads}
+    for row in rows:
+        if row.passed is not False or row.workload not in by_name:
+            continue
+        workload, rec = by_name[row.workload], timings[row.workload]
+        log(f"explaining the miss of {row.number} ({row.workload})")
+        if row.number == "1":
+            row.why = e2e_vs_engine.explain(rec["engine"], rec["e2e"])
+            if profile:
+                summary, _ = e2e_vs_engine.e2e_pass(
+                    server.target,
+                    workload.sequences,
+                    workload.batches(cfg.max_tokens),
+                    workdir,
+                    profile=True,
+                )
+                row.profile = "client process, cProfile:\n" + summary["profile"]
+        elif row.number in ("2a", "2b"):
+            order = "arrival" if row.number == "2a" else "sorted"
+            row.why = packed_vs_hf.explain(
+                workload, order, med(rec["engine"]), med(rec[f"hf_{order}"]), row.target
+            )
+            if profile:
+                row.profile = packed_vs_hf.profile_pair(
+                    engine, hf, workload, cfg.max_tokens, device
+                )
+        elif row.number == "3":
+            share, table = mfu.step_profile(engine, workload, cfg.max_tokens, device)
+            row.why = mfu.explain(row.value, share, row.target, engine.info().vocab_size)
+            row.profile = table if profile else ""
+
+
+def wire_row(wire: dict, engine_tps: float, tokens: int) -> Row:
+    scoring = tokens / engine_tps
+    phases = ", ".join(f"{p.replace('_', ' ')} {wire[p] * 1e3:.0f}" for p in wire_cost.PHASES)
+    return Row(
+        "4",
+        f"wire encode+decode / scoring time, {tokens / 1e6:g}M tokens, logprobs + top-5",
+        "rollout",
+        wire["total"] / scoring,
+        f"wire {wire['total'] * 1e3:.0f} ms ({phases} ms; request {wire['request_mb']:.0f} MB, "
+        f"response {wire['response_mb']:.0f} MB) / scoring {scoring:.1f} s at "
+        f"{engine_tps:.1f} tokens/s",
+        WIRE_TARGET,
+        higher_is_better=False,
+    )
+
+
+def memory_row(mem: dict, device: str) -> Row:
+    kind = "peak RSS" if device == "cpu" else "peak allocated"
+    sizes = ", ".join(str(pt["tokens"]) for pt in mem["points"])
+    return Row(
+        "5",
+        f"{kind} vs tokens per batch: R^2 of the linear fit",
+        f"{len(mem['points'])} sizes ({sizes}), sequences of {mem['seq_len']}",
+        mem["r2"],
+        f"{mem['slope'] / 1024:.1f} KiB/token + {mem['intercept'] / 2**20:.0f} MiB; max "
+        f"residual {mem['max_residual'] / 2**20:+.1f} MiB ({mem['max_residual_frac']:.1%} of "
+        f"the growth at that size)",
+        memory.R2_TARGET,
+    )
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+
+def measure(args: argparse.Namespace, cfg: Settings, workdir: Path) -> dict:
+    """Everything but the report; returns what the report needs."""
+    log(f"starting `megascore serve --model {args.model}` (subprocess)")
+    server = e2e_vs_engine.Server(
+        args.device, cfg.max_tokens, workdir / "server.log", model=args.model
+    ).start()
+    engine = None
+    try:
+        log("building the in-process engine and the transformers model")
+        engine = common.create_engine(args.device, args.model)
+        info = engine.info()
+        machine = common.machine_info(args.device)
+        hf = common.hf_llama_from_engine(engine)
+        workloads = common.make_workloads(
+            cfg.num_sequences,
+            args.seed,
+            info.vocab_size,
+            max_len=min(2048, info.max_sequence_length),
+        )
+        for w in workloads:
+            log(f"{w.name}: {w.summary()}")
+        agreement = packed_vs_hf.check_agreement(engine, hf, workloads[0], args.device)
+        log(f"logprobs megascore vs transformers: {agreement}")
+        engine.score(common.score_batch(common.warmup_sequences(workloads[0])))
+        server.wait_serving(1800.0)
+        log(f"server SERVING on {server.target}")
+        timings = timing_reps(engine, hf, server, workloads, cfg, args.device, workdir)
+        rows = timing_rows(workloads, timings, engine, args.device == "cpu")
+        explain_misses(
+            rows,
+            workloads,
+            timings,
+            engine,
+            hf,
+            server,
+            cfg,
+            args.device,
+            workdir,
+            not args.no_profile,
+        )
+    finally:
+        code = server.stop()
+        log(f"server stopped (exit {code})")
+        if engine is not None:
+            engine.shutdown()
+    del hf
+
+    rollout = workloads[0]
+    engine_tps = rollout.num_tokens / med(timings["rollout"]["engine"])
+    log(f"wire cost: {cfg.wire_tokens} tokens x {cfg.wire_repeats}")
+    wire = wire_cost.measure(cfg.wire_tokens, cfg.wire_repeats, info.vocab_size, args.seed)
+    row = wire_row(wire, engine_tps, cfg.wire_tokens)
+    if row.passed is False:
+        row.why = wire_cost.explain(wire)
+        if not args.no_profile:
+            row.profile = wire_cost.profile(cfg.wire_tokens, info.vocab_size, args.seed)
+    rows.append(row)
+
+    log(f"memory: {cfg.memory_sizes} tokens per batch, one fresh process each")
+    mem = memory.sweep(cfg.memory_sizes, args.device, jobs=cfg.memory_jobs, model=args.model)
+    row = memory_row(mem, args.device)
+    if row.passed is False:
+        row.why = memory.explain(mem)
+    rows.append(row)
+    return {
+        "rows": rows,
+        "machine": machine,
+        "info": info,
+        "workloads": workloads,
+        "agreement": agreement,
+        "timings": timings,
+        "memory": mem,
+        "wire": wire,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--quick", action="store_true", help="fewer tokens and repetitions")
+    p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-profile", action="store_true", help="skip the profiles of misses")
+    p.add_argument("--model", default=common.MODEL, help="smoke tests only (e.g. tiny)")
+    p.add_argument("--num-sequences", type=int, default=None, help="override the workload size")
+    p.add_argument("--memory-sizes", default=None, help="override, e.g. 128,256,512,1024")
+    args = p.parse_args()
+    cfg = settings(args.quick)
+    if args.num_sequences:
+        cfg.num_sequences = args.num_sequences
+    if args.memory_sizes:
+        cfg.memory_sizes = [int(x) for x in args.memory_sizes.split(",")]
+    common.quiet_logs()
+    common.check_device(args.device)
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="megascore-bench-") as tmp:
+        results = measure(args, cfg, Path(tmp))
+    results["machine"]["load average (end)"] = common.machine_info(args.device)["load average"]
+    text = report(args, cfg, results, time.time() - start)
+    args.output.write_text(text)
+    print(text)
+    log(f"wrote {args.output} in {time.time() - start:.0f} s")
+    return 0
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+
+def report(args, cfg: Settings, res: dict, elapsed: float) -> str:
+    info, rows = res["info"], res["rows"]
+    command = "python bench/run_all.py" + (" --quick" if args.quick else "")
+    if args.model != common.MODEL or args.num_sequences or args.memory_sizes:
+        command += " (with smoke-test overrides: not comparable)"
+    command += f" --device {args.device}" if args.device != "cpu" else ""
+    misses = [r for r in rows if r.passed is False]
+    lines = [
+        "# megascore benchmarks",
+        "",
+        f"Written by `{command}` in {elapsed / 60:.1f} min; rerun it to update this file.",
+        "Definitions and how to read the numbers: [docs/benchmarks.md](../docs/benchmarks.md).",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in res["machine"].items()),
+        "",
+        "## Setup",
+        "",
+        f"* model `{info.name}`: {info.num_parameters / 1e6:.1f}M parameters, vocab "
+        f"{info.vocab_size}, {info.dtype}, attention backend `{info.attention_backend}`, "
+        f"device {args.device}, world size 1",
+        *(f"* workload `{w.name}`: {w.summary()}; {w.description}" for w in res["workloads"]),
+        f"* every request: logprobs, top-{common.TOP_K}, summed NLL. megascore: token-budget "
+        f"batches of <= {cfg.max_tokens} tokens in arrival order (the server's "
+        f"`--max-tokens-per-batch`), e2e with {e2e_vs_engine.CONCURRENCY} requests in flight; "
+        f"transformers: batches of {packed_vs_hf.BATCH_SIZE}",
+        f"* {cfg.reps} repetition(s), passes interleaved; the value is the median of the "
+        f"per-repetition ratios",
+        f"* logprobs megascore vs transformers before timing: max abs diff "
+        f"{res['agreement']['max_abs']:.1e}, mean {res['agreement']['mean_abs']:.1e} "
+        f"({res['agreement']['tolerance']})",
+        "",
+        "## Results",
+        "",
+        "| # | measurement | workload | value | target | result | measured |",
+        "|---|---|---|---:|---|---|---|",
+        *(
+            f"| {r.number} | {r.measurement} | {r.workload} | {r.value:.3g} | "
+            f"{r.target_text()} | {r.result_text()} | {r.detail} |"
+            for r in rows
+        ),
+        "",
+        f"{sum(r.passed is True for r in rows)} of {sum(r.passed is not None for r in rows)} "
+        f"targets met.",
+    ]
+    lines += ["", "## Memory", "", "| tokens per batch | peak MiB | growth in the step MiB |"]
+    lines.append("|---:|---:|---:|")
+    for pt in res["memory"]["points"]:
+        lines.append(f"| {pt['tokens']} | {pt['peak'] / 2**20:.1f} | {pt['growth'] / 2**20:.1f} |")
+    if misses:
+        lines += ["", "## Misses", ""]
+        for r in misses:
+            lines += [
+                f"### {r.number}. {r.measurement} ({r.workload})",
+                "",
+                f"{r.value:.3g} against a target of {r.target_text()}: {r.shortfall()}.",
+                "",
+                r.why or "(no explanation computed)",
+                "",
+            ]
+            if r.profile:
+                lines += ["```", r.profile, "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

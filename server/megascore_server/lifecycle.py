@@ -1,0 +1,237 @@
+"""Lifecycle of rank 0's gRPC server: loading -> serving -> draining.
+
+:class:`ServerHandles` holds the parts :func:`megascore_server.app.build_server`
+assembled. The server may start before the engine exists:
+
+1. ``await handles.start()``: the server answers; health NOT_SERVING and the
+   Scorer RPCs fail with UNAVAILABLE ("model loading") while no engine is attached.
+2. ``engine = await handles.load_engine(factory)``: the factory runs on the
+   engine thread (the single executor thread that later runs every step, so a
+   collective engine keeps all its collectives on one thread).
+3. ``await handles.attach_engine(engine, pad_multiple=...)``: request limits and
+   batcher are wired in; health SERVING.
+4. ``await handles.stop()``: health NOT_SERVING for good -> ``server.stop(grace)``
+   -> batcher closed -> ``engine.shutdown()`` on the engine thread, queued after
+   the last step (or after a load still in progress, which cannot be interrupted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from megascore.errors import UnavailableError
+from megascore.types import Engine, ModelInfo
+from megascore_server.batcher import DynamicBatcher
+from megascore_server.config import ServerConfig
+from megascore_server.health import ScorerHealth
+from megascore_server.metrics import ServerMetrics
+from megascore_server.microbatch import padded_lengths
+from megascore_server.servicer import ScorerServicer
+from megascore_server.validation import RequestLimits
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_limits(info: ModelInfo, config: ServerConfig, pad_multiple: int) -> RequestLimits:
+    """The request limits: the model's, tightened by the config and the step budget.
+
+    Raises:
+        ValueError: ``max_sequence_length`` above the model's or not fitting one step.
+    """
+    model_max = int(info.max_sequence_length)
+    max_len = model_max
+    if config.max_sequence_length is not None:
+        if config.max_sequence_length > model_max:
+            raise ValueError(
+                f"max_sequence_length {config.max_sequence_length} exceeds the model's {model_max}"
+            )
+        max_len = config.max_sequence_length
+    fits = config.max_tokens_per_batch // pad_multiple * pad_multiple
+    if int(padded_lengths(np.array([max_len]), pad_multiple)[0]) > config.max_tokens_per_batch:
+        if config.max_sequence_length is not None:
+            raise ValueError(
+                f"max_sequence_length {max_len} does not fit max_tokens_per_batch "
+                f"{config.max_tokens_per_batch} (pad multiple {pad_multiple})"
+            )
+        logger.warning(
+            "model max_sequence_length %d exceeds max_tokens_per_batch %d: accepting "
+            "sequences up to %d tokens",
+            max_len,
+            config.max_tokens_per_batch,
+            fits,
+        )
+        max_len = fits
+    return RequestLimits(
+        vocab_size=int(info.vocab_size),
+        max_sequence_length=max_len,
+        max_request_tokens=config.max_request_tokens,
+        max_top_k=int(info.max_top_k),
+        loss_names=frozenset(info.loss_names),
+    )
+
+
+@dataclasses.dataclass(eq=False)
+class ServerHandles:
+    """The parts of a built server, and its lifecycle (see the module docstring).
+
+    ``engine``, ``batcher`` and ``limits`` are None until an engine is attached.
+    """
+
+    server: grpc.aio.Server
+    config: ServerConfig
+    health: ScorerHealth
+    servicer: ScorerServicer
+    metrics: ServerMetrics
+    executor: concurrent.futures.ThreadPoolExecutor
+    engine: Engine | None = None
+    batcher: DynamicBatcher | None = None
+    limits: RequestLimits | None = None
+    metrics_port: int | None = None
+    fatal: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    fatal_error: BaseException | None = None
+    _started: bool = False
+    _load: concurrent.futures.Future | None = None
+    _stopped: bool = False
+
+    async def start(self) -> None:
+        """Starts answering; health goes SERVING now if an engine is attached, else later."""
+        await self.server.start()
+        self._started = True
+        if self.batcher is not None:
+            await self.health.set_serving()
+
+    async def load_engine(self, factory: Callable[[], Engine]) -> Engine:
+        """Builds the engine on the engine thread (the thread that runs every later step).
+
+        Args:
+            factory: builds the engine; may block for minutes (collective model load).
+
+        Returns:
+            The engine, not yet attached (see :meth:`attach_engine`).
+
+        Raises:
+            UnavailableError: the server was stopped before the load began.
+            Exception: whatever ``factory`` raised.
+        """
+        if self._stopped:
+            raise UnavailableError("server stopped before the model was loaded")
+
+        def build() -> Engine:
+            # Set on the engine thread: a stop() during the load queues engine.shutdown()
+            # behind this job, and that job reads it there.
+            self.engine = factory()
+            return self.engine
+
+        start = time.monotonic()
+        logger.info("loading the model on the engine thread (health NOT_SERVING meanwhile)")
+        self._load = self.executor.submit(build)
+        engine = await asyncio.wrap_future(self._load)
+        logger.info("model built on every rank in %.1f s", time.monotonic() - start)
+        return engine
+
+    def wire_engine(self, engine: Engine, pad_multiple: int = 1) -> None:
+        """Wires ``engine`` in (limits, batcher, servicer) without touching health."""
+        if self.batcher is not None:
+            raise RuntimeError("an engine is already attached")
+        info = engine.info()
+        limits = resolve_limits(info, self.config, pad_multiple)
+        batcher = DynamicBatcher(
+            engine,
+            self.executor,
+            max_tokens_per_batch=self.config.max_tokens_per_batch,
+            max_batch_wait_ms=self.config.max_batch_wait_ms,
+            max_queue=self.config.max_queue,
+            max_queue_tokens=self.config.max_queue_tokens,
+            pad_multiple=pad_multiple,
+            weights_version=info.weights_version,
+            metrics=self.metrics,
+            on_fatal=self.on_fatal,
+        )
+        self.engine, self.batcher, self.limits = engine, batcher, limits
+        self.servicer.attach(batcher, limits, info)
+        logger.info(
+            "model %s attached (weights %s, pad multiple %d, max_sequence_length %d)",
+            info.name,
+            info.weights_version,
+            pad_multiple,
+            limits.max_sequence_length,
+        )
+
+    async def attach_engine(self, engine: Engine, *, pad_multiple: int = 1) -> None:
+        """Wires a ready engine in; health SERVING if the server is started.
+
+        Args:
+            engine: built on every rank (``info``, ``score``, ``load_weights``, ``shutdown``).
+            pad_multiple: the engine's per-sequence pad multiple (step budget accounting).
+
+        Raises:
+            UnavailableError: the server is stopping (its ``stop()`` shuts the engine down).
+            ValueError: the config's limits do not fit the model.
+            RuntimeError: an engine is already attached.
+        """
+        if self._stopped:
+            raise UnavailableError("server stopped while the model was loading")
+        self.wire_engine(engine, pad_multiple)
+        if self._started:
+            await self.health.set_serving()
+
+    def on_fatal(self, exc: BaseException) -> None:
+        """Batcher callback: the engine lost a rank. Health goes NOT_SERVING at once."""
+        self.fatal_error = exc
+        self.health.serving = False
+        asyncio.get_running_loop().create_task(self.health.shut_down(f"engine lost: {exc}"))
+        self.fatal.set()
+
+    def _shutdown_engine(self) -> None:  # engine thread, after the last step or load
+        if self.engine is None:
+            logger.info("no engine was built: nothing to shut down")
+            return
+        self.engine.shutdown()
+        logger.info("engine shut down")
+
+    async def stop(self, grace: float | None = None, *, engine_timeout_s: float = 60.0) -> bool:
+        """Graceful stop: health off, finish in-flight RPCs within ``grace``, shut the engine.
+
+        Args:
+            grace: seconds given to in-flight RPCs (None = ``config.grace_s``).
+            engine_timeout_s: longest wait for ``engine.shutdown()`` (queued behind a
+                step or a load still running on the engine thread).
+
+        Returns:
+            True when ``engine.shutdown()`` returned in time without raising (or no
+            engine was ever built).
+        """
+        if self._stopped:
+            return True
+        self._stopped = True
+        grace = self.config.grace_s if grace is None else grace
+        loading = self._load is not None and not self._load.done()
+        await self.health.shut_down("stopping while loading" if loading else "draining")
+        logger.info("stopping: %.1f s grace for in-flight requests", grace)
+        await self.server.stop(grace)
+        if self.batcher is not None:
+            await self.batcher.close()
+        self.metrics.stop_http()
+        done = asyncio.wrap_future(self.executor.submit(self._shutdown_engine))
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved when late
+        self.executor.shutdown(wait=False)  # the thread leaves after the queued shutdown
+        try:
+            await asyncio.wait_for(asyncio.shield(done), engine_timeout_s)
+        except TimeoutError:
+            if loading:
+                logger.error("the model load cannot be interrupted: shutdown queued after it")
+            else:
+                logger.error("engine.shutdown() did not return within %.0f s", engine_timeout_s)
+            return False
+        except Exception:
+            logger.exception("engine.shutdown() failed")
+            return False
+        return True
