@@ -7,8 +7,12 @@ Runs the ``bench`` built-in model (~96M parameters) in one process (world size 1
 * **padded**: the same model on batches of ``--batch-size`` sequences padded to
   the longest, plain causal attention per row (right padding: real tokens never
   see pads), full-vocabulary ``log_softmax`` on ``[B, S, V]`` logits, gather;
-* **memory sweep**: peak memory of the packed path for 4 token counts per batch,
-  with a least-squares line (bytes per token, intercept, R^2).
+* **memory sweep**: peak memory of the packed path for token counts of one to
+  several logprob chunks (``--chunk-tokens``) per batch, with a least-squares
+  line (bytes per token, intercept, R^2). The logits are computed chunk by chunk
+  from the final hidden states, so the slope holds activations only: it must stay
+  far below the fp32 full-vocabulary logits of a token (``V x 4`` bytes), and the
+  chunk's logits show up in the intercept.
 
 Lengths are drawn from a seeded log-normal, clipped to ``[16, --max-len]``.
 Memory is the peak RSS above the RSS before the phase (``VmHWM`` in
@@ -16,9 +20,9 @@ Memory is the peak RSS above the RSS before the phase (``VmHWM`` in
 ``torch.cuda.max_memory_allocated`` on a GPU. The two paths' logprobs are
 compared as a sanity check.
 
-Default (2 CPU cores): 8 sequences (median length 128), sweep 128..1024
-tokens, about 2-3 minutes. Bigger runs: ``--num-sequences 64 --median 400
---max-tokens 8192 --sweep 1024,2048,4096,8192``.
+Default (2 CPU cores): 8 sequences (median length 128), sweep 1024..4096
+tokens (1-4 chunks of 1024), about 3-4 minutes. Bigger runs: ``--num-sequences
+64 --median 400 --max-tokens 8192 --sweep 2048,4096,8192,16384``.
 
 Usage::
 
@@ -50,7 +54,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=8, help="padded baseline batch size")
     p.add_argument("--max-tokens", type=int, default=4096, help="packed token budget per step")
-    p.add_argument("--sweep", default="128,256,512,1024", help="tokens per batch (4 sizes)")
+    p.add_argument(
+        "--sweep",
+        default="1024,2048,3072,4096",
+        help="tokens per batch, comma-separated (>= --chunk-tokens keeps the fit linear)",
+    )
     p.add_argument("--sweep-seq-len", type=int, default=128)
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -244,13 +252,17 @@ def main() -> None:
             engine.score(make_batch(ids))
             peaks.append(mem.stop())
         slope, intercept, r2 = linear_fit(np.array(sizes, float), np.array(peaks, float))
-        print("\npacked peak memory vs tokens per batch")
+        logits_per_token = info.vocab_size * 4  # fp32 full-vocabulary logits of one token
+        print(f"\npacked peak memory vs tokens per batch (logprob chunks of {args.chunk_tokens})")
         for size, peak in zip(sizes, peaks, strict=True):
-            print(f"{size:>8} tokens {peak / 2**20:>10.1f} MiB")
+            chunks = -(-size // args.chunk_tokens)
+            print(f"{size:>8} tokens {chunks:>3} chunk(s) {peak / 2**20:>10.1f} MiB")
         print(
             f"linear fit: {slope / 1024:.1f} KiB/token + {intercept / 2**20:.1f} MiB "
             f"(R^2 {r2:.3f}); full-vocab fp32 logits alone are "
-            f"{info.vocab_size * 4 / 1024:.1f} KiB/token"
+            f"{logits_per_token / 1024:.1f} KiB/token (slope / that = "
+            f"{slope / logits_per_token:.2f}), one chunk of them "
+            f"{args.chunk_tokens * logits_per_token / 2**20:.1f} MiB"
         )
     finally:
         engine.shutdown()

@@ -11,10 +11,16 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.reference import engine_outputs, sample_cases
-from tests.e2e.serve import running, shared_server_fixture
+from tests.e2e.serve import own_servers, running, shared_server_fixture
 
 shared_tp1 = shared_server_fixture("tp1")
 shared_tp2 = shared_server_fixture("tp2")
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """``serve(*flags, **kw)`` starts a server of this test's own; all are killed after it."""
+    yield from own_servers(tmp_path)
 
 
 @pytest.fixture

@@ -425,3 +425,19 @@ def running(server: ServeProcess) -> ServeProcess:
     """Fails the calling test at once when a shared server died in an earlier test."""
     assert server.running(), f"shared server exited {server.proc.returncode}:\n{server.output()}"
     return server
+
+
+def own_servers(log_dir: Path):
+    """Generator behind the ``serve`` fixtures: yields ``start(*args, **kw)``, kills all after."""
+    started: list[ServeProcess] = []
+
+    def start(*args: str, **kw) -> ServeProcess:
+        server = ServeProcess(log_dir / f"serve{len(started)}.log", *args, **kw)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.close()

@@ -78,19 +78,24 @@ def arr(values, tag: int) -> pb.Array:
 
 @st.composite
 def hostile_requests(draw) -> tuple[pb.ScoreRequest, set[str]]:
-    """A ScoreRequest and the names of the mutations applied to its valid base."""
-    lengths = draw(st.lists(st.integers(1, 24), min_size=1, max_size=4))
+    """A ScoreRequest and the names of the mutations applied to its valid base.
+
+    About one request in six stays valid (and is scored by the engine); the others
+    carry 1-3 mutations and are mostly rejected by validation, which keeps the fuzzer
+    fast. Token ids and masks come from a drawn numpy seed (cheap to generate).
+    """
+    lengths = draw(st.lists(st.integers(1, 16), min_size=1, max_size=3))
     total = sum(lengths)
-    ids = draw(st.lists(st.integers(0, VOCAB - 1), min_size=total, max_size=total))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    ids = rng.integers(0, VOCAB, total).tolist()
     request = pb.ScoreRequest(
         request_id=draw(st.text(max_size=12)),
         token_ids=arr(ids, draw(st.sampled_from(INT_TAGS))),
         lengths=arr(lengths, draw(st.sampled_from(INT_TAGS))),
     )
     if draw(st.booleans()):
-        mask = draw(st.lists(st.integers(0, 1), min_size=total, max_size=total))
         tag = draw(st.sampled_from([pb.DTYPE_UINT8, *INT_TAGS]))
-        request.loss_mask.CopyFrom(arr(mask, tag))
+        request.loss_mask.CopyFrom(arr(rng.integers(0, 2, total), tag))
     options = request.options
     options.return_logprobs = draw(st.booleans())
     options.top_k = draw(st.integers(0, 8))
@@ -98,7 +103,9 @@ def hostile_requests(draw) -> tuple[pb.ScoreRequest, set[str]]:
     if draw(st.booleans()):
         options.temperature = draw(st.floats(0.05, 20.0))
 
-    applied = set(draw(st.lists(st.sampled_from(CERTAIN + AMBIGUOUS + BENIGN), max_size=3)))
+    mutations = st.sampled_from(CERTAIN + AMBIGUOUS + BENIGN)
+    valid = draw(st.integers(0, 99)) >= 85  # hypothesis favours small integers
+    applied = set(draw(st.lists(mutations, min_size=0 if valid else 1, max_size=3)))
     for name in sorted(applied):
         _mutate(draw, request, name, ids, lengths)
     return request, applied
