@@ -3,7 +3,8 @@
 * For every supported family (llama, qwen2, mistral, mixtral) a tiny random
   transformers model (``tests.checkpoint.scripts.ckpt_common``, weights rescaled so
   logprobs are far from uniform) is saved and served as ``hf:DIR`` (TP=1, and TP=2
-  for llama; mixtral TP=2 is ``slow``). Logprobs, top-k and the NLL returned through
+  for llama and mixtral: vocab-parallel output, split QKV groups, expert TP with
+  sequence parallelism). Logprobs, top-k and the NLL returned through
   :class:`ScoringClient` equal transformers' own forward on the same weights
   (max |delta| <= 1e-4, fp32); ``GetModelInfo`` describes the checkpoint.
 * Hot reload under load: client threads (sync and asyncio) score continuously while
@@ -13,9 +14,9 @@
 * Failed loads (missing directory, HF dir as ``megatron:``, another architecture)
   answer FAILED_PRECONDITION and the old weights keep serving bit for bit.
 
-The servers this module's selected tests need start together (in parallel: each start
-is mostly single-threaded imports) on first use and stop (SIGTERM, exit 0, no process
-left) at the end of the module.
+Six servers (4 TP=1, 2 TP=2) are started ahead of their tests, several at once, and
+stopped after their last test (:class:`ServerPool`); each must exit 0 on SIGTERM and
+leave no process behind.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.timeout(1200)  # first test waits for the servers' star
 ATOL = 1e-4  # fp32 Megatron vs fp32 transformers, compared in float64
 TOP_K = 4
 START_TIMEOUT_S = 600.0  # several servers importing torch + megatron at once on 2 cores
+MAX_LIVE_RANKS = 5  # server ranks alive at once (~1 GB each)
 RPC_TIMEOUT_S = 120.0
 
 # Server configurations: name -> (checkpoint, tensor-parallel size).
@@ -158,30 +160,53 @@ def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
 
 
 class ServerPool:
-    """``megascore serve`` processes by configuration name, started together.
+    """``megascore serve`` processes by configuration name, started ahead of their tests.
 
-    The first :meth:`get` starts every configuration the module's selected, not
-    skipped tests use (their ``config`` parameter), so the slow starts overlap.
+    ``plan`` lists the configuration of every selected, not skipped test of the
+    module in run order. Servers start in that order, several at once (a start is
+    mostly single-threaded imports, so starts overlap well) while at most
+    :data:`MAX_LIVE_RANKS` ranks are alive; a server stops (SIGTERM, in the
+    background) after the last test that uses it. :meth:`close` checks that every
+    server exited 0 and left no process behind.
     """
 
-    def __init__(self, log_dir: Path, checkpoints: dict[str, Checkpoint], wanted: list[str]):
+    def __init__(self, log_dir: Path, checkpoints: dict[str, Checkpoint], plan: list[str]):
         self.log_dir = log_dir
         self.checkpoints = checkpoints
-        self.wanted = wanted
+        self.plan = list(plan)
         self.servers: dict[str, ServeProcess] = {}
         self.ready: set[str] = set()
+        self.stopping: dict[str, concurrent.futures.Future] = {}
+        self._stopper = concurrent.futures.ThreadPoolExecutor(len(SERVERS))
 
     def _start(self, name: str) -> None:
         ckpt, tp = SERVERS[name]
         args = ["--model", self.checkpoints[ckpt].spec, "--grace-s", "5"]
         if tp > 1:
             args += ["--nproc", str(tp), "--tp", str(tp)]
-        self.servers[name] = ServeProcess(self.log_dir / f"{name}.log", *args)
+        # MASTER_PORT=0: a single-process server's TCPStore binds a port of its own choice.
+        # Otherwise ``ensure_dist_env`` picks a free port at start and binds it only after
+        # the imports (~1 min on busy cores), and another server of this module can take
+        # it meanwhile (seen: EADDRINUSE). TP=2 launchers set their own MASTER_PORT.
+        self.servers[name] = ServeProcess(
+            self.log_dir / f"{name}.log", *args, env={"MASTER_PORT": "0"}
+        )
+
+    def _start_ahead(self) -> None:
+        live = sum(SERVERS[n][1] for n in self.servers if n not in self.stopping)
+        for name in dict.fromkeys(self.plan):
+            if name in self.servers:
+                continue
+            if live + SERVERS[name][1] > MAX_LIVE_RANKS:
+                break
+            self._start(name)
+            live += SERVERS[name][1]
 
     def get(self, name: str) -> ServeProcess:
-        for other in [*self.wanted, name]:
-            if other not in self.servers:
-                self._start(other)
+        assert name not in self.stopping, f"{name} was already stopped"
+        if name not in self.servers:
+            self._start(name)
+        self._start_ahead()
         server = self.servers[name]
         if name not in self.ready:
             server.wait_serving(timeout=START_TIMEOUT_S)
@@ -189,40 +214,48 @@ class ServerPool:
         assert server.running(), f"{name} exited {server.proc.returncode}:\n{server.output()}"
         return server
 
+    def done(self, name: str) -> None:
+        """One test of ``name`` finished; the last one stops the server."""
+        if name in self.plan:
+            self.plan.remove(name)
+        if name not in self.plan and name in self.servers and name not in self.stopping:
+            self.stopping[name] = self._stopper.submit(self._stop, self.servers[name])
+            self._start_ahead()
+
+    @staticmethod
+    def _stop(server: ServeProcess) -> tuple[int | None, list[int]]:
+        try:
+            code = server.terminate(timeout=90) if server.running() else server.proc.returncode
+            return code, server.leftovers()
+        finally:
+            server.close()
+
     def close(self) -> None:
-        """SIGTERM to every server at once; each must exit 0 and leave nothing behind."""
-
-        def stop(server: ServeProcess) -> tuple[int | None, list[int]]:
-            try:
-                code = server.terminate(timeout=60) if server.running() else server.proc.returncode
-                return code, server.leftovers()
-            finally:
-                server.close()
-
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.servers))) as pool:
-            outcomes = dict(zip(self.servers, pool.map(stop, self.servers.values()), strict=True))
-        for name, (code, left) in outcomes.items():
+        for name, server in self.servers.items():
+            if name not in self.stopping:
+                self.stopping[name] = self._stopper.submit(self._stop, server)
+        self._stopper.shutdown(wait=True)
+        for name, future in self.stopping.items():
+            code, left = future.result()
             assert code == 0, f"{name} exited {code}:\n{self.servers[name].output()}"
             assert not left, f"{name} left processes {left}"
 
 
-def _wanted_configs(request) -> list[str]:
-    wanted = []
+def _plan(request) -> list[str]:
+    """The ``config`` of each selected, not skipped test of this module, in run order."""
+    plan = []
     for item in request.session.items:
         if item.module is not request.module or item.get_closest_marker("skip"):
             continue
         callspec = getattr(item, "callspec", None)
-        name = callspec.params.get("config") if callspec else None
-        if name and name not in wanted:
-            wanted.append(name)
-    return wanted
+        if callspec and "config" in callspec.params:
+            plan.append(callspec.params["config"])
+    return plan
 
 
 @pytest.fixture(scope="module")
 def pool(request, checkpoints, tmp_path_factory):
-    servers = ServerPool(
-        tmp_path_factory.mktemp("serve-ckpt"), checkpoints, _wanted_configs(request)
-    )
+    servers = ServerPool(tmp_path_factory.mktemp("serve-ckpt"), checkpoints, _plan(request))
     try:
         yield servers
     finally:
@@ -230,8 +263,9 @@ def pool(request, checkpoints, tmp_path_factory):
 
 
 @pytest.fixture
-def server(pool, config) -> ServeProcess:
-    return pool.get(config)
+def server(pool, config):
+    yield pool.get(config)
+    pool.done(config)
 
 
 def _client(server: ServeProcess) -> ScoringClient:
@@ -239,60 +273,8 @@ def _client(server: ServeProcess) -> ScoringClient:
     return ScoringClient(server.target, timeout=RPC_TIMEOUT_S, retries=None)
 
 
-# ------------------------------------------------------------------------ 1. parity
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        "llama-tp1",
-        "qwen2-tp1",
-        "mistral-tp1",
-        "mixtral-tp1",
-        "llama-tp2",
-        pytest.param("mixtral-tp2", marks=pytest.mark.slow),
-    ],
-)
-def test_hf_checkpoint_scores_match_transformers(server, config, checkpoints):
-    name, tp = SERVERS[config]
-    ckpt = checkpoints[name]
-    refs = hf_reference(ckpt.model, PARITY_SEQS)
-    assert min(r.logprobs.std() for r in refs if r.logprobs.size > 4) > 0.5, "flat reference"
-
-    with _client(server) as client:
-        info = client.model_info()
-        result = client.score(PARITY_SEQS, top_k=TOP_K, losses=("nll",))
-
-    assert (info.name, info.architecture, info.checkpoint_path) == (
-        ckpt.directory.name,
-        ckpt.family,
-        str(ckpt.directory),
-    )
-    assert info.vocab_size == VOCAB and info.max_sequence_length == 512
-    assert info.dtype == "float32"
-    assert info.has_tokenizer == (ckpt.family in WITH_TOKENIZER)
-    assert info.weights_version == ckpt.version and len(ckpt.version) == 16
-    assert info.parallel.world_size == tp and info.parallel.tensor_model_parallel_size == tp
-    assert info.num_parameters == sum(p.numel() for p in ckpt.model.parameters())
-    assert result.weights_version == ckpt.version
-
-    err = max_error(result, PARITY_SEQS, refs)
-    assert err <= ATOL, f"{config}: max |delta logprob| {err:.3e}"
-    for i, (seq, ref) in enumerate(zip(PARITY_SEQS, refs, strict=True)):
-        n = len(seq)
-        ids, vals = result.top_k_ids[i], result.top_k_logprobs[i].astype(np.float64)
-        assert ids.shape == vals.shape == (n, TOP_K)
-        assert (ids[0] == -1).all() and (vals[0] == 0.0).all()
-        # The k values are transformers' k largest, and each id has the value it claims
-        # (tie-proof: no assumption on the order of near-equal logits).
-        assert np.abs(vals[1:] - ref.top_k).max(initial=0) <= ATOL, f"sequence {i}"
-        claimed = np.take_along_axis(ref.full, ids[1:], axis=-1)
-        assert np.abs(vals[1:] - claimed).max(initial=0) <= ATOL, f"sequence {i}"
-        assert result.num_tokens[i] == n - 1
-        assert result.loss["nll"][i] == pytest.approx(-ref.logprobs.sum(), abs=1e-3)
-
-
-# ------------------------------------------------------------------------ 2. hot reload
+# ------------------------------------------------------------------------ hot reload (llama TP=1)
+# First in the module: the llama TP=1 server then stops early (after its parity test).
 
 
 @dataclasses.dataclass
@@ -505,6 +487,62 @@ def test_failed_load_keeps_serving_old_weights(server, config, checkpoints, tmp_
                 np.testing.assert_array_equal(x, y, err_msg=spec)
             for x, y in zip(before.top_k_ids, after.top_k_ids, strict=True):
                 np.testing.assert_array_equal(x, y, err_msg=spec)
+
+
+# ------------------------------------------------------------------------ parity, every family
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        "llama-tp1",
+        "qwen2-tp1",
+        "mistral-tp1",
+        "mixtral-tp1",
+        "mixtral-tp2",
+        "llama-tp2",  # last: the next test uses the same server
+    ],
+)
+def test_hf_checkpoint_scores_match_transformers(server, config, checkpoints):
+    name, tp = SERVERS[config]
+    ckpt = checkpoints[name]
+    refs = hf_reference(ckpt.model, PARITY_SEQS)
+    assert min(r.logprobs.std() for r in refs if r.logprobs.size > 4) > 0.5, "flat reference"
+
+    with _client(server) as client:
+        info = client.model_info()
+        result = client.score(PARITY_SEQS, top_k=TOP_K, losses=("nll",))
+
+    assert (info.name, info.architecture, info.checkpoint_path) == (
+        ckpt.directory.name,
+        ckpt.family,
+        str(ckpt.directory),
+    )
+    assert info.vocab_size == VOCAB and info.max_sequence_length == 512
+    assert info.dtype == "float32"
+    assert info.has_tokenizer == (ckpt.family in WITH_TOKENIZER)
+    assert info.weights_version == ckpt.version and len(ckpt.version) == 16
+    assert info.parallel.world_size == tp and info.parallel.tensor_model_parallel_size == tp
+    assert info.num_parameters == sum(p.numel() for p in ckpt.model.parameters())
+    assert result.weights_version == ckpt.version
+
+    err = max_error(result, PARITY_SEQS, refs)
+    assert err <= ATOL, f"{config}: max |delta logprob| {err:.3e}"
+    for i, (seq, ref) in enumerate(zip(PARITY_SEQS, refs, strict=True)):
+        n = len(seq)
+        ids, vals = result.top_k_ids[i], result.top_k_logprobs[i].astype(np.float64)
+        assert ids.shape == vals.shape == (n, TOP_K)
+        assert (ids[0] == -1).all() and (vals[0] == 0.0).all()
+        # The k values are transformers' k largest, and each id has the value it claims
+        # (tie-proof: no assumption on the order of near-equal logits).
+        assert np.abs(vals[1:] - ref.top_k).max(initial=0) <= ATOL, f"sequence {i}"
+        claimed = np.take_along_axis(ref.full, ids[1:], axis=-1)
+        assert np.abs(vals[1:] - claimed).max(initial=0) <= ATOL, f"sequence {i}"
+        assert result.num_tokens[i] == n - 1
+        assert result.loss["nll"][i] == pytest.approx(-ref.logprobs.sum(), abs=1e-3)
+
+
+# ------------------------------------------------------------------------ TP=2 reload
 
 
 @pytest.mark.parametrize("config", ["llama-tp2"])

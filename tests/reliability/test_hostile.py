@@ -76,53 +76,76 @@ def arr(values, tag: int) -> pb.Array:
     return pb.Array(dtype=tag, data=np.asarray(values).astype(NP_OF[tag]).tobytes())
 
 
+# Strategies are built once: building them inside the composite costs more than the RPC.
+S_LENGTHS = st.lists(st.integers(1, 16), min_size=1, max_size=3)
+S_SEED = st.integers(0, 2**32 - 1)
+S_ID = st.text(max_size=12)
+S_INT_TAG = st.sampled_from(INT_TAGS)
+S_MASK_TAG = st.sampled_from([pb.DTYPE_UINT8, *INT_TAGS])
+S_TOP_K = st.integers(0, 8)
+S_LOSSES = st.lists(st.sampled_from(["nll", "mean_nll"]), max_size=2)
+S_TEMPERATURE = st.none() | st.floats(0.05, 20.0)
+S_PERCENT = st.integers(0, 99)
+S_MUTATIONS = [
+    st.lists(st.sampled_from(CERTAIN + AMBIGUOUS + BENIGN), min_size=n, max_size=3) for n in (0, 1)
+]
+S_BAD_ID = st.sampled_from([VOCAB, VOCAB + 1, 2**31 - 1, -1, -(2**31)])
+S_FLOAT_TAG = st.sampled_from([pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64])
+S_BAD_LENGTH = st.sampled_from([0, -1, -(2**31), 1025, 2**31 - 1])
+S_MASK_FAULT = st.sampled_from(["value 2", "value 255", "value -1", "short", "long", "empty"])
+S_BAD_TOP_K = st.sampled_from([-1, -(2**31), MAX_TOP_K + 1, 10**6, 2**31 - 1])
+S_BAD_TEMPERATURE = st.sampled_from(
+    [float("nan"), float("inf"), -float("inf"), 0.0, -1.0, -0.0, 1e-300, 1e-40, 1e300]
+)
+S_UNKNOWN_LOSS = st.text(max_size=8).filter(lambda s: s not in ("nll", "mean_nll"))
+S_FIELD = st.sampled_from(["token_ids", "lengths", "loss_mask"])
+S_BYTES = st.binary(max_size=64)
+S_LONG_ID = st.text(min_size=1, max_size=300)
+
+
 @st.composite
 def hostile_requests(draw) -> tuple[pb.ScoreRequest, set[str]]:
     """A ScoreRequest and the names of the mutations applied to its valid base.
 
     About one request in six stays valid (and is scored by the engine); the others
     carry 1-3 mutations and are mostly rejected by validation, which keeps the fuzzer
-    fast. Token ids and masks come from a drawn numpy seed (cheap to generate).
+    fast. Token ids, masks and positions come from a drawn numpy seed (cheap).
     """
-    lengths = draw(st.lists(st.integers(1, 16), min_size=1, max_size=3))
+    lengths = draw(S_LENGTHS)
     total = sum(lengths)
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    ids = rng.integers(0, VOCAB, total).tolist()
+    rng = np.random.default_rng(draw(S_SEED))
+    ids = rng.integers(0, VOCAB, total)
     request = pb.ScoreRequest(
-        request_id=draw(st.text(max_size=12)),
-        token_ids=arr(ids, draw(st.sampled_from(INT_TAGS))),
-        lengths=arr(lengths, draw(st.sampled_from(INT_TAGS))),
+        request_id=draw(S_ID),
+        token_ids=arr(ids, draw(S_INT_TAG)),
+        lengths=arr(lengths, draw(S_INT_TAG)),
     )
-    if draw(st.booleans()):
-        tag = draw(st.sampled_from([pb.DTYPE_UINT8, *INT_TAGS]))
-        request.loss_mask.CopyFrom(arr(rng.integers(0, 2, total), tag))
+    if rng.random() < 0.5:
+        request.loss_mask.CopyFrom(arr(rng.integers(0, 2, total), draw(S_MASK_TAG)))
     options = request.options
-    options.return_logprobs = draw(st.booleans())
-    options.top_k = draw(st.integers(0, 8))
-    options.losses.extend(draw(st.lists(st.sampled_from(["nll", "mean_nll"]), max_size=2)))
-    if draw(st.booleans()):
-        options.temperature = draw(st.floats(0.05, 20.0))
+    options.return_logprobs = bool(rng.random() < 0.8)
+    options.top_k = draw(S_TOP_K)
+    options.losses.extend(draw(S_LOSSES))
+    temperature = draw(S_TEMPERATURE)
+    if temperature is not None:
+        options.temperature = temperature
 
-    mutations = st.sampled_from(CERTAIN + AMBIGUOUS + BENIGN)
-    valid = draw(st.integers(0, 99)) >= 85  # hypothesis favours small integers
-    applied = set(draw(st.lists(mutations, min_size=0 if valid else 1, max_size=3)))
+    valid = draw(S_PERCENT) >= 85  # hypothesis favours small integers
+    applied = set(draw(S_MUTATIONS[0 if valid else 1]))
     for name in sorted(applied):
-        _mutate(draw, request, name, ids, lengths)
+        _mutate(draw, rng, request, name, ids, lengths)
     return request, applied
 
 
-def _mutate(draw, request: pb.ScoreRequest, name: str, ids: list[int], lengths: list[int]):
+def _mutate(draw, rng, request: pb.ScoreRequest, name: str, ids, lengths: list[int]) -> None:
     options = request.options
+    total = sum(lengths)
     if name == "id_out_of_range":
-        bad = list(ids)
-        bad[draw(st.integers(0, len(bad) - 1))] = draw(
-            st.sampled_from([VOCAB, VOCAB + 1, 2**31 - 1, -1, -(2**31)])
-        )
-        request.token_ids.CopyFrom(arr(bad, draw(st.sampled_from(INT_TAGS))))
+        bad = ids.copy()
+        bad[rng.integers(0, total)] = draw(S_BAD_ID)
+        request.token_ids.CopyFrom(arr(bad, draw(S_INT_TAG)))
     elif name == "ids_as_float":
-        request.token_ids.CopyFrom(
-            arr(ids, draw(st.sampled_from([pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64])))
-        )
+        request.token_ids.CopyFrom(arr(ids, draw(S_FLOAT_TAG)))
     elif name == "missing_ids":
         request.ClearField("token_ids")
     elif name == "missing_lengths":
@@ -131,52 +154,42 @@ def _mutate(draw, request: pb.ScoreRequest, name: str, ids: list[int], lengths: 
         request.lengths.CopyFrom(pb.Array(dtype=pb.DTYPE_INT64, data=b""))
     elif name == "bad_length":
         bad = list(lengths)
-        bad[draw(st.integers(0, len(bad) - 1))] = draw(
-            st.sampled_from([0, -1, -(2**31), 1025, 2**31 - 1])
-        )
-        request.lengths.CopyFrom(arr(bad, draw(st.sampled_from(INT_TAGS))))
+        bad[rng.integers(0, len(bad))] = draw(S_BAD_LENGTH)
+        request.lengths.CopyFrom(arr(bad, draw(S_INT_TAG)))
     elif name == "length_mismatch":
-        bad = list(lengths) + ([1] if draw(st.booleans()) else [])
+        bad = list(lengths) + ([1] if rng.random() < 0.5 else [])
         bad[0] += 1
         request.lengths.CopyFrom(arr(bad, pb.DTYPE_INT64))
     elif name == "too_many_tokens":  # more than max_request_tokens (1 << 20)
         request.lengths.CopyFrom(arr([1024] * 1100, pb.DTYPE_INT64))
     elif name == "bad_mask":
-        total = sum(lengths)
-        kind = draw(st.sampled_from(["value", "length", "float"]))
-        if kind == "value":
-            mask = [1] * total
-            mask[draw(st.integers(0, total - 1))] = draw(st.sampled_from([2, 255, -1]))
-            tag = pb.DTYPE_INT32 if min(mask) < 0 else pb.DTYPE_UINT8
-            request.loss_mask.CopyFrom(arr(mask, tag))
-        elif kind == "length":
-            size = draw(st.sampled_from([0, total - 1, total + 1]))
-            request.loss_mask.CopyFrom(arr([1] * size, pb.DTYPE_UINT8))
+        fault = draw(S_MASK_FAULT)
+        if fault.startswith("value"):
+            mask = np.ones(total, dtype=np.int64)
+            mask[rng.integers(0, total)] = int(fault.split()[1])
+            request.loss_mask.CopyFrom(arr(mask, pb.DTYPE_INT32))
         else:
-            request.loss_mask.CopyFrom(arr([1.0] * total, pb.DTYPE_FLOAT32))
+            size = {"short": total - 1, "long": total + 1, "empty": 0}[fault]
+            request.loss_mask.CopyFrom(arr(np.ones(size), pb.DTYPE_UINT8))
     elif name == "bad_top_k":
-        options.top_k = draw(st.sampled_from([-1, -(2**31), MAX_TOP_K + 1, 10**6, 2**31 - 1]))
+        options.top_k = draw(S_BAD_TOP_K)
     elif name == "bad_temperature":
-        options.temperature = draw(
-            st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.0, -1.0, 1e-300, 1e300])
-        )
+        options.temperature = draw(S_BAD_TEMPERATURE)
     elif name == "unknown_loss":
-        loss = draw(st.text(max_size=8).filter(lambda s: s not in ("nll", "mean_nll")))
-        options.losses.append(loss)
-    elif name in ("retag", "truncate", "random_bytes"):
-        field = draw(st.sampled_from(["token_ids", "lengths", "loss_mask"]))
-        array = getattr(request, field)
+        options.losses.append(draw(S_UNKNOWN_LOSS))
+    elif name in AMBIGUOUS:
+        array = getattr(request, draw(S_FIELD))
         if name == "retag":
             array.dtype = draw(ANY_TAG)
         elif name == "truncate":
-            array.data = array.data[: draw(st.integers(0, max(0, len(array.data) - 1)))]
+            array.data = array.data[: int(rng.integers(0, max(1, len(array.data))))]
         else:
-            array.data = draw(st.binary(max_size=64))
+            array.data = draw(S_BYTES)
     elif name == "metrics":
-        options.return_moe_metrics = draw(st.booleans())
+        options.return_moe_metrics = bool(rng.random() < 0.5)
         options.return_mtp_metrics = True
     elif name == "odd_request_id":
-        request.request_id = draw(st.text(min_size=1, max_size=300))
+        request.request_id = draw(S_LONG_ID)
     elif name == "dup_losses":
         options.losses.extend(["nll", "nll", "mean_nll"])
 

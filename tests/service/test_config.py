@@ -210,3 +210,18 @@ def test_pad_multiple_follows_the_engine_layout(kw, expected):
         pad_multiple = 16
 
     assert pad_multiple(Exposed(), EngineConfig(**kw)) == 16
+
+
+@pytest.mark.parametrize(
+    "argv,environ,expected",
+    [
+        ([], {}, None),  # unset: the engine decides (on for MoE at TP > 1)
+        (["--sequence-parallel"], {}, True),
+        (["--no-sequence-parallel"], {}, False),
+        ([], {"MEGASCORE_SEQUENCE_PARALLEL": "false"}, False),
+        ([], {"MEGASCORE_SEQUENCE_PARALLEL": "none"}, None),
+    ],
+)
+def test_sequence_parallel_is_tri_state(argv, environ, expected):
+    config = load_serve_config(["--tp", "2", *argv], environ=environ)
+    assert config.engine.sequence_parallel is expected

@@ -115,7 +115,8 @@ def _chunk_log_normalizer(
     global_max = logits.max(dim=-1).values
     if tp_size > 1:
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-    sum_exp = torch.exp(logits - global_max.unsqueeze(-1)).sum(dim=-1)
+    # One [C, V_local] temporary, exponentiated in place (peak: logits + 1 temporary).
+    sum_exp = (logits - global_max.unsqueeze(-1)).exp_().sum(dim=-1)
     return global_max, sum_exp
 
 
