@@ -169,8 +169,11 @@ def make_workloads(
     median: float = 400.0,
     sigma: float = 0.8,
     max_len: int = 2048,
+    num_uniform: int | None = None,
 ) -> tuple[Workload, Workload]:
-    """The rollout mix and its uniform-length control (same number of sequences and tokens).
+    """The rollout mix of ``num`` sequences and its uniform-length control.
+
+    The control has ``num_uniform`` (default ``num``) sequences of the mix's mean length.
 
     Returns:
         ``(rollout, uniform)``.
@@ -185,7 +188,10 @@ def make_workloads(
     uniform_len = int(round(lengths.mean()))
     uniform = Workload(
         "uniform",
-        [rng.integers(0, vocab_size, uniform_len).astype(np.int64) for _ in range(num)],
+        [
+            rng.integers(0, vocab_size, uniform_len).astype(np.int64)
+            for _ in range(num if num_uniform is None else num_uniform)
+        ],
         f"every sequence {uniform_len} tokens (the mix's mean length), seed {seed + 1}",
     )
     return rollout, uniform
@@ -208,21 +214,33 @@ def score_batch(sequences: list[np.ndarray]):
     )
 
 
-def engine_pass(engine, workload: Workload, max_tokens: int) -> tuple[float, list[np.ndarray]]:
-    """Scores the workload in token-budget batches with the in-process engine.
+@dataclasses.dataclass
+class Pass:
+    """One timed pass over a workload.
 
-    Returns:
-        ``(seconds, per-sequence logprobs)``.
+    Attributes:
+        seconds: wall-clock time.
+        cpu_seconds: CPU time of this process (all its threads) over the same interval;
+            on a shared machine it barely moves with the load, unlike ``seconds``.
+        logprobs: per-sequence logprobs, in workload order.
     """
+
+    seconds: float
+    cpu_seconds: float
+    logprobs: list[np.ndarray]
+
+
+def engine_pass(engine, workload: Workload, max_tokens: int) -> Pass:
+    """Scores the workload in token-budget batches with the in-process engine."""
     out: list[np.ndarray | None] = [None] * len(workload.sequences)
     seqs = workload.sequences
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     for idx in workload.batches(max_tokens):
         res = engine.score(score_batch([seqs[i] for i in idx]))
         parts = np.split(res.logprobs, np.cumsum([len(seqs[i]) for i in idx])[:-1])
         for i, lp in zip(idx, parts, strict=True):
             out[i] = lp
-    return time.perf_counter() - start, out
+    return Pass(time.perf_counter() - start, time.process_time() - cpu, out)
 
 
 # ---- machine --------------------------------------------------------------------------------
@@ -281,8 +299,15 @@ def machine_info(device: str) -> dict[str, str]:
 # ---- FLOPs ----------------------------------------------------------------------------------
 
 
-def matmul_flops_per_s(device: str, n: int, repeats: int) -> float:
-    """Best-of-``repeats`` dense ``torch.mm`` rate of two ``[n, n]`` matrices, benchmark dtype."""
+def matmul_flops_per_s(device: str, n: int, calls: int) -> tuple[float, float]:
+    """Dense ``torch.mm`` rate of two ``[n, n]`` matrices in the benchmark dtype.
+
+    Returns:
+        ``(wall rate, CPU-time rate)``: the median over ``calls`` timed calls (after a
+        warm-up) of ``2 n^3`` over the wall time, and over the process CPU time divided
+        by the intra-op threads (0 on a GPU). On a shared machine the median is the
+        typical rate, comparable with an engine pass that also averages over load.
+    """
     import torch
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -292,15 +317,18 @@ def matmul_flops_per_s(device: str, n: int, repeats: int) -> float:
     out = torch.empty(n, n, device=device, dtype=dtype)
     torch.mm(a, b, out=out)  # warm-up
     synchronize(device)
-    best = float("inf")
     inner = 10 if device == "cuda" else 1
-    for _ in range(repeats):
-        start = time.perf_counter()
+    threads = torch.get_num_threads()
+    wall, cpu = [], []
+    for _ in range(calls):
+        c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(inner):
             torch.mm(a, b, out=out)
         synchronize(device)
-        best = min(best, (time.perf_counter() - start) / inner)
-    return 2.0 * n**3 / best
+        flops = 2.0 * n**3 * inner
+        wall.append(flops / (time.perf_counter() - t0))
+        cpu.append(flops / max((time.process_time() - c0) / threads, 1e-9))
+    return float(np.median(wall)), (float(np.median(cpu)) if device == "cpu" else 0.0)
 
 
 def matmul_params(model_cfg, num_parameters: int) -> int:
@@ -443,7 +471,7 @@ def torch_profile(fn: Callable[[], object], device: str, top: int = 12) -> str:
     sort = "self_cpu_time_total"
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
-        sort = "self_cuda_time_total"
+        sort = "self_device_time_total"
     with profile(activities=activities) as prof:
         fn()
         if device == "cuda":

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,7 @@ class Server:
         import common
 
         self.port = common.free_port()
+        self.metrics_port = common.free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         exe = Path(sys.executable).with_name("megascore")
@@ -87,6 +89,8 @@ class Server:
             common.dtype_name(device),
             "--max-tokens-per-batch",
             str(max_tokens),
+            "--metrics-port",
+            str(self.metrics_port),
         ]
         self.proc: subprocess.Popen | None = None
 
@@ -124,6 +128,10 @@ class Server:
                             f"server not SERVING after {timeout:.0f}s:\n{self.log_tail()}"
                         ) from None
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def stop(self, grace: float = 30.0) -> int | None:
         """SIGTERM by PID, SIGKILL after ``grace`` seconds; returns the exit code."""
         if self.proc is None:
@@ -138,6 +146,18 @@ class Server:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def step_stats(metrics_url: str) -> tuple[float, float]:
+    """``(engine steps run, seconds spent in them)`` from a server's Prometheus metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=30) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("megascore_steps_total", "megascore_step_latency_seconds_sum"):
+            values[name] = float(value)
+    return values["megascore_steps_total"], values["megascore_step_latency_seconds_sum"]
 
 
 # ---- client process -------------------------------------------------------------------------
@@ -173,9 +193,22 @@ async def _client_run(args: argparse.Namespace) -> dict:
             async with slots:
                 return await client.score(seqs, top_k=args.top_k, losses=("nll",))
 
+        steps_before, busy_before = step_stats(args.metrics_url)
         start = time.perf_counter()
         results = await asyncio.gather(*(one(r) for r in requests))
         seconds = time.perf_counter() - start
+        steps_after, busy_after = step_stats(args.metrics_url)
+    requests_detail = [
+        {
+            "tokens": int(sum(len(s) for s in seqs)),
+            "client_ms": res.timings.client_ms,
+            "total_ms": res.timings.total_ms,
+            "queue_ms": res.timings.queue_ms,
+            "compute_ms": res.timings.compute_ms,
+            "steps": res.timings.num_steps,
+        }
+        for seqs, res in zip(requests, results, strict=True)
+    ]
     logprobs = [lp for res in results for lp in res.logprobs]
     np.save(args.out.with_suffix(".npy"), np.concatenate(logprobs))
     return {
@@ -187,12 +220,16 @@ async def _client_run(args: argparse.Namespace) -> dict:
         "server_total_ms_sum": sum(r.timings.total_ms for r in results),
         "client_ms_sum": sum(r.timings.client_ms for r in results),
         "server_steps": sum(r.timings.num_steps for r in results),
+        "per_request": requests_detail,
+        "engine_steps": steps_after - steps_before,
+        "engine_step_s": busy_after - busy_before,
     }
 
 
 def client_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="e2e_vs_engine.py client")
     p.add_argument("--target", required=True)
+    p.add_argument("--metrics-url", required=True, help="the server's Prometheus endpoint")
     p.add_argument("--requests", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--concurrency", type=int, default=CONCURRENCY)
@@ -212,7 +249,7 @@ def client_main(argv: list[str]) -> None:
 
 
 def e2e_pass(
-    target: str,
+    server: Server,
     sequences: list[np.ndarray],
     batches: list[list[int]],
     workdir: Path,
@@ -224,7 +261,9 @@ def e2e_pass(
     """Runs the client process once over ``batches``.
 
     Returns:
-        ``(the client's summary dict, per-sequence logprobs in workload order)``.
+        ``(summary, per-sequence logprobs in workload order)``: the client's ``seconds``,
+        per-request timings and, from the server's metrics over the timed part,
+        ``engine_steps`` and ``engine_step_s`` (seconds its engine was busy).
     """
     import common
 
@@ -235,7 +274,9 @@ def e2e_pass(
         str(Path(__file__).resolve()),
         "client",
         "--target",
-        target,
+        server.target,
+        "--metrics-url",
+        server.metrics_url,
         "--requests",
         str(requests),
         "--out",
@@ -263,28 +304,62 @@ def e2e_pass(
     return summary, logprobs
 
 
+def decompose(engine_seconds: float, summary: dict) -> tuple[float, float]:
+    """e2e/engine = (server engine busy / e2e wall) x (server step speed / in-process speed).
+
+    Returns:
+        ``(busy fraction, server step tokens/s over in-process tokens/s)``. The first
+        factor is the serving overhead (both terms come from the same pass, so the
+        machine's load cancels out); the second is the same engine code timed at
+        another moment in another process: load noise, or CPU taken from the engine
+        by the client and the gRPC threads.
+    """
+    busy = summary["engine_step_s"] / summary["seconds"]
+    speed = engine_seconds / summary["engine_step_s"] if summary["engine_step_s"] else 0.0
+    return busy, speed
+
+
 def explain(engine_seconds: list[float], summaries: list[dict]) -> str:
-    """Where the e2e time went, from the server's own timings (medians over repetitions)."""
+    """Where the e2e time went (medians over repetitions)."""
     engine_s = statistics.median(engine_seconds)
     wall = statistics.median(s["seconds"] for s in summaries)
-    compute = statistics.median(s["server_compute_ms"] for s in summaries) / 1e3
-    steps = statistics.median(s["server_steps"] for s in summaries)
-    requests = summaries[0]["requests"]
+    busy_s = statistics.median(s["engine_step_s"] for s in summaries)
+    steps = statistics.median(s["engine_steps"] for s in summaries)
+    idle = wall - busy_s
     return (
         f"e2e took {wall:.2f} s for what the in-process engine scores in {engine_s:.2f} s "
-        f"(+{wall - engine_s:.2f} s, {wall / engine_s - 1:.1%}). The server's engine steps "
-        f"took {compute:.2f} s in total over {requests} requests / {steps:g} request-steps "
-        f"(a step shared by two requests counts twice), {compute / engine_s:.2f}x the "
-        f"in-process time: "
+        f"({wall / engine_s - 1:+.1%}). The server's engine ran {steps:g} steps for "
+        f"{busy_s:.2f} s ({busy_s / wall:.1%} of the e2e wall; idle {idle:.2f} s: client "
+        f"encode, transfer, validation, batching, the tail response). Its steps took "
+        f"{busy_s / engine_s:.2f}x the in-process time for the same tokens"
         + (
-            "the engine itself ran slower inside the server (the client process, gRPC "
-            "threads and the event loop share the CPU with its matmul threads)."
-            if compute > 1.05 * engine_s
-            else "the engine ran as fast as in-process; the rest is outside the steps "
-            "(client encode/decode, transfer, validation, batching waits, response building)."
+            ": the engine itself ran slower in the server (CPU shared with the client "
+            "process and the gRPC threads, or the machine's load changed between passes)."
+            if busy_s > 1.05 * engine_s
+            else "."
         )
-        + f" Outside the steps: {max(wall - compute, 0.0):.2f} s."
     )
+
+
+def request_table(summary: dict) -> str:
+    """Per-request timings of one e2e pass: client wall vs the server's own account."""
+    lines = [
+        f"e2e pass: {summary['seconds']:.2f} s wall (client), {summary['requests']} requests",
+        f"{'request':>8}{'tokens':>8}{'client ms':>12}{'server ms':>12}{'queue ms':>10}"
+        f"{'compute ms':>12}{'steps':>7}{'client-server ms':>18}",
+    ]
+    for i, r in enumerate(summary["per_request"]):
+        lines.append(
+            f"{i:>8}{r['tokens']:>8}{r['client_ms']:>12.1f}{r['total_ms']:>12.1f}"
+            f"{r['queue_ms']:>10.1f}{r['compute_ms']:>12.1f}{r['steps']:>7}"
+            f"{r['client_ms'] - r['total_ms']:>18.1f}"
+        )
+    lines.append(
+        "server ms: arrival to response built; compute ms: the engine steps that held the "
+        "request's sequences (shared steps count for each); client-server: encode, transfer, "
+        "decode"
+    )
+    return "\n".join(lines)
 
 
 # ---- standalone -----------------------------------------------------------------------------
@@ -316,8 +391,9 @@ def main() -> None:
             server.wait_serving(900.0)
             for workload in (rollout, uniform):
                 batches = workload.batches(args.max_tokens)
-                t_engine, lp_engine = common.engine_pass(engine, workload, args.max_tokens)
-                summary, lp_e2e = e2e_pass(server.target, workload.sequences, batches, workdir)
+                ours = common.engine_pass(engine, workload, args.max_tokens)
+                t_engine, lp_engine = ours.seconds, ours.logprobs
+                summary, lp_e2e = e2e_pass(server, workload.sequences, batches, workdir)
                 diff = max(
                     float(np.abs(a - b).max()) for a, b in zip(lp_engine, lp_e2e, strict=True)
                 )

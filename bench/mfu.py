@@ -6,8 +6,10 @@
   and sequence (``common.model_flops``);
 * achieved: model FLOPs of the workload / seconds of the in-process engine pass
   (the whole ``score`` call: packing, forward, chunked logprobs and top-k, unpacking);
-* machine: best-of-N ``torch.mm`` of two square matrices in the benchmark dtype
-  (fp32 on the CPU, bf16 on a GPU), measured right before each engine pass.
+* machine: ``torch.mm`` of two square matrices in the benchmark dtype (fp32 on
+  the CPU, bf16 on a GPU): the median rate of 5 calls right before and 5 right
+  after each engine pass, averaged (a shared machine's load then weighs on both
+  sides alike).
 
 Usage: ``python bench/mfu.py [--device cpu|cuda] [--num-sequences N]``.
 """
@@ -27,9 +29,21 @@ def matmul_size(device: str) -> int:
     return 8192 if device == "cuda" else 2048
 
 
-def machine_rate(device: str, repeats: int) -> float:
-    """Measured dense matmul FLOP/s in the benchmark dtype."""
-    return common.matmul_flops_per_s(device, matmul_size(device), repeats)
+def machine_rate(device: str, calls: int = 5) -> tuple[float, float]:
+    """Measured dense matmul ``(wall, CPU-time)`` FLOP/s in the benchmark dtype."""
+    return common.matmul_flops_per_s(device, matmul_size(device), calls)
+
+
+def bracketed_engine_pass(engine, workload, max_tokens: int, device: str):
+    """An engine pass with the matmul rate measured right before and right after it.
+
+    Returns:
+        ``(common.Pass, (wall, CPU-time) matmul FLOP/s: means of before and after)``.
+    """
+    before = machine_rate(device)
+    result = common.engine_pass(engine, workload, max_tokens)
+    after = machine_rate(device)
+    return result, ((before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
 
 
 def achieved(engine, workload: common.Workload, seconds: float) -> float:
@@ -61,7 +75,7 @@ def step_profile(engine, workload: common.Workload, max_tokens: int, device: str
     if device == "cuda":
         times = {e.key: e.self_device_time_total for e in events}
         is_gemm = [k for k in times if any(w in k.lower() for w in _GPU_GEMM_WORDS)]
-        sort = "self_cuda_time_total"
+        sort = "self_device_time_total"
     else:
         times = {e.key: e.self_cpu_time_total for e in events}
         is_gemm = [k for k in times if k.startswith(_GEMM_OPS)]
@@ -91,7 +105,6 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--num-sequences", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     common.quiet_logs()
@@ -101,9 +114,10 @@ def main() -> None:
         workloads = common.make_workloads(args.num_sequences, args.seed, engine.info().vocab_size)
         common.engine_pass(engine, workloads[0], args.max_tokens)  # warm-up
         for workload in workloads:
-            rate = machine_rate(args.device, args.repeats)
-            seconds, _ = common.engine_pass(engine, workload, args.max_tokens)
-            model = achieved(engine, workload, seconds)
+            result, (rate, _) = bracketed_engine_pass(
+                engine, workload, args.max_tokens, args.device
+            )
+            model = achieved(engine, workload, result.seconds)
             print(
                 f"{workload.name}: model {model / 1e9:.1f} GFLOP/s, torch.mm "
                 f"{rate / 1e9:.1f} GFLOP/s -> {model / rate:.3f}"

@@ -89,21 +89,17 @@ def padded_tokens(workload: common.Workload, order: str, batch_size: int = BATCH
 
 def hf_pass(
     hf, workload: common.Workload, order: str, device: str, batch_size: int = BATCH_SIZE
-) -> tuple[float, list[np.ndarray]]:
-    """Scores the workload in padded batches of ``batch_size``.
-
-    Returns:
-        ``(seconds, per-sequence logprobs in workload order)``.
-    """
+) -> common.Pass:
+    """Scores the workload in padded batches of ``batch_size`` (logprobs in workload order)."""
     idx = batch_order(workload, order)
     out: list[np.ndarray | None] = [None] * len(idx)
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     for b in range(0, len(idx), batch_size):
         chunk = idx[b : b + batch_size]
         rows = hf_score_rows(hf, [workload.sequences[i] for i in chunk], device, common.TOP_K)
         for i, lp in zip(chunk, rows, strict=True):
             out[i] = lp
-    return time.perf_counter() - start, out
+    return common.Pass(time.perf_counter() - start, time.process_time() - cpu, out)
 
 
 def max_abs_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -157,18 +153,19 @@ def explain(workload: common.Workload, order: str, t_ours: float, t_hf: float, t
 
 
 def profile_pair(engine, hf, workload: common.Workload, max_tokens: int, device: str) -> str:
-    """torch.profiler top ops of one megascore step and one padded HF batch (arrival order)."""
+    """torch.profiler top ops of one megascore step (first ``max_tokens`` batch) and one
+    padded HF batch of the first 4 sequences (arrival order)."""
     seqs = workload.sequences
     first = workload.batches(max_tokens)[0]
     ours = common.torch_profile(
         lambda: engine.score(common.score_batch([seqs[i] for i in first])), device
     )
-    rows = [seqs[i] for i in batch_order(workload, "arrival")[:BATCH_SIZE]]
+    rows = seqs[:4]
     theirs = common.torch_profile(lambda: hf_score_rows(hf, rows, device, common.TOP_K), device)
     return (
         f"megascore, one step ({len(first)} sequences, {sum(len(seqs[i]) for i in first)} "
         f"tokens):\n{ours}\n\ntransformers, one padded batch ({len(rows)} x "
-        f"{max(len(r) for r in rows)}):\n{theirs}"
+        f"{max(len(r) for r in rows)}, {sum(len(r) for r in rows)} real tokens):\n{theirs}"
     )
 
 
@@ -190,10 +187,12 @@ def main() -> None:
         print("agreement:", check_agreement(engine, hf, rollout, args.device))
         for workload in (rollout, uniform):
             print(f"\n{workload.name}: {workload.summary()}")
-            t_ms, lp_ms = common.engine_pass(engine, workload, args.max_tokens)
+            ours = common.engine_pass(engine, workload, args.max_tokens)
+            t_ms, lp_ms = ours.seconds, ours.logprobs
             print(f"  megascore packed   {workload.num_tokens / t_ms:9.1f} tokens/s")
             for order in ("arrival", "sorted"):
-                t_hf, lp_hf = hf_pass(hf, workload, order, args.device)
+                theirs = hf_pass(hf, workload, order, args.device)
+                t_hf, lp_hf = theirs.seconds, theirs.logprobs
                 print(
                     f"  transformers {order:8} {workload.num_tokens / t_hf:9.1f} tokens/s "
                     f"(pad ratio {padded_tokens(workload, order) / workload.num_tokens:.2f}) "

@@ -15,8 +15,8 @@ per repetition so that a shared, noisy machine affects both sides alike:
 3. model FLOP/s / measured ``torch.mm`` FLOP/s (``mfu.py``). Target >= 0.5 on CPU.
 4. wire encode + decode of 1M tokens (logprobs, top-5) / time to score them
    (``wire_cost.py``). Target <= 0.05.
-5. peak memory vs tokens per batch, 4 sizes in fresh processes: linear fit,
-   R^2 >= 0.99 (``memory.py``).
+5. peak memory vs tokens per batch, 4 sizes in fresh processes: least-squares
+   line, max residual <= 5 % of the largest step growth; R^2 reported (``memory.py``).
 
 Targets apply to the RL-rollout length mix; the uniform-length rows are the
 control. Where a target is missed, RESULTS.md says by how much, why (the
@@ -52,20 +52,20 @@ E2E_TARGET, PADDED_TARGET, SORTED_TARGET, MFU_TARGET, WIRE_TARGET = 0.90, 2.0, 1
 class Settings:
     """Sizes of one run (``--quick`` or full)."""
 
-    num_sequences: int
+    rollout_sequences: int
+    uniform_sequences: int
     reps: int
     max_tokens: int
     wire_tokens: int
     wire_repeats: int
     memory_sizes: list[int]
     memory_jobs: int
-    mm_repeats: int
 
 
 def settings(quick: bool) -> Settings:
     if quick:
-        return Settings(12, 1, 4096, 1_000_000, 2, [512, 1024, 2048, 4096], 2, 3)
-    return Settings(64, 3, 4096, 1_000_000, 5, [2048, 4096, 8192, 16384], 1, 5)
+        return Settings(16, 8, 1, 4096, 1_000_000, 2, [1024, 2048, 3072, 4096], 2)
+    return Settings(48, 24, 2, 4096, 1_000_000, 5, [2048, 4096, 8192, 16384], 1)
 
 
 def log(msg: str) -> None:
@@ -80,38 +80,43 @@ def med(values) -> float:
 
 
 def timing_reps(engine, hf, server, workloads, cfg: Settings, device: str, workdir: Path) -> dict:
-    """Interleaved passes per repetition: matmul rate, engine, e2e, HF arrival, HF sorted.
+    """Interleaved passes per repetition: engine (matmul rate before and after), e2e, HF.
 
-    The order is reversed on odd repetitions. Returns per workload name:
-    ``{"engine": [s], "e2e": [client summary], "hf_arrival": [s], "hf_sorted": [s],
-    "mm": [FLOP/s], "diff_e2e": float, "diff_hf": float}``.
+    The order is reversed on odd repetitions. Returns per workload name: lists over
+    repetitions of wall seconds (``engine``, ``hf_arrival``, ``hf_sorted``), process CPU
+    seconds (the same keys + ``_cpu``), e2e client summaries (``e2e``), matmul FLOP/s
+    (``mm``, ``mm_cpu``), and the max logprob differences ``diff_e2e``, ``diff_hf``.
     """
+    keys = ("engine", "e2e", "hf_arrival", "hf_sorted", "mm")
+    keys += tuple(k + "_cpu" for k in ("engine", "hf_arrival", "hf_sorted", "mm"))
     out = {}
     for rep in range(cfg.reps):
         for workload in workloads:
-            rec = out.setdefault(
-                workload.name, {k: [] for k in ("engine", "e2e", "hf_arrival", "hf_sorted", "mm")}
-            )
-            steps = ["mm", "engine", "e2e", "hf_arrival"]
+            rec = out.setdefault(workload.name, {k: [] for k in keys})
+            steps = ["engine", "e2e", "hf_arrival"]
             if workload.name == "rollout":  # uniform lengths: sorted batches = arrival batches
                 steps.append("hf_sorted")
             for step in reversed(steps) if rep % 2 else steps:
                 log(f"rep {rep + 1}/{cfg.reps} {workload.name}: {step}")
-                if step == "mm":
-                    rec["mm"].append(mfu.machine_rate(device, cfg.mm_repeats))
-                elif step == "engine":
-                    seconds, rec["lp_engine"] = common.engine_pass(engine, workload, cfg.max_tokens)
-                    rec["engine"].append(seconds)
+                if step == "engine":
+                    result, (rate, rate_cpu) = mfu.bracketed_engine_pass(
+                        engine, workload, cfg.max_tokens, device
+                    )
+                    rec["lp_engine"] = result.logprobs
+                    rec["engine"].append(result.seconds)
+                    rec["engine_cpu"].append(result.cpu_seconds)
+                    rec["mm"].append(rate)
+                    rec["mm_cpu"].append(rate_cpu)
                 elif step == "e2e":
                     summary, rec["lp_e2e"] = e2e_vs_engine.e2e_pass(
-                        server.target, workload.sequences, workload.batches(cfg.max_tokens), workdir
+                        server, workload.sequences, workload.batches(cfg.max_tokens), workdir
                     )
                     rec["e2e"].append(summary)
                 else:
-                    seconds, rec["lp_hf"] = packed_vs_hf.hf_pass(
-                        hf, workload, step.split("_")[1], device
-                    )
-                    rec[step].append(seconds)
+                    result = packed_vs_hf.hf_pass(hf, workload, step.split("_")[1], device)
+                    rec["lp_hf"] = result.logprobs
+                    rec[step].append(result.seconds)
+                    rec[step + "_cpu"].append(result.cpu_seconds)
             tokens = workload.num_tokens
             log(
                 f"  engine {tokens / rec['engine'][-1]:.1f} tok/s, e2e "
@@ -119,7 +124,8 @@ def timing_reps(engine, hf, server, workloads, cfg: Settings, device: str, workd
                 f"{tokens / rec['hf_arrival'][-1]:.1f} tok/s"
             )
     for rec in out.values():
-        rec["hf_sorted"] = rec["hf_sorted"] or list(rec["hf_arrival"])
+        for key in ("hf_sorted", "hf_sorted_cpu"):
+            rec[key] = rec[key] or list(rec[key.replace("sorted", "arrival")])
         rec["diff_e2e"] = packed_vs_hf.max_abs_diff(rec["lp_engine"], rec.pop("lp_e2e"))
         rec["diff_hf"] = packed_vs_hf.max_abs_diff(rec.pop("lp_engine"), rec.pop("lp_hf"))
     return out
@@ -143,14 +149,19 @@ def timing_rows(workloads, timings: dict, engine, on_cpu: bool) -> list[Row]:
         engine_tps = [tokens / s for s in rec["engine"]]
         e2e_tps = [tokens / e["seconds"] for e in rec["e2e"]]
         value, spread = per_rep(e2e_tps, engine_tps)
+        parts = [
+            e2e_vs_engine.decompose(t, e) for t, e in zip(rec["engine"], rec["e2e"], strict=True)
+        ]
+        busy, speed = med(p[0] for p in parts), med(p[1] for p in parts)
         rows.append(
             Row(
                 "1",
                 "e2e gRPC tokens/s / in-process engine tokens/s",
                 name,
                 value,
-                f"e2e {med(e2e_tps):.1f} / engine {med(engine_tps):.1f} tokens/s{spread}; "
-                f"max abs logprob diff {rec['diff_e2e']:.1e}",
+                f"e2e {med(e2e_tps):.1f} / engine {med(engine_tps):.1f} tokens/s{spread} = "
+                f"server engine busy {busy:.1%} of the e2e wall x its steps' speed "
+                f"{speed:.2f} of in-process; max abs logprob diff {rec['diff_e2e']:.1e}",
                 None if control else E2E_TARGET,
             )
         )
@@ -163,6 +174,7 @@ def timing_rows(workloads, timings: dict, engine, on_cpu: bool) -> list[Row]:
             hf_tps = [tokens / s for s in rec[f"hf_{order}"]]
             value, spread = per_rep(engine_tps, hf_tps)
             pad = packed_vs_hf.padded_tokens(workload, order) / tokens
+            cpu_ratio = med(rec[f"hf_{order}_cpu"]) / med(rec["engine_cpu"])
             rows.append(
                 Row(
                     number,
@@ -170,12 +182,18 @@ def timing_rows(workloads, timings: dict, engine, on_cpu: bool) -> list[Row]:
                     name,
                     value,
                     f"megascore {med(engine_tps):.1f} / transformers {med(hf_tps):.1f} tokens/s"
-                    f"{spread}; padding x{pad:.2f}; max abs logprob diff {rec['diff_hf']:.1e}",
+                    f"{spread}; padding x{pad:.2f}; by process CPU time {cpu_ratio:.2f}; "
+                    f"max abs logprob diff {rec['diff_hf']:.1e}",
                     None if control else target,
                 )
             )
         flops = [mfu.achieved(engine, workload, s) for s in rec["engine"]]
         value, spread = per_rep(flops, rec["mm"])
+        by_cpu = ""
+        if on_cpu:
+            threads = torch_threads()
+            cpu_flops = [mfu.achieved(engine, workload, c / threads) for c in rec["engine_cpu"]]
+            by_cpu = f"; by process CPU time {per_rep(cpu_flops, rec['mm_cpu'])[0]:.3f}"
         rows.append(
             Row(
                 "3",
@@ -183,16 +201,26 @@ def timing_rows(workloads, timings: dict, engine, on_cpu: bool) -> list[Row]:
                 name,
                 value,
                 f"model {med(flops) / 1e9:.1f} / torch.mm {med(rec['mm']) / 1e9:.1f} "
-                f"GFLOP/s{spread}",
+                f"GFLOP/s{spread}{by_cpu}",
                 MFU_TARGET if on_cpu and not control else None,
             )
         )
     return rows
 
 
-def explain_misses(rows, workloads, timings, engine, hf, server, cfg, device, workdir, profile):
-    """Fills ``why`` and ``profile`` of every missed row (runs the profiles)."""
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+PROFILE_TOKENS = 1024  # token budget of the one step a profile of a miss looks at
+
+
+def explain_misses(rows, workloads, timings, engine, hf, device, profile: bool) -> None:
+    """Fills ``why`` and ``profile`` of every missed timing row (runs the short profiles)."""
     by_name = {w.name: w for w in workloads}
+    pair_profiles: dict[str, str] = {}
     for row in rows:
         if row.passed is not False or row.workload not in by_name:
             continue
@@ -200,26 +228,19 @@ def explain_misses(rows, workloads, timings, engine, hf, server, cfg, device, wo
         log(f"explaining the miss of {row.number} ({row.workload})")
         if row.number == "1":
             row.why = e2e_vs_engine.explain(rec["engine"], rec["e2e"])
-            if profile:
-                summary, _ = e2e_vs_engine.e2e_pass(
-                    server.target,
-                    workload.sequences,
-                    workload.batches(cfg.max_tokens),
-                    workdir,
-                    profile=True,
-                )
-                row.profile = "client process, cProfile:\n" + summary["profile"]
+            row.profile = e2e_vs_engine.request_table(rec["e2e"][-1])
         elif row.number in ("2a", "2b"):
             order = "arrival" if row.number == "2a" else "sorted"
             row.why = packed_vs_hf.explain(
                 workload, order, med(rec["engine"]), med(rec[f"hf_{order}"]), row.target
             )
-            if profile:
-                row.profile = packed_vs_hf.profile_pair(
-                    engine, hf, workload, cfg.max_tokens, device
+            if profile and workload.name not in pair_profiles:
+                pair_profiles[workload.name] = packed_vs_hf.profile_pair(
+                    engine, hf, workload, PROFILE_TOKENS, device
                 )
+            row.profile = pair_profiles.get(workload.name, "")
         elif row.number == "3":
-            share, table = mfu.step_profile(engine, workload, cfg.max_tokens, device)
+            share, table = mfu.step_profile(engine, workload, PROFILE_TOKENS, device)
             row.why = mfu.explain(row.value, share, row.target, engine.info().vocab_size)
             row.profile = table if profile else ""
 
@@ -245,13 +266,15 @@ def memory_row(mem: dict, device: str) -> Row:
     sizes = ", ".join(str(pt["tokens"]) for pt in mem["points"])
     return Row(
         "5",
-        f"{kind} vs tokens per batch: R^2 of the linear fit",
+        f"{kind} vs tokens per batch: max residual of the line / largest step growth",
         f"{len(mem['points'])} sizes ({sizes}), sequences of {mem['seq_len']}",
-        mem["r2"],
-        f"{mem['slope'] / 1024:.1f} KiB/token + {mem['intercept'] / 2**20:.0f} MiB; max "
-        f"residual {mem['max_residual'] / 2**20:+.1f} MiB ({mem['max_residual_frac']:.1%} of "
-        f"the growth at that size)",
-        memory.R2_TARGET,
+        mem["max_residual_frac"],
+        f"fit {mem['slope'] / 1024:.1f} KiB/token + {mem['intercept'] / 2**20:.0f} MiB, "
+        f"R^2 {mem['r2']:.3f}; max residual {mem['max_residual'] / 2**20:+.1f} MiB; "
+        f"step growth {mem['points'][0]['growth'] / 2**20:.0f}..."
+        f"{mem['points'][-1]['growth'] / 2**20:.0f} MiB",
+        memory.RESIDUAL_TARGET,
+        higher_is_better=False,
     )
 
 
@@ -272,10 +295,11 @@ def measure(args: argparse.Namespace, cfg: Settings, workdir: Path) -> dict:
         machine = common.machine_info(args.device)
         hf = common.hf_llama_from_engine(engine)
         workloads = common.make_workloads(
-            cfg.num_sequences,
+            cfg.rollout_sequences,
             args.seed,
             info.vocab_size,
             max_len=min(2048, info.max_sequence_length),
+            num_uniform=cfg.uniform_sequences,
         )
         for w in workloads:
             log(f"{w.name}: {w.summary()}")
@@ -286,18 +310,7 @@ def measure(args: argparse.Namespace, cfg: Settings, workdir: Path) -> dict:
         log(f"server SERVING on {server.target}")
         timings = timing_reps(engine, hf, server, workloads, cfg, args.device, workdir)
         rows = timing_rows(workloads, timings, engine, args.device == "cpu")
-        explain_misses(
-            rows,
-            workloads,
-            timings,
-            engine,
-            hf,
-            server,
-            cfg,
-            args.device,
-            workdir,
-            not args.no_profile,
-        )
+        explain_misses(rows, workloads, timings, engine, hf, args.device, not args.no_profile)
     finally:
         code = server.stop()
         log(f"server stopped (exit {code})")
@@ -347,7 +360,7 @@ def main() -> int:
     args = p.parse_args()
     cfg = settings(args.quick)
     if args.num_sequences:
-        cfg.num_sequences = args.num_sequences
+        cfg.rollout_sequences = cfg.uniform_sequences = args.num_sequences
     if args.memory_sizes:
         cfg.memory_sizes = [int(x) for x in args.memory_sizes.split(",")]
     common.quiet_logs()

@@ -34,7 +34,11 @@ stamp="$venv/.megascore-installed"
 want="$(sha256sum pyproject.toml | cut -c1-16) $extras"
 if [ ! -f "$stamp" ] || ! grep -qxF "$want" "$stamp"; then
   echo "installing megascore[$extras] into $venv (first run downloads torch, a few minutes)" >&2
-  "$venv/bin/python" -m pip install -q -e ".[$extras]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
-  "$venv/bin/python" -c 'import megascore, grpc, numpy' # fail loudly if the install did not work
+  log="$venv/install.log"
+  if ! "$venv/bin/python" -m pip install -q -e ".[$extras]" >"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "error: pip install failed (full log: $log)" >&2
+    exit 1
+  fi
   echo "$want" >> "$stamp"
 fi

@@ -33,7 +33,6 @@ import importlib
 import logging
 import os
 import signal
-import socket
 import threading
 
 from megascore.config import EngineConfig
@@ -81,19 +80,20 @@ def pad_multiple(engine, engine_config: EngineConfig) -> int:
 
 
 def ensure_dist_env() -> None:
-    """A single process (no launcher) still gets the ``env://`` rendezvous variables."""
+    """A single process (no launcher) still gets the ``env://`` rendezvous variables.
+
+    ``MASTER_PORT=0`` lets the (world-size 1) store bind a free port itself: a port
+    picked here would only be bound after the imports, and could be taken by then.
+    """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     for key, value in {
         "RANK": "0",
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
         "LOCAL_WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
+        "MASTER_PORT": "0",
     }.items():
         os.environ.setdefault(key, value)
 

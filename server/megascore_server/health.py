@@ -2,11 +2,15 @@
 
 Lifecycle: NOT_SERVING from creation until the engine is ready
 (:meth:`ScorerHealth.set_serving`), SERVING after, NOT_SERVING for good on
-drain or when a rank is lost (:meth:`ScorerHealth.shut_down`).
+drain or when a rank is lost (:meth:`ScorerHealth.shut_down`). A Watch
+stream sends NOT_SERVING and ends at that point: an open watcher (gRPC
+client-side health checking, a load balancer) would otherwise hold
+``server.stop(grace)`` for the whole grace period of every drain.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from grpc_health.v1 import health, health_pb2
@@ -29,6 +33,39 @@ class ScorerHealth(health.aio.HealthServicer):
         for service in SERVICES:
             self._server_status[service] = NOT_SERVING
         self.serving = False
+        self._changed = asyncio.Condition()
+        self._version = 0  # bumped on every status change, under ``_changed``
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+
+    async def set(self, service: str, status) -> None:
+        await super().set(service, status)
+        await self._notify()
+
+    async def enter_graceful_shutdown(self) -> None:
+        await super().enter_graceful_shutdown()
+        await self._notify()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:
+        """Streams every status change of ``request.service``, like grpc's Watch, but
+        ends the stream after the final NOT_SERVING of a drain or lost rank."""
+        seen, last = -1, None
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda seen=seen: self._version != seen)
+                seen = self._version
+                status = self._server_status.get(
+                    request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                )
+                final = self._gracefully_shutting_down
+            if status != last:  # written outside the lock: a slow watcher blocks no one
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if final:
+                return
 
     async def set_serving(self) -> None:
         """Marks the server ready (the engine answered on every rank)."""

@@ -145,6 +145,7 @@ class LocalLauncher:
                     if proc.poll() is None:
                         proc.kill()
                 failed = failed or 1
+                self._kill_at = None  # SIGKILL once, then wait for the exits (no log flood)
             time.sleep(0.05)
         codes = [p.returncode for p in self.procs]
         logger.info("ranks exited with codes %s", codes)

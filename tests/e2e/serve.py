@@ -222,7 +222,7 @@ class ServeProcess:
         return pb_grpc.ScorerStub(self._channel)
 
     def health(self, service: str = "", timeout: float = 2.0) -> int:
-        """One Health/Check on the server's own (plaintext) channel; raises grpc.RpcError."""
+        """One Health/Check on the helper's own channel (TLS if given); raises grpc.RpcError."""
         stub = health_pb2_grpc.HealthStub(self._channel)
         return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
 

@@ -4,8 +4,9 @@
   fires, requests fail with UNAVAILABLE, the server exits non-zero and the launcher
   kills the stopped rank (no process left).
 * SIGTERM while clients keep sending: every call ends OK (bit-identical to its
-  reference) or UNAVAILABLE, none is lost or cut off otherwise; health goes SERVING
-  -> NOT_SERVING; the server exits 0 and no process is left.
+  reference) or UNAVAILABLE, none is lost or cut off otherwise; a Health/Watch
+  stream sees SERVING -> NOT_SERVING and ends (it does not hold the drain for the
+  grace period); the server exits 0 and no process is left.
 * A client disconnects in the middle of a stream (call cancelled, client process
   SIGKILLed): the shared server keeps serving the same answers, with the same ranks.
 
@@ -35,6 +36,22 @@ from tests.reliability.load import make_cases
 
 TP2 = ("--model", "tiny", "--nproc", "2", "--tensor-model-parallel-size", "2")
 COLLECTIVE_TIMEOUT_S = 5
+GRACE_S = 60
+
+
+def _score_in_thread(target: str, sequences, outcome: list) -> threading.Thread:
+    def run():
+        start = time.monotonic()
+        with ScoringClient(target, timeout=120, retries=None) as client:
+            try:
+                client.score(sequences)
+                outcome.append((grpc.StatusCode.OK, time.monotonic() - start))
+            except ScoringError as exc:
+                outcome.append((exc.code, time.monotonic() - start))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 @pytest.mark.timeout(600)
@@ -45,15 +62,24 @@ def test_hung_worker_trips_the_collective_timeout(serve):
     assert ranks[1] in children(server.pid)
     with ScoringClient(server.target, timeout=120, retries=None) as client:
         client.score([[1, 2, 3, 4]])
-        os.kill(ranks[1], signal.SIGSTOP)  # close() SIGCONTs / SIGKILLs it whatever happens
-        start = time.monotonic()
-        with pytest.raises(ScoringError) as info:
-            client.score([[5, 6, 7, 8, 9]])
-        waited = time.monotonic() - start
-    assert info.value.code is grpc.StatusCode.UNAVAILABLE, info.value
-    # The TP all-reduce times out after the collective timeout, then the status
-    # all-reduce (3 x the timeout) reports the rank as lost.
-    assert COLLECTIVE_TIMEOUT_S <= waited < 5 * COLLECTIVE_TIMEOUT_S + 30, waited
+    # A big batch is (most likely) mid-step when the worker stops; the small one that
+    # follows finds the worker hung between steps. close() SIGCONTs / SIGKILLs it.
+    big, small = [], []
+    threads = [_score_in_thread(server.target, [list(range(500))] * 16, big)]
+    time.sleep(0.3)
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    threads.append(_score_in_thread(server.target, [[5, 6, 7, 8, 9]], small))
+    for thread in threads:
+        thread.join(150)
+    waited = time.monotonic() - stopped_at
+    assert big and small, "a call hung"
+    # Rank 0 gives up after the collective timeout (send to the hung worker, or the
+    # TP all-reduce then the status all-reduce of 3 x the timeout): well before the
+    # 120 s client deadline. A batch that finished before the stop is fine too.
+    assert big[0][0] in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), big
+    assert small[0][0] is grpc.StatusCode.UNAVAILABLE, small
+    assert waited < 4 * COLLECTIVE_TIMEOUT_S + 30, (waited, big, small)
     try:
         assert server.health() != SERVING
     except grpc.RpcError as exc:
@@ -61,18 +87,17 @@ def test_hung_worker_trips_the_collective_timeout(serve):
     code = server.wait(timeout=120)  # the launcher SIGKILLs the stopped rank
     assert code != 0, server.output()
     assert not server.leftovers(), "processes left behind"
-    log = server.output(tail=10**6)
-    assert "rank 1 exited" in log or "killing them" in log or "exited with code" in log, log
 
 
 def _watch_health(target: str, seen: list, ready: threading.Event) -> None:
-    """Records every status of a Health/Watch stream until the server ends it."""
+    """Records every status of a Health/Watch stream, then "END" (or the error code)."""
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             for response in stub.Watch(health_pb2.HealthCheckRequest(), timeout=300):
                 seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
                 ready.set()
+            seen.append("END")
         except grpc.RpcError as exc:
             seen.append(exc.code().name)
         ready.set()
@@ -101,10 +126,10 @@ def _client_loop(target, cases, refs, outcomes: list, stop: threading.Event, off
 
 @pytest.mark.timeout(600)
 def test_sigterm_under_load_drains_and_exits_zero(serve):
-    server = serve(*TP2, "--grace-s", "30")
+    server = serve(*TP2, "--grace-s", str(GRACE_S))
     server.wait_serving()
     ranks = server.rank_pids()
-    cases = make_cases(8, seed=3, max_len=300)
+    cases = make_cases(6, seed=3, max_len=200)
     with ScoringClient(server.target, timeout=120) as client:
         refs = [case.score(client) for case in cases]
     seen: list[str] = []
@@ -134,7 +159,8 @@ def test_sigterm_under_load_drains_and_exits_zero(serve):
 
     sigterm_at = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    code = server.wait(timeout=120)
+    code = server.wait(timeout=GRACE_S + 90)
+    drained_in = time.monotonic() - sigterm_at
     stop.set()
     for thread in clients:
         thread.join(90)
@@ -152,7 +178,10 @@ def test_sigterm_under_load_drains_and_exits_zero(serve):
     assert code == 0, server.output()
     assert not server.leftovers(), "processes left behind"
     assert not any(pid in server.tree() for pid in ranks.values())
-    assert seen[0] == "SERVING" and "NOT_SERVING" in seen, seen
+    # The watcher saw the drain, and its open stream ended then: it did not hold the
+    # drain for the whole grace period (nor did anything else once the calls finished).
+    assert seen == ["SERVING", "NOT_SERVING", "END"], seen
+    assert drained_in < GRACE_S / 2, f"drain took {drained_in:.1f} s of {GRACE_S} s grace"
     log = server.output(tail=10**6)
     assert "engine shut down" in log and "rank 1: SHUTDOWN received, exiting" in log, log
 

@@ -86,9 +86,8 @@ S_TOP_K = st.integers(0, 8)
 S_LOSSES = st.lists(st.sampled_from(["nll", "mean_nll"]), max_size=2)
 S_TEMPERATURE = st.none() | st.floats(0.05, 20.0)
 S_PERCENT = st.integers(0, 99)
-S_MUTATIONS = [
-    st.lists(st.sampled_from(CERTAIN + AMBIGUOUS + BENIGN), min_size=n, max_size=3) for n in (0, 1)
-]
+S_HARMFUL = st.lists(st.sampled_from(CERTAIN + AMBIGUOUS), min_size=1, max_size=2)
+S_BENIGN = st.lists(st.sampled_from(BENIGN), max_size=2)
 S_BAD_ID = st.sampled_from([VOCAB, VOCAB + 1, 2**31 - 1, -1, -(2**31)])
 S_FLOAT_TAG = st.sampled_from([pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64])
 S_BAD_LENGTH = st.sampled_from([0, -1, -(2**31), 1025, 2**31 - 1])
@@ -107,8 +106,8 @@ S_LONG_ID = st.text(min_size=1, max_size=300)
 def hostile_requests(draw) -> tuple[pb.ScoreRequest, set[str]]:
     """A ScoreRequest and the names of the mutations applied to its valid base.
 
-    About one request in six stays valid (and is scored by the engine); the others
-    carry 1-3 mutations and are mostly rejected by validation, which keeps the fuzzer
+    About one request in twenty stays valid (and is scored by the engine); the others
+    carry 1-2 harmful mutations and are mostly rejected by validation, which keeps the fuzzer
     fast. Token ids, masks and positions come from a drawn numpy seed (cheap).
     """
     lengths = draw(S_LENGTHS)
@@ -130,8 +129,9 @@ def hostile_requests(draw) -> tuple[pb.ScoreRequest, set[str]]:
     if temperature is not None:
         options.temperature = temperature
 
-    valid = draw(S_PERCENT) >= 85  # hypothesis favours small integers
-    applied = set(draw(S_MUTATIONS[0 if valid else 1]))
+    applied = set(draw(S_BENIGN))
+    if draw(S_PERCENT) < 95:  # hypothesis favours small integers: ~5 % stay valid
+        applied |= set(draw(S_HARMFUL))
     for name in sorted(applied):
         _mutate(draw, rng, request, name, ids, lengths)
     return request, applied
@@ -288,7 +288,7 @@ def test_fuzzed_requests_get_results_or_documented_errors(fuzz_target):
             assert applied - set(BENIGN), (code, answer, request)  # a valid request failed
 
     one()
-    assert seen.get("OK", 0) >= 100 and seen.get("INVALID_ARGUMENT", 0) >= 500, seen
+    assert seen.get("OK", 0) >= 25 and seen.get("INVALID_ARGUMENT", 0) >= 1000, seen
     assert seen.get("RESOURCE_EXHAUSTED", 0) >= 1, seen
 
 

@@ -14,14 +14,17 @@ until rank 0 shuts down::
 
 Process groups (all explicit):
 
-* ``command``: every rank, gloo, a very long timeout: idle workers wait in it
-  for rank 0's next message (``megascore.engine.protocol``).
+* ``command``: every rank, gloo, a very long timeout on the workers: idle workers
+  wait in it for rank 0's next message (``megascore.engine.protocol``). Rank 0's
+  side times out after ``collective_timeout_s``: gloo's broadcast root blocks until
+  every receiver took the message, so a hung worker fails the send instead of
+  hanging rank 0 (and every request) forever.
 * ``status``: every rank, gloo, ``3 x collective_timeout_s``: the per-step
   failure flags and the start-up barrier. It outlasts the step collectives so
   that a rank that failed early still hears from the ranks that first had to
   time out waiting for it.
 * Megatron's TP / CP / EP groups from ``megascore.model.parallel`` (timeout
-  ``collective_timeout_s``, rounded up to whole minutes).
+  ``collective_timeout_s``).
 
 Failure: when any rank fails a step, every rank learns it through the status
 all-reduce (:func:`megascore.engine.step.run_step`); the engine is then
@@ -167,7 +170,10 @@ class DistributedEngine:
             world = list(range(dist.get_world_size()))
             status_timeout = datetime.timedelta(seconds=3 * engine_cfg.collective_timeout_s)
             own_groups.append(dist.new_group(world, backend="gloo", timeout=status_timeout))
-            own_groups.append(dist.new_group(world, backend="gloo", timeout=_COMMAND_TIMEOUT))
+            command_timeout = _COMMAND_TIMEOUT  # gloo timeouts are per process: see above
+            if dist.get_rank() == _SRC:
+                command_timeout = datetime.timedelta(seconds=engine_cfg.collective_timeout_s)
+            own_groups.append(dist.new_group(world, backend="gloo", timeout=command_timeout))
             status, command = own_groups
             groups = StepGroups(tp=pg_collection.tp, cp=pg_collection.cp, status=status)
             loaded, error = None, None

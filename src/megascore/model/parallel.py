@@ -9,7 +9,6 @@ after :func:`destroy_parallel`. Library code takes the returned
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.distributed as dist
@@ -79,7 +78,9 @@ def initialize_parallel(engine_cfg: EngineConfig) -> ProcessGroupCollection:
         pipeline_model_parallel_size=1,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
-        distributed_timeout_minutes=max(1, math.ceil(engine_cfg.collective_timeout_s / 60)),
+        # Megatron only builds ``timedelta(minutes=...)`` from it: a float keeps the
+        # configured seconds (rounding up to whole minutes made a 10 s timeout 60 s).
+        distributed_timeout_minutes=engine_cfg.collective_timeout_s / 60,
         create_gloo_process_groups=False,
     )
     logger.info("parallel state: world=%d tp=%d cp=%d ep=%d dp=%d", world, tp, cp, ep, dp)
