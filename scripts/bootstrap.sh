@@ -15,7 +15,7 @@ find_python() {
     fi
   done
   if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare | grep -E '^3\.1[2-9]' | sort -V -r); do
+    for v in $(pyenv versions --bare | grep -E '^3\.1[2-9]' | sort -V); do  # oldest supported first: 3.12 is what the NGC images run
       echo "$(pyenv root)/versions/$v/bin/python3"; return
     done
   fi

@@ -77,3 +77,12 @@ def test_check_same_architecture():
 def test_package_import_is_torch_free():
     code = "import sys, megascore.checkpoint; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hf_copies_with_equal_mtimes_get_distinct_versions(hf_dirs, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(hf_dirs["llama"], first)  # copytree keeps mtimes, like cp -p
+    shutil.copytree(hf_dirs["llama"], second)
+    v1 = resolve_model(f"hf:{first}").metadata.weights_version
+    v2 = resolve_model(f"hf:{second}").metadata.weights_version
+    assert v1 != v2

@@ -117,7 +117,15 @@ def _resolve_hf(directory: Path) -> ResolvedModel:
     with SafetensorsDir(directory) as reader:  # headers + sizes only
         files = reader.fingerprint()
     cfg_stat = (directory / "config.json").stat()
-    version = _hash([("config.json", cfg_stat.st_size, cfg_stat.st_mtime_ns), *files])
+    # The resolved path is part of the version: two copies with equal names, sizes
+    # and mtimes (cp -p, unpacked tarballs) must not report the same weights.
+    version = _hash(
+        [
+            (str(directory.resolve()), 0, 0),
+            ("config.json", cfg_stat.st_size, cfg_stat.st_mtime_ns),
+            *files,
+        ]
+    )
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
 
     def load_weights(model) -> None:
