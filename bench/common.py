@@ -35,14 +35,11 @@ from packed_forward import PeakMemory, linear_fit, token_budget_batches
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "PeakMemory",
-    "Workload",
-    "linear_fit",
-    "token_budget_batches",
-]
+# Re-exported: the other benchmarks take these from here, like everything shared.
+__all__ = ["PeakMemory", "linear_fit", "token_budget_batches"]
 
 MODEL = "bench"
+MEDIAN, SIGMA = 400.0, 0.8  # the rollout mix: log-normal lengths, clipped to [16, 2048]
 TOP_K = 5
 LOSSES = ("nll",)
 
@@ -144,6 +141,10 @@ class Workload:
         """Sequence indices per engine step / request: greedy in arrival order."""
         return token_budget_batches(self.lengths, max_tokens)
 
+    def subset(self, indices: list[int]) -> Workload:
+        """The sequences ``indices`` (in that order) as a workload of their own."""
+        return Workload(self.name, [self.sequences[i] for i in indices], self.description)
+
     def summary(self) -> str:
         lens = self.lengths
         return (
@@ -166,8 +167,8 @@ def make_workloads(
     seed: int,
     vocab_size: int,
     *,
-    median: float = 400.0,
-    sigma: float = 0.8,
+    median: float = MEDIAN,
+    sigma: float = SIGMA,
     max_len: int = 2048,
     num_uniform: int | None = None,
 ) -> tuple[Workload, Workload]:

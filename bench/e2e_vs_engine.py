@@ -160,6 +160,13 @@ def step_stats(metrics_url: str) -> tuple[float, float]:
     return values["megascore_steps_total"], values["megascore_step_latency_seconds_sum"]
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # ---- client process -------------------------------------------------------------------------
 
 
@@ -194,9 +201,12 @@ async def _client_run(args: argparse.Namespace) -> dict:
                 return await client.score(seqs, top_k=args.top_k, losses=("nll",))
 
         steps_before, busy_before = step_stats(args.metrics_url)
-        start = time.perf_counter()
+        server_cpu = process_cpu_seconds(args.server_pid)
+        cpu, start = time.process_time(), time.perf_counter()
         results = await asyncio.gather(*(one(r) for r in requests))
         seconds = time.perf_counter() - start
+        client_cpu = time.process_time() - cpu
+        server_cpu = process_cpu_seconds(args.server_pid) - server_cpu
         steps_after, busy_after = step_stats(args.metrics_url)
     requests_detail = [
         {
@@ -221,6 +231,8 @@ async def _client_run(args: argparse.Namespace) -> dict:
         "client_ms_sum": sum(r.timings.client_ms for r in results),
         "server_steps": sum(r.timings.num_steps for r in results),
         "per_request": requests_detail,
+        "client_cpu_s": client_cpu,
+        "server_cpu_s": server_cpu,
         "engine_steps": steps_after - steps_before,
         "engine_step_s": busy_after - busy_before,
     }
@@ -230,6 +242,7 @@ def client_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="e2e_vs_engine.py client")
     p.add_argument("--target", required=True)
     p.add_argument("--metrics-url", required=True, help="the server's Prometheus endpoint")
+    p.add_argument("--server-pid", type=int, required=True, help="for its CPU time")
     p.add_argument("--requests", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--concurrency", type=int, default=CONCURRENCY)
@@ -262,8 +275,9 @@ def e2e_pass(
 
     Returns:
         ``(summary, per-sequence logprobs in workload order)``: the client's ``seconds``,
-        per-request timings and, from the server's metrics over the timed part,
-        ``engine_steps`` and ``engine_step_s`` (seconds its engine was busy).
+        per-request timings, the CPU seconds of the client and the server processes
+        and, from the server's metrics, ``engine_steps`` and ``engine_step_s``
+        (seconds its engine was busy), all over the timed part.
     """
     import common
 
@@ -277,6 +291,8 @@ def e2e_pass(
         server.target,
         "--metrics-url",
         server.metrics_url,
+        "--server-pid",
+        str(server.proc.pid),
         "--requests",
         str(requests),
         "--out",

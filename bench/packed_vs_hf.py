@@ -87,6 +87,13 @@ def padded_tokens(workload: common.Workload, order: str, batch_size: int = BATCH
     )
 
 
+def padding_at_scale(order: str, num: int = 1024, seed: int = 0) -> float:
+    """Padding factor of batches of 8 over ``num`` sequences of the rollout mix."""
+    lengths = common.rollout_lengths(num, seed, median=common.MEDIAN, sigma=common.SIGMA)
+    big = common.Workload("scale", [np.zeros(int(n), np.int64) for n in lengths], "")
+    return padded_tokens(big, order) / big.num_tokens
+
+
 def hf_pass(
     hf, workload: common.Workload, order: str, device: str, batch_size: int = BATCH_SIZE
 ) -> common.Pass:
@@ -137,11 +144,15 @@ def explain(workload: common.Workload, order: str, t_ours: float, t_hf: float, t
     pad = padded / tokens
     ours_ms, hf_ms = t_ours / tokens * 1e3, t_hf / padded * 1e3
     speed = hf_ms / ours_ms
+    at_scale = padding_at_scale(order)
     return (
         f"ratio {t_hf / t_ours:.2f} = padding x{pad:.2f} (transformers computes {padded} "
         f"tokens for {tokens} real ones) x per-token speed {speed:.2f} (transformers "
         f"{hf_ms:.2f} ms per computed token, megascore {ours_ms:.2f} ms per real token). "
-        f"At this padding the target needs a per-token speed of {target / pad:.2f}: "
+        f"At this padding the target needs a per-token speed of {target / pad:.2f}. Over a "
+        f"rollout batch of 1024 sequences of this mix the padding is x{at_scale:.2f}, so at "
+        f"this per-token speed the ratio would be {at_scale * speed:.2f} and the target needs "
+        f"{target / at_scale:.2f}: "
         + (
             "the padding of these batches is too small for the target; per token megascore "
             "runs at the speed of the same model in transformers (both spend their time in "

@@ -79,55 +79,110 @@ def med(values) -> float:
 # ---- timing loop ----------------------------------------------------------------------------
 
 
-def timing_reps(engine, hf, server, workloads, cfg: Settings, device: str, workdir: Path) -> dict:
-    """Interleaved passes per repetition: engine (matmul rate before and after), e2e, HF.
+def _group_pass(step, engine, hf, server, sub, cfg, device, workdir, rec, order) -> list:
+    """Runs one side of a round on the group ``sub``; adds its times to ``rec``.
 
-    The order is reversed on odd repetitions. Returns per workload name: lists over
-    repetitions of wall seconds (``engine``, ``hf_arrival``, ``hf_sorted``), process CPU
-    seconds (the same keys + ``_cpu``), e2e client summaries (``e2e``), matmul FLOP/s
-    (``mm``, ``mm_cpu``), and the max logprob differences ``diff_e2e``, ``diff_hf``.
+    Returns:
+        The group's per-sequence logprobs.
     """
-    keys = ("engine", "e2e", "hf_arrival", "hf_sorted", "mm")
-    keys += tuple(k + "_cpu" for k in ("engine", "hf_arrival", "hf_sorted", "mm"))
-    out = {}
+    if step == "engine":
+        rate, rate_cpu = mfu.machine_rate(device, calls=3)
+        rec["mm"].append(rate)
+        rec["mm_cpu"].append(rate_cpu)
+        result = common.engine_pass(engine, sub, cfg.max_tokens)
+        key = "engine" if order == "arrival" else "engine_sorted"
+    elif step == "hf":
+        result = packed_vs_hf.hf_pass(hf, sub, "arrival", device)  # sub is one batch, in order
+        key = f"hf_{order}"
+    else:  # e2e: the group as 2 concurrent requests; the server merges them into its steps
+        half = (len(sub.sequences) + 1) // 2
+        requests = [list(range(half)), list(range(half, len(sub.sequences)))]
+        summary, logprobs = e2e_vs_engine.e2e_pass(
+            server, sub.sequences, [r for r in requests if r], workdir
+        )
+        rec["e2e_groups"].append(summary)
+        return logprobs
+    rec[key] += result.seconds
+    rec[key + "_cpu"] += result.cpu_seconds
+    return result.logprobs
+
+
+def _merge_e2e(summaries: list[dict]) -> dict:
+    merged = {k: sum(s[k] for s in summaries) for k in E2E_SUMS}
+    merged["per_request"] = [r for s in summaries for r in s["per_request"]]
+    return merged
+
+
+E2E_SUMS = ("seconds", "engine_step_s", "engine_steps", "server_cpu_s", "client_cpu_s", "requests")
+
+
+def timing_reps(engine, hf, server, workloads, cfg: Settings, device: str, workdir: Path) -> dict:
+    """Paired rounds: each group of 8 sequences is scored by every side back to back.
+
+    A round is one transformers batch: 8 sequences in arrival order (megascore
+    in-process, e2e as 2 concurrent requests, transformers padded) or, for the
+    rollout mix, 8 length-sorted sequences (megascore, transformers). The sides of
+    a round run seconds apart, in an order that alternates from round to round, so
+    the machine's load weighs on them alike; a side's time is the sum over rounds.
+    ``torch.mm`` is timed right before every megascore run.
+
+    Returns:
+        Per workload name, lists over repetitions: wall seconds (``engine``,
+        ``engine_sorted``, ``hf_arrival``, ``hf_sorted``), process CPU seconds (same keys
+        + ``_cpu``), merged e2e summaries (``e2e``), median matmul FLOP/s (``mm``,
+        ``mm_cpu``); and the max logprob differences ``diff_e2e``, ``diff_hf``.
+    """
+    keys = ("engine", "engine_sorted", "hf_arrival", "hf_sorted")
+    keys += tuple(k + "_cpu" for k in keys) + ("e2e", "mm", "mm_cpu")
+    out = {w.name: {k: [] for k in keys} for w in workloads}
     for rep in range(cfg.reps):
         for workload in workloads:
-            rec = out.setdefault(workload.name, {k: [] for k in keys})
-            steps = ["engine", "e2e", "hf_arrival"]
-            if workload.name == "rollout":  # uniform lengths: sorted batches = arrival batches
-                steps.append("hf_sorted")
-            for step in reversed(steps) if rep % 2 else steps:
-                log(f"rep {rep + 1}/{cfg.reps} {workload.name}: {step}")
-                if step == "engine":
-                    result, (rate, rate_cpu) = mfu.bracketed_engine_pass(
-                        engine, workload, cfg.max_tokens, device
+            rec = {k: 0.0 for k in keys[:8]} | {"e2e_groups": [], "mm": [], "mm_cpu": []}
+            lps = {"engine": {}, "e2e": {}, "hf": {}}
+            orders = ("arrival", "sorted") if workload.name == "rollout" else ("arrival",)
+            for order in orders:
+                idx = packed_vs_hf.batch_order(workload, order)
+                groups = [idx[b : b + packed_vs_hf.BATCH_SIZE] for b in range(0, len(idx), 8)]
+                for i, group in enumerate(groups):
+                    sub = workload.subset(group)
+                    steps = ["engine", "hf"] + (["e2e"] if order == "arrival" else [])
+                    if (i + rep) % 2:
+                        steps.reverse()
+                    log(
+                        f"rep {rep + 1}/{cfg.reps} {workload.name} {order} group {i + 1}/"
+                        f"{len(groups)} ({sub.num_tokens} tokens): {', '.join(steps)}"
                     )
-                    rec["lp_engine"] = result.logprobs
-                    rec["engine"].append(result.seconds)
-                    rec["engine_cpu"].append(result.cpu_seconds)
-                    rec["mm"].append(rate)
-                    rec["mm_cpu"].append(rate_cpu)
-                elif step == "e2e":
-                    summary, rec["lp_e2e"] = e2e_vs_engine.e2e_pass(
-                        server, workload.sequences, workload.batches(cfg.max_tokens), workdir
-                    )
-                    rec["e2e"].append(summary)
-                else:
-                    result = packed_vs_hf.hf_pass(hf, workload, step.split("_")[1], device)
-                    rec["lp_hf"] = result.logprobs
-                    rec[step].append(result.seconds)
-                    rec[step + "_cpu"].append(result.cpu_seconds)
+                    for step in steps:
+                        got = _group_pass(
+                            step, engine, hf, server, sub, cfg, device, workdir, rec, order
+                        )
+                        if order == "arrival":
+                            lps[step].update(zip(group, got, strict=True))
+            if len(orders) == 1:  # uniform lengths: sorted batches are the arrival batches
+                rec["engine_sorted"], rec["hf_sorted"] = rec["engine"], rec["hf_arrival"]
+                rec["engine_sorted_cpu"], rec["hf_sorted_cpu"] = (
+                    rec["engine_cpu"],
+                    rec["hf_arrival_cpu"],
+                )
+            target = out[workload.name]
+            for key in keys[:8]:
+                target[key].append(rec[key])
+            target["e2e"].append(_merge_e2e(rec["e2e_groups"]))
+            target["mm"].append(med(rec["mm"]))
+            target["mm_cpu"].append(med(rec["mm_cpu"]))
+            order = range(len(workload.sequences))
+            target["diff_e2e"] = packed_vs_hf.max_abs_diff(
+                [lps["engine"][i] for i in order], [lps["e2e"][i] for i in order]
+            )
+            target["diff_hf"] = packed_vs_hf.max_abs_diff(
+                [lps["engine"][i] for i in order], [lps["hf"][i] for i in order]
+            )
             tokens = workload.num_tokens
             log(
-                f"  engine {tokens / rec['engine'][-1]:.1f} tok/s, e2e "
-                f"{tokens / rec['e2e'][-1]['seconds']:.1f} tok/s, transformers arrival "
-                f"{tokens / rec['hf_arrival'][-1]:.1f} tok/s"
+                f"  {workload.name}: engine {tokens / rec['engine']:.1f} tok/s, e2e "
+                f"{tokens / target['e2e'][-1]['seconds']:.1f} tok/s, transformers arrival "
+                f"{tokens / rec['hf_arrival']:.1f} tok/s"
             )
-    for rec in out.values():
-        for key in ("hf_sorted", "hf_sorted_cpu"):
-            rec[key] = rec[key] or list(rec[key.replace("sorted", "arrival")])
-        rec["diff_e2e"] = packed_vs_hf.max_abs_diff(rec["lp_engine"], rec.pop("lp_e2e"))
-        rec["diff_hf"] = packed_vs_hf.max_abs_diff(rec.pop("lp_engine"), rec.pop("lp_hf"))
     return out
 
 
@@ -153,6 +208,8 @@ def timing_rows(workloads, timings: dict, engine, on_cpu: bool) -> list[Row]:
             e2e_vs_engine.decompose(t, e) for t, e in zip(rec["engine"], rec["e2e"], strict=True)
         ]
         busy, speed = med(p[0] for p in parts), med(p[1] for p in parts)
+        e2e_cpu = [e["server_cpu_s"] + e["client_cpu_s"] for e in rec["e2e"]]
+        cpu_ratio = med(a / b for a, b in zip(rec["engine_cpu"], e2e_cpu, strict=True))
         rows.append(
             Row(
                 "1",
@@ -161,7 +218,8 @@ def timing_rows(workloads, timings: dict, engine, on_cpu: bool) -> list[Row]:
                 value,
                 f"e2e {med(e2e_tps):.1f} / engine {med(engine_tps):.1f} tokens/s{spread} = "
                 f"server engine busy {busy:.1%} of the e2e wall x its steps' speed "
-                f"{speed:.2f} of in-process; max abs logprob diff {rec['diff_e2e']:.1e}",
+                f"{speed:.2f} of in-process; by CPU time (in-process engine / server + "
+                f"client processes) {cpu_ratio:.2f}; max abs logprob diff {rec['diff_e2e']:.1e}",
                 None if control else E2E_TARGET,
             )
         )
@@ -171,19 +229,30 @@ def timing_rows(workloads, timings: dict, engine, on_cpu: bool) -> list[Row]:
         ):
             if control and order == "sorted":
                 continue
+            ours = "engine" if order == "arrival" else "engine_sorted"
+            ours_tps = [tokens / s for s in rec[ours]]
             hf_tps = [tokens / s for s in rec[f"hf_{order}"]]
-            value, spread = per_rep(engine_tps, hf_tps)
+            value, spread = per_rep(ours_tps, hf_tps)
             pad = packed_vs_hf.padded_tokens(workload, order) / tokens
-            cpu_ratio = med(rec[f"hf_{order}_cpu"]) / med(rec["engine_cpu"])
+            cpu_ratio = med(rec[f"hf_{order}_cpu"]) / med(rec[f"{ours}_cpu"])
+            speed = value / pad  # transformers s per computed token / megascore s per token
+            scale = packed_vs_hf.padding_at_scale(order)
             rows.append(
                 Row(
                     number,
                     f"packed megascore / padded transformers ({order} batches of 8)",
                     name,
                     value,
-                    f"megascore {med(engine_tps):.1f} / transformers {med(hf_tps):.1f} tokens/s"
-                    f"{spread}; padding x{pad:.2f}; by process CPU time {cpu_ratio:.2f}; "
-                    f"max abs logprob diff {rec['diff_hf']:.1e}",
+                    f"megascore {med(ours_tps):.1f} / transformers {med(hf_tps):.1f} tokens/s"
+                    f"{spread} = padding x{pad:.2f} x per-token speed {speed:.2f}; by process "
+                    f"CPU time {cpu_ratio:.2f}; "
+                    + (
+                        ""
+                        if control
+                        else f"over 1024 sequences of the mix the padding is x{scale:.2f} "
+                        f"(ratio about {scale * speed:.2f} at this speed); "
+                    )
+                    + f"max abs logprob diff {rec['diff_hf']:.1e}",
                     None if control else target,
                 )
             )
@@ -231,8 +300,9 @@ def explain_misses(rows, workloads, timings, engine, hf, device, profile: bool) 
             row.profile = e2e_vs_engine.request_table(rec["e2e"][-1])
         elif row.number in ("2a", "2b"):
             order = "arrival" if row.number == "2a" else "sorted"
+            ours = "engine" if order == "arrival" else "engine_sorted"
             row.why = packed_vs_hf.explain(
-                workload, order, med(rec["engine"]), med(rec[f"hf_{order}"]), row.target
+                workload, order, med(rec[ours]), med(rec[f"hf_{order}"]), row.target
             )
             if profile and workload.name not in pair_profiles:
                 pair_profiles[workload.name] = packed_vs_hf.profile_pair(
@@ -404,12 +474,16 @@ def report(args, cfg: Settings, res: dict, elapsed: float) -> str:
         f"{info.vocab_size}, {info.dtype}, attention backend `{info.attention_backend}`, "
         f"device {args.device}, world size 1",
         *(f"* workload `{w.name}`: {w.summary()}; {w.description}" for w in res["workloads"]),
-        f"* every request: logprobs, top-{common.TOP_K}, summed NLL. megascore: token-budget "
-        f"batches of <= {cfg.max_tokens} tokens in arrival order (the server's "
-        f"`--max-tokens-per-batch`), e2e with {e2e_vs_engine.CONCURRENCY} requests in flight; "
-        f"transformers: batches of {packed_vs_hf.BATCH_SIZE}",
-        f"* {cfg.reps} repetition(s), passes interleaved; the value is the median of the "
-        f"per-repetition ratios",
+        f"* every request: logprobs, top-{common.TOP_K}, summed NLL on every side",
+        f"* timed in rounds of {packed_vs_hf.BATCH_SIZE} sequences (one transformers batch, in "
+        f"arrival order; for the rollout mix also length-sorted): megascore in-process "
+        f"(token-budget batches of <= {cfg.max_tokens} tokens, the server's "
+        f"`--max-tokens-per-batch`), e2e (the round as 2 concurrent requests), transformers "
+        f"(one padded batch) run back to back, in an order that alternates per round; a "
+        f"side's time is its sum over the rounds; `torch.mm` is timed before every megascore "
+        f"run",
+        f"* {cfg.reps} repetition(s); the value is the median of the per-repetition ratios; "
+        f"load average at the start and end in the machine table",
         f"* logprobs megascore vs transformers before timing: max abs diff "
         f"{res['agreement']['max_abs']:.1e}, mean {res['agreement']['mean_abs']:.1e} "
         f"({res['agreement']['tolerance']})",

@@ -41,7 +41,9 @@ def make_sequences(num_tokens: int, vocab_size: int, seed: int) -> list[np.ndarr
     import common
 
     rng = np.random.default_rng(seed)
-    lengths = common.rollout_lengths(num_tokens // 100 + 16, seed, median=400.0, sigma=0.8)
+    lengths = common.rollout_lengths(
+        num_tokens // 100 + 16, seed, median=common.MEDIAN, sigma=common.SIGMA
+    )
     ends = np.cumsum(lengths)
     count = int(np.searchsorted(ends, num_tokens)) + 1
     lengths = lengths[:count].copy()

@@ -13,12 +13,14 @@ same subprocesses.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -206,6 +208,10 @@ class ServeProcess:
         else:
             self._channel = grpc.secure_channel(self.target, credentials)
         self.known_pids: set[int] = {self.pid}
+        self._closing = False
+        self._serving = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_startup, daemon=True)
+        self._monitor.start()
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -242,32 +248,40 @@ class ServeProcess:
             return exc.code(), exc.details() or ""
         return grpc.StatusCode.OK, ""
 
-    def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Polls Health/Check until SERVING, recording each distinct state seen.
+    def _monitor_startup(self) -> None:
+        """Thread: polls Health/Check from the start until SERVING, recording each state.
 
-        States: "unreachable" (no answer), "NOT_SERVING", "SERVING", or another
-        status code name.
+        States: "unreachable" (no answer), "NOT_SERVING", "SERVING", or another status
+        code name (e.g. DEADLINE_EXCEEDED while rank 0's imports hold the GIL).
         """
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if not self.running():
-                raise AssertionError(
-                    f"serve exited early ({self.proc.returncode}):\n{self.output()}"
-                )
+        while self.running() and not self._closing:  # wait_serving() bounds the wait
             try:
                 status = self.health(timeout=2.0)
                 state = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
             except grpc.RpcError as exc:
                 code = exc.code()
                 state = "unreachable" if code is grpc.StatusCode.UNAVAILABLE else code.name
+            except ValueError:  # the channel was closed meanwhile
+                return
             self._note(state)
             if state == "NOT_SERVING" and self.startup_probe is None:
                 self.startup_probe = self._probe_score()
             if state == "SERVING":
                 self.known_pids.update(descendants(self.pid))
+                self._serving.set()
                 return
             time.sleep(0.1)
-        raise AssertionError(f"never SERVING (seen {self.health_seen}):\n{self.output()}")
+
+    def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Waits until the start-up monitor saw SERVING (fails if the server exits first)."""
+        end = time.monotonic() + timeout
+        while not self._serving.wait(0.2):
+            if not self.running():
+                raise AssertionError(
+                    f"serve exited early ({self.proc.returncode}):\n{self.output()}"
+                )
+            if time.monotonic() >= end or not self._monitor.is_alive():
+                raise AssertionError(f"never SERVING (seen {self.health_seen}):\n{self.output()}")
 
     def rank_pids(self) -> dict[int, int]:
         """rank -> pid of the live ranks (the server process itself when it is rank 0)."""
@@ -320,6 +334,8 @@ class ServeProcess:
 
     def close(self) -> None:
         """Kills whatever is left of this server (its process group) and closes files."""
+        self._closing = True
+        self._monitor.join(5)
         self._channel.close()
         pids = set(self.known_pids) | set(group_members(self.pid))
         if self.running():
@@ -343,9 +359,14 @@ class ServeProcess:
 class SharedServers:
     """One :class:`ServeProcess` per named configuration, shared by every test of a session.
 
-    ``acquire`` starts the server on first use; ``release`` stops it (SIGTERM, then
-    kill) when the last user releases it. Each conftest's session fixture acquires
-    once, so both ``tests/e2e`` and ``tests/reliability`` see the same process.
+    ``acquire`` starts the server on first use, together with the other shared
+    servers the session will need (their start-ups overlap: a ``--nproc 1`` server
+    keeps only one core busy), and waits until it is SERVING. ``release`` stops a
+    server (SIGTERM, which must exit 0 and leave no process) when its last user
+    releases it; servers started but never acquired are stopped with the last one.
+    Each conftest's session fixture acquires once, so ``tests/e2e`` and
+    ``tests/reliability`` see the same processes. Whatever survives a crashed
+    session is killed at interpreter exit.
     """
 
     CONFIGS: dict[str, dict] = {
@@ -368,38 +389,62 @@ class SharedServers:
     def __init__(self):
         self._servers: dict[str, ServeProcess] = {}
         self._users: dict[str, int] = {}
+        self._ready: set[str] = set()
         self.exit_codes: dict[str, int | None] = {}
+        atexit.register(self.kill_all)
 
-    def acquire(self, name: str, log_dir: Path) -> ServeProcess:
-        if name not in self._servers:
-            spec = self.CONFIGS[name]
-            server = ServeProcess(
-                log_dir / f"shared-{name}.log", *spec["args"], metrics=spec["metrics"]
-            )
+    def _start(self, name: str, log_dir: Path) -> None:
+        spec = self.CONFIGS[name]
+        self._servers[name] = ServeProcess(
+            log_dir / f"shared-{name}.log", *spec["args"], metrics=spec["metrics"]
+        )
+        self._users[name] = 0
+
+    def acquire(self, name: str, log_dir: Path, prestart=()) -> ServeProcess:
+        """The SERVING server ``name``; also starts (without waiting) those in ``prestart``."""
+        for other in [name, *sorted(set(prestart) - {name})]:
+            if other not in self._servers:
+                self._start(other, log_dir)
+        server = self._servers[name]
+        if name not in self._ready:
             try:
                 server.wait_serving()
             except BaseException:
+                self._servers.pop(name)
+                self._users.pop(name)
                 server.close()
                 raise
-            self._servers[name] = server
-            self._users[name] = 0
+            self._ready.add(name)
         self._users[name] += 1
-        return self._servers[name]
+        return server
 
     def release(self, name: str) -> None:
-        """Drops one user; the last one stops the server and checks it drained cleanly."""
+        """Drops one user; the last user of all stops every shared server."""
         self._users[name] -= 1
-        if self._users[name]:
+        if any(self._users.values()):
             return
-        server = self._servers.pop(name)
-        try:
-            code = server.terminate(timeout=60) if server.running() else server.proc.returncode
-            self.exit_codes[name] = code
-            left = server.leftovers()
-        finally:
+        problems = []
+        for other in sorted(self._servers):
+            server = self._servers.pop(other)
+            self._users.pop(other)
+            self._ready.discard(other)
+            try:
+                code = server.terminate(timeout=60) if server.running() else server.proc.returncode
+                self.exit_codes[other] = code
+                left = server.leftovers()
+            finally:
+                server.close()
+            if code != 0:
+                problems.append(f"shared server {other} exited {code}:\n{server.output()}")
+            if left:
+                problems.append(f"shared server {other} left processes {left}")
+        assert not problems, "\n".join(problems)
+
+    def kill_all(self) -> None:
+        """Kills every shared server still running (interpreter exit after a crash)."""
+        for server in list(self._servers.values()):
             server.close()
-        assert code == 0, f"shared server {name} exited {code}:\n{server.output()}"
-        assert not left, f"shared server {name} left processes {left}"
+        self._servers.clear()
 
 
 SHARED = SharedServers()
@@ -409,12 +454,19 @@ def shared_server_fixture(name: str):
     """A session fixture yielding the shared server ``name`` (see :class:`SharedServers`).
 
     Each conftest that needs the server defines its own fixture from this factory;
-    the process is still started once per session.
+    the process is still started once per session. The first one also starts the
+    other shared servers that the session's tests use.
     """
 
     @pytest.fixture(scope="session")
-    def fixture(tmp_path_factory):
-        server = SHARED.acquire(name, tmp_path_factory.mktemp(f"serve-{name}"))
+    def fixture(request, tmp_path_factory):
+        wanted = {
+            other
+            for item in request.session.items
+            for other in SharedServers.CONFIGS
+            if f"shared_{other}" in getattr(item, "fixturenames", ())
+        }
+        server = SHARED.acquire(name, tmp_path_factory.mktemp("shared"), prestart=wanted)
         yield server
         SHARED.release(name)
 
@@ -441,3 +493,13 @@ def own_servers(log_dir: Path):
     finally:
         for server in started:
             server.close()
+
+
+def assert_not_serving(server: ServeProcess) -> None:
+    """Health is not SERVING: NOT_SERVING, or the server is stopping / gone."""
+    try:
+        status = server.health(timeout=10)
+    except grpc.RpcError as exc:  # refused (gone) or cancelled by the stopping server
+        assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), exc
+    else:
+        assert status != SERVING

@@ -21,10 +21,11 @@ SCORER = "megascore.v1.Scorer"
 def test_health_goes_not_serving_then_serving(request, name):
     server = request.getfixturevalue(name)
     seen = server.health_seen
-    # The port answers while the ranks import torch and build the model.
+    # The port answers while the ranks import torch and build the model (a 2 s check
+    # may time out while rank 0's imports hold the GIL on a busy machine).
     assert "NOT_SERVING" in seen and seen[-1] == "SERVING", seen
     assert seen.index("NOT_SERVING") < seen.index("SERVING"), seen
-    assert set(seen) <= {"unreachable", "NOT_SERVING", "SERVING"}, seen
+    assert set(seen) <= {"unreachable", "NOT_SERVING", "DEADLINE_EXCEEDED", "SERVING"}, seen
     code, details = server.startup_probe
     assert code == grpc.StatusCode.UNAVAILABLE and "starting" in details, server.startup_probe
     assert server.health() == SERVING

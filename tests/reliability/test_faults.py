@@ -4,7 +4,8 @@
   fires, requests fail with UNAVAILABLE, the server exits non-zero and the launcher
   kills the stopped rank (no process left).
 * SIGTERM while clients keep sending: every call ends OK (bit-identical to its
-  reference) or UNAVAILABLE, none is lost or cut off otherwise; a Health/Watch
+  reference) or UNAVAILABLE (CANCELLED for a new call racing the server's stop), none
+  hangs or is cut off; calls in flight finish; a Health/Watch
   stream sees SERVING -> NOT_SERVING and ends (it does not hold the drain for the
   grace period); the server exits 0 and no process is left.
 * A client disconnects in the middle of a stream (call cancelled, client process
@@ -31,12 +32,13 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import encode_array
 from megascore_client import ScoringClient, ScoringError
 from tests.e2e.reference import assert_results_equal
-from tests.e2e.serve import ROOT, SERVING, children
+from tests.e2e.serve import ROOT, SERVING, assert_not_serving, children
 from tests.reliability.load import make_cases
 
 TP2 = ("--model", "tiny", "--nproc", "2", "--tensor-model-parallel-size", "2")
 COLLECTIVE_TIMEOUT_S = 5
 GRACE_S = 60
+RACED = grpc.StatusCode.CANCELLED
 
 
 def _score_in_thread(target: str, sequences, outcome: list) -> threading.Thread:
@@ -80,10 +82,7 @@ def test_hung_worker_trips_the_collective_timeout(serve):
     assert big[0][0] in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), big
     assert small[0][0] is grpc.StatusCode.UNAVAILABLE, small
     assert waited < 4 * COLLECTIVE_TIMEOUT_S + 30, (waited, big, small)
-    try:
-        assert server.health() != SERVING
-    except grpc.RpcError as exc:
-        assert exc.code() is grpc.StatusCode.UNAVAILABLE
+    assert_not_serving(server)
     code = server.wait(timeout=120)  # the launcher SIGKILLs the stopped rank
     assert code != 0, server.output()
     assert not server.leftovers(), "processes left behind"
@@ -169,7 +168,10 @@ def test_sigterm_under_load_drains_and_exits_zero(serve):
 
     calls = [call for per_client in outcomes for call in per_client]
     codes = {c for _, _, c, _ in calls}
-    assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, calls
+    assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, RACED}, calls
+    # CANCELLED only for a call that reached the server as it stopped: grpc core kills
+    # the calls it accepted but had not handed to a handler yet (docs/reliability.md).
+    assert all(end > sigterm_at for _, end, c, _ in calls if c is RACED), calls
     assert all(equal for _, _, c, equal in calls if c is grpc.StatusCode.OK), calls
     # Calls already running when SIGTERM came finished within the grace period.
     in_flight = [call for call in calls if call[0] < sigterm_at < call[1]]
