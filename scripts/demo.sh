@@ -7,7 +7,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh server,cli
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# A free port below the ephemeral range, so no other process's bind(0) takes it
+# while the server imports torch.
+port=$(.venv/bin/python - <<'PY'
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for port in random.sample(range(20000, low), 200):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        print(port)
+        break
+PY
+)
 .venv/bin/megascore serve --host 127.0.0.1 --port "$port" "$@" &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
