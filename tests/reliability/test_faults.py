@@ -36,7 +36,7 @@ from tests.e2e.serve import ROOT, SERVING, assert_not_serving, children
 from tests.reliability.load import make_cases
 
 TP2 = ("--model", "tiny", "--nproc", "2", "--tensor-model-parallel-size", "2")
-COLLECTIVE_TIMEOUT_S = 5
+COLLECTIVE_TIMEOUT_S = 10
 GRACE_S = 60
 RACED = grpc.StatusCode.CANCELLED
 

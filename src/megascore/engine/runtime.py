@@ -14,6 +14,9 @@ until rank 0 shuts down::
 
 Process groups (all explicit):
 
+* the default group: the rendezvous, group creation and checkpoint I/O, no step
+  collective; its timeout is at least ``_STARTUP_TIMEOUT_S`` (ranks may start
+  minutes apart).
 * ``command``: every rank, gloo, a very long timeout on the workers: idle workers
   wait in it for rank 0's next message (``megascore.engine.protocol``). Rank 0's
   side times out after ``collective_timeout_s``: gloo's broadcast root blocks until
@@ -72,6 +75,7 @@ from megascore.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 logger = logging.getLogger(__name__)
 
 _COMMAND_TIMEOUT = datetime.timedelta(days=365)
+_STARTUP_TIMEOUT_S = 600.0
 _SRC = 0
 
 
@@ -85,10 +89,12 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # The default group carries the rendezvous, where ranks may arrive minutes apart
+    # (imports, checkpoint reads): a short collective_timeout_s must not fail start-up.
+    # Steps use the explicit groups, with the collective timeout.
+    timeout = max(engine_cfg.collective_timeout_s, _STARTUP_TIMEOUT_S)
     dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        timeout=datetime.timedelta(seconds=engine_cfg.collective_timeout_s),
+        backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout)
     )
     logger.info("rank %d/%d: %s initialised", dist.get_rank(), dist.get_world_size(), backend)
     return True
