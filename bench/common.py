@@ -512,6 +512,7 @@ class Row:
         higher_is_better: whether the target is a minimum (True) or a maximum.
         why: on a miss, the factors of the ratio (markdown).
         profile: on a miss, a short profile (preformatted text).
+        caveat: why the verdict may not carry over (e.g. a workload too small).
     """
 
     number: str
@@ -523,6 +524,7 @@ class Row:
     higher_is_better: bool = True
     why: str = ""
     profile: str = ""
+    caveat: str = ""
 
     @property
     def passed(self) -> bool | None:

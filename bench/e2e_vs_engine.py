@@ -349,8 +349,11 @@ def explain(engine_seconds: list[float], summaries: list[dict]) -> str:
         f"encode, transfer, validation, batching, the tail response). Its steps took "
         f"{busy_s / engine_s:.2f}x the in-process time for the same tokens"
         + (
-            ": the engine itself ran slower in the server (CPU shared with the client "
-            "process and the gRPC threads, or the machine's load changed between passes)."
+            f": with the server's engine busy {busy_s / wall:.0%} of the time, the serving "
+            "path costs little; the engine itself ran slower in the server pass than in the "
+            "in-process one. Same code: either the client process and the gRPC threads took "
+            "CPU from it, or the machine's load changed between the two (compare the CPU-time "
+            "ratio in the table, and the other workload's row)."
             if busy_s > 1.05 * engine_s
             else "."
         )

@@ -158,7 +158,10 @@ def explain(workload: common.Workload, order: str, t_ours: float, t_hf: float, t
             "runs at the speed of the same model in transformers (both spend their time in "
             "the same matmuls, see the profile)."
             if speed >= 0.9
-            else "megascore is slower per token than transformers here (see the profile)."
+            else "megascore is slower per token than transformers here. Same weights and "
+            "matmuls: the difference is in the ops around them (see the profile and the "
+            "findings in docs/benchmarks.md: top-k tie-breaking over the whole vocabulary, "
+            "the fused fc1 GEMM, per-sequence RoPE and attention gathers)."
         )
     )
 
