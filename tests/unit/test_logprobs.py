@@ -123,3 +123,26 @@ def test_empty_and_bad_inputs():
         score_tokens(torch.zeros(4), None, tp_group=None)
     with pytest.raises(ValueError):
         score_tokens(torch.zeros(4, 8), torch.zeros(3, dtype=torch.long), tp_group=None)
+
+
+@pytest.mark.parametrize("k", [1, 3, 16])
+def test_top_k_with_many_ties_matches_lexicographic_reference(k):
+    # Coarsely quantised logits: most rows tie at the k-th place, some do not.
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randint(0, 6, (64, 40), generator=gen).float()
+    logits[::4] = torch.randn(16, 40, generator=gen)  # rows without ties
+    ids, vals = vocab_parallel_top_k(logits, k, tp_group=None, chunk_tokens=7)
+    ref = torch.log_softmax(logits, dim=-1)
+    for row in range(logits.shape[0]):
+        # reference: order by (value descending, id ascending)
+        want = sorted(range(40), key=lambda c: (-logits[row, c].item(), c))[:k]
+        assert ids[row].tolist() == want, row
+    torch.testing.assert_close(vals, ref.gather(-1, ids), rtol=0, atol=1e-6)
+
+
+def test_top_k_of_the_whole_vocabulary():
+    logits, _ = _random(5, 6, seed=12)
+    ids, vals = vocab_parallel_top_k(logits, 6, tp_group=None)
+    want_vals, want_ids = torch.topk(torch.log_softmax(logits, dim=-1), 6, dim=-1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(vals, want_vals, rtol=0, atol=1e-6)
