@@ -319,6 +319,9 @@ def score_tokens(
                 )
                 out_ids[start:end] = ids
                 out_top[start:end] = vals - lse.unsqueeze(-1)
+            # Free this chunk's logits before the head computes the next one (peak: one
+            # chunk of logits plus the scratch, whatever the number of chunks).
+            del chunk
     return TokenScores(
         logprobs=out_lp if targets is not None else None,
         top_k_ids=out_ids if top_k > 0 else None,
