@@ -8,26 +8,18 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh server,cli
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # A free port below the ephemeral range, so no other process's bind(0) takes it
-# while the server imports torch.
-port=$(.venv/bin/python - <<'PY'
-import random, socket
-low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-for port in random.sample(range(20000, low), 200):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        print(port)
-        break
-PY
-)
-.venv/bin/megascore serve --host 127.0.0.1 --port "$port" "$@" &
+# while the server imports torch (the --nproc launcher picks MASTER_PORT the same way).
+port=$(.venv/bin/python -c 'from megascore_server.launcher import pick_port; print(pick_port())')
+log=$(mktemp "${TMPDIR:-/tmp}/megascore-demo.XXXXXX.log")
+echo "starting megascore serve on 127.0.0.1:$port (server log: $log)"
+.venv/bin/megascore serve --host 127.0.0.1 --port "$port" "$@" >"$log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
-.venv/bin/python scripts/demo_client.py --target "127.0.0.1:$port"
+# The client stops waiting (exit 1, log tail) as soon as the server process dies.
+.venv/bin/python scripts/demo_client.py --target "127.0.0.1:$port" \
+  --server-pid "$server" --server-log "$log"
 kill -TERM "$server"
-wait "$server"
-status=$?
+status=0
+wait "$server" || status=$?
 trap - EXIT
-echo "server stopped (exit $status)"
+echo "server stopped (exit $status; log: $log)"

@@ -9,9 +9,10 @@ lazily (:func:`_create_engine`). Lifecycle of rank 0:
   every step (its collectives, and its CUDA current device, stay on one thread).
 * ``create_engine`` returned (the engine barriers after every rank built it):
   health SERVING.
-* SIGTERM / SIGINT: health NOT_SERVING, ``server.stop(grace)`` (in-flight
-  requests finish), then ``engine.shutdown()`` (broadcasts SHUTDOWN, destroys
-  the process group) -> exit 0.
+* SIGTERM / SIGINT: health NOT_SERVING, new calls UNAVAILABLE ("server shutting
+  down"), in-flight requests finish (within ``grace``), ``server.stop()``
+  (:meth:`ServerHandles.stop`), then ``engine.shutdown()`` (broadcasts SHUTDOWN,
+  destroys the process group) -> exit 0.
 * A lost rank (``WorkerLostError``) -> health NOT_SERVING, in-flight requests
   fail with UNAVAILABLE, exit 1 so the launcher tears the replica down.
 * Building the engine failed -> reason logged, health never SERVING, server
@@ -36,7 +37,7 @@ import signal
 import threading
 
 from megascore.config import EngineConfig
-from megascore.errors import WorkerLostError
+from megascore.errors import LOAD_FAILURES, WorkerLostError
 from megascore_server.app import ServerHandles, build_server
 from megascore_server.config import ServeConfig
 
@@ -171,7 +172,8 @@ async def _load(handles: ServerHandles, config: ServeConfig, stop: asyncio.Event
         return 1
     if load.exception() is not None:
         exc = load.exception()
-        logger.error("building the engine failed: %s", exc, exc_info=exc)
+        expected = isinstance(exc, (*LOAD_FAILURES, WorkerLostError))  # the reason says it all
+        logger.error("building the engine failed: %s", exc, exc_info=None if expected else exc)
         await handles.stop(grace=0.0, engine_timeout_s=10.0)
         return 1
     if stop.is_set():
@@ -199,6 +201,9 @@ def run_rank(config: ServeConfig) -> int:
         return code
     try:
         engine = create_engine(config.engine)
+    except (*LOAD_FAILURES, WorkerLostError) as exc:  # the reason says it all
+        logger.error("rank %d: building the engine failed: %s", rank, exc)
+        return 1
     except Exception:
         logger.exception("rank %d: building the engine failed", rank)
         return 1

@@ -14,6 +14,12 @@ signals every worker at once and needs torch imported in this process):
   exit (rank 0 notices the loss and exits 1), then SIGKILL; exit code non-zero.
 * Children die with this process (``PR_SET_PDEATHSIG``), so no orphan survives
   even a SIGKILL of the launcher.
+* MASTER_PORT (rank 0's TCPStore) is a free port *below* the kernel's ephemeral
+  range (:func:`pick_port`), not one from ``bind(0)``: the launcher cannot hold
+  the port while rank 0 imports torch (seconds), and a port from ``bind(0)`` is
+  exactly what any other process's ``bind(0)`` / outgoing connection may take in
+  between (EADDRINUSE at rendezvous). ``scripts/demo.sh`` picks its gRPC port the
+  same way.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import ctypes
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,10 +51,51 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LINUX_EPHEMERAL_LOW = 32768  # the kernel's default when the file cannot be read
+
+
+def ephemeral_port_low() -> int:
+    """First port of the kernel's ephemeral range (``bind(0)`` and outgoing connections)."""
+    try:
+        with open(_PORT_RANGE_FILE, encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _LINUX_EPHEMERAL_LOW
+
+
+def pick_port(host: str = "127.0.0.1", low: int = 20000, tries: int = 200) -> int:
+    """A port free now on ``host``, below the ephemeral range (see the module docstring).
+
+    Only a process that asks for this very port can take it before the caller's
+    server binds it; ``bind(0)`` users and outgoing connections never get it.
+
+    Args:
+        host: address the port must be free on.
+        low: lowest port tried (the ports below stay for services' fixed ports).
+        tries: random candidates tried in ``[low, ephemeral_port_low())``.
+
+    Returns:
+        The port (nothing holds it when this returns).
+
+    Raises:
+        RuntimeError: no free candidate, or no room below the ephemeral range.
+    """
+    high = ephemeral_port_low()
+    if high <= low:
+        raise RuntimeError(
+            f"no port between {low} and the ephemeral range, which starts at {high} "
+            f"({_PORT_RANGE_FILE})"
+        )
+    rng = random.Random()  # not the global one: callers may seed it
+    for port in rng.sample(range(low, high), min(tries, high - low)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among {tries} tried in [{low}, {high})")
 
 
 def rank_env(config: ServeConfig, rank: int, master_port: int) -> dict[str, str]:
@@ -105,7 +153,7 @@ class LocalLauncher:
 
     def run(self) -> int:
         """Launches the ranks and waits for them; returns the launcher's exit code."""
-        port = _free_port()
+        port = pick_port()  # below the ephemeral range: see the module docstring
         n = self.config.nproc
         logger.info("launching %d local ranks (master 127.0.0.1:%d)", n, port)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -10,9 +10,25 @@ assembled. The server may start before the engine exists:
    collective engine keeps all its collectives on one thread).
 3. ``await handles.attach_engine(engine, pad_multiple=...)``: request limits and
    batcher are wired in; health SERVING.
-4. ``await handles.stop()``: health NOT_SERVING for good -> ``server.stop(grace)``
-   -> batcher closed -> ``engine.shutdown()`` on the engine thread, queued after
-   the last step (or after a load still in progress, which cannot be interrupted).
+4. ``await handles.stop()``: the drain.
+
+   a. Health NOT_SERVING for good; new Scorer calls fail fast with UNAVAILABLE
+      ("server shutting down") while the gRPC server keeps running.
+   b. The calls in progress finish (at most ``grace`` s in all).
+   c. For the last :data:`PARK_S` s new calls are parked (not answered), then
+      ``server.stop()`` begins (grpc core stops accepting calls and sends GOAWAY),
+      and only then do the parked calls get UNAVAILABLE.
+   d. Batcher closed -> ``engine.shutdown()`` on the engine thread, queued after
+      the last step (or after a load still in progress, which cannot be
+      interrupted).
+
+   Why c: a call that reaches grpc core after its shutdown began, before the
+   client has read the GOAWAY, is cancelled by grpc core itself (CANCELLED, no
+   handler runs; grpc-python has no way to answer it otherwise). A client
+   retrying on UNAVAILABLE would send its next call right into that instant;
+   a parked client sends nothing, and its UNAVAILABLE comes after the GOAWAY on
+   the same connection, so its retry takes a new connection (another replica,
+   or connection refused: UNAVAILABLE again).
 """
 
 from __future__ import annotations
@@ -38,6 +54,9 @@ from megascore_server.servicer import ScorerServicer
 from megascore_server.validation import RequestLimits
 
 logger = logging.getLogger(__name__)
+
+PARK_S = 0.2
+"""Drain: how long new calls are parked before grpc core shuts down (see module doc)."""
 
 
 def resolve_limits(info: ModelInfo, config: ServerConfig, pad_multiple: int) -> RequestLimits:
@@ -213,10 +232,25 @@ class ServerHandles:
             return True
         self._stopped = True
         grace = self.config.grace_s if grace is None else grace
+        deadline = time.monotonic() + grace
         loading = self._load is not None and not self._load.done()
+        self.servicer.start_draining()  # before health: no call slips in between
         await self.health.shut_down("stopping while loading" if loading else "draining")
         logger.info("stopping: %.1f s grace for in-flight requests", grace)
-        await self.server.stop(grace)
+        if not await self.servicer.wait_idle(grace):
+            logger.warning(
+                "%d call(s) still running after %.1f s grace: cancelling them",
+                self.servicer.active_calls,
+                grace,
+            )
+        park_s = min(PARK_S, deadline - time.monotonic())
+        if park_s > 0:
+            self.servicer.park_new_calls()
+            await asyncio.sleep(park_s)
+        stopping = asyncio.ensure_future(self.server.stop(max(deadline - time.monotonic(), 0.0)))
+        await asyncio.sleep(0)  # stop() has run up to its first wait: core shut down, GOAWAY sent
+        self.servicer.release_parked()
+        await stopping
         if self.batcher is not None:
             await self.batcher.close()
         self.metrics.stop_http()

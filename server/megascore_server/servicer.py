@@ -7,6 +7,7 @@ mapped to status codes by :func:`megascore_server.status.status_for` only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -40,6 +41,8 @@ LOADING_MESSAGE = (
     "server is starting: model loading on every rank (health NOT_SERVING until it is "
     "loaded); retry later"
 )
+SHUTTING_DOWN_MESSAGE = "server shutting down: retry on another replica"
+_DRAIN = object()  # wakes an open ScoreStream when the drain begins
 
 
 class ScorerServicer(pb_grpc.ScorerServicer):
@@ -47,6 +50,11 @@ class ScorerServicer(pb_grpc.ScorerServicer):
 
     Every RPC answers UNAVAILABLE (:data:`LOADING_MESSAGE`) until :meth:`attach`
     gives it the engine's batcher, so the server can start while the model loads.
+    After :meth:`start_draining`, every new call (and new message of an open stream)
+    answers UNAVAILABLE (:data:`SHUTTING_DOWN_MESSAGE`) while the calls already in
+    progress finish (:meth:`wait_idle`); :meth:`park_new_calls` /
+    :meth:`release_parked` hold new calls around the final ``server.stop()``
+    (:mod:`megascore_server.lifecycle`).
 
     Args:
         health: health servicer; requests are refused while it is not SERVING.
@@ -70,15 +78,79 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         self._batcher: DynamicBatcher | None = None
         self._limits: RequestLimits | None = None
         self._info: ModelInfo | None = None
+        self._draining = False
+        self._parked: asyncio.Event | None = None  # set: parked calls get UNAVAILABLE
+        self._active = 0  # Score / ScoreStream / LoadWeights handlers running
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open_streams: set[asyncio.Queue] = set()
 
     def attach(self, batcher: DynamicBatcher, limits: RequestLimits, info: ModelInfo) -> None:
         """Serves the engine behind ``batcher`` (its limits and model description)."""
         self._batcher, self._limits, self._info = batcher, limits, info
 
     def _ready(self) -> DynamicBatcher:
+        if self._draining:
+            raise UnavailableError(SHUTTING_DOWN_MESSAGE)
         if self._batcher is None:
             raise UnavailableError(LOADING_MESSAGE)
         return self._batcher
+
+    def start_draining(self) -> None:
+        """From now on new calls (and new stream messages) fail fast with UNAVAILABLE;
+        an open stream ends (UNAVAILABLE) once it has answered what it already got."""
+        self._draining = True
+        for queue in self._open_streams:
+            queue.put_nowait(_DRAIN)
+
+    def park_new_calls(self) -> None:
+        """New calls wait (unanswered) until :meth:`release_parked`, then fail UNAVAILABLE.
+
+        For the instant grpc core shuts down: a client whose call is parked sends
+        nothing new, and a call that reaches grpc core after its shutdown began is
+        cancelled (CANCELLED) before any handler sees it.
+        """
+        self._draining = True
+        if self._parked is None:
+            self._parked = asyncio.Event()
+
+    def release_parked(self) -> None:
+        """Parked (and later) calls fail with UNAVAILABLE now."""
+        if self._parked is not None:
+            self._parked.set()
+
+    async def _refuse_when_draining(self) -> None:
+        if not self._draining:
+            return
+        if self._parked is not None:
+            await self._parked.wait()
+        raise UnavailableError(SHUTTING_DOWN_MESSAGE)
+
+    @property
+    def active_calls(self) -> int:
+        """Score / ScoreStream / LoadWeights handlers still running."""
+        return self._active
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` s for the running calls to end; True when none is left."""
+        if self._active == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.0))
+        except TimeoutError:
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def _tracked(self):
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
 
     def _observe(self, rpc: str, code: grpc.StatusCode, start: float) -> None:
         if self._metrics is not None:
@@ -117,17 +189,20 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         """Scores one request (merged with concurrent ones by the batcher)."""
         arrival = time.monotonic()
         request_id = request.request_id or _new_request_id()
-        try:
-            response = await self._score_one(request, request_id, arrival, context.time_remaining())
-        except asyncio.CancelledError:
-            logger.info("request_id=%s cancelled by the client", request_id)
-            self._observe("Score", grpc.StatusCode.CANCELLED, arrival)
-            raise
-        except Exception as exc:
-            code, message = status_for(exc, request_id)
-            logger.info("request_id=%s failed: %s %s", request_id, code.name, message)
-            self._observe("Score", code, arrival)
-            await context.abort(code, message)
+        with self._tracked():
+            try:
+                await self._refuse_when_draining()
+                remaining = context.time_remaining()
+                response = await self._score_one(request, request_id, arrival, remaining)
+            except asyncio.CancelledError:
+                logger.info("request_id=%s cancelled by the client", request_id)
+                self._observe("Score", grpc.StatusCode.CANCELLED, arrival)
+                raise
+            except Exception as exc:
+                code, message = status_for(exc, request_id)
+                logger.info("request_id=%s failed: %s %s", request_id, code.name, message)
+                self._observe("Score", code, arrival)
+                await context.abort(code, message)
         self._observe("Score", grpc.StatusCode.OK, arrival)
         return response
 
@@ -155,39 +230,87 @@ class ScorerServicer(pb_grpc.ScorerServicer):
             finally:
                 queue.put_nowait(None)
 
-        reader = asyncio.ensure_future(read())
+        with self._tracked():
+            try:
+                await self._refuse_when_draining()
+            except UnavailableError as exc:
+                code, message = status_for(exc)
+                self._observe("ScoreStream", code, time.monotonic())
+                await context.abort(code, message)
+            self._open_streams.add(queue)
+            reader = asyncio.ensure_future(read())
+            try:
+                responses = self._stream_responses(queue, reader_error, slots, context)
+                async with contextlib.aclosing(responses):
+                    async for response in responses:
+                        yield response
+            finally:
+                self._open_streams.discard(queue)
+                reader.cancel()
+                while not queue.empty():
+                    item = queue.get_nowait()
+                    if item is None or item is _DRAIN:
+                        continue
+                    task = item[2]
+                    if not task.done():
+                        task.cancel()  # the batcher drops it
+                    elif not task.cancelled():
+                        task.exception()  # retrieved: a later failure is not logged as lost
+
+    async def _stream_responses(self, queue: asyncio.Queue, reader_error, slots, context):
+        while True:
+            if self._draining and queue.empty():
+                # Idle (every answer sent): end the stream now rather than hold the drain.
+                code, message = status_for(UnavailableError(SHUTTING_DOWN_MESSAGE))
+                self._observe("ScoreStream", code, time.monotonic())
+                await context.abort(code, message)
+            item = await queue.get()
+            if item is None:
+                break
+            if item is _DRAIN:  # wakes an idle stream for the check above
+                continue
+            label, arrival, task = item
+            try:
+                response = await task
+            except Exception as exc:
+                code, message = status_for(exc, label)
+                logger.info("stream request_id=%s failed: %s %s", label, code.name, message)
+                self._observe("ScoreStream", code, arrival)
+                await context.abort(code, message)
+            finally:
+                slots.release()
+            self._observe("ScoreStream", grpc.StatusCode.OK, arrival)
+            yield response
+        if reader_error:
+            raise reader_error[0]
+
+    async def _load_weights(self, request: pb.LoadWeightsRequest) -> tuple[str, str, ModelInfo]:
+        await self._refuse_when_draining()
+        batcher = self._ready()
+        if not request.model:
+            raise InvalidRequestError(
+                "model: required ('hf:DIR', 'megatron:DIR' or 'builtin:NAME@SEED')"
+            )
+        logger.info("loading weights %s (version %r)", request.model, request.weights_version)
+        previous = batcher.weights_version
         try:
-            while (item := await queue.get()) is not None:
-                label, arrival, task = item
-                try:
-                    response = await task
-                except Exception as exc:
-                    code, message = status_for(exc, label)
-                    logger.info("stream request_id=%s failed: %s %s", label, code.name, message)
-                    self._observe("ScoreStream", code, arrival)
-                    await context.abort(code, message)
-                finally:
-                    slots.release()
-                self._observe("ScoreStream", grpc.StatusCode.OK, arrival)
-                yield response
-            if reader_error:
-                raise reader_error[0]
-        finally:
-            reader.cancel()
-            while not queue.empty():
-                item = queue.get_nowait()
-                if item is None:
-                    continue
-                task = item[2]
-                if not task.done():
-                    task.cancel()  # the batcher drops it
-                elif not task.cancelled():
-                    task.exception()  # retrieved: a later failure is not logged as lost
+            return await batcher.load_weights(request.model, request.weights_version)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc.reason}; still serving weights {previous!r}") from exc
+        except MegascoreError:
+            raise
+        except Exception as exc:
+            logger.error("LoadWeights %s: unexpected error", request.model, exc_info=exc)
+            raise CheckpointError(
+                f"loading {request.model} failed ({type(exc).__name__}: {exc}); "
+                f"still serving weights {previous!r}"
+            ) from exc
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         """The model, its current weights version and the server's limits."""
         start = time.monotonic()
         try:
+            await self._refuse_when_draining()
             batcher = self._ready()
         except UnavailableError as exc:
             code, message = status_for(exc)
@@ -206,28 +329,12 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         """Swaps weights between steps; on failure the old weights keep serving."""
         start = time.monotonic()
         try:
-            batcher = self._ready()
-            if not request.model:
-                raise InvalidRequestError(
-                    "model: required ('hf:DIR', 'megatron:DIR' or 'builtin:NAME@SEED')"
-                )
-            logger.info("loading weights %s (version %r)", request.model, request.weights_version)
-            previous = batcher.weights_version
-            try:
-                new, previous, info = await batcher.load_weights(
-                    request.model, request.weights_version
-                )
-            except CheckpointError as exc:
-                raise CheckpointError(f"{exc.reason}; still serving weights {previous!r}") from exc
-            except MegascoreError:
-                raise
-            except Exception as exc:
-                raise CheckpointError(
-                    f"loading {request.model} failed ({type(exc).__name__}: {exc}); "
-                    f"still serving weights {previous!r}"
-                ) from exc
+            with self._tracked():
+                new, previous, info = await self._load_weights(request)
         except Exception as exc:
             code, message = status_for(exc)
+            # Expected failures (bad spec, unloadable checkpoint) are one line; the
+            # traceback of an unexpected one was logged where it was caught.
             logger.warning("LoadWeights %s failed: %s %s", request.model, code.name, message)
             self._observe("LoadWeights", code, start)
             await context.abort(code, message)

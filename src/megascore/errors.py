@@ -33,3 +33,9 @@ class WorkerLostError(UnavailableError):
 
 class CheckpointError(MegascoreError):
     """A checkpoint is missing, corrupt or does not match the model (names the tensor)."""
+
+
+LOAD_FAILURES: tuple[type[Exception], ...] = (ValueError, CheckpointError)
+"""A model that cannot load for a stated reason (bad model string or path, unsupported
+or other architecture, damaged checkpoint): the message says it all, so it is logged
+as one line without a traceback. Anything else while loading is unexpected: traceback."""

@@ -13,6 +13,7 @@ import pytest
 from megascore.checkpoint.loader import (
     check_same_architecture,
     parse_model_string,
+    read_model_config,
     resolve_model,
 )
 from megascore.errors import CheckpointError
@@ -72,6 +73,18 @@ def test_check_same_architecture():
     check_same_architecture(dataclasses.replace(cfg, seed=9, architecture="llama"), cfg)
     with pytest.raises(CheckpointError, match=r"x: architecture differs.*vocab_size: 256 != 512"):
         check_same_architecture(dataclasses.replace(cfg, vocab_size=256), cfg, "x")
+
+
+def test_read_model_config_reads_the_config_file_only(hf_dirs, tmp_path):
+    only = tmp_path / "config-only"  # no weight file: resolve_model would refuse it
+    only.mkdir()
+    shutil.copy(hf_dirs["llama"] / "config.json", only)
+    assert read_model_config(f"hf:{only}") == resolve_model(f"hf:{hf_dirs['llama']}").model_config
+    assert read_model_config("tiny") == builtin_model("tiny")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        read_model_config(f"megatron:{tmp_path / 'nope'}")
+    with pytest.raises(CheckpointError, match="megascore.json: missing"):
+        read_model_config(f"megatron:{only}")
 
 
 def test_package_import_is_torch_free():

@@ -108,7 +108,7 @@ def test_engine_serves_hf_and_reloads_on_all_ranks(outcome, hf_dirs):
     assert np.abs(np.load(out / "engine_hf.npy") - ref_a).max() <= TOL
     assert versions["megatron"] == "mg-llama_b"
     assert np.abs(np.load(out / "engine_mg_b.npy") - ref_b).max() <= TOL
-    assert "does not match the served architecture" in versions["refused"]
+    assert "architecture differs from the served model" in versions["refused"]
     assert versions["after_refused"] == "mg-llama_b"
     assert np.array_equal(
         np.load(out / "engine_after_refused.npy"), np.load(out / "engine_mg_b.npy")

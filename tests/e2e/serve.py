@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -48,23 +47,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def fixed_port(low: int = 20000) -> int:
-    """A free port below the ephemeral range (as ``scripts/demo.sh`` picks one).
-
-    For a server restarted on the same port: no other process's ``bind(0)`` can take
-    it while the port is closed between the two servers.
-    """
-    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(low, ephemeral_low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in [{low}, {ephemeral_low})")
 
 
 # ---------------------------------------------------------------------------- /proc
@@ -165,8 +147,8 @@ class ServeProcess:
         env: extra environment variables.
         credentials: TLS credentials of the helper's own channel (health polling);
             None for a plaintext server.
-        port: the port to serve on (e.g. :func:`fixed_port`, to restart a server on
-            the same address); None = a free port.
+        port: the port to serve on (e.g. ``megascore_server.launcher.pick_port()``, to
+            restart a server on the same address); None = a free port.
     """
 
     def __init__(

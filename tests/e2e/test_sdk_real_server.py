@@ -31,8 +31,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from megascore_client import AsyncScoringClient, RetryPolicy, ScoringClient, ScoringError
 from megascore_client.batching import ScoreOptions, build_parts
 from megascore_client.inputs import make_batch
+from megascore_server.launcher import pick_port
 from tests.e2e.reference import LOSSES, VOCAB, assert_results_equal, assert_top_k_close
-from tests.e2e.serve import ServeProcess, fixed_port, own_servers
+from tests.e2e.serve import ServeProcess, own_servers
 
 LIMIT = 64 * 1024  # the smallest max_message_bytes the client accepts
 SERVE_ARGS = ("--model", "tiny", "--max-message-bytes", str(LIMIT), "--grace-s", "2")
@@ -61,7 +62,7 @@ class FixedPortServer:
 @pytest.fixture(scope="module")
 def fixed(tmp_path_factory):
     servers = own_servers(tmp_path_factory.mktemp("sdk-real-server"))
-    holder = FixedPortServer(port=fixed_port(), start=next(servers))
+    holder = FixedPortServer(port=pick_port(), start=next(servers))
     try:
         begin = time.monotonic()
         holder.launch().wait_serving()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import queue
 import threading
+import time
 
 import grpc
 import pytest
@@ -12,6 +15,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from megascore.errors import WorkerLostError
 from megascore.v1 import scoring_pb2 as pb
+from megascore.v1 import scoring_pb2_grpc as pb_grpc
+from megascore_server.servicer import SHUTTING_DOWN_MESSAGE
 from megascore_server.status import INTERNAL_MESSAGE
 from tests.service.fake_engine import MAX_TOP_K, VOCAB, FakeEngine
 from tests.service.harness import Req, ServerThread, check_response, engine_held, wait_for
@@ -54,9 +59,12 @@ def test_health_not_serving_until_ready_then_serving_then_draining():
             stopping = asyncio.run_coroutine_threadsafe(srv.handles.stop(grace=20), srv.loop)
             assert next(watch).status == NOT_SERVING
             watch.cancel()
+            refused_at = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 srv.stub().Score(req.proto(), timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert SHUTTING_DOWN_MESSAGE in info.value.details()
+            assert time.monotonic() - refused_at < 2  # fails fast, not at the end of the drain
             assert not blocker.done()
         check_response(future.result(timeout=30), inflight)
         assert stopping.result(timeout=30) is True
@@ -64,6 +72,68 @@ def test_health_not_serving_until_ready_then_serving_then_draining():
     finally:
         srv.stop()
     assert engine.shutdown_called == 1  # stop() is idempotent
+
+
+def test_calls_racing_the_stop_get_unavailable_never_cancelled():
+    """Clients keep sending while stop() runs: each call is OK or UNAVAILABLE.
+
+    grpc core cancels (CANCELLED) a call that reaches it after its shutdown began;
+    the drain keeps clients quiet at that instant (docs/reliability.md). Before the
+    fix, each round had several CANCELLED calls.
+    """
+    codes: collections.Counter = collections.Counter()
+    for _ in range(3):
+        srv = ServerThread(FakeEngine(), max_batch_wait_ms=1)
+        stop = threading.Event()
+        lock = threading.Lock()
+
+        def hammer(address=srv.address, stop=stop, lock=lock):
+            with grpc.insecure_channel(address) as channel:
+                stub = pb_grpc.ScorerStub(channel)
+                request = Req([[1, 2, 3, 4]]).proto()
+                while not stop.is_set():
+                    try:
+                        stub.Score(request, timeout=10)
+                        code = grpc.StatusCode.OK
+                    except grpc.RpcError as exc:
+                        code = exc.code()
+                    with lock:
+                        codes[code] += 1
+
+        threads = [threading.Thread(target=hammer, daemon=True) for _ in range(6)]
+        try:
+            for thread in threads:
+                thread.start()
+            wait_for(lambda: codes[grpc.StatusCode.OK] > 20, what="calls answered")
+            assert srv.call(srv.handles.stop(grace=5), timeout=60) is True
+            time.sleep(0.3)  # clients keep calling the stopped server
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+            srv.stop()
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+    assert codes[grpc.StatusCode.UNAVAILABLE] > 0
+
+
+def test_open_idle_stream_ends_unavailable_at_drain_without_holding_it():
+    srv = ServerThread(FakeEngine(), max_batch_wait_ms=1)
+    try:
+        messages: queue.Queue = queue.Queue()
+        first = Req([[1, 2, 3]], request_id="s0")
+        messages.put(first.proto())
+        call = srv.stub().ScoreStream(iter(messages.get, None), timeout=60)
+        check_response(next(call), first)
+        start = time.monotonic()
+        assert srv.call(srv.handles.stop(grace=30), timeout=60) is True
+        assert time.monotonic() - start < 10, "the idle stream held the drain"
+        with pytest.raises(grpc.RpcError) as info:
+            next(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert SHUTTING_DOWN_MESSAGE in info.value.details()
+        messages.put(None)
+    finally:
+        srv.stop()
 
 
 def test_engine_exception_fails_only_its_step(server):

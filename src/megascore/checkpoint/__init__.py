@@ -4,6 +4,8 @@ Torch-free to import; the weight readers import torch / Megatron when used.
 
 * :func:`resolve_model` turns ``tiny`` / ``hf:DIR`` / ``megatron:DIR`` into
   ``(ModelConfig, load_weights, CheckpointMetadata)`` without reading weights.
+* :func:`read_model_config` reads only the architecture (the config file), and
+  :func:`check_same_architecture` is the one architecture comparison (hot reload).
 * :func:`reload_weights` swaps new weights into a running model (all ranks).
 * ``megascore.checkpoint.megatron_ckpt.save_checkpoint`` writes a checkpoint
   that loads into any TP / CP / EP layout (also the way to convert HF -> Megatron).
@@ -15,6 +17,7 @@ from megascore.checkpoint.loader import (
     ResolvedModel,
     check_same_architecture,
     parse_model_string,
+    read_model_config,
     reload_weights,
     resolve_model,
 )
@@ -26,6 +29,7 @@ __all__ = [
     "check_same_architecture",
     "hf_config_to_model_config",
     "parse_model_string",
+    "read_model_config",
     "reload_weights",
     "resolve_model",
 ]

@@ -8,6 +8,9 @@ A model string names what a replica serves:
 * ``megatron:DIR``: a Megatron-Core distributed checkpoint with ``megascore.json``
   (see :mod:`megascore.checkpoint.megatron_ckpt`).
 
+:func:`read_model_config` reads only the architecture (``config.json`` /
+``megascore.json``), the cheapest check a hot reload can make first
+(:func:`check_same_architecture`, the one architecture comparison of megascore).
 :func:`resolve_model` reads only configs and file metadata (cheap, no weights),
 so rank 0 can describe a model before building it. The returned ``load_weights``
 runs on every rank after ``build_model`` and loads that rank's shards; it checks
@@ -31,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DTYPES = ("float32", "bfloat16", "float16")
+NON_ARCHITECTURE_FIELDS = ("seed", "init_method_std", "architecture", "max_position_embeddings")
+"""ModelConfig fields that do not change the function the weights compute."""
 
 WeightLoader = Callable[["torch.nn.Module"], None]  # noqa: F821 - torch stays unimported here
 
@@ -92,8 +97,12 @@ def parse_model_string(model: str) -> tuple[str, str]:
 
 
 def _directory(path: str, model: str) -> Path:
-    directory = Path(path).expanduser().resolve()
-    if not directory.is_dir():
+    try:
+        directory = Path(path).expanduser().resolve()
+        is_dir = directory.is_dir()
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte, ...
+        raise CheckpointError(f"model {model!r}: bad checkpoint path: {e}") from e
+    if not is_dir:
         raise CheckpointError(f"model {model!r}: {directory} is not a directory")
     return directory
 
@@ -192,16 +201,49 @@ def resolve_model(model: str, *, seed: int | None = None) -> ResolvedModel:
     return resolved
 
 
+def read_model_config(model: str) -> ModelConfig:
+    """The architecture a checkpoint model string names, from its config file only.
+
+    Reads ``DIR/config.json`` (``hf:``) or ``DIR/megascore.json`` (``megatron:``);
+    no weight file is opened. Built-in names give their config.
+
+    Raises:
+        CheckpointError: unknown model, missing directory, missing / corrupt config,
+            or an unsupported architecture.
+    """
+    kind, arg = parse_model_string(model)
+    if kind == "builtin":
+        return builtin_model(arg)
+    directory = _directory(arg, model)
+    if kind == "hf":
+        return hf_config_to_model_config(read_hf_config(directory))
+    from megascore.checkpoint import megatron_ckpt
+
+    return megatron_ckpt.read_checkpoint_config(directory)[0]
+
+
+def architecture_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """``"field: a != b"`` for every field but :data:`NON_ARCHITECTURE_FIELDS` that differs."""
+    out = []
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in NON_ARCHITECTURE_FIELDS:
+            continue
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        if va != vb:
+            out.append(f"{f.name}: {va!r} != {vb!r}")
+    return out
+
+
 def check_same_architecture(new: ModelConfig, current: ModelConfig, source: str = "") -> None:
     """Raises unless ``new`` computes the same function shape as ``current`` (hot reload).
 
-    Ignores only the seed, init std, family label and max length.
+    The one architecture check of megascore (engine reloads, :func:`reload_weights`,
+    Megatron checkpoint loads). Ignores only the seed, init std, family label and max
+    length (:data:`NON_ARCHITECTURE_FIELDS`).
 
     Raises:
         CheckpointError: naming every differing field.
     """
-    from megascore.checkpoint.megatron_ckpt import architecture_diff
-
     diff = architecture_diff(new, current)
     if diff:
         where = f"{source}: " if source else ""
@@ -226,10 +268,10 @@ def reload_weights(model, current: ModelConfig, spec: str) -> CheckpointMetadata
     Raises:
         CheckpointError: bad string, different architecture, or a bad checkpoint.
     """
-    resolved = resolve_model(spec)
-    if resolved.load_weights is None:
+    if parse_model_string(spec)[0] == "builtin":
         raise CheckpointError(f"LoadWeights needs hf:DIR or megatron:DIR, got {spec!r}")
-    check_same_architecture(resolved.model_config, current, spec)
+    check_same_architecture(read_model_config(spec), current, spec)  # before any weight file
+    resolved = resolve_model(spec)
     resolved.load_weights(model)
     return resolved.metadata
 

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megascore.checkpoint.loader import check_same_architecture
 from megascore.distributed import collective_device
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
@@ -42,8 +43,6 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "megascore.json"
 FORMAT = "megascore-megatron/1"
 _MARKER = "metadata.json"  # written by dist_checkpointing.save when complete
-# ModelConfig fields that do not change the function the weights compute.
-_NON_ARCH_FIELDS = ("seed", "init_method_std", "architecture", "max_position_embeddings")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -76,18 +75,6 @@ def config_from_json(data: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig(**data)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: invalid model config: {e}") from e
-
-
-def architecture_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
-    """Fields (other than seed/init/label/max length) in which two configs differ."""
-    out = []
-    for f in dataclasses.fields(ModelConfig):
-        if f.name in _NON_ARCH_FIELDS:
-            continue
-        va, vb = getattr(a, f.name), getattr(b, f.name)
-        if va != vb:
-            out.append(f"{f.name}: {va!r} != {vb!r}")
-    return out
 
 
 def read_checkpoint_config(directory: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
@@ -208,9 +195,7 @@ def load_checkpoint(
     """
     directory = Path(directory)
     ckpt_cfg, data = read_checkpoint_config(directory)
-    diff = architecture_diff(ckpt_cfg, model_cfg)
-    if diff:
-        raise CheckpointError(f"{directory}: architecture differs from the model: {diff}")
+    check_same_architecture(ckpt_cfg, model_cfg, str(directory))
     module = _unwrap(model)
     sharded = module.sharded_state_dict()
     dict_list_map_inplace(_fresh_host_buffer, sharded)

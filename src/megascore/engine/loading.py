@@ -12,7 +12,10 @@ Model strings:
   Megatron distributed checkpoint with ``megascore.json``). The weights version is
   the checkpoint's label or a hash of its files' names, sizes and mtimes.
 
-:func:`load_model_config_and_weights` is the one place to extend for new formats.
+:func:`load_model_config_and_weights` is the one place to extend for new formats;
+:func:`model_config` reads only the architecture (no model built, no weight file
+opened), so a hot reload of another architecture is refused before any work
+(:func:`megascore.checkpoint.check_same_architecture`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 
 import torch
 
+from megascore.checkpoint import check_same_architecture, read_model_config
 from megascore.config import EngineConfig
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig, builtin_model
@@ -118,8 +122,35 @@ def count_parameters(model: torch.nn.Module, pg_collection) -> int:
     return total
 
 
+def _builtin_config(spec: ModelSpec, engine_cfg: EngineConfig) -> ModelConfig:
+    config = builtin_model(spec.name)
+    seed = next(s for s in (spec.seed, engine_cfg.seed, config.seed) if s is not None)
+    return dataclasses.replace(config, seed=seed)
+
+
+def model_config(model: str, engine_cfg: EngineConfig) -> ModelConfig:
+    """The architecture ``model`` names, from its config file only (cheap).
+
+    Builds nothing and opens no weight file: ``config.json`` (``hf:``) or
+    ``megascore.json`` (``megatron:``), or the built-in config.
+
+    Raises:
+        ValueError: an unknown model string.
+        CheckpointError: a missing directory, a missing / corrupt / unsupported config.
+    """
+    spec = parse_model_spec(model)
+    if spec.kind == "builtin":
+        return _builtin_config(spec, engine_cfg)
+    return read_model_config(model)
+
+
 def load_model_config_and_weights(
-    model: str, engine_cfg: EngineConfig, pg_collection, weights_version: str = ""
+    model: str,
+    engine_cfg: EngineConfig,
+    pg_collection,
+    weights_version: str = "",
+    *,
+    expected: ModelConfig | None = None,
 ) -> LoadedModel:
     """Builds the model named by ``model`` on this rank and loads its weights.
 
@@ -130,20 +161,24 @@ def load_model_config_and_weights(
         engine_cfg: the engine config (parallel sizes, dtype, device, seed override).
         pg_collection: Megatron's process groups of this replica.
         weights_version: label of the weights ("" derives ``builtin:NAME@SEED``).
+        expected: the architecture the model must have (hot reload: the served one),
+            checked from the config before anything is built or read.
 
     Returns:
         The :class:`LoadedModel`.
 
     Raises:
         ValueError: an unknown model string.
-        CheckpointError: a checkpoint that is missing, corrupt or does not fit.
+        CheckpointError: a checkpoint that is missing, corrupt or does not fit, or an
+            architecture other than ``expected``.
     """
     spec = parse_model_spec(model)
     if spec.kind != "builtin":
-        return _load_checkpoint(model, engine_cfg, pg_collection, weights_version)
-    config = builtin_model(spec.name)
-    seed = next(s for s in (spec.seed, engine_cfg.seed, config.seed) if s is not None)
-    config = dataclasses.replace(config, seed=seed)
+        return _load_checkpoint(model, engine_cfg, pg_collection, weights_version, expected)
+    config = _builtin_config(spec, engine_cfg)
+    if expected is not None:
+        check_same_architecture(config, expected, model)
+    seed = config.seed
     built = build_model(config, dataclasses.replace(engine_cfg, seed=seed), pg_collection)
     return LoadedModel(
         spec=spec,
@@ -155,12 +190,18 @@ def load_model_config_and_weights(
 
 
 def _load_checkpoint(
-    model: str, engine_cfg: EngineConfig, pg_collection, weights_version: str
+    model: str,
+    engine_cfg: EngineConfig,
+    pg_collection,
+    weights_version: str,
+    expected: ModelConfig | None,
 ) -> LoadedModel:
     """``hf:DIR`` / ``megatron:DIR``: builds the checkpoint's architecture, loads this
     rank's shards (``megatron:`` loading is collective over the replica)."""
     from megascore.checkpoint import resolve_model
 
+    if expected is not None:  # from the config alone, before the weight files' headers
+        check_same_architecture(read_model_config(model), expected, model)
     config, load_weights, meta = resolve_model(model)
     built = build_model(config, engine_cfg, pg_collection)
     load_weights(built)
@@ -173,7 +214,3 @@ def _load_checkpoint(
         num_parameters=count_parameters(built, pg_collection),
         has_tokenizer=meta.has_tokenizer,
     )
-
-
-def same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
-    return dataclasses.replace(a, seed=0) == dataclasses.replace(b, seed=0)

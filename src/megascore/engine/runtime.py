@@ -37,7 +37,9 @@ non-zero so that the launcher tears the replica down).
 
 Weights: ``EngineConfig.model`` and ``load_weights`` take the model strings of
 :mod:`megascore.engine.loading` (built-in ``tiny``, ``builtin:tiny@7`` for weight
-seed 7, ...). ``load_weights`` runs on every rank (RELOAD) and swaps the new
+seed 7, ...). ``load_weights`` first reads the new model's architecture from
+its config alone on rank 0 and refuses another one (or a bad path) before
+anything is built; then it runs on every rank (RELOAD) and swaps the new
 weights in only after every rank loaded them; otherwise the old ones stay.
 """
 
@@ -50,14 +52,15 @@ import os
 import torch
 import torch.distributed as dist
 
+from megascore.checkpoint import check_same_architecture
 from megascore.config import EngineConfig
 from megascore.engine import protocol
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.loading import (
     LoadedModel,
     load_model_config_and_weights,
+    model_config,
     parse_model_spec,
-    same_architecture,
 )
 from megascore.engine.losses import loss_names
 from megascore.engine.step import (
@@ -68,7 +71,12 @@ from megascore.engine.step import (
     run_step,
     validate_batch,
 )
-from megascore.errors import CheckpointError, InvalidRequestError, WorkerLostError
+from megascore.errors import (
+    LOAD_FAILURES,
+    CheckpointError,
+    InvalidRequestError,
+    WorkerLostError,
+)
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
 from megascore.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 
@@ -185,11 +193,13 @@ class DistributedEngine:
             loaded, error = None, None
             try:
                 loaded = load_model_config_and_weights(engine_cfg.model, engine_cfg, pg_collection)
+            except LOAD_FAILURES as e:  # raised below; the caller logs the reason
+                error = e
             except Exception as e:  # reported to every rank below
                 logger.exception("rank %d: building the model failed", dist.get_rank())
                 error = e
             failed = agree_on_status(error is not None, status)  # every rank has built it
-            config_error = isinstance(error, (ValueError, CheckpointError))
+            config_error = isinstance(error, LOAD_FAILURES)
             if failed and config_error and len(failed) == len(world):
                 raise error  # a config / checkpoint error, the same everywhere
             if failed:
@@ -288,8 +298,10 @@ class DistributedEngine:
             The new weights version.
 
         Raises:
-            InvalidRequestError: unsupported or mismatching spec (no collective issued).
-            CheckpointError: some rank failed to load (old weights kept everywhere).
+            InvalidRequestError: unsupported spec or another built-in (no collective issued).
+            CheckpointError: a missing directory, unreadable config or another
+                architecture, read from the config alone (no collective issued, nothing
+                built); or some rank failed to load (old weights kept everywhere).
             WorkerLostError: the replica is broken or a collective failed.
         """
         self._require_driver("load_weights")
@@ -300,6 +312,13 @@ class DistributedEngine:
         served = self.loaded.spec
         if spec.kind == "builtin" and spec.name != served.name:
             raise InvalidRequestError(f"model {model!r}: the served model is {served.name!r}")
+        # The architecture first, from the checkpoint's config alone: a mismatch (or a
+        # bad path) is refused before any rank builds a model or opens a weight file.
+        try:
+            new_config = model_config(model, self.engine_cfg)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        check_same_architecture(new_config, self.loaded.config, model)
         version = weights_version  # "" lets the loader derive one (seed, checkpoint hash)
         self._step += 1
         try:
@@ -379,12 +398,18 @@ class DistributedEngine:
         """Every rank: loads ``model``, agrees, swaps in the new weights only if all loaded."""
         new, error = None, None
         try:
+            # Checks the architecture from the config before building anything (every
+            # rank: rank 0 checked it already, but a worker may see other files).
             new = load_model_config_and_weights(
-                model, self.engine_cfg, self.pg_collection, weights_version=version
+                model,
+                self.engine_cfg,
+                self.pg_collection,
+                weights_version=version,
+                expected=self.loaded.config,
             )
-            if not same_architecture(new.config, self.loaded.config):
-                raise CheckpointError(f"{model!r} does not match the served architecture")
-        except Exception as e:  # reported to every rank below
+        except LOAD_FAILURES as e:  # in the error raised below: one log line there
+            error = e
+        except Exception as e:  # a bug or an I/O surprise: its traceback, then as above
             logger.exception("rank %d: loading %r failed", self.rank, model)
             error = e
         try:
@@ -392,7 +417,8 @@ class DistributedEngine:
         except RuntimeError as e:
             raise self._mark_broken(f"reload status all-reduce failed: {e}") from e
         if failed:
-            raise CheckpointError(f"loading {model!r} failed on ranks {failed}: {error}")
+            reason = error if error is not None else "see the log of those ranks"
+            raise CheckpointError(f"loading {model!r} failed on ranks {failed}: {reason}")
         old, self.loaded = self.loaded, new
         del old
         logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)
