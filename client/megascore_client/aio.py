@@ -11,10 +11,11 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import health as health_codec
 from megascore_client.batching import Part, ScoreOptions, decode_part, merge
-from megascore_client.client import _UNRESOLVED, LOAD_WEIGHTS_TIMEOUT_S, ClientBase
+from megascore_client.client import _UNRESOLVED, LOAD_WEIGHTS_TIMEOUT_S, ClientBase, closed_error
 from megascore_client.errors import ScoringError
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.stream import AsyncScoreStream
+from megascore_client.waiting import time_left
 
 
 class AsyncScoringClient(ClientBase):
@@ -35,6 +36,7 @@ class AsyncScoringClient(ClientBase):
         self._stub = pb_grpc.ScorerStub(self._channel)
         self._health = health_codec.check_callable(self._channel)
         self._limit_lock = asyncio.Lock()
+        self._closed = asyncio.Event()  # set by close(); wakes requests waiting
 
     async def __aenter__(self) -> AsyncScoringClient:
         return self
@@ -43,14 +45,34 @@ class AsyncScoringClient(ClientBase):
         await self.close()
 
     async def close(self, grace: float | None = None) -> None:
-        """Closes the channel (calls in flight are cancelled after ``grace`` seconds)."""
+        """Closes the channel (calls in flight are cancelled after ``grace`` seconds;
+        later calls and requests waiting for the server raise CANCELLED)."""
+        self._closed.set()
         await self._channel.close(grace)
 
-    async def _call(self, method, request, timeout):
-        try:
-            return await method(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise ScoringError.from_rpc_error(exc) from None
+    async def _call(self, method, request, timeout, *, wait: bool = False):
+        """One unary call; with ``wait``, re-sent on UNAVAILABLE per ``wait_for_server_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        schedule = None
+        while True:
+            if self._closed.is_set():  # grpc.aio raises a bare UsageError on a closed channel
+                raise closed_error()
+            try:
+                return await method(request, timeout=time_left(deadline), metadata=self._metadata)
+            except grpc.RpcError as exc:
+                error = ScoringError.from_rpc_error(exc)
+            schedule = self._server_wait(error, wait, deadline, schedule)
+            delay = schedule.next_delay()
+            if delay is None:
+                raise schedule.gave_up(error)
+            closed = loop.create_task(self._closed.wait())
+            try:
+                await asyncio.wait([closed], timeout=delay)
+            finally:
+                closed.cancel()
+            if self._closed.is_set():
+                raise closed_error()
 
     async def request_token_limit(self) -> int | None:
         """The per-request token limit used for splitting (resolves "auto" once)."""
@@ -97,7 +119,7 @@ class AsyncScoringClient(ClientBase):
 
         async def one(part: Part) -> ScoreResult:
             async with semaphore:
-                response = await self._call(self._stub.Score, part.request, timeout)
+                response = await self._call(self._stub.Score, part.request, timeout, wait=True)
             return decode_part(response, part)
 
         if len(parts) == 1:
@@ -118,16 +140,17 @@ class AsyncScoringClient(ClientBase):
         return AsyncScoreStream(self, timeout=timeout)
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        """Describes the served model and its limits."""
+        """Describes the served model and its limits (waits like ``score``)."""
         msg = await self._call(
-            self._stub.GetModelInfo, pb.GetModelInfoRequest(), self._deadline(timeout)
+            self._stub.GetModelInfo, pb.GetModelInfoRequest(), self._deadline(timeout), wait=True
         )
         return ModelInfo.from_proto(msg)
 
     async def load_weights(
         self, model: str, weights_version: str = "", *, timeout: float | None = None
     ) -> LoadWeightsResult:
-        """Asks the server to load new weights (see ``ScoringClient.load_weights``)."""
+        """Asks the server to load new weights (see ``ScoringClient.load_weights``; never
+        re-sent by ``wait_for_server_s``)."""
         request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
         msg = await self._call(
             self._stub.LoadWeights, request, LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout
@@ -136,6 +159,8 @@ class AsyncScoringClient(ClientBase):
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """Runs the ``grpc.health.v1`` check (see ``ScoringClient.health``)."""
+        if self._closed.is_set():
+            raise closed_error()
         try:
             data = await self._health(
                 health_codec.encode_request(service),

@@ -5,11 +5,17 @@ policy and the load-balancing policy) is computed once into :class:`ChannelSetti
 the clients only differ in which ``grpc`` module opens the channel.
 
 Retries are gRPC's own (``grpc.enable_retries`` + a ``retryPolicy`` in the
-``grpc.service_config`` JSON): only UNAVAILABLE is retried, with exponential backoff
-(gRPC draws each delay uniformly from ``[0, current backoff]``). gRPC caps
-``maxAttempts`` at 5. Requests up to ``max_message_bytes`` stay retryable because the
-per-call retry buffer is raised to that size (its 256 KiB default would silently
-commit larger calls to their first attempt).
+``grpc.service_config`` JSON): only UNAVAILABLE is retried, with exponential backoff.
+Each delay is the current backoff +-20 % (gRPC core's retry code jitters its backoff by
+0.2, ``RetryFilter::BackoffJitter()``; the ``[0, backoff]`` draw of the retry design
+doc, gRFC A6, is not what grpcio 1.85 does): the backoff starts at
+``initial_backoff_s`` and is multiplied after each retry up to ``max_backoff_s``, so
+the default policy spends 0.2 + 0.4 + 0.8 + 1.6 = 3.0 s (2.4-3.6 s) between its 5
+attempts. gRPC caps ``maxAttempts`` at 5; riding out a longer outage (a server
+restart) is the clients' ``wait_for_server_s`` (:mod:`megascore_client.waiting`).
+Requests up to ``max_message_bytes`` stay retryable because the per-call retry buffer
+is raised to that size (its 256 KiB default would silently commit larger calls to
+their first attempt).
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ class TlsConfig:
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
     """gRPC retry policy applied to UNAVAILABLE only.
+
+    The n-th retry waits ``min(initial_backoff_s * backoff_multiplier**(n-1),
+    max_backoff_s)`` +-20 % (gRPC's jitter).
 
     Attributes:
         max_attempts: total attempts including the first, 2..5 (gRPC's cap).

@@ -24,9 +24,16 @@ from megascore_client.errors import ScoringError
 from megascore_client.inputs import make_batch
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.stream import ScoreStream
+from megascore_client.waiting import ServerWait, check_wait, time_left
 
 _UNRESOLVED = object()
 LOAD_WEIGHTS_TIMEOUT_S = 600.0
+
+
+def closed_error() -> ScoringError:
+    """Raised by a call on a closed client, and by a request waiting for the server
+    when the client is closed."""
+    return ScoringError(grpc.StatusCode.CANCELLED, "the client is closed")
 
 
 class ClientBase:
@@ -40,7 +47,7 @@ class ClientBase:
             :class:`TlsConfig` (custom CA, mutual TLS, server-name override).
         token: bearer token sent as ``authorization: Bearer <token>`` metadata.
         timeout: default deadline in seconds of each RPC (None = no deadline).
-            Retries happen within the deadline.
+            Retries, and the re-sends of ``wait_for_server_s``, happen within it.
         max_message_bytes: send and receive limit of the channel; larger batches are
             split into several requests.
         retries: retry policy for UNAVAILABLE only: a :class:`RetryPolicy`, True
@@ -57,6 +64,16 @@ class ClientBase:
             None (no token limit), or "auto" (ask the server once through
             GetModelInfo, on the first ``score``).
         max_concurrency: parts of one split batch in flight at once.
+        wait_for_server_s: how long to ride out a server that is down or restarting
+            (0 = off: UNAVAILABLE is raised after gRPC's own retries). When > 0, a
+            Score request (each part of a split batch) or a GetModelInfo that still
+            ends in UNAVAILABLE is re-sent, with a backoff of 0.5 s doubling up to
+            5 s (+-20 % jitter), until the server answers or this many seconds have
+            passed since its first UNAVAILABLE; then that ScoringError (UNAVAILABLE,
+            details saying how long it waited) is raised. Other codes are raised at
+            once. The re-sends stay inside the request's ``timeout``, which must
+            exceed ``wait_for_server_s`` (or be None). ``load_weights``,
+            ``health`` and streams are never re-sent (see ``docs/client.md``).
     """
 
     def __init__(
@@ -72,6 +89,7 @@ class ClientBase:
         keepalive_time_s: float | None = 300.0,
         max_request_tokens: int | str | None = "auto",
         max_concurrency: int = 4,
+        wait_for_server_s: float = 0.0,
     ):
         if max_request_tokens != "auto" and not (
             max_request_tokens is None or int(max_request_tokens) > 0
@@ -89,6 +107,7 @@ class ClientBase:
             keepalive_time_s=keepalive_time_s,
         )
         self.timeout = timeout
+        self.wait_for_server_s = check_wait(wait_for_server_s, timeout)
         self.max_concurrency = max_concurrency
         self._token_limit = _UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
         self._metadata = self.settings.metadata()
@@ -99,6 +118,13 @@ class ClientBase:
 
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+    def _server_wait(self, error: ScoringError, wait: bool, deadline, schedule):
+        """The re-send schedule to follow after ``error``; raises ``error`` when it
+        is not to be re-sent (``wait`` False, option off, or not UNAVAILABLE)."""
+        if not (wait and self.wait_for_server_s > 0 and error.retryable):
+            raise error
+        return schedule or ServerWait(self.wait_for_server_s, deadline)
 
     def _plan(
         self, sequences, loss_mask, lengths, options: ScoreOptions, request_id, limit
@@ -140,6 +166,8 @@ class ScoringClient(ClientBase):
         self._stub = pb_grpc.ScorerStub(self._channel)
         self._health = health_codec.check_callable(self._channel)
         self._lock = threading.Lock()
+        self._closed = threading.Event()  # set by close(); wakes requests waiting
+        self._start_lock = threading.Lock()  # no call starts once close() has begun
 
     def __enter__(self) -> ScoringClient:
         return self
@@ -148,14 +176,46 @@ class ScoringClient(ClientBase):
         self.close()
 
     def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
+        """Closes the channel; calls in flight are cancelled (CANCELLED), later calls
+        and requests waiting for the server raise CANCELLED."""
+        with self._start_lock:
+            self._closed.set()
         self._channel.close()
 
-    def _call(self, method, request, timeout):
-        try:
-            return method(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise ScoringError.from_rpc_error(exc) from None
+    def _start(self, method, request, deadline: float | None):
+        """Starts a unary call and returns its future, unless the client is closed
+        (grpcio 1.85 crashes the process on a call through a closed sync channel)."""
+        with self._start_lock:
+            if self._closed.is_set():
+                raise closed_error()
+            return method.future(request, timeout=time_left(deadline), metadata=self._metadata)
+
+    def _call(self, method, request, timeout, *, wait: bool = False):
+        """One unary call; with ``wait``, re-sent on UNAVAILABLE per ``wait_for_server_s``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._unary(method, request, deadline, wait=wait)
+
+    def _unary(self, method, request, deadline, *, wait: bool, error: ScoringError | None = None):
+        """Sends ``request`` (unless ``error`` is the answer of an attempt already
+        made) and re-sends it while the wait schedule allows."""
+        schedule = None
+        while True:
+            if error is None:
+                future = self._start(method, request, deadline)
+                try:
+                    return future.result()
+                except grpc.RpcError as exc:
+                    error = ScoringError.from_rpc_error(exc)
+                except BaseException:  # e.g. KeyboardInterrupt: do not leave the call running
+                    future.cancel()
+                    raise
+            schedule = self._server_wait(error, wait, deadline, schedule)
+            delay = schedule.next_delay()
+            if delay is None:
+                raise schedule.gave_up(error)
+            if self._closed.wait(delay):
+                raise closed_error()
+            error = None
 
     def request_token_limit(self) -> int | None:
         """The per-request token limit used for splitting (resolves "auto" once)."""
@@ -222,30 +282,36 @@ class ScoringClient(ClientBase):
 
     def _send(self, parts: list[Part], timeout: float | None) -> list[ScoreResult]:
         if len(parts) == 1:
-            return [decode_part(self._call(self._stub.Score, parts[0].request, timeout), parts[0])]
+            response = self._call(self._stub.Score, parts[0].request, timeout, wait=True)
+            return [decode_part(response, parts[0])]
         results: list[ScoreResult | None] = [None] * len(parts)
         inflight: collections.deque = collections.deque()
 
         def collect():
-            index, future = inflight.popleft()
+            index, future, deadline = inflight.popleft()
             try:
                 response = future.result()
             except grpc.RpcError as exc:
-                raise ScoringError.from_rpc_error(exc) from None
+                response = ScoringError.from_rpc_error(exc)
+            if isinstance(response, ScoringError):
+                # UNAVAILABLE + wait_for_server_s: re-sent here, the others stay in flight
+                response = self._unary(
+                    self._stub.Score, parts[index].request, deadline, wait=True, error=response
+                )
             results[index] = decode_part(response, parts[index])
 
         try:
             for index, part in enumerate(parts):
                 if len(inflight) >= self.max_concurrency:
                     collect()
-                future = self._stub.Score.future(
-                    part.request, timeout=timeout, metadata=self._metadata
+                deadline = None if timeout is None else time.monotonic() + timeout
+                inflight.append(
+                    (index, self._start(self._stub.Score, part.request, deadline), deadline)
                 )
-                inflight.append((index, future))
             while inflight:
                 collect()
         finally:
-            for _, future in inflight:
+            for _, future, _ in inflight:
                 future.cancel()
         return results
 
@@ -258,8 +324,10 @@ class ScoringClient(ClientBase):
         return ScoreStream(self, timeout=timeout)
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        """Describes the served model and its limits."""
-        msg = self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), self._deadline(timeout))
+        """Describes the served model and its limits (waits like ``score``)."""
+        msg = self._call(
+            self._stub.GetModelInfo, pb.GetModelInfoRequest(), self._deadline(timeout), wait=True
+        )
         return ModelInfo.from_proto(msg)
 
     def load_weights(
@@ -271,6 +339,11 @@ class ScoringClient(ClientBase):
             model: checkpoint to load.
             weights_version: optional label (the server derives one when empty).
             timeout: deadline in seconds (default: 600).
+
+        Never re-sent by ``wait_for_server_s``: a reload is heavy and changes the
+        server's state (an UNAVAILABLE may come after it started), and a restarted
+        server serves the weights it was started with, not the last ones loaded; after
+        an UNAVAILABLE the caller decides (``wait_until_serving``, then load again).
         """
         request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
         msg = self._call(
@@ -287,12 +360,11 @@ class ScoringClient(ClientBase):
         Raises:
             ScoringError: the server cannot be reached (UNAVAILABLE) or similar.
         """
+        timeout = self._deadline(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        future = self._start(self._health, health_codec.encode_request(service), deadline)
         try:
-            data = self._health(
-                health_codec.encode_request(service),
-                timeout=self._deadline(timeout),
-                metadata=self._metadata,
-            )
+            data = future.result()
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 return health_codec.not_found_status()

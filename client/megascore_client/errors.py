@@ -45,7 +45,8 @@ class ScoringError(Exception):
 
     @property
     def retryable(self) -> bool:
-        """True for UNAVAILABLE: the only code the SDK's retry policy retries."""
+        """True for UNAVAILABLE: the only code the SDK retries (gRPC's retry policy,
+        then the re-sends of ``wait_for_server_s``)."""
         return self.code is grpc.StatusCode.UNAVAILABLE
 
     def __reduce__(self):

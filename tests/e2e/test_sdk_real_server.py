@@ -8,10 +8,12 @@ ephemeral range with a 64 KiB gRPC message limit (``--max-message-bytes``):
   ``ScoringClient.score`` / ``AsyncScoringClient.score`` into several requests that
   each fit it (the server itself rejects a larger one), reassembled in order, bit for
   bit equal to scoring each sequence alone on the same server;
-* a job of score calls (sync and asyncio clients) survives a SIGTERM of its server
-  and a new server started on the same port, with results equal to an uninterrupted
-  run; while the port is closed, calls with no retries or a short retry budget fail
-  with UNAVAILABLE.
+* a job of score calls (sync and asyncio clients with ``wait_for_server_s``) survives
+  a SIGTERM of its server and a new server started on the same port (connection
+  refused, then UNAVAILABLE "model loading" for the new server's start-up), with
+  results equal to an uninterrupted run; while the port is closed, calls without the
+  option (gRPC's retries only: none, a short policy, the default one) fail with
+  UNAVAILABLE, and a short ``wait_for_server_s`` gives up with UNAVAILABLE after it.
 
 The server is shared by the module (the restart test replaces it with the new one).
 """
@@ -243,9 +245,9 @@ def job_batches() -> list[list[list[int]]]:
     ]
 
 
-def run_sync_job(job: Job, target, policy, timeout, batches, released: threading.Event):
+def run_sync_job(job: Job, target, wait_s, timeout, batches, released: threading.Event):
     try:
-        with ScoringClient(target, retries=policy, timeout=timeout) as client:
+        with ScoringClient(target, wait_for_server_s=wait_s, timeout=timeout) as client:
             for i, batch in enumerate(batches):
                 if i == PAUSE_AT:
                     job.paused.set()
@@ -261,9 +263,9 @@ def run_sync_job(job: Job, target, policy, timeout, batches, released: threading
         job.issued.set()
 
 
-def run_async_job(job: Job, target, policy, timeout, batches, released: threading.Event):
+def run_async_job(job: Job, target, wait_s, timeout, batches, released: threading.Event):
     async def run():
-        async with AsyncScoringClient(target, retries=policy, timeout=timeout) as client:
+        async with AsyncScoringClient(target, wait_for_server_s=wait_s, timeout=timeout) as client:
             for i, batch in enumerate(batches):
                 if i == PAUSE_AT:
                     job.paused.set()
@@ -282,23 +284,15 @@ def run_async_job(job: Job, target, policy, timeout, batches, released: threadin
         job.issued.set()
 
 
-def restart_policy(start_s: float) -> tuple[RetryPolicy, float]:
-    """A retry policy whose budget covers a restart, and a call deadline that covers it.
+def restart_wait(start_s: float) -> tuple[float, float]:
+    """``wait_for_server_s`` covering a restart, and a request timeout above it.
 
-    gRPC's retry delays are the backoff +-20 % (grpcio 1.85). A constant backoff D
-    (multiplier 1) gives 4 retries spanning at least 3.2 D >= max(25 s, 4x the start-up
-    time of the first server: the new one may start slower on a busy host), and wastes
-    at most one delay once the new server answers (an exponential backoff with the same
-    minimum budget would wait up to twice as long).
+    The wait is max(60 s, 4x the start-up time of the first server: the new one may
+    start slower on a busy host); the timeout adds the longest scoring time to it (the
+    re-sends happen inside each request's deadline).
     """
-    backoff = max(8.0, 1.25 * start_s)
-    policy = RetryPolicy(
-        max_attempts=5,
-        initial_backoff_s=backoff,
-        max_backoff_s=backoff,
-        backoff_multiplier=1.0,
-    )
-    return policy, 6 * backoff + 60
+    wait_s = max(60.0, 4 * start_s)
+    return wait_s, wait_s + RPC_TIMEOUT_S
 
 
 @pytest.mark.timeout(900)
@@ -306,12 +300,12 @@ def test_job_survives_a_server_restart_on_the_same_port(fixed, server):
     batches = job_batches()
     with ScoringClient(server.target, timeout=RPC_TIMEOUT_S, retries=None) as client:
         reference = [client.score(b, top_k=2, losses=LOSSES) for b in batches]
-    policy, timeout = restart_policy(fixed.start_s)
+    wait_s, timeout = restart_wait(fixed.start_s)
     released = threading.Event()
     jobs = [Job("sync"), Job("async")]
     threads = [
         threading.Thread(
-            target=runner, args=(job, fixed.target, policy, timeout, batches, released)
+            target=runner, args=(job, fixed.target, wait_s, timeout, batches, released)
         )
         for runner, job in zip((run_sync_job, run_async_job), jobs, strict=True)
     ]
@@ -323,19 +317,30 @@ def test_job_survives_a_server_restart_on_the_same_port(fixed, server):
         assert server.terminate(timeout=60) == 0, server.output()  # SIGTERM to its pid
         assert not server.leftovers(), "old server left processes"
 
-        # The port is closed: no retries, or a retry budget shorter than the outage,
-        # end in UNAVAILABLE.
+        # The port is closed. Without wait_for_server_s, gRPC's retries (none, a short
+        # policy, the default 5 attempts: 2.4-3.6 s of backoff) end in UNAVAILABLE;
+        # a wait shorter than the outage ends in UNAVAILABLE saying how long it waited.
         short = RetryPolicy(max_attempts=3, initial_backoff_s=0.2, max_backoff_s=0.4)
-        for retries, least_s in ((None, 0.0), (short, 0.8 * (0.2 + 0.4))):
+        for retries, wait, least_s in (
+            (None, 0.0, 0.0),
+            (short, 0.0, 0.8 * (0.2 + 0.4)),
+            (True, 0.0, 0.8 * (0.2 + 0.4 + 0.8 + 1.6)),
+            (None, 1.5, 1.5),
+        ):
             with ScoringClient(
-                fixed.target, retries=retries, timeout=30, max_request_tokens=None
+                fixed.target,
+                retries=retries,
+                wait_for_server_s=wait,
+                timeout=30,
+                max_request_tokens=None,
             ) as down:
                 begin = time.monotonic()
                 with pytest.raises(ScoringError) as info:
                     down.score(batches[0])
                 elapsed = time.monotonic() - begin
             assert info.value.code is grpc.StatusCode.UNAVAILABLE, info.value
-            assert info.value.retryable and least_s <= elapsed < 10, elapsed
+            assert info.value.retryable and least_s <= elapsed < 10, (retries, wait, elapsed)
+            assert ("[waited " in info.value.details) == (wait > 0), info.value.details
 
         released.set()  # both jobs issue their next call while nothing listens
         for job in jobs:
@@ -362,7 +367,7 @@ def test_job_survives_a_server_restart_on_the_same_port(fixed, server):
     assert score_ok(scrape(new)) == len(jobs) * (len(batches) - PAUSE_AT)
     print(
         f"restart: first start-up {fixed.start_s:.1f} s, new server SERVING after "
-        f"{serving_at - restarted_at:.1f} s, retry backoff {policy.initial_backoff_s:.1f} s; "
+        f"{serving_at - restarted_at:.1f} s, wait_for_server_s {wait_s:.0f} s; "
         f"straddling calls took "
         + ", ".join(f"{j.name} {j.spans[PAUSE_AT][1] - j.spans[PAUSE_AT][0]:.1f} s" for j in jobs)
     )
