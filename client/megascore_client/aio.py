@@ -75,7 +75,8 @@ class AsyncScoringClient(ClientBase):
                 raise closed_error()
 
     async def request_token_limit(self) -> int | None:
-        """The per-request token limit used for splitting (resolves "auto" once)."""
+        """The per-request token limit used for splitting (resolves "auto" once, which
+        also learns the server's message size limit, see :attr:`message_limit`)."""
         async with self._limit_lock:
             if self._token_limit is _UNRESOLVED:
                 try:

@@ -1,8 +1,10 @@
 """Request planning: options, splitting under the message limit, decoding and merging.
 
 A call's batch is cut, in order, into consecutive runs of sequences whose request
-*and* response both fit the channel's message limit (and, when known, the server's
-``max_request_tokens``). Sizes are estimated per token and per sequence from the
+*and* response both fit the message limit (the channel's, or the server's
+``ModelInfo.max_message_bytes`` when known and smaller; the server uses one limit
+for what it receives and sends) and, when known, the server's
+``max_request_tokens``. Sizes are estimated per token and per sequence from the
 options: request ``itemsize(ids) + 1 (mask)`` bytes per token; response ``4
 (logprob) + 12 * top_k`` bytes per token and ``16 + 8 * len(losses)`` per sequence;
 a fixed reserve covers headers, strings and metric maps.
@@ -99,7 +101,8 @@ def plan(
     Args:
         batch: the call's batch.
         options: the call's options (they set the response size).
-        max_message_bytes: the channel's send/receive limit.
+        max_message_bytes: the message size limit, both directions (the smaller of
+            the client's and the server's).
         max_request_tokens: the server's per-request token limit (None = none).
 
     Returns:
@@ -109,7 +112,8 @@ def plan(
         InvalidInputError: one sequence alone exceeds a limit.
     """
     lengths = batch.lengths
-    budget = int(max_message_bytes * _SAFETY) - _RESERVE_BYTES
+    # The reserve shrinks under 32 KiB so that a server's small limit stays usable.
+    budget = int(max_message_bytes * _SAFETY) - min(_RESERVE_BYTES, max_message_bytes // 4)
     req_tok = batch.token_ids.itemsize + (1 if batch.loss_mask is not None else 0)
     resp_tok = (4 if options.return_logprobs else 0) + 12 * options.top_k
     resp_seq = 16 + 8 * len(options.losses)

@@ -11,7 +11,9 @@ Subcommands::
 Connection flags (all but ``serve``): ``--target`` (default ``$MEGASCORE_TARGET`` or
 127.0.0.1:50051), ``--token`` (default ``$MEGASCORE_TOKEN``), ``--tls``,
 ``--root-ca``, ``--client-cert``, ``--client-key``, ``--server-name``, ``--timeout``,
-``--load-balancing``.
+``--load-balancing``. ``megascore score --wait-for-server S`` rides out a server that is
+down or restarting for up to S seconds (the client's ``wait_for_server_s``); the
+per-request ``--timeout`` must then exceed S, and defaults to 60 + S.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from megascore_client.client import ScoringClient
 from megascore_client.errors import ScoringError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TIMEOUT_S = 60.0
 
 
 def _add_connection_args(parser: argparse.ArgumentParser) -> None:
@@ -47,14 +50,43 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--client-cert", help="PEM client certificate (mutual TLS)")
     group.add_argument("--client-key", help="PEM client key (mutual TLS)")
     group.add_argument("--server-name", help="expected server certificate name")
-    group.add_argument("--timeout", type=float, default=60.0, help="per-request deadline (s)")
+    group.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help=f"per-request deadline (s); default {DEFAULT_TIMEOUT_S:g} (score: + wait-for-server)",
+    )
     group.add_argument(
         "--load-balancing", choices=("pick_first", "round_robin"), help="gRPC LB policy"
     )
 
 
+def _wait_for_server(args: argparse.Namespace) -> float:
+    return getattr(args, "wait_for_server", 0.0)
+
+
+def _timeout(args: argparse.Namespace) -> float:
+    """``--timeout``, or its default: 60 s plus ``--wait-for-server`` (the re-sends of
+    a request waiting for the server happen inside its deadline)."""
+    if args.timeout is not None:
+        return args.timeout
+    return DEFAULT_TIMEOUT_S + _wait_for_server(args)
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Cross-flag checks argparse cannot do; exits with a usage error (2)."""
+    wait = _wait_for_server(args)
+    if wait > 0 and args.timeout is not None and args.timeout <= wait:
+        parser.error(
+            f"--timeout ({args.timeout:g} s) must exceed --wait-for-server ({wait:g} s): "
+            "the re-sends happen inside each request's deadline; leave --timeout out "
+            f"(default {DEFAULT_TIMEOUT_S:g} + {wait:g} s) or raise it"
+        )
+
+
 def make_client(args: argparse.Namespace) -> ScoringClient:
-    """Builds a :class:`ScoringClient` from the connection flags."""
+    """Builds a :class:`ScoringClient` from the connection flags (and ``score``'s
+    ``--wait-for-server``)."""
     tls_files = (args.root_ca, args.client_cert, args.client_key, args.server_name)
     tls = None
     if args.tls or any(tls_files):
@@ -68,8 +100,9 @@ def make_client(args: argparse.Namespace) -> ScoringClient:
         args.target,
         tls=tls,
         token=args.token,
-        timeout=args.timeout,
+        timeout=_timeout(args),
         load_balancing=args.load_balancing,
+        wait_for_server_s=_wait_for_server(args),
     )
 
 
@@ -143,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in ("score", "info", "health", "load-weights"):
         _add_connection_args(sub.choices[name])
+        sub.choices[name].set_defaults(subparser=sub.choices[name])
     return parser
 
 
@@ -166,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "serve":
         return serve(argv[1:])
     args = build_parser().parse_args(argv)
+    _check_args(args.subparser, args)
     try:
         with make_client(args) as client:
             return args.func(args, client)

@@ -49,7 +49,9 @@ class ClientBase:
         timeout: default deadline in seconds of each RPC (None = no deadline).
             Retries, and the re-sends of ``wait_for_server_s``, happen within it.
         max_message_bytes: send and receive limit of the channel; larger batches are
-            split into several requests.
+            split into several requests. With ``max_request_tokens="auto"``, the
+            server's own limit (``ModelInfo.max_message_bytes``) is looked up too, and
+            batches are split under the smaller of the two.
         retries: retry policy for UNAVAILABLE only: a :class:`RetryPolicy`, True
             (default policy: 5 attempts, backoff 0.2 s x2 up to 5 s), an int number
             of retries (0-4), or None to disable.
@@ -62,7 +64,8 @@ class ClientBase:
             (``grpc.http2.min_recv_ping_interval_without_data_ms``).
         max_request_tokens: tokens per request before a batch is split: an int,
             None (no token limit), or "auto" (ask the server once through
-            GetModelInfo, on the first ``score``).
+            GetModelInfo, on the first ``score``, for its token limit and its message
+            size limit).
         max_concurrency: parts of one split batch in flight at once.
         wait_for_server_s: how long to ride out a server that is down or restarting
             (0 = off: UNAVAILABLE is raised after gRPC's own retries). When > 0, a
@@ -110,6 +113,7 @@ class ClientBase:
         self.wait_for_server_s = check_wait(wait_for_server_s, timeout)
         self.max_concurrency = max_concurrency
         self._token_limit = _UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
+        self._server_message_bytes = 0  # ModelInfo.max_message_bytes, with "auto" (0 = unknown)
         self._metadata = self.settings.metadata()
 
     @property
@@ -118,6 +122,15 @@ class ClientBase:
 
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+    @property
+    def message_limit(self) -> int:
+        """The message size batches are split under: ``max_message_bytes``, or the
+        server's smaller limit once known (``ModelInfo.max_message_bytes``, looked up
+        with ``max_request_tokens="auto"`` on the first ``score``)."""
+        own = self.settings.max_message_bytes
+        server = self._server_message_bytes
+        return min(own, server) if server > 0 else own
 
     def _server_wait(self, error: ScoringError, wait: bool, deadline, schedule):
         """The re-send schedule to follow after ``error``; raises ``error`` when it
@@ -135,17 +148,19 @@ class ClientBase:
             batch,
             options,
             rid,
-            max_message_bytes=self.settings.max_message_bytes,
+            max_message_bytes=self.message_limit,
             max_request_tokens=limit,
         )
         return parts, rid
 
-    @staticmethod
-    def _limit_from_info(info_or_error) -> int | None:
+    def _limit_from_info(self, info_or_error) -> int | None:
+        """The token limit of the "auto" lookup; also records the server's message
+        size limit (0 = not reported: the client's own limit applies)."""
         if isinstance(info_or_error, ScoringError):
             if info_or_error.code is grpc.StatusCode.UNIMPLEMENTED:
                 return None
             raise info_or_error
+        self._server_message_bytes = max(int(info_or_error.max_message_bytes), 0)
         return info_or_error.max_request_tokens or None
 
 
@@ -218,7 +233,8 @@ class ScoringClient(ClientBase):
             error = None
 
     def request_token_limit(self) -> int | None:
-        """The per-request token limit used for splitting (resolves "auto" once)."""
+        """The per-request token limit used for splitting (resolves "auto" once, which
+        also learns the server's message size limit, see :attr:`message_limit`)."""
         with self._lock:
             if self._token_limit is _UNRESOLVED:
                 try:

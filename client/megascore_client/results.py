@@ -123,6 +123,7 @@ class ModelInfo:
     moe_metric_names: tuple[str, ...]
     mtp_metric_names: tuple[str, ...]
     max_tokens_per_batch: int
+    max_message_bytes: int
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
@@ -151,6 +152,7 @@ class ModelInfo:
             moe_metric_names=tuple(msg.moe_metric_names),
             mtp_metric_names=tuple(msg.mtp_metric_names),
             max_tokens_per_batch=msg.max_tokens_per_batch,
+            max_message_bytes=msg.max_message_bytes,
         )
 
     def to_dict(self) -> dict:

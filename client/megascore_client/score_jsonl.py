@@ -37,6 +37,17 @@ import numpy as np
 from megascore_client.errors import InvalidInputError
 
 
+def _seconds(text: str) -> float:
+    """argparse type of ``--wait-for-server``: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the ``score`` subcommand's own arguments."""
     parser.add_argument("input", type=Path, help="input JSONL file")
@@ -56,6 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-logprobs", dest="logprobs", action="store_false", help="omit per-token logprobs"
     )
     parser.add_argument("--limit", type=int, default=None, help="score at most N new rows")
+    parser.add_argument(
+        "--wait-for-server",
+        type=_seconds,
+        default=0.0,
+        metavar="S",
+        help="ride out a server that is down or restarting for up to S seconds: a request "
+        "still UNAVAILABLE after gRPC's retries is re-sent until the server answers "
+        "(the client's wait_for_server_s; --timeout must exceed S, default 60 + S)",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 
 

@@ -62,6 +62,7 @@ def build_server(
     servicer = ScorerServicer(
         health_servicer,
         max_tokens_per_batch=config.max_tokens_per_batch,
+        max_message_bytes=config.max_message_bytes,
         max_stream_inflight=config.max_stream_inflight,
         metrics=metrics,
     )

@@ -178,6 +178,7 @@ def model_info_to_proto(
     max_sequence_length: int,
     max_request_tokens: int,
     max_tokens_per_batch: int,
+    max_message_bytes: int,
     weights_version: str,
 ) -> pb.ModelInfo:
     """Converts the engine's :class:`ModelInfo` plus the server's limits to the wire message."""
@@ -206,4 +207,5 @@ def model_info_to_proto(
         moe_metric_names=list(info.moe_metric_names),
         mtp_metric_names=list(info.mtp_metric_names),
         max_tokens_per_batch=max_tokens_per_batch,
+        max_message_bytes=max_message_bytes,
     )

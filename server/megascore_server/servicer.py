@@ -59,6 +59,8 @@ class ScorerServicer(pb_grpc.ScorerServicer):
     Args:
         health: health servicer; requests are refused while it is not SERVING.
         max_tokens_per_batch: step budget, reported in ``ModelInfo``.
+        max_message_bytes: the gRPC server's message size limit (both directions),
+            reported in ``ModelInfo`` so that clients split batches under it.
         max_stream_inflight: ScoreStream messages submitted ahead of their responses.
         metrics: optional Prometheus metrics.
     """
@@ -68,11 +70,13 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         health: ScorerHealth,
         *,
         max_tokens_per_batch: int,
+        max_message_bytes: int,
         max_stream_inflight: int = 32,
         metrics: ServerMetrics | None = None,
     ):
         self._health = health
         self._max_tokens_per_batch = max_tokens_per_batch
+        self._max_message_bytes = max_message_bytes
         self._max_stream_inflight = max_stream_inflight
         self._metrics = metrics
         self._batcher: DynamicBatcher | None = None
@@ -322,6 +326,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
             max_sequence_length=self._limits.max_sequence_length,
             max_request_tokens=self._limits.max_request_tokens,
             max_tokens_per_batch=self._max_tokens_per_batch,
+            max_message_bytes=self._max_message_bytes,
             weights_version=batcher.weights_version,
         )
 

@@ -67,9 +67,12 @@ def ref_mtp(ids) -> dict[str, float]:
 class FakeScorer(pb_grpc.ScorerServicer):
     """Deterministic Scorer with call recording and failure injection."""
 
-    def __init__(self, *, token: str | None = None, max_request_tokens: int = 0):
+    def __init__(
+        self, *, token: str | None = None, max_request_tokens: int = 0, max_message_bytes: int = 0
+    ):
         self.token = token
         self.max_request_tokens = max_request_tokens
+        self.max_message_bytes = max_message_bytes  # advertised in ModelInfo (0 = not sent)
         self.lock = threading.Lock()
         self.calls: collections.Counter = collections.Counter()
         self.requests: list[dict] = []
@@ -202,6 +205,7 @@ class FakeScorer(pb_grpc.ScorerServicer):
             moe_metric_names=["load_balancing_loss", "z_loss"],
             mtp_metric_names=["mtp_1_loss", "mtp_1_acceptance_rate"],
             max_tokens_per_batch=4096,
+            max_message_bytes=self.max_message_bytes,
         )
 
     def LoadWeights(self, request, context):

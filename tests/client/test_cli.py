@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import types
 
+import grpc
 import numpy as np
 import pytest
 
+from megascore_client import RetryPolicy, ScoringClient, cli, waiting
 from megascore_client.cli import main
 from tests.client.fake_server import VOCAB, FakeScorer, FakeServer, ref_logprobs, ref_nll
 
@@ -219,3 +222,56 @@ def test_serve_dispatch(monkeypatch, capsys):
     assert main(["serve"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'megascore[server]'" in err and "megascore_server.main" in err
+
+
+def test_score_waits_for_a_server_that_is_down(tmp_path, capsys, monkeypatch):
+    """``--wait-for-server``: started while its server is down, ``megascore score`` waits
+    (connection refused, then two "model loading" answers) and scores everything."""
+    monkeypatch.setattr(waiting, "INITIAL_BACKOFF_S", 0.02)
+    monkeypatch.setattr(waiting, "MAX_BACKOFF_S", 0.1)
+    made = []
+
+    def short_retries_client(target, **kwargs):  # gRPC's own retries: 3 x 0.05 s
+        made.append(kwargs)
+        policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.05, max_backoff_s=0.05)
+        return ScoringClient(target, retries=policy, **kwargs)
+
+    monkeypatch.setattr(cli, "ScoringClient", short_retries_client)
+    scorer = FakeScorer()
+    server = FakeServer(scorer).start()
+    server.stop()  # its port, closed
+    loading = (grpc.StatusCode.UNAVAILABLE, "server is starting: model loading")
+
+    def start():
+        scorer.fail_next += [loading] * 2
+        server.start()
+
+    src, out = _write_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    args = ["score", "--target", server.target, str(src), "-o", str(out), "--no-progress"]
+    starter = threading.Timer(1.0, start)
+    starter.start()
+    try:
+        assert main([*args, "--wait-for-server", "30"]) == 0
+        assert made[-1]["wait_for_server_s"] == 30 and made[-1]["timeout"] == 90  # 60 + wait
+        assert [r["id"] for r in _read_output(out)] == IDS
+        assert scorer.calls["GetModelInfo"] == 3  # two "model loading", then the answer
+        capsys.readouterr()
+        # Without the flag, UNAVAILABLE fails the run once gRPC's retries are spent.
+        out.unlink()
+        scorer.fail_next += [loading] * 3
+        assert main(args) == 1
+        assert made[-1]["wait_for_server_s"] == 0 and made[-1]["timeout"] == 60
+        assert "UNAVAILABLE" in capsys.readouterr().err
+        assert main([*args, "--wait-for-server", "5", "--timeout", "8"]) == 0
+        assert made[-1]["wait_for_server_s"] == 5 and made[-1]["timeout"] == 8
+    finally:
+        starter.join()
+        server.stop()
+    # The per-request deadline must leave room for the wait: a usage error otherwise.
+    for bad in (["--wait-for-server", "30", "--timeout", "30"], ["--wait-for-server", "-1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, *bad])
+        assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--timeout (30 s) must exceed --wait-for-server (30 s)" in err
+    assert "expected a number of seconds >= 0, got '-1'" in err

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 import pytest
 
-from megascore_client import InvalidInputError, ScoringClient, ScoringError
-from megascore_client.batching import ScoreOptions, plan
+from megascore_client import AsyncScoringClient, InvalidInputError, ScoringClient, ScoringError
+from megascore_client.batching import ScoreOptions, build_parts, plan
 from megascore_client.inputs import make_batch
 from tests.client.fake_server import (
     FakeScorer,
@@ -78,6 +80,46 @@ def test_auto_token_limit_from_model_info():
             with pytest.raises(ScoringError) as info:
                 c.score(seqs)
             assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_default_client_splits_under_the_message_limit_the_server_advertises():
+    """ModelInfo.max_message_bytes below the client's 256 MiB: a default client splits
+    under it, in both directions (here the requests fit, the top-k responses do not)."""
+    scorer = FakeScorer(max_message_bytes=LIMIT)
+    seqs = _batch(3, 60, 100, 180)
+    (whole,) = build_parts(make_batch(seqs), ScoreOptions(top_k=4), "w", max_message_bytes=1 << 30)
+    assert whole.request.ByteSize() < LIMIT < whole.num_tokens * 12 * 4  # responses bind
+
+    async def score_async(target):
+        async with AsyncScoringClient(target, timeout=30) as c:
+            return await c.score(seqs, top_k=4), c.message_limit
+
+    with FakeServer(scorer, max_message_bytes=LIMIT) as srv:
+        with ScoringClient(srv.target, timeout=30) as c:
+            assert c.message_limit == 256 * 1024 * 1024  # not known before the lookup
+            result = c.score(seqs, top_k=4, request_id="adv")
+            assert c.message_limit == LIMIT and c.model_info().max_message_bytes == LIMIT
+        sent = len(scorer.requests)
+        assert sent == result.timings.num_requests > 1
+        assert sorted(r["request_id"] for r in scorer.requests) == [f"adv/{i}" for i in range(sent)]
+        for i, seq in enumerate(seqs):
+            np.testing.assert_array_equal(result.logprobs[i], ref_logprobs(seq))
+            np.testing.assert_array_equal(result.top_k_ids[i], ref_top_k(seq, 4)[0])
+        async_result, async_limit = asyncio.run(score_async(srv.target))
+        assert async_limit == LIMIT and async_result.timings.num_requests == sent
+        np.testing.assert_array_equal(async_result.lengths, result.lengths)
+        # A client's own smaller limit still wins over the server's.
+        with ScoringClient(srv.target, timeout=30, max_message_bytes=LIMIT) as c:
+            c.score(seqs[:2])
+            assert c.message_limit == LIMIT
+        # Not advertised (0, an older server): the client's limit applies, and the
+        # unsplit batch's response is over the server's real limit.
+        scorer.max_message_bytes = 0
+        with ScoringClient(srv.target, timeout=30) as c:
+            with pytest.raises(ScoringError) as info:
+                c.score(seqs, top_k=4)
+            assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert c.message_limit == 256 * 1024 * 1024
 
 
 def test_sequence_over_the_limit_is_rejected_locally(small_server):

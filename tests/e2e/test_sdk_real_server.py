@@ -7,7 +7,8 @@ ephemeral range with a 64 KiB gRPC message limit (``--max-message-bytes``):
 * a batch whose single request (and response) would exceed that limit is split by
   ``ScoringClient.score`` / ``AsyncScoringClient.score`` into several requests that
   each fit it (the server itself rejects a larger one), reassembled in order, bit for
-  bit equal to scoring each sequence alone on the same server;
+  bit equal to scoring each sequence alone on the same server; a default client
+  (256 MiB) learns the server's limit from ``ModelInfo.max_message_bytes``;
 * a job of score calls (sync and asyncio clients with ``wait_for_server_s``) survives
   a SIGTERM of its server and a new server started on the same port (connection
   refused, then UNAVAILABLE "model loading" for the new server's start-up), with
@@ -30,6 +31,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import AsyncScoringClient, RetryPolicy, ScoringClient, ScoringError
 from megascore_client.batching import ScoreOptions, build_parts
 from megascore_client.inputs import make_batch
@@ -115,11 +117,15 @@ def alone(fixed, big_batch):
         ]
 
 
-def unsplit_request_bytes(seqs, masks, top_k: int) -> int:
+def unsplit_request(seqs, masks, top_k: int):
     batch = make_batch(seqs, loss_mask=masks)
     options = ScoreOptions(top_k=top_k, losses=LOSSES)
     (part,) = build_parts(batch, options, "whole", max_message_bytes=1 << 30)
-    return part.request.ByteSize()
+    return part.request
+
+
+def unsplit_request_bytes(seqs, masks, top_k: int) -> int:
+    return unsplit_request(seqs, masks, top_k).ByteSize()
 
 
 def expected_parts(seqs, masks, top_k: int, limit: int | None) -> int:
@@ -172,12 +178,13 @@ def assert_split_result(result, spy, seqs, alone, *, top_k: int, request_id: str
 @pytest.mark.timeout(600)
 def test_sync_client_splits_a_batch_over_the_real_message_limit(server, big_batch, alone):
     seqs, masks = big_batch
-    assert unsplit_request_bytes(seqs, masks, top_k=0) > LIMIT
-    # The limit is real: the same batch in one request is refused by the server.
-    with ScoringClient(server.target, timeout=RPC_TIMEOUT_S, retries=None) as whole:
-        with pytest.raises(ScoringError) as info:
-            whole.score(seqs, loss_mask=masks, losses=LOSSES, request_id="whole")
-    assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+    whole = unsplit_request(seqs, masks, top_k=0)
+    assert whole.ByteSize() > LIMIT
+    # The limit is real: the same batch in one request (a raw stub) is refused.
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.ScorerStub(channel).Score(whole, timeout=RPC_TIMEOUT_S)
+    assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
     with ScoringClient(
         server.target, timeout=RPC_TIMEOUT_S, retries=None, max_message_bytes=LIMIT
     ) as client:
@@ -218,6 +225,26 @@ def test_async_client_splits_a_batch_over_the_real_message_limit(server, big_bat
     assert parts > expected_parts(seqs, masks, 0, limit)
     assert served == parts
     assert_split_result(result, spy, seqs, alone, top_k=2, request_id="big-async", parts=parts)
+
+
+@pytest.mark.timeout(600)
+def test_default_client_splits_under_the_limit_the_server_advertises(server, big_batch, alone):
+    """No ``max_message_bytes`` given (256 MiB): the client splits under the server's
+    64 KiB, learnt from ModelInfo with its token limit, instead of RESOURCE_EXHAUSTED."""
+    seqs, masks = big_batch
+    with ScoringClient(server.target, timeout=RPC_TIMEOUT_S, retries=None) as client:
+        assert client.model_info().max_message_bytes == LIMIT
+        limit = client.request_token_limit()  # GetModelInfo before the first scrape
+        assert client.message_limit == LIMIT < client.settings.max_message_bytes
+        spy = client._stub.Score = SpyScore(client._stub.Score)
+        before = score_ok(scrape(server))
+        result = client.score(
+            seqs, loss_mask=masks, top_k=2, losses=LOSSES, request_id="big-default"
+        )
+        served = score_ok(scrape(server)) - before
+    parts = expected_parts(seqs, masks, 2, limit)
+    assert served == parts
+    assert_split_result(result, spy, seqs, alone, top_k=2, request_id="big-default", parts=parts)
 
 
 # ---------------------------------------------------------------------------- retries

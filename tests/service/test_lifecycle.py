@@ -165,6 +165,7 @@ def test_model_info(server):
     assert list(info.loss_names) == ["mean_nll", "nll"]
     assert info.max_tokens_per_batch == server.config.max_tokens_per_batch
     assert info.max_request_tokens == server.config.max_request_tokens
+    assert info.max_message_bytes == server.config.max_message_bytes > 0
     assert info.max_sequence_length == 512 and info.parallel.world_size == 1
     assert list(info.moe_metric_names) == ["load_balancing_loss", "z_loss"]
 

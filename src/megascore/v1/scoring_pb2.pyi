@@ -140,7 +140,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., tensor_model_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., expert_model_parallel_size: _Optional[int] = ..., pipeline_model_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch")
+    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch", "max_message_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class ModelInfo(_message.Message):
     MOE_METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
     MTP_METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_parameters: int
@@ -175,7 +176,8 @@ class ModelInfo(_message.Message):
     moe_metric_names: _containers.RepeatedScalarFieldContainer[str]
     mtp_metric_names: _containers.RepeatedScalarFieldContainer[str]
     max_tokens_per_batch: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("model", "weights_version")
