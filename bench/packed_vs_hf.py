@@ -160,8 +160,8 @@ def explain(workload: common.Workload, order: str, t_ours: float, t_hf: float, t
             if speed >= 0.9
             else "megascore is slower per token than transformers here. Same weights and "
             "matmuls: the difference is in the ops around them (see the profile and the "
-            "findings in docs/benchmarks.md: top-k tie-breaking over the whole vocabulary, "
-            "the fused fc1 GEMM, per-sequence RoPE and attention gathers)."
+            "findings in docs/benchmarks.md: the SwiGLU elementwise ops on the fused fc1 "
+            "output, per-sequence RoPE and attention gathers)."
         )
     )
 

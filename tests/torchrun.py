@@ -7,16 +7,11 @@ test then compares; a failure anywhere fails the test with the ranks' output.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megascore_server.launcher import pick_port
 
 
 def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 300) -> str:
@@ -27,7 +22,7 @@ def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 30
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+        f"--master-port={pick_port()}",
         "--max-restarts=0",
         str(script),
         *args,

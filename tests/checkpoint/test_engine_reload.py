@@ -144,3 +144,17 @@ def _config_only(directory, intermediate_size: int):
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(_llama_config(intermediate_size)))
     return directory
+
+
+def test_other_max_length_refused(server, tmp_path):
+    # The server's request limits come from the served max length: a reload must keep it.
+    longer = tmp_path / "longer-llama"
+    longer.mkdir()
+    cfg = _llama_config(intermediate_size=128) | {"max_position_embeddings": 2048}
+    (longer / "config.json").write_text(json.dumps(cfg))
+    served = server.engine.loaded
+    error = _load(server, f"hf:{longer}")
+    assert isinstance(error, grpc.RpcError), error
+    assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "max_position_embeddings: 2048 != 1024" in error.details(), error.details()
+    assert server.engine.loaded is served

@@ -17,7 +17,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore.wire import encode_array
+from megascore_server.launcher import pick_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MEGASCORE = Path(sys.executable).with_name("megascore")
@@ -41,12 +41,6 @@ _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- /proc
@@ -162,8 +156,8 @@ class ServeProcess:
         port: int | None = None,
     ):
         self.log_path = Path(log_path)
-        self.port = free_port() if port is None else port
-        self.metrics_port = free_port() if metrics else None
+        self.port = pick_port() if port is None else port
+        self.metrics_port = pick_port() if metrics else None
         self.target = f"127.0.0.1:{self.port}"
         self.health_seen: list[str] = []
         self.startup_probe: tuple[grpc.StatusCode, str] | None = None
@@ -179,7 +173,7 @@ class ServeProcess:
                 "torch.distributed.run",
                 f"--nproc-per-node={torchrun_nproc}",
                 "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}",
+                f"--master-port={pick_port()}",
                 "--max-restarts=0",
                 "-m",
                 "megascore_server.main",

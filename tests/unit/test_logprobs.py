@@ -146,3 +146,22 @@ def test_top_k_of_the_whole_vocabulary():
     want_vals, want_ids = torch.topk(torch.log_softmax(logits, dim=-1), 6, dim=-1)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(vals, want_vals, rtol=0, atol=1e-6)
+
+
+def test_chunked_top_k_with_temperature_and_padding_leaves_the_input_alone():
+    logits, targets = _random(23, 40, seed=13)
+    logits[:, 36:] = 50.0  # padded vocabulary columns (true vocab 36)
+    before = logits.clone()
+    temperature = torch.linspace(0.5, 2.0, 23)
+    scores = score_tokens(
+        logits, targets, tp_group=None, temperature=temperature, top_k=3, chunk_tokens=4,
+        vocab_size=36,
+    )  # fmt: skip
+    assert torch.equal(logits, before)  # the scratch buffers never alias the caller's tensor
+    ref = torch.log_softmax(logits / temperature[:, None], dim=-1)  # padding in the normaliser
+    want_vals, want_ids = torch.topk(ref[:, :36], 3, dim=-1)
+    assert torch.equal(scores.top_k_ids, want_ids)
+    torch.testing.assert_close(scores.top_k_logprobs, want_vals, rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        scores.logprobs, ref.gather(-1, targets[:, None]).squeeze(-1), rtol=0, atol=1e-5
+    )

@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DTYPES = ("float32", "bfloat16", "float16")
-NON_ARCHITECTURE_FIELDS = ("seed", "init_method_std", "architecture", "max_position_embeddings")
-"""ModelConfig fields that do not change the function the weights compute."""
+NON_ARCHITECTURE_FIELDS = ("seed", "init_method_std", "architecture")
+"""ModelConfig fields that do not change the function the weights compute. The max length
+is not one of them: the server's request limits come from it and stay fixed across reloads."""
 
 WeightLoader = Callable[["torch.nn.Module"], None]  # noqa: F821 - torch stays unimported here
 
@@ -238,8 +239,8 @@ def check_same_architecture(new: ModelConfig, current: ModelConfig, source: str 
     """Raises unless ``new`` computes the same function shape as ``current`` (hot reload).
 
     The one architecture check of megascore (engine reloads, :func:`reload_weights`,
-    Megatron checkpoint loads). Ignores only the seed, init std, family label and max
-    length (:data:`NON_ARCHITECTURE_FIELDS`).
+    Megatron checkpoint loads). Ignores only the seed, init std and family label
+    (:data:`NON_ARCHITECTURE_FIELDS`).
 
     Raises:
         CheckpointError: naming every differing field.

@@ -163,8 +163,8 @@ def _local_top_k_lowest_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     """
     num_rows, num_cols = values.shape
     if num_rows == 0 or k == num_cols:
-        ids = torch.arange(num_cols, device=values.device).expand(num_rows, num_cols)
-        return ids.contiguous(), values.clone()
+        ids = torch.arange(k, device=values.device).expand(num_rows, k).contiguous()
+        return ids, torch.gather(values, -1, ids)
     top = torch.topk(values, k + 1, dim=-1, sorted=True)
     ids = top.indices[:, :k]
     # rows where the k-th and (k+1)-th values are equal: which of them belong is ambiguous
