@@ -11,8 +11,8 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import health as health_codec
 from megascore_client.batching import Part, ScoreOptions, decode_part, merge
-from megascore_client.client import _UNRESOLVED, LOAD_WEIGHTS_TIMEOUT_S, ClientBase, closed_error
-from megascore_client.errors import ScoringError
+from megascore_client.client import _UNRESOLVED, LOAD_WEIGHTS_TIMEOUT_S, ClientBase
+from megascore_client.errors import ScoringError, closed_error
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.stream import AsyncScoreStream
 from megascore_client.waiting import time_left
@@ -46,13 +46,20 @@ class AsyncScoringClient(ClientBase):
 
     async def close(self, grace: float | None = None) -> None:
         """Closes the channel (calls in flight are cancelled after ``grace`` seconds;
-        later calls and requests waiting for the server raise CANCELLED)."""
+        they, later calls and requests waiting for the server raise ScoringError
+        CANCELLED "the client is closed")."""
         self._closed.set()
         await self._channel.close(grace)
 
+    def _cancelled_by_close(self) -> bool:
+        """Whether a ``CancelledError`` out of a call comes from :meth:`close` (which
+        cancels the calls in flight) rather than from a cancellation of the awaiting
+        task: the client is closed and the task is not being cancelled."""
+        task = asyncio.current_task()
+        return self._closed.is_set() and (task is None or task.cancelling() == 0)
+
     async def _call(self, method, request, timeout, *, wait: bool = False):
         """One unary call; with ``wait``, re-sent on UNAVAILABLE per ``wait_for_server_s``."""
-        loop = asyncio.get_running_loop()
         deadline = None if timeout is None else time.monotonic() + timeout
         schedule = None
         while True:
@@ -62,16 +69,15 @@ class AsyncScoringClient(ClientBase):
                 return await method(request, timeout=time_left(deadline), metadata=self._metadata)
             except grpc.RpcError as exc:
                 error = ScoringError.from_rpc_error(exc)
+            except asyncio.CancelledError:
+                if self._cancelled_by_close():  # close() cancelled the call, not the caller
+                    raise closed_error() from None
+                raise
             schedule = self._server_wait(error, wait, deadline, schedule)
             delay = schedule.next_delay()
             if delay is None:
                 raise schedule.gave_up(error)
-            closed = loop.create_task(self._closed.wait())
-            try:
-                await asyncio.wait([closed], timeout=delay)
-            finally:
-                closed.cancel()
-            if self._closed.is_set():
+            if await self._closed_within(delay):
                 raise closed_error()
 
     async def request_token_limit(self) -> int | None:
@@ -136,7 +142,8 @@ class AsyncScoringClient(ClientBase):
         """A ScoreStream helper: ``async with client.stream() as s: f = await s.submit(...)``.
 
         Args:
-            timeout: deadline of the whole stream (default: none).
+            timeout: deadline of the whole stream (default: none). Entering the block
+                on a closed client raises ScoringError CANCELLED ("the client is closed").
         """
         return AsyncScoreStream(self, timeout=timeout)
 
@@ -172,6 +179,10 @@ class AsyncScoringClient(ClientBase):
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 return health_codec.not_found_status()
             raise ScoringError.from_rpc_error(exc) from None
+        except asyncio.CancelledError:
+            if self._cancelled_by_close():
+                raise closed_error() from None
+            raise
         return health_codec.decode_response(data)
 
     async def wait_until_serving(
@@ -187,10 +198,22 @@ class AsyncScoringClient(ClientBase):
                     return status
                 last = status.status
             except ScoringError as exc:
+                if self._closed.is_set():  # closed before or during the probe
+                    raise closed_error() from None
                 last = str(exc)
             if loop.time() + interval > deadline:
                 raise ScoringError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{self.target} not SERVING after {timeout:.1f}s (last: {last})",
                 )
-            await asyncio.sleep(interval)
+            if await self._closed_within(interval):
+                raise closed_error()
+
+    async def _closed_within(self, delay: float) -> bool:
+        """Sleeps ``delay`` seconds or until :meth:`close`; True when the client is closed."""
+        closed = asyncio.get_running_loop().create_task(self._closed.wait())
+        try:
+            await asyncio.wait([closed], timeout=delay)
+        finally:
+            closed.cancel()
+        return self._closed.is_set()

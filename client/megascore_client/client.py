@@ -20,7 +20,7 @@ from megascore_client.batching import (
     new_request_id,
 )
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, TlsConfig
-from megascore_client.errors import ScoringError
+from megascore_client.errors import ScoringError, closed_error
 from megascore_client.inputs import make_batch
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.stream import ScoreStream
@@ -28,12 +28,6 @@ from megascore_client.waiting import ServerWait, check_wait, time_left
 
 _UNRESOLVED = object()
 LOAD_WEIGHTS_TIMEOUT_S = 600.0
-
-
-def closed_error() -> ScoringError:
-    """Raised by a call on a closed client, and by a request waiting for the server
-    when the client is closed."""
-    return ScoringError(grpc.StatusCode.CANCELLED, "the client is closed")
 
 
 class ClientBase:
@@ -205,6 +199,15 @@ class ScoringClient(ClientBase):
                 raise closed_error()
             return method.future(request, timeout=time_left(deadline), metadata=self._metadata)
 
+    def _start_stream(self, request_iterator, timeout: float | None):
+        """Opens a ScoreStream call, unless the client is closed (as :meth:`_start`)."""
+        with self._start_lock:
+            if self._closed.is_set():
+                raise closed_error()
+            return self._stub.ScoreStream(
+                request_iterator, timeout=timeout, metadata=self._metadata
+            )
+
     def _call(self, method, request, timeout, *, wait: bool = False):
         """One unary call; with ``wait``, re-sent on UNAVAILABLE per ``wait_for_server_s``."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -336,6 +339,9 @@ class ScoringClient(ClientBase):
 
         Args:
             timeout: deadline of the whole stream (default: none).
+
+        Raises:
+            ScoringError: CANCELLED ("the client is closed") on a closed client.
         """
         return ScoreStream(self, timeout=timeout)
 
@@ -391,7 +397,9 @@ class ScoringClient(ClientBase):
         """Polls ``health()`` until SERVING.
 
         Raises:
-            ScoringError: DEADLINE_EXCEEDED with the last status or error after ``timeout``.
+            ScoringError: DEADLINE_EXCEEDED with the last status or error after
+                ``timeout``; CANCELLED ("the client is closed") at once when the
+                client is or gets closed.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -401,10 +409,13 @@ class ScoringClient(ClientBase):
                     return status
                 last = status.status
             except ScoringError as exc:
+                if self._closed.is_set():  # closed before or during the probe
+                    raise closed_error() from None
                 last = str(exc)
             if time.monotonic() + interval > deadline:
                 raise ScoringError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{self.target} not SERVING after {timeout:.1f}s (last: {last})",
                 )
-            time.sleep(interval)
+            if self._closed.wait(interval):
+                raise closed_error()

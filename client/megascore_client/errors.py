@@ -63,6 +63,13 @@ class InvalidInputError(ScoringError, ValueError):
         return (type(self), (self.details,))
 
 
+def closed_error() -> ScoringError:
+    """Raised by a call or stream started on a closed client, by a call in flight that
+    ``close()`` cancelled (asyncio client), and by a request waiting for the server (or
+    in ``wait_until_serving``) when the client is closed: code CANCELLED."""
+    return ScoringError(grpc.StatusCode.CANCELLED, "the client is closed")
+
+
 def malformed_response(details: str) -> ScoringError:
     """A response that breaks the wire contract (a server bug): code INTERNAL."""
     return ScoringError(grpc.StatusCode.INTERNAL, f"malformed response: {details}")

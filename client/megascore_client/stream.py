@@ -23,7 +23,7 @@ from collections.abc import Callable
 import grpc
 
 from megascore_client.batching import ScoreOptions, decode_part, merge
-from megascore_client.errors import ScoringError, malformed_response
+from megascore_client.errors import ScoringError, closed_error, malformed_response
 from megascore_client.results import ScoreResult
 
 
@@ -55,6 +55,13 @@ class _Assembler:
 def _ended() -> ScoringError:
     """Recorded when a stream ends without error: later submits fail with it."""
     return ScoringError(grpc.StatusCode.CANCELLED, "the stream has ended")
+
+
+def _task_cancelling() -> bool:
+    """Whether the current asyncio task is being cancelled (``task.cancel()``), as
+    opposed to a ``CancelledError`` that grpc.aio raises for a cancelled call."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _plan(client, sequences, kwargs: dict, limit: int | None):
@@ -94,9 +101,8 @@ class ScoreStream:
         self._lock = threading.Lock()
         self._error: ScoringError | None = None
         self._closed = False
-        self._call = client._stub.ScoreStream(
-            self._request_iter(), timeout=timeout, metadata=client._metadata
-        )
+        # under the client's start lock: no call through a closed sync channel
+        self._call = client._start_stream(self._request_iter(), timeout)
         self._reader = threading.Thread(target=self._read, name="megascore-stream", daemon=True)
         self._reader.start()
 
@@ -195,6 +201,8 @@ class AsyncScoreStream:
         self._reader: asyncio.Task | None = None
 
     async def __aenter__(self) -> AsyncScoreStream:
+        if self._client._closed.is_set():  # grpc.aio raises a bare UsageError on a closed channel
+            raise closed_error()
         self._call = self._client._stub.ScoreStream(
             timeout=self._timeout, metadata=self._client._metadata
         )
@@ -239,8 +247,10 @@ class AsyncScoreStream:
                 except grpc.RpcError as exc:
                     self._fail_pending(ScoringError.from_rpc_error(exc))
                     raise self._error from None
-                except asyncio.InvalidStateError:
-                    await asyncio.shield(self._reader)
+                except (asyncio.InvalidStateError, asyncio.CancelledError):
+                    if _task_cancelling():
+                        raise
+                    await asyncio.shield(self._reader)  # the call ended: the reader knows why
                     raise self._error from None
         return future
 
@@ -254,6 +264,13 @@ class AsyncScoreStream:
         except ScoringError as exc:
             error = exc
             self._call.cancel()
+        except asyncio.CancelledError:
+            # grpc.aio raises it for a call cancelled here: by cancel() or by the
+            # client's close(); a cancellation of this task itself goes on
+            error = self._cancelled_error()
+            if _task_cancelling():
+                self._fail_pending(error)
+                raise
         if error is None and self._pending:
             error = malformed_response(f"stream ended with {len(self._pending)} unanswered")
         if error is None and self._call.done():
@@ -269,6 +286,13 @@ class AsyncScoreStream:
             _, _, assembler = self._pending.popleft()
             assembler.fail(self._error)
 
+    def _cancelled_error(self) -> ScoringError:
+        """The error of a call cancelled on this side: by ``close()`` of the client
+        (the closed error) or by :meth:`cancel`."""
+        if self._client._closed.is_set():
+            return closed_error()
+        return ScoringError(grpc.StatusCode.CANCELLED, "the stream was cancelled")
+
     async def close(self) -> None:
         """Half-closes the stream and waits until every submitted batch is answered."""
         async with self._write_lock:
@@ -277,8 +301,10 @@ class AsyncScoreStream:
                 if not self._call.done():
                     try:
                         await self._call.done_writing()
-                    except (grpc.RpcError, asyncio.InvalidStateError):
-                        pass  # the reader reports the call's status
+                    except (grpc.RpcError, asyncio.InvalidStateError, asyncio.CancelledError):
+                        if _task_cancelling():
+                            raise
+                        # the reader reports the call's status
         if self._reader is not None:
             await self._reader
 

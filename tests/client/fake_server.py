@@ -3,9 +3,9 @@
 It speaks the megascore.v1 wire contract exactly (requests decoded with
 ``megascore.wire``) and computes values the tests can recompute with the ``ref_*``
 functions: ``log p(x_t | x_<t) = -((x_t % 7) + 1) / 10 / temperature``. It records
-every call (method, request id, metadata, sizes) and can inject failures, delays and
-a required bearer token. ``grpc.health.v1`` is served by the real ``grpc_health``
-servicer.
+every call (method, request id, metadata, sizes) and can inject failures, delays, a
+gate that holds calls until released, and a required bearer token.
+``grpc.health.v1`` is served by the real ``grpc_health`` servicer (Check calls counted).
 """
 
 from __future__ import annotations
@@ -81,12 +81,15 @@ class FakeScorer(pb_grpc.ScorerServicer):
         self.delay_s = 0.0
         self.weights_version = "v0"
         self.name = "fake"
+        self.gate = threading.Event()  # clear() holds every call (once counted) until set()
+        self.gate.set()
 
     def _enter(self, method: str, context) -> None:
         with self.lock:
             self.calls[method] += 1
             self.metadata.append(dict(context.invocation_metadata()))
             failure = self.fail_next.pop(0) if self.fail_next else None
+        self.gate.wait(30)
         if failure is not None:
             context.abort(*failure)
         if self.token is not None:
@@ -219,6 +222,22 @@ class FakeScorer(pb_grpc.ScorerServicer):
         )
 
 
+class CountingHealth(health.HealthServicer):
+    """The real health servicer, counting its Check calls; held by the scorer's gate."""
+
+    def __init__(self, gate: threading.Event):
+        super().__init__()
+        self.gate = gate
+        self.checks = 0
+        self._count_lock = threading.Lock()
+
+    def Check(self, request, context):
+        with self._count_lock:
+            self.checks += 1
+        self.gate.wait(30)
+        return super().Check(request, context)
+
+
 class FakeServer:
     """Runs a :class:`FakeScorer` + health service on 127.0.0.1; restartable on its port."""
 
@@ -231,7 +250,7 @@ class FakeServer:
         port: int = 0,
     ):
         self.scorer = scorer or FakeScorer()
-        self.health = health.HealthServicer()
+        self.health = CountingHealth(self.scorer.gate)
         self.max_message_bytes = max_message_bytes
         self.credentials = credentials
         self.port = port
