@@ -13,7 +13,7 @@ logits exist ``logprob_chunk_tokens`` rows at a time, so above that many tokens
 only the activations grow; a ``tokens x tokens`` mask or a ``[tokens, vocab]``
 working set would bend the line upwards.
 
-Usage: ``python bench/memory.py [--device cpu|cuda] [--sizes 1024,2048,4096,8192]``.
+Usage: ``python bench/memory.py [--device cpu|cuda] [--sizes 8192,16384,24576,32768]``.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--sizes", default="1024,2048,4096,8192")
+    p.add_argument("--sizes", default="8192,16384,24576,32768")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--jobs", type=int, default=1)
     args = p.parse_args()

@@ -64,8 +64,8 @@ class Settings:
 
 def settings(quick: bool) -> Settings:
     if quick:
-        return Settings(16, 8, 1, 4096, 1_000_000, 2, [1024, 2048, 3072, 4096], 2)
-    return Settings(48, 24, 2, 4096, 1_000_000, 5, [2048, 4096, 8192, 16384], 1)
+        return Settings(16, 8, 1, 4096, 1_000_000, 2, [8192, 12288, 16384, 20480], 2)
+    return Settings(48, 24, 2, 4096, 1_000_000, 5, [8192, 16384, 24576, 32768], 1)
 
 
 def log(msg: str) -> None:
