@@ -2,7 +2,10 @@
 
 Sync unary, sync streaming and asyncio clients score random batches for ~20 s while
 the dynamic batcher merges their requests into shared engine steps. Every answer must
-be bit-identical to the same batch scored alone by a single client beforehand; no
+match the same batch scored alone by a single client beforehand: top-k ids, shapes and
+token counts exactly, values within :data:`TOLERANCE` (a merged step runs its GEMMs
+on other shapes, and the CPU BLAS may then round a row differently: 1-ulp differences,
+<= 1e-6, were seen in about one run in four; a wrong row would differ by ~1); no
 call may fail; the server's resident memory (launcher + both ranks) may not grow by
 10 % or more after warm-up. ``scripts/soak.py`` is the long version.
 """
@@ -17,19 +20,24 @@ from tests.reliability.load import RssSampler, make_cases, reference_results, ru
 CLIENTS = {"unary": 2, "stream": 2, "async": 2}
 WARMUP_S = 5.0
 DURATION_S = 20.0
+TOLERANCE = 1e-4
 
 
 @pytest.mark.timeout(900)
-def test_concurrent_mixed_clients_bit_identical_no_failures(tp2, capsys):
+def test_concurrent_mixed_clients_match_the_reference_no_failures(tp2, capsys):
     cases = make_cases(24, seed=1)
     with ScoringClient(tp2.target, timeout=120) as client:
         refs = reference_results(client, cases)
 
-    warmup = run_load(tp2.target, cases, refs, duration_s=WARMUP_S, clients=CLIENTS)
+    warmup = run_load(
+        tp2.target, cases, refs, duration_s=WARMUP_S, clients=CLIENTS, tolerance=TOLERANCE
+    )
     assert not warmup.failures, warmup.failures[:5]
     rss_start = tp2.total_rss_kb()
     sampler = RssSampler(tp2.total_rss_kb)
-    stats = run_load(tp2.target, cases, refs, duration_s=DURATION_S, clients=CLIENTS)
+    stats = run_load(
+        tp2.target, cases, refs, duration_s=DURATION_S, clients=CLIENTS, tolerance=TOLERANCE
+    )
     samples = sampler.stop()
     rss_end = tp2.total_rss_kb()
 
