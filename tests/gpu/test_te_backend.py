@@ -45,7 +45,7 @@ def _run(pgs, model_name: str, backend: str):
     model = build_model(builtin_model(model_name), engine_cfg, pgs)
     assert model.megascore_attention_backend == backend
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 512, (len(LENGTHS), max(LENGTHS)), generator=gen)
+    ids = torch.randint(1, 512, (sum(LENGTHS),), generator=gen)  # [T], concatenated
     packed = pack_sequences(ids.cuda(), torch.tensor(LENGTHS), pad_individual_seqs_to_multiple_of=8)
     is_moe = builtin_model(model_name).is_moe
     out = forward_packed(model, packed, want_moe_metrics=is_moe, want_mtp_metrics=is_moe)

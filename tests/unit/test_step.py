@@ -8,20 +8,25 @@ import torch
 
 from megascore.config import EngineConfig
 from megascore.engine.loading import parse_model_spec
-from megascore.engine.step import _megatron_loss_mask, packed_to_flat, validate_batch
+from megascore.engine.step import PredictionIndex, _megatron_loss_mask, validate_batch
 from megascore.packing import pack_sequences
 from megascore.types import ScoreBatch
 
 
-def test_packed_to_flat_shifts_right_within_each_sequence():
-    lengths = np.array([3, 1, 2])
-    cu_padded = torch.tensor([0, 4, 8, 10])  # padded to multiples of 2 / 4
-    # packed[p] = 100 * segment + position: the prediction made at packed position p
-    packed = torch.tensor([[0.0], [1], [2], [3], [100], [101], [102], [103], [200], [201]])
-    flat = packed_to_flat(packed, cu_padded, lengths, fill=-7.0)
-    assert flat.dtype == np.float64 and flat.shape == (6, 1)
+def test_prediction_index_shifts_right_within_each_sequence():
+    lengths = [3, 1, 2]
+    packed = pack_sequences(torch.arange(1, 7), lengths, pad_individual_seqs_to_multiple_of=4)
+    assert packed.cu_seqlens_padded.tolist() == [0, 4, 8, 12]
+    index = PredictionIndex.build(packed.token_positions, np.array([0, 3, 4, 6]))
+    # values[p] = 100 * segment + position: the prediction made at packed position p
+    values = torch.tensor([100 * s + p for s in range(3) for p in range(4)], dtype=torch.float32)
+    flat = index.to_flat(values[:, None].expand(12, 2), fill=-7.0)
+    assert flat.dtype == np.float32 and flat.shape == (6, 2)
     # seq 0: [fill, pred@0, pred@1]; seq 1: [fill]; seq 2: [fill, pred@0]
-    np.testing.assert_array_equal(flat[:, 0], [-7, 0, 1, -7, -7, 200])
+    np.testing.assert_array_equal(flat[:, 1], [-7, 0, 1, -7, -7, 200])
+    ids = index.to_flat(torch.arange(12, dtype=torch.int64), fill=-1)
+    assert ids.dtype == np.int64 and ids.tolist() == [-1, 0, 1, -1, -1, 8]
+    assert index.to_flat(None, fill=0.0) is None
 
 
 @pytest.mark.parametrize(
@@ -92,9 +97,9 @@ def test_validate_batch_accepts_and_rejects():
 def test_megatron_loss_mask_is_aligned_with_targets():
     batch = _batch(loss_mask=np.array([1, 1, 0, 1], np.uint8))
     packed = pack_sequences(
-        torch.tensor([[1, 0, 0], [2, 3, 4]]), [1, 3], pad_individual_seqs_to_multiple_of=2
+        torch.tensor([1, 2, 3, 4]), [1, 3], pad_individual_seqs_to_multiple_of=2
     )
-    mask = _megatron_loss_mask(batch, packed.cu_seqlens, packed.cu_seqlens_padded.long())
+    mask = _megatron_loss_mask(batch, packed)
     # segments [0,2) and [2,6): seq 1 tokens 2,3,4 at 2,3,4; token 3 masked out, token 4 kept
     np.testing.assert_array_equal(mask[0].numpy(), [0, 0, 0, 1, 0, 0])
 
