@@ -44,12 +44,12 @@ import grpc
 import numpy as np
 
 from megascore.errors import UnavailableError
+from megascore.layout import padded_lengths
 from megascore.types import Engine, ModelInfo
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.config import ServerConfig
 from megascore_server.health import ScorerHealth
 from megascore_server.metrics import ServerMetrics
-from megascore_server.microbatch import padded_lengths
 from megascore_server.servicer import ScorerServicer
 from megascore_server.validation import RequestLimits
 

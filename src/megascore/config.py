@@ -81,6 +81,19 @@ class EngineConfig:
             return self.sequence_parallel
         return is_moe and self.tensor_model_parallel_size > 1
 
+    def metrics_supported(self, is_moe: bool) -> bool:
+        """Whether MoE / MTP metrics can be computed for a model in this layout.
+
+        Megatron's training-mode MoE forward (which the metrics need) refuses TP > 1
+        without sequence parallelism, so only an explicit ``sequence_parallel=False``
+        for a MoE model at TP > 1 rules them out.
+
+        Args:
+            is_moe: whether the served model has MoE layers.
+        """
+        tp_split = is_moe and self.tensor_model_parallel_size > 1
+        return not tp_split or self.sequence_parallel_for(is_moe)
+
     def pad_multiple(self, is_moe: bool = False) -> int:
         """Per-sequence pad multiple of an engine step: lcm of what CP, SP and the config need.
 

@@ -15,8 +15,8 @@ model trained with NeMo-RL packing sees identical inputs here:
   equal chunks and rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r``
   (load-balanced causal attention), segment after segment.
 
-Unlike NeMo-RL, nothing is truncated silently: inputs that do not fit the
-layout raise ``ValueError`` naming the offending sequence. A zero-length
+Unlike NeMo-RL, nothing is truncated silently: pad and CP settings that do not
+fit the layout raise ``ValueError`` naming the offending sequence. A zero-length
 sequence among non-empty ones is allowed and occupies 0 packed tokens (its
 padded length is ``round_up_to_multiple(0, m) == 0``), giving an empty segment
 with two equal boundaries.
@@ -28,8 +28,11 @@ import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+
+from megascore import layout
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +90,9 @@ def _segment_lengths(cu_seqlens_padded: torch.Tensor) -> list[int]:
     return lengths
 
 
-def _runs_to_indices(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenates ``arange(start, start + length)`` for every run, in order."""
-    total = int(lengths.sum())
-    run_offsets = torch.cumsum(lengths, 0) - lengths  # exclusive prefix sum
-    within = torch.arange(total, dtype=torch.long) - torch.repeat_interleave(run_offsets, lengths)
-    return torch.repeat_interleave(starts, lengths) + within
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """int64 CPU :func:`megascore.layout.ranges` of CPU tensors."""
+    return torch.from_numpy(layout.ranges(starts.numpy(), lengths.numpy()))
 
 
 def cp_shard_indices(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
@@ -135,7 +135,7 @@ def cp_shard_indices(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int
         [starts + cp_rank * chunk, starts + (n_chunks - 1 - cp_rank) * chunk], dim=1
     ).reshape(-1)
     run_lens = chunk.repeat_interleave(2)
-    return _runs_to_indices(run_starts, run_lens)
+    return _ranges(run_starts, run_lens)
 
 
 def pack_sequences(
@@ -151,7 +151,8 @@ def pack_sequences(
 
     Args:
         token_ids: ``[T]`` ids, all sequences concatenated (``T = sum(seq_lengths)``).
-        seq_lengths: ``[B]`` tokens per sequence (0 allowed, not all 0).
+        seq_lengths: ``[B]`` tokens per sequence (0 allowed, not all 0; the engine's
+            batches come checked by :meth:`megascore.types.ScoreBatch.check`).
         pad_individual_seqs_to_multiple_of: every sequence is padded to a multiple of
             this; with ``cp_size > 1`` it must be a multiple of ``2 * cp_size``.
         pad_packed_seq_to: total packed length (before CP sharding); the padding
@@ -185,13 +186,6 @@ def pack_sequences(
             f"pad_individual_seqs_to_multiple_of ({multiple}) must be a multiple of "
             f"2 * cp_size = {2 * cp_size} with context parallelism"
         )
-    for b, length in enumerate(lengths):
-        if length < 0:
-            raise ValueError(f"sequence {b}: negative length {length}")
-    if sum(lengths) == 0:
-        raise ValueError(f"nothing to pack: all {batch_size} sequences are empty")
-    if sum(lengths) != token_ids.shape[0]:
-        raise ValueError(f"seq_lengths sum to {sum(lengths)}, token_ids has {token_ids.shape[0]}")
 
     padded = [round_up_to_multiple(length, multiple) for length in lengths]
     natural_total = sum(padded)
@@ -209,15 +203,13 @@ def pack_sequences(
         padded[-1] += pad_packed_seq_to - natural_total
 
     device = token_ids.device
-    seq_lens_t = torch.tensor(lengths, dtype=torch.int32)
-    padded_t = torch.tensor(padded, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
-    cu_seqlens = torch.cat([zero, torch.cumsum(seq_lens_t, 0, dtype=torch.int32)])
-    cu_seqlens_padded = torch.cat([zero, torch.cumsum(padded_t, 0, dtype=torch.int32)])
-    total = int(cu_seqlens_padded[-1])
+    starts = layout.offsets(padded)  # [B+1]: where each padded segment starts, then T_padded
+    cu_seqlens = torch.from_numpy(layout.offsets(lengths).astype(np.int32))
+    cu_seqlens_padded = torch.from_numpy(starts.astype(np.int32))
+    total = int(starts[-1])
 
     # Scatter the real tokens to their packed positions; the rest stays pad.
-    positions = _runs_to_indices(cu_seqlens_padded[:-1].long(), seq_lens_t.long())  # [T]
+    positions = torch.from_numpy(layout.ranges(starts[:-1], lengths))  # [T]
     packed = torch.full((total,), PAD_TOKEN_ID, dtype=token_ids.dtype, device=device)
     packed[positions.to(device)] = token_ids
     packed = packed.unsqueeze(0)  # [1, T_padded]
@@ -274,7 +266,7 @@ def roll_within_segments(
         )
     lens = torch.tensor(seg_lens, dtype=torch.long)
     starts = cu_seqlens_padded[:-1].to(device="cpu", dtype=torch.long)
-    pos = _runs_to_indices(starts, lens)  # [T] = arange(T)
+    pos = _ranges(starts, lens)  # [T] = arange(T)
     seg_start = torch.repeat_interleave(starts, lens)
     seg_len = torch.repeat_interleave(lens, lens)
     src = seg_start + torch.remainder(pos - seg_start - shifts, seg_len)

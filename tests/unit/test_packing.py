@@ -141,8 +141,6 @@ def test_roll_within_segments_builds_next_token_targets():
 @pytest.mark.parametrize(
     ("lengths", "kwargs", "message"),
     [
-        ([3, -1, 5], {}, "sequence 1: negative length"),
-        ([0, 0, 0], {}, "all 3 sequences are empty"),
         (
             [3, 2, 5],
             {"cp_size": 2, "cp_rank": 2, "pad_individual_seqs_to_multiple_of": 4},
@@ -168,13 +166,9 @@ def test_pack_rejects_what_nemo_rl_truncates(lengths, kwargs, message):
         pack_rows(HAND_IDS, lengths, **kwargs)
 
 
-def test_pack_rejects_empty_batch_bad_shape_and_length_mismatch():
-    with pytest.raises(ValueError, match="empty"):
-        pack_sequences(torch.zeros(0, dtype=torch.long), [])
+def test_pack_rejects_a_batch_that_is_not_flat():
     with pytest.raises(ValueError, match=r"\[T\]"):
         pack_sequences(torch.arange(4).reshape(1, 4), [4])
-    with pytest.raises(ValueError, match="seq_lengths sum to 9, token_ids has 10"):
-        pack_sequences(torch.arange(10), [3, 6])
 
 
 def test_token_positions_index_the_flat_tokens():

@@ -63,14 +63,7 @@ from megascore.engine.loading import (
     parse_model_spec,
 )
 from megascore.engine.losses import loss_names
-from megascore.engine.step import (
-    StepConfig,
-    StepGroups,
-    agree_on_status,
-    finish_step,
-    run_step,
-    validate_batch,
-)
+from megascore.engine.step import StepConfig, StepGroups, agree_on_status, finish_step, run_step
 from megascore.errors import (
     LOAD_FAILURES,
     CheckpointError,
@@ -78,7 +71,7 @@ from megascore.errors import (
     WorkerLostError,
 )
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
-from megascore.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
+from megascore.types import BatchLimits, ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +140,13 @@ class DistributedEngine:
             vocab_size=loaded.config.vocab_size,
             device=self.device,
             output_rank=_SRC,
+        )
+        self.limits = BatchLimits(
+            vocab_size=loaded.config.vocab_size,
+            max_length=loaded.config.max_position_embeddings,
+            max_top_k=engine_cfg.max_top_k,
+            loss_names=loss_names(),
+            metrics_supported=engine_cfg.metrics_supported(is_moe),
         )
         self._step = 0
         self._broken: str | None = None
@@ -256,12 +256,19 @@ class DistributedEngine:
             mtp_metric_names=tuple(mtp_metric_names(cfg)),
         )
 
+    def check(self, batch: ScoreBatch) -> None:
+        """Checks a batch against the served model (any rank; no collective).
+
+        Raises:
+            InvalidRequestError: naming the field and sequence that do not fit.
+        """
+        batch.check(self.limits)
+
     def score(self, batch: ScoreBatch) -> ScoreOutput:
         """Rank 0: scores one batch on every rank of the replica.
 
         Args:
-            batch: the batch (validated by the caller; re-checked here before any
-                collective).
+            batch: the batch (:meth:`check` runs first, before any collective).
 
         Returns:
             The batch's :class:`ScoreOutput` (flat token layout, ``weights_version`` set).
@@ -272,7 +279,9 @@ class DistributedEngine:
                 must be restarted.
         """
         self._require_driver("score")
-        self._check_batch(batch)
+        if self._broken is not None:
+            raise WorkerLostError(f"replica is broken: {self._broken}")
+        self.check(batch)
         self._step += 1
         try:
             protocol.send_batch(
@@ -422,25 +431,6 @@ class DistributedEngine:
         old, self.loaded = self.loaded, new
         del old
         logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)
-
-    def _check_batch(self, batch: ScoreBatch) -> None:
-        if self._broken is not None:
-            raise WorkerLostError(f"replica is broken: {self._broken}")
-        cfg, e = self.loaded.config, self.engine_cfg
-        try:
-            validate_batch(
-                batch,
-                vocab_size=cfg.vocab_size,
-                max_length=cfg.max_position_embeddings,
-                max_top_k=e.max_top_k,
-                # Megatron's training-mode MoE forward (the metrics) needs SP with TP > 1;
-                # only an explicit sequence_parallel=False gets here.
-                metrics_supported=not (
-                    cfg.is_moe and e.tensor_model_parallel_size > 1 and not self.sequence_parallel
-                ),
-            )
-        except ValueError as err:
-            raise InvalidRequestError(str(err)) from err
 
     def _require_driver(self, what: str) -> None:
         if self.rank != _SRC:

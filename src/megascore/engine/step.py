@@ -31,10 +31,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megascore import layout
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import forward_packed
 from megascore.engine.logprobs import score_tokens
-from megascore.engine.losses import compute_losses, effective_loss_mask, loss_names
+from megascore.engine.losses import compute_losses
 from megascore.errors import WorkerLostError
 from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
 from megascore.types import ScoreBatch, ScoreOutput
@@ -108,56 +109,6 @@ class StepResult:
     mtp_metrics: dict[str, float]
 
 
-def validate_batch(
-    batch: ScoreBatch, *, vocab_size: int, max_length: int, max_top_k: int, metrics_supported: bool
-) -> None:
-    """Checks a batch against the model before any collective (rank 0).
-
-    Args:
-        batch: the batch.
-        vocab_size: token ids must be below it.
-        max_length: longest sequence accepted.
-        max_top_k: largest ``top_k`` accepted.
-        metrics_supported: whether MoE / MTP metrics can be computed in this layout
-            (False: a MoE model with TP > 1 and sequence parallelism disabled).
-
-    Raises:
-        ValueError: naming the offending field (and sequence).
-    """
-    lengths = np.asarray(batch.lengths)
-    if lengths.ndim != 1 or lengths.size == 0:
-        raise ValueError("lengths must be a non-empty 1-D array")
-    bad = np.flatnonzero((lengths < 1) | (lengths > max_length))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"sequence {i}: length {int(lengths[i])} not in [1, {max_length}]")
-    if int(lengths.sum()) != batch.num_tokens:
-        raise ValueError(f"lengths sum to {int(lengths.sum())}, token_ids has {batch.num_tokens}")
-    ids = np.asarray(batch.token_ids)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        seq = int(
-            np.searchsorted(
-                np.cumsum(lengths), np.flatnonzero((ids < 0) | (ids >= vocab_size))[0], side="right"
-            )
-        )
-        raise ValueError(f"sequence {seq}: token ids must be in [0, {vocab_size})")
-    if batch.loss_mask is not None and np.shape(batch.loss_mask) != (batch.num_tokens,):
-        raise ValueError(f"loss_mask must have {batch.num_tokens} entries")
-    temps = batch.temperatures()
-    if np.shape(temps) != (batch.num_sequences,) or not (np.isfinite(temps) & (temps > 0)).all():
-        raise ValueError("temperature must be finite and > 0, one per sequence")
-    if not 0 <= batch.top_k <= max_top_k:
-        raise ValueError(f"top_k must be in [0, {max_top_k}], got {batch.top_k}")
-    unknown = sorted(set(batch.losses) - set(loss_names()))
-    if unknown:
-        raise ValueError(f"unknown losses {unknown}; known: {list(loss_names())}")
-    if (batch.want_moe_metrics or batch.want_mtp_metrics) and not metrics_supported:
-        raise ValueError(
-            "MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel, which the "
-            "engine config disables (leave it unset to turn it on)"
-        )
-
-
 def _wants_logprobs(batch: ScoreBatch) -> bool:
     return batch.want_logprobs or bool(batch.losses)
 
@@ -173,7 +124,7 @@ def _megatron_loss_mask(batch: ScoreBatch, packed: PackedSequences) -> torch.Ten
         float32 ``[1, T_padded]`` (0 on pads and at every segment's last position).
     """
     lengths = np.asarray(batch.lengths, dtype=np.int64)
-    mask = torch.from_numpy(effective_loss_mask(lengths, batch.loss_mask)).float()
+    mask = torch.from_numpy(layout.effective_loss_mask(lengths, batch.loss_mask)).float()
     cu_padded = packed.cu_seqlens_padded.cpu()
     full = torch.zeros(1, int(cu_padded[-1]))
     full[0, packed.token_positions] = mask
@@ -312,9 +263,9 @@ class PredictionIndex:
     first: np.ndarray
 
     @classmethod
-    def build(cls, token_positions: torch.Tensor, offsets: np.ndarray) -> PredictionIndex:
-        """From the packed position of every token and the batch's ``[B+1]`` offsets."""
-        return cls(source=token_positions.numpy() - 1, first=np.asarray(offsets[:-1]))
+    def build(cls, token_positions: torch.Tensor, lengths: np.ndarray) -> PredictionIndex:
+        """From the packed position of every token and the batch's lengths."""
+        return cls(source=token_positions.numpy() - 1, first=layout.offsets(lengths)[:-1])
 
     def to_flat(self, packed: torch.Tensor | None, fill: float) -> np.ndarray | None:
         """``[T_padded, ...]`` packed results -> ``[T, ...]`` flat (same dtype), or None."""
@@ -335,7 +286,7 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
     Returns:
         The output in the batch's flat token layout (``weights_version`` left empty).
     """
-    index = PredictionIndex.build(result.token_positions, batch.offsets())
+    index = PredictionIndex.build(result.token_positions, batch.lengths)
     logprobs = index.to_flat(result.logprobs, 0.0)
     scored = logprobs if logprobs is not None else np.zeros(batch.num_tokens)
     losses, num_loss_tokens = compute_losses(
