@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megascore.checkpoint.loader import resolve_model
+from megascore.checkpoint import resolve_model
 from megascore.checkpoint.megatron_ckpt import save_checkpoint
 from megascore.config import EngineConfig
 from megascore.model.build import build_model

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from megascore.config import EngineConfig
-from megascore.engine.loading import parse_model_spec
 from megascore.engine.step import PredictionIndex, _megatron_loss_mask
 from megascore.packing import pack_sequences
 from megascore.types import ScoreBatch
@@ -85,14 +84,3 @@ def test_megatron_loss_mask_is_aligned_with_targets():
     mask = _megatron_loss_mask(batch, packed)
     # segments [0,2) and [2,6): seq 1 tokens 2,3,4 at 2,3,4; token 3 masked out, token 4 kept
     np.testing.assert_array_equal(mask[0].numpy(), [0, 0, 0, 1, 0, 0])
-
-
-def test_parse_model_spec():
-    assert parse_model_spec("tiny").seed is None
-    spec = parse_model_spec("builtin:tiny-moe@7")
-    assert (spec.kind, spec.name, spec.seed) == ("builtin", "tiny-moe", 7)
-    hf = parse_model_spec("hf:/ckpt/llama-3/")
-    assert (hf.kind, hf.name, hf.path) == ("hf", "llama-3", "/ckpt/llama-3/")
-    for bad in ("nope", "tiny@x", "hf:"):
-        with pytest.raises(ValueError):
-            parse_model_spec(bad)

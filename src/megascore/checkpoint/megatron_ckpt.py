@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megascore.checkpoint.loader import check_same_architecture
+from megascore.checkpoint.resolve import check_same_architecture
 from megascore.distributed import collective_device
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig

@@ -36,11 +36,13 @@ every later call, and the workers leave their loop with the same error (exit
 non-zero so that the launcher tears the replica down).
 
 Weights: ``EngineConfig.model`` and ``load_weights`` take the model strings of
-:mod:`megascore.engine.loading` (built-in ``tiny``, ``builtin:tiny@7`` for weight
-seed 7, ...). ``load_weights`` first reads the new model's architecture from
-its config alone on rank 0 and refuses another one (or a bad path) before
-anything is built; then it runs on every rank (RELOAD) and swaps the new
-weights in only after every rank loaded them; otherwise the old ones stay.
+:func:`megascore.checkpoint.parse_model_string` (built-in ``tiny``, ``builtin:tiny@7``
+for weight seed 7, ``hf:DIR``, ``megatron:DIR``), loaded by
+:func:`megascore.engine.served_model.load_served_model` at start-up and on reload.
+``load_weights`` first reads the new model's architecture from its config alone
+on rank 0 and refuses another one (or a bad path) before anything is built;
+then it runs on every rank (RELOAD) and swaps the new weights in only after
+every rank loaded them; otherwise the old ones stay.
 """
 
 from __future__ import annotations
@@ -52,17 +54,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from megascore.checkpoint import check_same_architecture
+from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
 from megascore.config import EngineConfig
 from megascore.engine import protocol
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
-from megascore.engine.loading import (
-    LoadedModel,
-    load_model_config_and_weights,
-    model_config,
-    parse_model_spec,
-)
 from megascore.engine.losses import loss_names
+from megascore.engine.served_model import LoadedModel, load_served_model
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status, finish_step, run_step
 from megascore.errors import (
     LOAD_FAILURES,
@@ -172,7 +169,7 @@ class DistributedEngine:
             ValueError: an unsupported model spec (on every rank, before any collective).
             WorkerLostError: some rank failed to build the model.
         """
-        parse_model_spec(engine_cfg.model)  # bad specs fail alike everywhere, early
+        parse_model_string(engine_cfg.model)  # bad strings fail alike everywhere, early
         device = resolve_device(engine_cfg)
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -192,7 +189,7 @@ class DistributedEngine:
             groups = StepGroups(tp=pg_collection.tp, cp=pg_collection.cp, status=status)
             loaded, error = None, None
             try:
-                loaded = load_model_config_and_weights(engine_cfg.model, engine_cfg, pg_collection)
+                loaded = load_served_model(engine_cfg.model, engine_cfg, pg_collection)
             except LOAD_FAILURES as e:  # raised below; the caller logs the reason
                 error = e
             except Exception as e:  # reported to every rank below
@@ -315,7 +312,7 @@ class DistributedEngine:
         """
         self._require_driver("load_weights")
         try:
-            spec = parse_model_spec(model)
+            spec = parse_model_string(model)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         served = self.loaded.spec
@@ -323,11 +320,7 @@ class DistributedEngine:
             raise InvalidRequestError(f"model {model!r}: the served model is {served.name!r}")
         # The architecture first, from the checkpoint's config alone: a mismatch (or a
         # bad path) is refused before any rank builds a model or opens a weight file.
-        try:
-            new_config = model_config(model, self.engine_cfg)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
-        check_same_architecture(new_config, self.loaded.config, model)
+        check_same_architecture(read_model_config(model), self.loaded.config, model)
         version = weights_version  # "" lets the loader derive one (seed, checkpoint hash)
         self._step += 1
         try:
@@ -409,7 +402,7 @@ class DistributedEngine:
         try:
             # Checks the architecture from the config before building anything (every
             # rank: rank 0 checked it already, but a worker may see other files).
-            new = load_model_config_and_weights(
+            new = load_served_model(
                 model,
                 self.engine_cfg,
                 self.pg_collection,
