@@ -120,7 +120,7 @@ class _Undecodable:
 
     def raise_error(self, where: str = "") -> None:
         raise UndecodableRequestError(
-            f"request does not parse as {self.message_type}: {where}{clip(self.error)} "
+            f"request does not parse as {self.message_type}: {where}{clip(self.error, 200)} "
             f"({self.num_bytes} bytes)"
         )
 
@@ -212,7 +212,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         if isinstance(exc, UndecodableRequestError):
             if self._decode_log.allow():
                 logger.info(
-                    "%s: %s %s (more such lines suppressed for %.0f s; %d so far)",
+                    "%s: %s %s (at most one such line per %.0f s; %d suppressed so far)",
                     rpc,
                     code.name,
                     message,

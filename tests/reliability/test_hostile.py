@@ -6,11 +6,12 @@ negative values, missing fields, unknown losses, NaN temperatures, giant top_k .
 and sends them with the raw stub; another sends truncated / garbage bytes at the wire
 level. Every answer must be a shape-correct result or a documented error:
 
-* INVALID_ARGUMENT / RESOURCE_EXHAUSTED for a request that parses but is invalid;
-* UNKNOWN for bytes that do not parse as a ScoreRequest: grpc-python itself answers
-  a request whose deserializer raises with UNKNOWN ("Unexpected <class
-  'google.protobuf.message.DecodeError'>: ...") before the servicer runs (the server
-  could answer INVALID_ARGUMENT instead, which is also accepted here);
+* INVALID_ARGUMENT / RESOURCE_EXHAUSTED for a request that parses but is invalid,
+  with a message that fits the metadata (strings of up to 20,000 characters quoted
+  as a short prefix);
+* INVALID_ARGUMENT "request does not parse as megascore.v1.ScoreRequest: ..." for bytes
+  that do not parse, on every RPC and mid-stream, with no traceback in the server log
+  and at most one log line about them per 10 s;
 * FAILED_PRECONDITION / INVALID_ARGUMENT for LoadWeights of a model that cannot load.
 
 No call may hang (60 s deadline each) or break the replica: afterwards both ranks are
@@ -18,6 +19,8 @@ the same processes, health is SERVING and a valid request is answered bit-identi
 """
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import numpy as np
@@ -28,13 +31,16 @@ from hypothesis import strategies as st
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array
+from megascore_server.status import DECODE_LOG_EVERY_S, MAX_MESSAGE_CHARS
+from megascore_server.validation import MAX_ID_CHARS
 from tests.e2e.reference import VOCAB, WEIGHTS
 from tests.e2e.serve import SERVING
 
 DEADLINE_S = 60
 MAX_TOP_K = 64
 INVALID = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
-UNPARSEABLE = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INVALID_ARGUMENT}
+UNPARSEABLE = "request does not parse as "
+GARBAGE = (b"\xff\xff\xff", b"`", b"\xb9", b"\x0a\x05ab")  # none parses as a request
 FUZZ = settings(
     max_examples=2000,
     deadline=None,
@@ -67,6 +73,7 @@ CERTAIN = (
     "bad_top_k",
     "bad_temperature",
     "unknown_loss",
+    "huge_string",
 )
 AMBIGUOUS = ("retag", "truncate", "random_bytes")
 BENIGN = ("metrics", "odd_request_id", "dup_losses")
@@ -99,7 +106,8 @@ S_BAD_TEMPERATURE = st.sampled_from(
 S_UNKNOWN_LOSS = st.text(max_size=8).filter(lambda s: s not in ("nll", "mean_nll"))
 S_FIELD = st.sampled_from(["token_ids", "lengths", "loss_mask"])
 S_BYTES = st.binary(max_size=64)
-S_LONG_ID = st.text(min_size=1, max_size=300)
+S_LONG_ID = st.text(min_size=1, max_size=MAX_ID_CHARS)
+S_HUGE_LENGTH = st.sampled_from([MAX_ID_CHARS + 1, 1000, 20_000])
 
 
 @st.composite
@@ -192,6 +200,10 @@ def _mutate(draw, rng, request: pb.ScoreRequest, name: str, ids, lengths: list[i
         request.request_id = draw(S_LONG_ID)
     elif name == "dup_losses":
         options.losses.extend(["nll", "nll", "mean_nll"])
+    elif name == "huge_string":  # a huge unknown loss, and maybe a request id over the limit
+        options.losses.append("L" * draw(S_HUGE_LENGTH))
+        if rng.random() < 0.5:
+            request.request_id = "R" * draw(S_HUGE_LENGTH)
 
 
 def check_ok(request: pb.ScoreRequest, response: pb.ScoreResponse) -> None:
@@ -285,6 +297,7 @@ def test_fuzzed_requests_get_results_or_documented_errors(fuzz_target):
             check_ok(request, answer)
         else:
             assert code in INVALID, (code, answer, applied, request)
+            assert len(answer) <= MAX_MESSAGE_CHARS, (code, len(answer))
             assert applied - set(BENIGN), (code, answer, request)  # a valid request failed
 
     one()
@@ -307,16 +320,29 @@ def wire_payloads():
     return st.one_of(st.binary(max_size=256), truncated, corrupted())
 
 
+def log_size(server) -> int:
+    return server.log_path.stat().st_size
+
+
+def assert_quiet_log(server, since: int, started: float) -> None:
+    """No traceback since byte ``since`` of the server log, and at most one line about
+    unparseable requests per :data:`DECODE_LOG_EVERY_S` (plus one)."""
+    with open(server.log_path, errors="replace") as log:
+        log.seek(since)
+        text = log.read()
+    assert "Traceback" not in text and "DecodeError'>" not in text, text[-4000:]
+    lines = [line for line in text.splitlines() if UNPARSEABLE in line]
+    assert len(lines) <= (time.monotonic() - started) / DECODE_LOG_EVERY_S + 1, lines
+
+
 @pytest.mark.timeout(600)
 def test_wire_level_garbage_is_rejected(fuzz_target):
     server, _, _ = fuzz_target
     channel = server._channel
-    raw = lambda b: b  # noqa: E731 - identity (de)serializer: bytes on the wire as given
-    score = channel.unary_unary(
-        "/megascore.v1.Scorer/Score", request_serializer=raw, response_deserializer=raw
-    )
-    info = channel.unary_unary(
-        "/megascore.v1.Scorer/GetModelInfo", request_serializer=raw, response_deserializer=raw
+    since, started = log_size(server), time.monotonic()
+    score, info, load = (
+        channel.unary_unary(f"/megascore.v1.Scorer/{method}")  # bytes on the wire as given
+        for method in ("Score", "GetModelInfo", "LoadWeights")
     )
     seen: dict[str, int] = {}
 
@@ -334,19 +360,55 @@ def test_wire_level_garbage_is_rejected(fuzz_target):
             code, answer = exc.code(), exc.details()
         seen[code.name] = seen.get(code.name, 0) + 1
         if request is None:
-            assert code in UNPARSEABLE, (code, answer, data)
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, answer, data)
+            assert answer.startswith(UNPARSEABLE + "megascore.v1.ScoreRequest: "), answer
         elif code is grpc.StatusCode.OK:
             check_ok(request, pb.ScoreResponse.FromString(answer))
         else:
             assert code in INVALID, (code, answer, data)
 
     one()
-    assert seen.get("UNKNOWN", 0) + seen.get("INVALID_ARGUMENT", 0) >= 100, seen
+    assert seen.get("INVALID_ARGUMENT", 0) >= 100, seen
     # GetModelInfo takes an empty message: garbage fails to parse, anything else is fine.
-    with pytest.raises(grpc.RpcError) as err:
-        info(b"\xff\xff\xff", timeout=DEADLINE_S)
-    assert err.value.code() in UNPARSEABLE
+    for method, message in ((info, "GetModelInfoRequest"), (load, "LoadWeightsRequest")):
+        for garbage in GARBAGE:
+            with pytest.raises(grpc.RpcError) as err:
+                method(garbage, timeout=DEADLINE_S)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith(f"{UNPARSEABLE}megascore.v1.{message}: ")
     assert pb.ModelInfo.FromString(info(b"", timeout=DEADLINE_S)).vocab_size == VOCAB
+    assert_quiet_log(server, since, started)
+
+
+@pytest.mark.timeout(600)
+def test_garbage_stream_messages_end_the_stream_invalid_argument(fuzz_target):
+    server, _, probe = fuzz_target
+    stream = server._channel.stream_stream("/megascore.v1.Scorer/ScoreStream")  # raw bytes
+    since, started = log_size(server), time.monotonic()
+    requests = hostile_requests().map(lambda case: case[0].SerializeToString())
+    message = st.one_of(requests, st.sampled_from(GARBAGE))
+
+    @settings(FUZZ, max_examples=100)
+    @given(st.lists(message, min_size=1, max_size=4).filter(lambda m: set(m) & set(GARBAGE)))
+    def one(messages):
+        responses = []
+        try:
+            for response in stream(iter(messages), timeout=DEADLINE_S):
+                responses.append(pb.ScoreResponse.FromString(response))
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+        assert code in INVALID, (code, details)
+        first_bad = min(i for i, m in enumerate(messages) if m in GARBAGE)
+        assert len(responses) <= first_bad
+        for raw, response in zip(messages, responses, strict=False):
+            check_ok(pb.ScoreRequest.FromString(raw), response)
+        if len(responses) == first_bad and details.startswith(UNPARSEABLE):
+            assert f"stream message {first_bad}: " in details, details
+
+    one()
+    assert_quiet_log(server, since, started)
+    assert same_answer(server.stub().Score(PROBE, timeout=DEADLINE_S), probe)
 
 
 @pytest.mark.timeout(600)
