@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from megascore.types import Engine
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.auth import BearerTokenInterceptor, read_token
-from megascore_server.config import ServerConfig
+from megascore_server.config import GrpcServerConfig
 from megascore_server.health import SCORER_SERVICE, ScorerHealth
 from megascore_server.lifecycle import CallGate, ServerHandles, resolve_limits
 from megascore_server.metrics import ServerMetrics
@@ -40,7 +40,7 @@ def _bind_address(host: str, port: int) -> str:
 
 
 def build_server(
-    engine: Engine | None, server_config: ServerConfig, *, pad_multiple: int = 1
+    engine: Engine | None, server_config: GrpcServerConfig, *, pad_multiple: int = 1
 ) -> tuple[grpc.aio.Server, int, ServerHandles]:
     """Builds and binds (does not start) the gRPC server of rank 0. Call it from a coroutine.
 

@@ -48,7 +48,7 @@ import numpy as np
 from megascore.errors import UnavailableError
 from megascore.types import Engine, ModelInfo
 from megascore_server.batcher import DynamicBatcher
-from megascore_server.config import ServerConfig
+from megascore_server.config import GrpcServerConfig
 from megascore_server.health import ScorerHealth
 from megascore_server.metrics import ServerMetrics
 from megascore_server.microbatch import padded_lengths
@@ -197,7 +197,7 @@ class CallGate:
             self._parked.set()
 
 
-def resolve_limits(info: ModelInfo, config: ServerConfig, pad_multiple: int) -> RequestLimits:
+def resolve_limits(info: ModelInfo, config: GrpcServerConfig, pad_multiple: int) -> RequestLimits:
     """The request limits: the model's, tightened by the config and the step budget.
 
     Raises:
@@ -243,7 +243,7 @@ class ServerHandles:
     """
 
     server: grpc.aio.Server
-    config: ServerConfig
+    config: GrpcServerConfig
     health: ScorerHealth
     gate: CallGate
     servicer: ScorerServicer

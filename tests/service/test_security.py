@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore_server.config import ServerConfig
+from megascore_server.config import GrpcServerConfig
 from megascore_server.tls import is_loopback, server_credentials, warn_if_exposed
 from tests.service.fake_engine import FakeEngine
 from tests.service.harness import Req, ServerThread, check_response
@@ -125,7 +125,7 @@ def test_tls(pki):
     files, paths = pki
     srv = ServerThread(
         FakeEngine(),
-        ServerConfig(port=0, tls_cert=paths["server_cert"], tls_key=paths["server_key"]),
+        GrpcServerConfig(port=0, tls_cert=paths["server_cert"], tls_key=paths["server_key"]),
     )
     try:
         check_response(tls_stub(srv, files["server_ca"]).Score(REQ.proto(), timeout=10), REQ)
@@ -137,7 +137,7 @@ def test_tls(pki):
 
 def test_mtls(pki):
     files, paths = pki
-    config = ServerConfig(
+    config = GrpcServerConfig(
         port=0,
         tls_cert=paths["server_cert"],
         tls_key=paths["server_key"],
@@ -156,14 +156,14 @@ def test_mtls(pki):
 
 def test_tls_file_errors(tmp_path):
     with pytest.raises(ValueError, match="tls_cert: cannot read"):
-        server_credentials(ServerConfig(tls_cert=str(tmp_path / "nope.pem"), tls_key="k"))
+        server_credentials(GrpcServerConfig(tls_cert=str(tmp_path / "nope.pem"), tls_key="k"))
     (tmp_path / "junk.pem").write_text("not a certificate")
     with pytest.raises(ValueError, match="not a PEM file"):
-        server_credentials(ServerConfig(tls_cert=str(tmp_path / "junk.pem"), tls_key="k"))
+        server_credentials(GrpcServerConfig(tls_cert=str(tmp_path / "junk.pem"), tls_key="k"))
     with pytest.raises(ValueError, match="given together"):
-        ServerConfig(tls_cert="a.pem")
+        GrpcServerConfig(tls_cert="a.pem")
     with pytest.raises(ValueError, match="mTLS"):
-        ServerConfig(tls_client_ca="ca.pem")
+        GrpcServerConfig(tls_client_ca="ca.pem")
 
 
 # -------------------------------------------------------------------------- auth
@@ -243,8 +243,8 @@ def test_oversized_message_is_resource_exhausted():
 
 def test_exposed_bind_warning(caplog):
     caplog.set_level(logging.WARNING, logger="megascore_server.tls")
-    assert warn_if_exposed(ServerConfig(host="0.0.0.0"))
+    assert warn_if_exposed(GrpcServerConfig(host="0.0.0.0"))
     assert "without TLS or an auth token" in caplog.text
-    assert not warn_if_exposed(ServerConfig(host="0.0.0.0", auth_token_file="t"))
-    assert not warn_if_exposed(ServerConfig(host="127.0.0.1"))
+    assert not warn_if_exposed(GrpcServerConfig(host="0.0.0.0", auth_token_file="t"))
+    assert not warn_if_exposed(GrpcServerConfig(host="127.0.0.1"))
     assert is_loopback("::1") and is_loopback("localhost") and not is_loopback("10.0.0.1")
