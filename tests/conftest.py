@@ -1,8 +1,14 @@
-"""Shared test setup: GPU marker handling and the --run-slow flag."""
+"""Shared test setup: GPU marker handling, the --run-slow flag and shared fixtures.
+
+The real-server fixtures of ``tests/e2e`` and ``tests/reliability`` (``serve``, ``tp1``,
+``tp2``, ``shared_tp1``, ``shared_tp2``) live in :mod:`tests.e2e.fixtures`.
+"""
 
 from __future__ import annotations
 
 import pytest
+
+pytest_plugins = ("tests.e2e.fixtures",)
 
 
 def pytest_addoption(parser):
