@@ -21,8 +21,9 @@ from megascore.types import Engine
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.auth import BearerTokenInterceptor, read_token
 from megascore_server.config import GrpcServerConfig
+from megascore_server.gate import CallGate
 from megascore_server.health import SCORER_SERVICE, ScorerHealth
-from megascore_server.lifecycle import CallGate, ServerHandles, resolve_limits
+from megascore_server.lifecycle import ServerHandles, resolve_limits
 from megascore_server.metrics import ServerMetrics
 from megascore_server.servicer import ScorerServicer
 from megascore_server.status import StatusInterceptor

@@ -4,7 +4,7 @@ Lifecycle: NOT_SERVING from creation until the engine is ready
 (:meth:`ScorerHealth.set_serving`), SERVING after, NOT_SERVING for good on
 drain or when a rank is lost (:meth:`ScorerHealth.shut_down`). Health only
 publishes: whether the server serves is decided by
-:class:`megascore_server.lifecycle.CallGate`, which the Scorer asks too. A Watch
+:class:`megascore_server.gate.CallGate`, which the Scorer asks too. A Watch
 stream sends NOT_SERVING and ends at that point: an open watcher (gRPC
 client-side health checking, a load balancer) would otherwise hold
 ``server.stop(grace)`` for the whole grace period of every drain.

@@ -3,7 +3,7 @@
 No torch here: the engine sits behind the :class:`DynamicBatcher`. Methods raise
 typed errors; :class:`megascore_server.status.StatusInterceptor` turns them into
 statuses, logs and counts them. Whether a call may run is asked of the
-:class:`megascore_server.lifecycle.CallGate`.
+:class:`megascore_server.gate.CallGate`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.convert import build_response, model_info_to_proto
-from megascore_server.lifecycle import SHUTTING_DOWN_MESSAGE, CallGate
+from megascore_server.gate import SHUTTING_DOWN_MESSAGE, CallGate
 from megascore_server.status import clip, quoted, request_label
 from megascore_server.validation import RequestLimits, validate_load_request, validate_request
 
@@ -39,7 +39,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
     """``megascore.v1.Scorer`` on top of a :class:`DynamicBatcher`.
 
     Every RPC answers UNAVAILABLE until :meth:`attach` gives it the engine's batcher
-    and the gate lets calls in (:class:`megascore_server.lifecycle.CallGate`).
+    and the gate lets calls in (:class:`megascore_server.gate.CallGate`).
 
     Args:
         gate: admission, readiness and the count of running calls.

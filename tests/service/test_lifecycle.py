@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from megascore.errors import WorkerLostError
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore_server.lifecycle import SHUTTING_DOWN_MESSAGE
+from megascore_server.gate import SHUTTING_DOWN_MESSAGE
 from megascore_server.status import INTERNAL_MESSAGE
 from tests.service.fake_engine import MAX_TOP_K, VOCAB, FakeEngine
 from tests.service.harness import Req, ServerThread, check_response, engine_held, wait_for
