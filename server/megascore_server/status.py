@@ -159,6 +159,11 @@ def _seconds(response, since: float) -> float:
     return time.monotonic() - since
 
 
+@dataclasses.dataclass
+class _Clock:
+    since: float = dataclasses.field(default_factory=time.monotonic)
+
+
 class _RateLimited:
     """True at most once per ``every_s`` seconds; counts the calls it refused."""
 
@@ -235,6 +240,21 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         logger.info("%s request_id=%s cancelled by the client", rpc, request_label.get() or "-")
         self._observe(rpc, counted, grpc.StatusCode.CANCELLED, since)
 
+    @contextlib.asynccontextmanager
+    async def _outcome(self, rpc: str, counted: bool, context):
+        """Answers, logs and counts whatever the call raises inside; yields its clock
+        (``since``: the call's start, or for a stream the last message sent)."""
+        clock = _Clock()
+        try:
+            yield clock
+        except asyncio.CancelledError:
+            self._cancelled(rpc, counted, clock.since)
+            raise
+        except grpc.aio.AbortError:  # answered already
+            raise
+        except Exception as exc:
+            await self._fail(rpc, counted, exc, context, clock.since)
+
     def _wrap(self, handler: grpc.RpcMethodHandler, rpc: str, counted: bool):
         inner = (
             handler.unary_unary or handler.unary_stream or handler.stream_unary
@@ -248,38 +268,22 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             return _parsed(request)
 
         async def unary_response(request, context):
-            since = time.monotonic()
-            try:
+            async with self._outcome(rpc, counted, context) as clock:
                 response = await inner(adapt(request), context)
-            except asyncio.CancelledError:
-                self._cancelled(rpc, counted, since)
-                raise
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await self._fail(rpc, counted, exc, context, since)
-            self._observe(rpc, counted, grpc.StatusCode.OK, since)
+            self._observe(rpc, counted, grpc.StatusCode.OK, clock.since)
             return response
 
         async def stream_response(request, context):
-            since = time.monotonic()
-            try:
+            async with self._outcome(rpc, counted, context) as clock:
                 result = inner(adapt(request), context)
                 if not inspect.isasyncgen(result):  # writes with context.write()
                     await result
                     return
                 async with contextlib.aclosing(result):
                     async for response in result:
-                        self._observe_message(rpc, counted, response, since)
+                        self._observe_message(rpc, counted, response, clock.since)
                         yield response
-                        since = time.monotonic()
-            except asyncio.CancelledError:
-                self._cancelled(rpc, counted, since)
-                raise
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await self._fail(rpc, counted, exc, context, since)
+                        clock.since = time.monotonic()
 
         kwargs = {
             "request_deserializer": _tolerant(handler.request_deserializer),
