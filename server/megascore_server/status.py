@@ -61,6 +61,14 @@ DECODE_LOG_EVERY_S = 10.0
 """At most one log line per this many seconds about requests that do not parse."""
 
 SCORER_METHOD_PREFIX = "/megascore.v1.Scorer/"
+_EXPECTED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+)
+"""Failures logged at INFO (the caller's mistake, or a server not serving); others WARNING."""
 
 request_label: contextvars.ContextVar[str] = contextvars.ContextVar("request_label", default="")
 """The request a failure belongs to (``request_id``, or ``"id (stream message i)"``):
@@ -225,8 +233,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     self._decode_log.suppressed,
                 )
             return
-        quiet = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
-        level = logging.INFO if quiet or code == grpc.StatusCode.UNAVAILABLE else logging.WARNING
+        level = logging.INFO if code in _EXPECTED else logging.WARNING
         logger.log(level, "%s failed: %s %s", rpc, code.name, message)
 
     async def _fail(self, rpc, counted, exc: Exception, context, since: float):
