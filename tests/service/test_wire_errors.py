@@ -146,3 +146,23 @@ def test_every_status_message_is_capped():
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     full = len("request_id=id: ") + 100_000
     assert len(message) <= MAX_MESSAGE_CHARS + 40 and f"({full} characters)" in message
+
+
+def test_garbage_on_reflection_stream(server):
+    call = server.channel().stream_stream(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(iter([b"\xff\xff\xff"]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(
+        "request does not parse as grpc.reflection.v1alpha.ServerReflectionRequest: "
+    )
+
+
+def test_garbage_is_counted_as_invalid_argument(server):
+    counter = server.handles.metrics.requests.labels(rpc="Score", code="INVALID_ARGUMENT")
+    before = counter._value.get()
+    for payload in GARBAGE:
+        _unary(server, "/megascore.v1.Scorer/Score", payload)
+    assert counter._value.get() - before == len(GARBAGE)
