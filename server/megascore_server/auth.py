@@ -83,10 +83,15 @@ async def _refuse(request_or_iterator, context: grpc.aio.ServicerContext):
     )
 
 
+def _unread(data: bytes) -> None:
+    """The request of a refused call is not parsed: it is refused whatever its bytes."""
+    return None
+
+
 def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``handler`` that raises :class:`UnauthenticatedError`."""
     kwargs = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": _unread,
         "response_serializer": handler.response_serializer,
     }
     if handler.request_streaming and handler.response_streaming:

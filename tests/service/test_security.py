@@ -223,6 +223,16 @@ def test_auth_accepts_token_and_leaves_health_open(auth_server):
     assert counter.labels(rpc="Score", code="UNAUTHENTICATED")._value.get() >= 1
 
 
+def test_auth_comes_before_parsing(auth_server):
+    score = auth_server.channel().unary_unary("/megascore.v1.Scorer/Score")  # raw bytes
+    error = assert_fails(lambda: score(b"\xff\xff\xff", timeout=5), grpc.StatusCode.UNAUTHENTICATED)
+    assert "authorization: Bearer" in error.details()
+    good = [("authorization", f"Bearer {TOKEN}")]
+    call = lambda: score(b"\xff\xff\xff", timeout=5, metadata=good)  # noqa: E731
+    error = assert_fails(call, grpc.StatusCode.INVALID_ARGUMENT)
+    assert error.details().startswith("request does not parse as megascore.v1.ScoreRequest")
+
+
 # ------------------------------------------------------------------- message size
 
 
