@@ -32,7 +32,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SERVER_BUDGET = 16384  # ServerConfig.max_tokens_per_batch default
+SERVER_BUDGET = 16384  # GrpcServerConfig.max_tokens_per_batch default
 PHASES = ("client_encode", "server_decode", "server_batching", "server_encode", "client_decode")
 
 

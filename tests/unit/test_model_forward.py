@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -27,23 +26,10 @@ from megascore.engine.forward import (
 )
 from megascore.model.build import build_model, resolve_attention_backend
 from megascore.model.config import ModelConfig, builtin_model
-from megascore.model.parallel import destroy_parallel, initialize_parallel
 from megascore.packing import cp_shard_indices
 from tests.padded_rows import pack_rows
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def pgs():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    pg_collection = initialize_parallel(EngineConfig())
-    yield pg_collection
-    destroy_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def _build(pgs, model_cfg: ModelConfig, dtype: str = "float32"):

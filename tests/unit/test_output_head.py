@@ -26,7 +26,6 @@ from megascore.engine.logprobs import score_tokens
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig, builtin_model
-from megascore.model.parallel import destroy_parallel, initialize_parallel
 from megascore.types import ScoreBatch
 from tests.padded_rows import pack_rows
 
@@ -41,18 +40,6 @@ MODELS = {
     ),
     "tiny-moe-no-mtp": dataclasses.replace(builtin_model("tiny-moe"), mtp_num_layers=None),
 }
-
-
-@pytest.fixture(scope="module")
-def pgs():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    pg_collection = initialize_parallel(EngineConfig())
-    yield pg_collection
-    destroy_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def _build(pgs, model_cfg: ModelConfig):
