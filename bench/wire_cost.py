@@ -85,9 +85,9 @@ def _fake_output(step, top_k: int, rng: np.random.Generator):
 def round_trip(sequences: list[np.ndarray], vocab_size: int, top_k: int = 5) -> dict[str, float]:
     """One timed round trip; returns seconds per phase (see the module docstring)."""
     from megascore.v1 import scoring_pb2 as pb
-    from megascore_client.batching import ScoreOptions, build_parts, decode_part, merge
     from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES
     from megascore_client.inputs import make_batch
+    from megascore_client.splitting import ScoreOptions, build_parts, decode_part, merge
     from megascore_server.convert import build_response, concat_outputs, select_sequences
     from megascore_server.microbatch import merge_batches
     from megascore_server.validation import RequestLimits, validate_request

@@ -22,9 +22,11 @@ from collections.abc import Callable
 
 import grpc
 
-from megascore_client.batching import ScoreOptions, decode_part, merge
 from megascore_client.errors import ScoringError, closed_error, malformed_response
 from megascore_client.results import ScoreResult
+from megascore_client.splitting import ScoreOptions, decode_part, merge, prepare
+
+__all__ = ["AsyncScoreStream", "ScoreStream"]
 
 
 class _Assembler:
@@ -64,12 +66,15 @@ def _task_cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _plan(client, sequences, kwargs: dict, limit: int | None):
+def _plan(sequences, kwargs: dict, message_limit: int, token_limit: int | None):
     """Splits ``submit`` keyword arguments and plans the parts (as ``score`` does)."""
     batch = {k: kwargs.pop(k, None) for k in ("loss_mask", "lengths", "request_id")}
-    options = ScoreOptions(**kwargs)
-    return client._plan(
-        sequences, batch["loss_mask"], batch["lengths"], options, batch["request_id"], limit
+    return prepare(
+        sequences,
+        ScoreOptions(**kwargs),
+        max_message_bytes=message_limit,
+        max_request_tokens=token_limit,
+        **batch,
     )
 
 
@@ -101,8 +106,7 @@ class ScoreStream:
         self._lock = threading.Lock()
         self._error: ScoringError | None = None
         self._closed = False
-        # under the client's start lock: no call through a closed sync channel
-        self._call = client._start_stream(self._request_iter(), timeout)
+        self._call = client.transport.open_stream(self._request_iter(), timeout)
         self._reader = threading.Thread(target=self._read, name="megascore-stream", daemon=True)
         self._reader.start()
 
@@ -131,7 +135,7 @@ class ScoreStream:
             RuntimeError: the stream is closed.
         """
         limit = self._client.request_token_limit()
-        parts, rid = _plan(self._client, sequences, kwargs, limit)
+        parts, rid = _plan(sequences, kwargs, self._client.message_limit, limit)
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()  # ordered results: not cancellable one by one
         assembler = _Assembler(len(parts), rid, future.set_result, future.set_exception)
@@ -201,11 +205,7 @@ class AsyncScoreStream:
         self._reader: asyncio.Task | None = None
 
     async def __aenter__(self) -> AsyncScoreStream:
-        if self._client._closed.is_set():  # grpc.aio raises a bare UsageError on a closed channel
-            raise closed_error()
-        self._call = self._client._stub.ScoreStream(
-            timeout=self._timeout, metadata=self._client._metadata
-        )
+        self._call = self._client.transport.open_stream(self._timeout)
         self._reader = asyncio.create_task(self._read())
         return self
 
@@ -222,7 +222,7 @@ class AsyncScoreStream:
         if self._call is None:
             raise RuntimeError("use the stream as 'async with client.stream() as stream'")
         limit = await self._client.request_token_limit()
-        parts, rid = _plan(self._client, sequences, kwargs, limit)
+        parts, rid = _plan(sequences, kwargs, self._client.message_limit, limit)
         future = asyncio.get_running_loop().create_future()
 
         def on_result(result: ScoreResult) -> None:
@@ -289,7 +289,7 @@ class AsyncScoreStream:
     def _cancelled_error(self) -> ScoringError:
         """The error of a call cancelled on this side: by ``close()`` of the client
         (the closed error) or by :meth:`cancel`."""
-        if self._client._closed.is_set():
+        if self._client.transport.closed:
             return closed_error()
         return ScoringError(grpc.StatusCode.CANCELLED, "the stream was cancelled")
 
