@@ -17,6 +17,7 @@ from megascore_client.errors import ScoringError, closed_error
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, ScoreOptions, decode_part
 from megascore_client.stream import AsyncScoreStream
+from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
 from megascore_client.transport import AsyncTransport
 
 __all__ = ["AsyncScoringClient"]
@@ -124,6 +125,21 @@ class AsyncScoringClient(ClientBase):
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def score_padded(self, input_ids, input_lengths, **kwargs):
+        """Logprobs of a NeMo-RL batch (see ``ScoringClient.score_padded``)."""
+        return await self._score_layout(nemo_rl_layout(input_ids, input_lengths), kwargs)
+
+    async def score_responses(self, input_ids, attention_mask, responses, **kwargs):
+        """Response logprobs of a verl batch (see ``ScoringClient.score_responses``)."""
+        layout = verl_layout(input_ids, attention_mask, responses)
+        return await self._score_layout(layout, kwargs)
+
+    async def _score_layout(self, layout: PaddedLayout, kwargs: dict):
+        scored = None
+        if layout.sequences:
+            scored = await self.score(layout.sequences, losses=(), **kwargs)
+        return layout.logprobs(None if scored is None else scored.logprobs)
 
     def stream(self, *, timeout: float | None = None) -> AsyncScoreStream:
         """A ScoreStream helper: ``async with client.stream() as s: f = await s.submit(...)``.

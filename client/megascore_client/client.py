@@ -17,6 +17,7 @@ from megascore_client.errors import ScoringError, closed_error
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, ScoreOptions, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
+from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
 from megascore_client.transport import SyncTransport
 from megascore_client.waiting import ServerWait, check_wait
 
@@ -306,6 +307,41 @@ class ScoringClient(ClientBase):
             for _, future, _ in inflight:
                 future.cancel()
         return results
+
+    def score_padded(self, input_ids, input_lengths, **kwargs):
+        """Logprobs of a NeMo-RL batch: right-padded ``input_ids [B, S]`` and
+        ``input_lengths [B]`` (layout in :mod:`megascore_client.trainer_layouts`).
+
+        Args:
+            input_ids: int ``[B, S]`` (numpy, torch or array-like).
+            input_lengths: int ``[B]``, each in ``[0, S]``.
+            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
+
+        Returns:
+            float32 ``[B, S]``: entry ``[b, t]`` is ``log p(x_t | x_<t)`` of row b for
+            ``1 <= t < input_lengths[b]``, 0.0 at t = 0 and past the length; a torch
+            tensor on the device of ``input_ids`` when that is a torch tensor.
+        """
+        return self._score_layout(nemo_rl_layout(input_ids, input_lengths), kwargs)
+
+    def score_responses(self, input_ids, attention_mask, responses, **kwargs):
+        """Response logprobs of a verl batch: ``input_ids [B, P+R]`` (left-padded
+        prompts, then right-padded responses), ``attention_mask [B, P+R]``,
+        ``responses [B, R]`` (layout in :mod:`megascore_client.trainer_layouts`).
+
+        Args:
+            input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
+            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
+
+        Returns:
+            float32 ``[B, R]``: entry ``[b, j]`` is the logprob of ``responses[b, j]``
+            given the real tokens before it, 0.0 on response padding (torch in, torch out).
+        """
+        return self._score_layout(verl_layout(input_ids, attention_mask, responses), kwargs)
+
+    def _score_layout(self, layout: PaddedLayout, kwargs: dict):
+        scored = self.score(layout.sequences, losses=(), **kwargs) if layout.sequences else None
+        return layout.logprobs(None if scored is None else scored.logprobs)
 
     def stream(self, *, timeout: float | None = None) -> ScoreStream:
         """Opens a ScoreStream bidi call for rollout loops (see :class:`ScoreStream`).
