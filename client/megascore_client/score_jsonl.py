@@ -28,7 +28,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -268,81 +268,89 @@ def _refused_row(batch: list[Row], error: ScoringError, path: Path) -> tuple[int
     return index, BadRow(path, row.line, row.id, f"refused: {error.details}")
 
 
-def run(args, client) -> int:
-    """Runs ``megascore score`` with a connected client; returns the exit code."""
-    if args.batch_tokens < 1 or args.concurrency < 1:
-        raise InvalidInputError("--batch-tokens and --concurrency must be >= 1")
-    done = load_done(args.output)
-    limits = RowLimits.from_model_info(client.model_info())
-    skipped = len(done)
-    totals = [sum(v[i] for v in done.values()) for i in range(3)]
-    scored_rows = scored_tokens = 0
-    start = time.perf_counter()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    rejects = _Rejects(rejected_path(args.output) if args.skip_invalid else None)
-    bar = _progress(args.progress)
+class _Output:
+    """The output file and the running totals of the summary."""
+
+    def __init__(self, file, done: dict, bar, args):
+        self._file, self._bar, self._args = file, bar, args
+        self.totals = [sum(v[i] for v in done.values()) for i in range(3)]
+        self.rows = self.tokens = 0
+
+    def write(self, batch: list[Row], result) -> None:
+        """Appends the scored rows of ``batch`` (in order) and flushes."""
+        if not batch:
+            return
+        text, stats = _format_rows(batch, result, self._args)
+        self._file.write(text)
+        self._file.flush()
+        for i, value in enumerate(zip(*stats, strict=True)):
+            self.totals[i] += sum(value)
+        tokens = sum(s[0] for s in stats)
+        self.rows += len(stats)
+        self.tokens += tokens
+        self._bar.update(tokens)
+        self._bar.set_postfix(rows=self.rows)
+
+
+def _scorer(client, args) -> Callable[[list[Row]], object]:
+    """Scores a batch of rows with the CLI's options."""
 
     def score(batch: list[Row]):
         has_mask = any(row.loss_mask is not None for row in batch)
+        masks = [row.loss_mask or [1] * len(row.token_ids) for row in batch]
         return client.score(
             [row.token_ids for row in batch],
-            loss_mask=[row.loss_mask or [1] * len(row.token_ids) for row in batch]
-            if has_mask
-            else None,
+            loss_mask=masks if has_mask else None,
             top_k=args.top_k,
             temperature=args.temperature,
             losses=("nll",),
             return_logprobs=args.logprobs,
         )
 
-    def result_of(batch: list[Row], future) -> tuple[list[Row], object]:
-        """The batch's result; rows the server refuses are set aside (or stop the run
-        after the rows before them) and the rest scored again."""
+    return score
+
+
+def _write_settled(batch: list[Row], future, score, rejects: _Rejects, output: _Output, path):
+    """Writes a batch's result. Rows the server refused are set aside and the rest of
+    the batch scored again; without ``--skip-invalid`` the rows before the first
+    refused one are written and it is raised (a :class:`BadRow`)."""
+    try:
+        output.write(batch, future.result())
+        return
+    except ScoringError as exc:
+        error = exc
+    stop = rejects.path is None
+    while True:
+        index, bad = _refused_row(batch, error, path)
+        if not stop:
+            rejects.add(bad)
+        batch = batch[:index] + ([] if stop else batch[index + 1 :])
         try:
-            return batch, future.result()
+            output.write(batch, score(batch) if batch else None)
+            break
         except ScoringError as exc:
             error = exc
-        while True:
-            index, bad = _refused_row(batch, error, args.input)
-            stop = rejects.path is None
-            if not stop:
-                rejects.add(bad)
-            batch = batch[:index] + ([] if stop else batch[index + 1 :])
-            try:
-                result = score(batch) if batch else None
-                break
-            except ScoringError as exc:
-                error = exc
-        if stop:
-            write(batch, result)
-            raise bad
-        return batch, result
+    if stop:
+        raise bad
 
+
+def run(args, client) -> int:
+    """Runs ``megascore score`` with a connected client; returns the exit code."""
+    if args.batch_tokens < 1 or args.concurrency < 1:
+        raise InvalidInputError("--batch-tokens and --concurrency must be >= 1")
+    done = load_done(args.output)
+    limits = RowLimits.from_model_info(client.model_info())
+    start = time.perf_counter()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    rejects = _Rejects(rejected_path(args.output) if args.skip_invalid else None)
+    bar = _progress(args.progress)
+    score = _scorer(client, args)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.concurrency)
     inflight: collections.deque = collections.deque()
     try:
         with args.output.open("a") as out:
-
-            def write(batch: list[Row], result) -> None:
-                nonlocal scored_rows, scored_tokens
-                if not batch:
-                    return
-                text, stats = _format_rows(batch, result, args)
-                out.write(text)
-                out.flush()
-                for i, value in enumerate(zip(*stats, strict=True)):
-                    totals[i] += sum(value)
-                tokens = sum(s[0] for s in stats)
-                scored_rows += len(stats)
-                scored_tokens += tokens
-                bar.update(tokens)
-                bar.set_postfix(rows=scored_rows)
-
-            def write_oldest() -> None:
-                write(*result_of(*inflight.popleft()))
-
-            tokenize = _tokenizer(args)
-            rows = read_rows(args.input, limits, skip=done.__contains__, tokenize=tokenize)
+            output = _Output(out, done, bar, args)
+            rows = read_rows(args.input, limits, skip=done.__contains__, tokenize=_tokenizer(args))
             batches = _batches(_good_rows(rows, rejects), args.batch_tokens, args.limit)
             stop = None  # a bad row read: the rows before it are scored first
             while True:
@@ -353,10 +361,10 @@ def run(args, client) -> int:
                 if batch is None:
                     break
                 if len(inflight) >= args.concurrency:
-                    write_oldest()
+                    _write_settled(*inflight.popleft(), score, rejects, output, args.input)
                 inflight.append((batch, pool.submit(score, batch)))
             while inflight:
-                write_oldest()
+                _write_settled(*inflight.popleft(), score, rejects, output, args.input)
             if stop is not None:
                 raise stop
     except BadRow as bad:
@@ -367,16 +375,19 @@ def run(args, client) -> int:
         pool.shutdown(wait=False, cancel_futures=True)  # the client closes what still runs
         bar.close()
         rejects.close()
-    elapsed = time.perf_counter() - start
-    tokens, loss_tokens, nll = totals
+    _summary(output, len(done), rejects, time.perf_counter() - start)
+    return 0
+
+
+def _summary(output: _Output, skipped: int, rejects: _Rejects, elapsed: float) -> None:
+    tokens, loss_tokens, nll = output.totals
     mean_nll = nll / loss_tokens if loss_tokens else float("nan")
-    print(f"rows: {skipped + scored_rows} (scored {scored_rows}, skipped {skipped} already done)")
+    print(f"rows: {skipped + output.rows} (scored {output.rows}, skipped {skipped} already done)")
     if rejects.path is not None:
         print(f"rejected: {rejects.count} (listed in {rejects.path})")
     print(f"tokens: {tokens} ({loss_tokens} predicted)")
     print(f"mean NLL per token: {mean_nll:.6f}")
     perplexity = math.exp(min(mean_nll, 709.0)) if loss_tokens else float("nan")
     print(f"perplexity: {perplexity:.4f}")
-    rate = scored_tokens / elapsed if elapsed > 0 else 0.0
+    rate = output.tokens / elapsed if elapsed > 0 else 0.0
     print(f"elapsed: {elapsed:.2f} s ({rate:.0f} tokens/s)")
-    return 0
