@@ -86,9 +86,9 @@ def round_trip(sequences: list[np.ndarray], vocab_size: int, top_k: int = 5) -> 
     """One timed round trip; returns seconds per phase (see the module docstring)."""
     from megascore.layout import concat_outputs, select_sequences
     from megascore.v1 import scoring_pb2 as pb
-    from megascore_client.batching import ScoreOptions, build_parts, decode_part, merge
     from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES
     from megascore_client.inputs import make_batch
+    from megascore_client.splitting import ScoreOptions, build_parts, decode_part, merge
     from megascore_server.convert import build_response
     from megascore_server.step_planner import merge_batches
     from megascore_server.validation import RequestLimits, validate_request
