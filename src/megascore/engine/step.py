@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import forward_packed
-from megascore.engine.logprobs import score_tokens
+from megascore.engine.logprobs import Float32Logits, score_tokens
 from megascore.engine.losses import compute_losses, effective_loss_mask, loss_names
 from megascore.errors import WorkerLostError
 from megascore.packing import cp_shard_indices, pack_sequences, roll_within_segments
@@ -71,6 +71,7 @@ class StepConfig:
         vocab_size: true vocabulary size (padded logit columns never enter the top-k).
         device: device of the model inputs.
         output_rank: global rank that builds the :class:`ScoreOutput`.
+        lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
     """
 
     pad_multiple: int
@@ -78,6 +79,7 @@ class StepConfig:
     vocab_size: int
     device: torch.device
     output_rank: int = 0
+    lm_head_dtype: str = "model"
 
 
 @dataclasses.dataclass
@@ -224,7 +226,7 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
     )
     k = batch.top_k
     scores = score_tokens(
-        outputs.head,
+        outputs.head if cfg.lm_head_dtype == "model" else Float32Logits(outputs.head),
         targets[0] if _wants_logprobs(batch) else None,
         tp_group=groups.tp,
         temperature=temperature,
@@ -270,6 +272,14 @@ def agree_on_status(failed: bool, status_group: dist.ProcessGroup) -> list[int]:
     return [ranks[i] for i in torch.nonzero(flags).flatten().tolist()]
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Waits for the step's queued CUDA work, so that an asynchronous CUDA error (a
+    faulting kernel, a failed NCCL collective) raises on this rank before it reports
+    success to the status all-reduce. A no-op on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
     """Runs one forward step on this rank and agrees on its outcome with every rank.
 
@@ -290,6 +300,7 @@ def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> S
     result = None
     try:
         result = _local_results(model, batch, groups, cfg)
+        wait_for_device(cfg.device)
     except Exception as e:  # reported to every rank through the status all-reduce
         logger.exception("rank %d: step failed", dist.get_rank())
         error = e
