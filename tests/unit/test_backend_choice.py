@@ -9,6 +9,9 @@ branches on this CPU machine; the device is only inspected, never used.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -78,3 +81,12 @@ def test_lm_head_dtype_flag():
     assert config.engine.lm_head_dtype == "float32"
     with pytest.raises(ValueError, match="lm_head_dtype"):
         EngineConfig(lm_head_dtype="float64")
+
+
+def test_gpu_image_default_command_runs_te_in_bfloat16(monkeypatch):
+    dockerfile = (Path(__file__).resolve().parents[2] / "docker" / "Dockerfile").read_text()
+    cmd = json.loads(next(line for line in dockerfile.splitlines() if line.startswith("CMD "))[4:])
+    config = load_serve_config(cmd, environ={"MEGASCORE_DEVICE": "cuda"})
+    assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
+    monkeypatch.setattr(build, "HAVE_TE", True)
+    assert resolve_attention_backend(config.engine, CUDA) == "te"

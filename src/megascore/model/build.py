@@ -86,6 +86,8 @@ def resolve_attention_backend(engine_cfg: EngineConfig, device: torch.device) ->
     """
     half = engine_cfg.dtype in ("bfloat16", "float16")
     if engine_cfg.attention_backend == "auto":
+        if device.type == "cuda" and half and not HAVE_TE:
+            logger.warning("TransformerEngine is not importable (%s): torch attention", _te_error())
         return "te" if HAVE_TE and device.type == "cuda" and half else "torch"
     if engine_cfg.attention_backend == "te":
         if not HAVE_TE:
