@@ -45,10 +45,10 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     has_cuda = None
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             if has_cuda is None:
                 has_cuda = _cuda_available()
             if not has_cuda:
                 item.add_marker(pytest.mark.skip(reason="needs CUDA"))
-        if "slow" in item.keywords and not config.getoption("--run-slow"):
+        if item.get_closest_marker("slow") is not None and not config.getoption("--run-slow"):
             item.add_marker(pytest.mark.skip(reason="slow: pass --run-slow"))

@@ -63,5 +63,9 @@ def test_te_matches_torch_backend(pgs, model_name):
     diff = (lp_te - lp_torch).abs().max().item()
     assert diff <= LOGPROB_TOL, f"max |dlogprob| {diff}"
     assert set(metrics_te) == set(metrics_torch)
+    # An MTP acceptance rate is a percentage of tokens: one argmax flipped by a kernel's
+    # rounding moves it by 100 / tokens, far more than a relative tolerance allows.
+    flip = 2 * 100.0 / sum(LENGTHS)
     for name, value in metrics_torch.items():
-        assert metrics_te[name] == pytest.approx(value, rel=METRIC_REL_TOL, abs=1e-3), name
+        atol = flip if name.endswith("acceptance_rate") else 1e-3
+        assert metrics_te[name] == pytest.approx(value, rel=METRIC_REL_TOL, abs=atol), name

@@ -17,15 +17,23 @@ grammar of megascore):
 so rank 0 can describe a model before building it. The returned ``load_weights``
 runs on every rank after ``build_model`` and loads that rank's shards; it checks
 the whole checkpoint against the model before overwriting any parameter.
+
+Every loader (megascore's HF recipes, megatron-bridge's mappings, Megatron
+checkpoints) must write every parameter of the model exactly once:
+:func:`check_every_parameter_written` fails the load, naming the parameters, when
+one would keep its random initial value or be written twice. ``hf:`` checkpoints go
+through megatron-bridge's ``AutoBridge`` only where it applies
+(:mod:`megascore.checkpoint.hf_bridge`), else megascore's own reader.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -165,9 +173,13 @@ def _resolve_hf(directory: Path) -> ResolvedModel:
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
 
     def load_weights(model) -> None:
+        from megascore.checkpoint import hf_bridge
         from megascore.checkpoint.hf_weights import load_hf_weights
 
-        load_hf_weights(model, model_cfg, directory)
+        if hf_bridge.choose_hf_loader(model, directory) == "bridge":
+            hf_bridge.load_with_bridge(model, directory)
+        else:  # megascore's recipes: every architecture hf_config accepts
+            load_hf_weights(model, model_cfg, directory)
 
     meta = CheckpointMetadata(
         "hf", directory.name, str(directory), version, _has_tokenizer(directory), dtype
@@ -261,6 +273,47 @@ def architecture_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
         if va != vb:
             out.append(f"{f.name}: {va!r} != {vb!r}")
     return out
+
+
+def model_tensor_names(model) -> list[str]:
+    """Names of the tensors a loader must write: the model's ``state_dict`` entries
+    (parameters and persistent buffers) except the layers' ``_extra_state``."""
+    return [n for n in model.state_dict(keep_vars=True) if not n.endswith("_extra_state")]
+
+
+def check_every_parameter_written(
+    expected: Iterable[str], written: Iterable[str], source: str
+) -> None:
+    """Raises unless a load writes every expected tensor exactly once.
+
+    Run before the load overwrites anything, on what the loader plans to write (a
+    recipe per parameter, the bridge's conversion tasks, the checkpoint's tensors).
+
+    Args:
+        expected: names the model needs (:func:`model_tensor_names`).
+        written: one name per write the loader makes (repeats mean repeated writes).
+        source: the checkpoint, for the message.
+
+    Raises:
+        CheckpointError: naming every parameter no mapping writes (it would keep its
+            random initial value), written more than once, or not in the model.
+    """
+    expected = list(expected)
+    counts = collections.Counter()
+    for name in written:  # a dict (recipes) counts by key, not by value
+        counts[name] += 1
+    problems = []
+    missing = [n for n in expected if not counts[n]]
+    if missing:
+        problems.append(f"{len(missing)} parameters written by no mapping: {missing}")
+    twice = sorted(n for n, c in counts.items() if c > 1)
+    if twice:
+        problems.append(f"parameters written more than once: {twice}")
+    unknown = sorted(set(counts) - set(expected))
+    if unknown:
+        problems.append(f"written names the model does not have: {unknown}")
+    if problems:
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
 
 
 def check_same_architecture(new: ModelConfig, current: ModelConfig, source: str = "") -> None:

@@ -91,6 +91,40 @@ class TensorLogits:
         return self.tensor[start:end]
 
 
+class Float32Logits:
+    """A :class:`ChunkedLogits` computing an output head's logits in float32
+    (``--lm-head-dtype float32``, docs/engine.md).
+
+    Megatron's output layer multiplies in the model dtype (bf16 logits on GPU) and
+    its loss upcasts them; this multiplies the head's hidden states by the output
+    weight both upcast, the weight once per step (``V/tp x H`` float32 on the device).
+
+    Args:
+        head: the model's :class:`megascore.engine.forward.OutputHead` of this step.
+    """
+
+    def __init__(self, head):
+        self.head = head
+        weight = head.output_layer.weight if head.weight is None else head.weight
+        self.weight = weight.detach().float()  # [V/tp, H]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.head.num_tokens
+
+    @property
+    def vocab_local(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.device
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        rows = self.head.hidden_states[start:end, 0].float()  # [C, H]
+        return self.head.scale_logits(torch.nn.functional.linear(rows, self.weight))
+
+
 def _group_rank_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     if tp_group is None:
         return 0, 1

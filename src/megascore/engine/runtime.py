@@ -27,10 +27,14 @@ Process groups (all explicit):
   that a rank that failed early still hears from the ranks that first had to
   time out waiting for it.
 * Megatron's TP / CP / EP groups from ``megascore.model.parallel`` (timeout
-  ``collective_timeout_s``).
+  ``collective_timeout_s``). Under NCCL the timeout is enforced by NCCL's watchdog,
+  which aborts the communicators and ends the process
+  (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, set here when unset): a rank left in a
+  collective by a peer that raised (out of memory) or died fails within the timeout.
 
 Failure: when any rank fails a step, every rank learns it through the status
-all-reduce (:func:`megascore.engine.step.run_step`); the engine is then
+all-reduce (:func:`megascore.engine.step.run_step`, which first waits for the
+step's CUDA work so that asynchronous CUDA errors count); the engine is then
 *broken*: rank 0 raises :class:`~megascore.errors.WorkerLostError` for that and
 every later call, and the workers leave their loop with the same error (exit
 non-zero so that the launcher tears the replica down).
@@ -84,6 +88,13 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
         True when this call initialised it (the engine then destroys it on shutdown),
         False when the caller had (the caller keeps owning it).
     """
+    if device.type == "cuda":
+        # NCCL enforces a group's timeout in its watchdog thread: a collective that
+        # outlives it (a peer raised, hung or died mid-step) aborts the communicators
+        # and ends this process, so the launcher tears the replica down instead of
+        # leaving the peers in the collective. torchrun sets this too; a bare
+        # RANK / WORLD_SIZE start (Kubernetes) does not.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -92,7 +103,11 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     # Steps use the explicit groups, with the collective timeout.
     timeout = max(engine_cfg.collective_timeout_s, _STARTUP_TIMEOUT_S)
     dist.init_process_group(
-        backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout)
+        backend=backend,
+        init_method="env://",
+        timeout=datetime.timedelta(seconds=timeout),
+        # NCCL: bind this rank's GPU (its barriers would otherwise guess one)
+        device_id=device if device.type == "cuda" else None,
     )
     logger.info("rank %d/%d: %s initialised", dist.get_rank(), dist.get_world_size(), backend)
     return True
@@ -137,6 +152,7 @@ class DistributedEngine:
             vocab_size=loaded.config.vocab_size,
             device=self.device,
             output_rank=_SRC,
+            lm_head_dtype=engine_cfg.lm_head_dtype,
         )
         self.limits = BatchLimits(
             vocab_size=loaded.config.vocab_size,

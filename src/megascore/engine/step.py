@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megascore import layout
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import forward_packed
-from megascore.engine.logprobs import score_tokens
+from megascore.engine.logprobs import Float32Logits, score_tokens
 from megascore.engine.losses import compute_losses
 from megascore.errors import WorkerLostError
 from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
@@ -74,6 +74,7 @@ class StepConfig:
         vocab_size: true vocabulary size (padded logit columns never enter the top-k).
         device: device of the model inputs.
         output_rank: global rank that builds the :class:`ScoreOutput`.
+        lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
     """
 
     pad_multiple: int
@@ -81,6 +82,7 @@ class StepConfig:
     vocab_size: int
     device: torch.device
     output_rank: int = 0
+    lm_head_dtype: str = "model"
 
 
 @dataclasses.dataclass
@@ -164,7 +166,7 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         loss_mask_packed_local=mtp_mask,
     )
     scores = score_tokens(
-        outputs.head,
+        outputs.head if cfg.lm_head_dtype == "model" else Float32Logits(outputs.head),
         targets if _wants_logprobs(batch) else None,
         tp_group=groups.tp,
         temperature=temperature,
@@ -211,6 +213,14 @@ def agree_on_status(failed: bool, status_group: dist.ProcessGroup) -> list[int]:
     return [ranks[i] for i in torch.nonzero(flags).flatten().tolist()]
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Waits for the step's queued CUDA work, so that an asynchronous CUDA error (a
+    faulting kernel, a failed NCCL collective) raises on this rank before it reports
+    success to the status all-reduce. A no-op on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
     """Runs one forward step on this rank and agrees on its outcome with every rank.
 
@@ -231,6 +241,7 @@ def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> S
     result = None
     try:
         result = _local_results(model, batch, groups, cfg)
+        wait_for_device(cfg.device)
     except Exception as e:  # reported to every rank through the status all-reduce
         logger.exception("rank %d: step failed", dist.get_rank())
         error = e
