@@ -21,8 +21,8 @@ from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from megascore.model.parallel import destroy_parallel, initialize_parallel
-from megascore.packing import pack_sequences
 from megascore.types import ScoreBatch
+from tests.padded_rows import pack_rows
 
 LENGTHS = [9, 1, 14]
 
@@ -55,7 +55,7 @@ def test_float32_head_is_exact_and_model_dtype_rounds(bf16_model):
     offsets = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))]
     for i, (o, n) in enumerate(zip(offsets, LENGTHS, strict=True)):
         rows[i, :n] = ids[o : o + n]
-    packed = pack_sequences(rows, torch.tensor(LENGTHS))
+    packed = pack_rows(rows, torch.tensor(LENGTHS))
     head = forward_packed(bf16_model, packed).head
     targets = torch.randint(0, 512, (head.num_tokens,), generator=torch.Generator().manual_seed(4))
     # the same bf16 hidden states times the same bf16 weight, in float64: [T, V]
@@ -82,7 +82,7 @@ def test_engine_step_uses_the_configured_head_dtype(bf16_model, pgs):
         outs[dtype] = finish_step(batch, run_step(bf16_model, batch, groups, cfg))
     # float32 logits: what the float64 product gives, to float32 rounding
     ids = _ids()
-    packed = pack_sequences(ids[None, :9], torch.tensor([9]))
+    packed = pack_rows(ids[None, :9], torch.tensor([9]))
     head = forward_packed(bf16_model, packed).head
     exact = head.hidden_states[:, 0].double() @ head.output_layer.weight.double().T
     want = torch.log_softmax(exact, -1)[:-1].gather(-1, ids[1:9, None])[:, 0].numpy()
