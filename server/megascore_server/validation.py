@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from megascore import layout
 from megascore.errors import InvalidRequestError, ResourceExhaustedError
 from megascore.types import ScoreBatch
 from megascore.v1 import scoring_pb2 as pb
@@ -193,8 +194,7 @@ def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBa
             f"token_ids: request has {ids.size} tokens, more than max_request_tokens "
             f"{limits.max_request_tokens}"
         )
-    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = layout.offsets(lengths)
     if ids.size != int(offsets[-1]):
         raise InvalidRequestError(
             f"token_ids: has {ids.size} ids but lengths sum to {int(offsets[-1])} "
