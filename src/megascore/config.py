@@ -20,6 +20,13 @@ class EngineConfig:
     tensor_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages: each holds a contiguous run of decoder layers (any split; the
+    first and last stage take the remainder when layers do not divide evenly)."""
+    pipeline_microbatches: int | None = None
+    """Microbatches per step under pipeline parallelism (contiguous runs of sequences,
+    balanced by padded tokens; fewer when a step has fewer sequences). Unset: 1 at PP = 1,
+    2 x PP otherwise. MoE / MTP metrics are Megatron's averages over the microbatches."""
     sequence_parallel: bool | None = None
     """Megatron sequence parallelism (TP > 1 only); unset: on for a MoE model with TP > 1.
 
@@ -51,6 +58,7 @@ class EngineConfig:
             "tensor_model_parallel_size",
             "context_parallel_size",
             "expert_model_parallel_size",
+            "pipeline_model_parallel_size",
             "pad_to_multiple_of",
             "max_top_k",
             "logprob_chunk_tokens",
@@ -76,6 +84,8 @@ class EngineConfig:
             )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+            raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         if self.collective_timeout_s <= 0:
             raise ValueError("collective_timeout_s must be > 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
@@ -134,6 +144,18 @@ class EngineConfig:
         return multiple
 
     @property
+    def microbatches(self) -> int:
+        """Microbatches per step: ``pipeline_microbatches``, else 1 at PP = 1 and 2 x PP."""
+        if self.pipeline_microbatches is not None:
+            return self.pipeline_microbatches
+        pp = self.pipeline_model_parallel_size
+        return 1 if pp == 1 else 2 * pp
+
+    @property
     def model_parallel_size(self) -> int:
-        """Ranks per replica: TP x CP (EP shares ranks with the data/CP dimension)."""
-        return self.tensor_model_parallel_size * self.context_parallel_size
+        """Ranks per replica: TP x CP x PP (EP shares ranks with the data/CP dimension)."""
+        return (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+        )

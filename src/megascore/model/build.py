@@ -39,7 +39,7 @@ from megascore.config import EngineConfig
 from megascore.model import cpu_compat
 from megascore.model.attention import TorchCoreAttention
 from megascore.model.config import ModelConfig
-from megascore.model.parallel import resolve_device
+from megascore.model.parallel import pipeline_layer_split, resolve_device
 from megascore.model.weights import initialize_weights
 
 try:
@@ -151,6 +151,7 @@ def make_transformer_config(
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
         calculate_per_token_loss=False,
+        **_pipeline_kwargs(model_cfg.num_layers, engine_cfg.pipeline_model_parallel_size),
     )
     if model_cfg.is_moe:
         kwargs.update(
@@ -180,6 +181,23 @@ def make_transformer_config(
             overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
         kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _pipeline_kwargs(num_layers: int, pp: int) -> dict:
+    """Megatron's pipeline fields: stage count and uneven first / last stage sizes.
+
+    ``variable_seq_lengths`` stays off (Megatron refuses it with the allgather MoE
+    dispatcher): the engine pads every microbatch of a step to one packed length.
+    """
+    if pp == 1:
+        return {}
+    kwargs = dict(pipeline_model_parallel_size=pp)
+    split = pipeline_layer_split(num_layers, pp)
+    if split is not None:
+        kwargs.update(
+            num_layers_in_first_pipeline_stage=split[0], num_layers_in_last_pipeline_stage=split[1]
+        )
+    return kwargs
 
 
 class TorchNorm:
@@ -313,8 +331,8 @@ def build_model(
         transformer_layer_spec=block_spec,
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=pg_collection.pp.rank() == 0,
+        post_process=pg_collection.pp.rank() == pg_collection.pp.size() - 1,
         parallel_output=True,
         share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
         position_embedding_type=model_cfg.position_embedding_type,

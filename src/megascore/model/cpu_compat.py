@@ -16,6 +16,11 @@ code (layers, mappings, router, dispatcher, MTP):
   tracker whose ``fork()`` is a no-op context: scoring runs with dropout off and
   megascore initialises weights itself (``megascore.model.build``), so no code
   path draws from a forked CUDA generator.
+* Megatron's pipeline schedules (``get_forward_backward_func``) allocate their
+  token counter with a literal ``device="cuda"``; :func:`cuda_factories_on_cpu`
+  places such tensors on the CPU while the schedule runs. Its p2p sends work on
+  gloo as they are (gloo has no coalescing: ``batch_isend_irecv`` issues the
+  isend / irecv one by one).
 * The alltoall token dispatcher and shared-expert overlap create CUDA streams:
   :func:`transformer_config_overrides` selects the ``allgather`` dispatcher and
   turns overlap and fused kernels off.
@@ -29,11 +34,13 @@ Everything here is applied only when the model runs on the CPU; on a GPU host
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +88,33 @@ def apply() -> None:
             "megatron CPU compatibility applied: torch.cuda.current_device -> cpu, "
             "torch.cuda.synchronize -> no-op"
         )
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """Rewrites an explicit ``device="cuda"`` of any torch call to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_factories_on_cpu():
+    """Runs Megatron code that creates tensors with a literal ``device="cuda"`` on the CPU.
+
+    Use it around ``get_forward_backward_func()(...)`` on a CPU-only host (after
+    :func:`apply`); it refuses to run where CUDA is available.
+
+    Raises:
+        RuntimeError: CUDA is available.
+    """
+    if torch.cuda.is_available():
+        raise RuntimeError("cuda_factories_on_cpu() used on a host where CUDA is available")
+    with _CudaFactoriesOnCpu():
+        yield
 
 
 def seed_rng(seed: int) -> None:

@@ -1,4 +1,4 @@
-"""Megatron ``parallel_state`` set-up for one model replica (TP x CP, EP over DP x CP).
+"""Megatron ``parallel_state`` set-up for one model replica (TP x CP x PP, EP over DP x CP).
 
 The caller owns ``torch.distributed``: it initialises the default group (gloo
 on the CPU, NCCL on GPUs) before :func:`initialize_parallel` and destroys it
@@ -44,9 +44,10 @@ def resolve_device(engine_cfg: EngineConfig) -> torch.device:
 def initialize_parallel(engine_cfg: EngineConfig) -> ProcessGroupCollection:
     """Creates Megatron's TP / CP / EP / DP process groups for this job.
 
-    ``world_size`` must be a multiple of ``TP x CP``; the remaining factor is data
-    parallel. Expert parallelism is carved out of ``DP x CP`` as in Megatron
-    (expert tensor parallel size = TP).
+    ``world_size`` must be a multiple of ``TP x CP x PP``; the remaining factor is
+    data parallel. Expert parallelism is carved out of ``DP x CP`` as in Megatron
+    (expert tensor parallel size = TP). Rank order is Megatron's default
+    ``tp-cp-ep-dp-pp``: global rank 0 is on the first pipeline stage.
 
     Args:
         engine_cfg: parallel sizes and the collective timeout.
@@ -68,14 +69,17 @@ def initialize_parallel(engine_cfg: EngineConfig) -> ProcessGroupCollection:
     tp = engine_cfg.tensor_model_parallel_size
     cp = engine_cfg.context_parallel_size
     ep = engine_cfg.expert_model_parallel_size
-    if world % (tp * cp):
-        raise ValueError(f"world size {world} is not a multiple of TP x CP = {tp} x {cp}")
-    dp = world // (tp * cp)
+    pp = engine_cfg.pipeline_model_parallel_size
+    if world % (tp * cp * pp):
+        raise ValueError(
+            f"world size {world} is not a multiple of TP x CP x PP = {tp} x {cp} x {pp}"
+        )
+    dp = world // (tp * cp * pp)
     if (dp * cp) % ep:
         raise ValueError(f"expert_model_parallel_size {ep} must divide DP x CP = {dp} x {cp}")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
         # Megatron only builds ``timedelta(minutes=...)`` from it: a float keeps the
@@ -83,8 +87,40 @@ def initialize_parallel(engine_cfg: EngineConfig) -> ProcessGroupCollection:
         distributed_timeout_minutes=engine_cfg.collective_timeout_s / 60,
         create_gloo_process_groups=False,
     )
-    logger.info("parallel state: world=%d tp=%d cp=%d ep=%d dp=%d", world, tp, cp, ep, dp)
+    logger.info(
+        "parallel state: world=%d tp=%d cp=%d pp=%d ep=%d dp=%d", world, tp, cp, pp, ep, dp
+    )
     return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def pipeline_layer_split(num_layers: int, pp: int) -> tuple[int, int] | None:
+    """Decoder layers of the first and last pipeline stage when they do not divide evenly.
+
+    Megatron gives every middle stage ``num_layers // pp`` layers when the first and
+    last stage sizes are set; the remainder goes to the first and last stage (the
+    first takes the larger half: the last also holds the output layer and MTP).
+
+    Args:
+        num_layers: decoder layers of the model.
+        pp: pipeline stages.
+
+    Returns:
+        None for an even split, else ``(layers of the first stage, layers of the last)``
+        (Megatron's ``num_layers_in_first/last_pipeline_stage``).
+
+    Raises:
+        ValueError: fewer layers than stages (naming both numbers).
+    """
+    if num_layers < pp:
+        raise ValueError(
+            f"num_layers {num_layers} < pipeline_model_parallel_size {pp}: every pipeline "
+            "stage needs at least one decoder layer"
+        )
+    if num_layers % pp == 0:
+        return None
+    middle = num_layers // pp
+    rest = num_layers - (pp - 2) * middle
+    return (rest + 1) // 2, rest // 2
 
 
 def destroy_parallel() -> None:

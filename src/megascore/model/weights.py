@@ -1,7 +1,7 @@
 """Layout-independent deterministic weights and full-tensor sharding.
 
 Built-in models get random weights that depend only on the seed and the
-parameter's *canonical* name (its name in a TP=EP=1 "torch"-backend model), so
+parameter's *canonical* name (its name in a TP=EP=PP=1 "torch"-backend model), so
 every parallel layout and both attention backends build the same function:
 each parameter's full tensor is drawn from its own generator, then this rank's
 shard is cut out of it exactly as Megatron shards (``partition_dim``, stride,
@@ -24,6 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 logger = logging.getLogger(__name__)
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # TE fuses the pre-attention / pre-MLP norms into the following linear layer.
 _TE_FUSED_NORMS = (
     ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
@@ -31,19 +32,43 @@ _TE_FUSED_NORMS = (
 )
 
 
-def canonical_name(name: str, *, ep_rank: int, num_local_experts: int) -> str:
-    """Name of a parameter in the unsharded "torch"-backend model.
+def decoder_layer_offset(model: torch.nn.Module) -> int:
+    """Global index of this pipeline stage's first decoder layer (0 without PP)."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    if layers is None or len(layers) == 0:
+        return 0
+    return int(getattr(layers[0], "layer_number", 1)) - 1
+
+
+def canonical_name(
+    name: str,
+    *,
+    ep_rank: int,
+    num_local_experts: int,
+    layer_offset: int = 0,
+    tied_output: bool = False,
+) -> str:
+    """Name of a parameter in the unsharded, single-stage "torch"-backend model.
 
     Args:
         name: local parameter name (``model.named_parameters()``).
         ep_rank: this rank's index in the expert-parallel group.
         num_local_experts: experts held by this rank.
+        layer_offset: global index of this pipeline stage's first decoder layer.
+        tied_output: embeddings and output layer share weights: the last pipeline
+            stage's own copy of the output weight is the word embedding.
 
     Returns:
-        The name with global expert indices and unfused norm names.
+        The name with global layer and expert indices and unfused norm names.
     """
     for te_name, local_name in _TE_FUSED_NORMS:
         name = name.replace(te_name, local_name)
+    if layer_offset:
+        name = _DECODER_LAYER.sub(
+            lambda m: f"decoder.layers.{layer_offset + int(m.group(1))}.", name
+        )
+    if tied_output and name == "output_layer.weight":
+        name = "embedding.word_embeddings.weight"
     return _LOCAL_EXPERT.sub(
         lambda m: f".local_experts.{ep_rank * num_local_experts + int(m.group(1))}.", name
     )
@@ -149,8 +174,16 @@ def initialize_weights(
     ep_rank = 0 if pg_collection.ep is None else pg_collection.ep.rank()
     num_local = (num_moe_experts or 0) // ep_size
     out_std = init_method_std / math.sqrt(2.0 * num_layers)
+    offset = decoder_layer_offset(model)
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
     for name, param in model.named_parameters():
-        canon = canonical_name(name, ep_rank=ep_rank, num_local_experts=num_local)
+        canon = canonical_name(
+            name,
+            ep_rank=ep_rank,
+            num_local_experts=num_local,
+            layer_offset=offset,
+            tied_output=tied,
+        )
         dim, stride, rank, size = shard_layout(name, param, pg_collection, gated_linear_unit)
         full = _init_full(canon, full_shape(param.shape, dim, size), seed, init_method_std, out_std)
         param.copy_(shard_full_tensor(full, dim, stride, rank, size).to(param.dtype))
