@@ -46,6 +46,7 @@ _ALIASES = {
     "tensor_model_parallel_size": ["--tp"],
     "context_parallel_size": ["--cp"],
     "expert_model_parallel_size": ["--ep"],
+    "pipeline_model_parallel_size": ["--pp"],
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

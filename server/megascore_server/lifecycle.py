@@ -178,6 +178,7 @@ class ServerHandles:
         self.engine, self.batcher, self.limits = engine, batcher, limits
         self.servicer.attach(batcher, limits, info)
         self.gate.engine_attached()
+        self.metrics.set_model(info.name, info.parallel)
         logger.info(
             "model %s attached (weights %s, pad multiple %d, max_sequence_length %d)",
             info.name,

@@ -13,6 +13,8 @@ servers in one process, as in the tests, do not collide). Names:
 * ``megascore_step_latency_seconds`` — one engine step on the executor.
 * ``megascore_steps_total``, ``megascore_dropped_requests_total`` (cancelled or
   expired before their turn).
+* ``megascore_model_info{model,world_size,tp,cp,ep,pp}`` — the served model and its
+  parallel layout (value 1), set once the engine is attached.
 """
 
 from __future__ import annotations
@@ -95,7 +97,23 @@ class ServerMetrics:
             "Requests cancelled or expired while queued",
             registry=r,
         )
+        self.model = prom.Info(
+            "megascore_model", "Served model and its parallel layout", registry=r
+        )
         self._httpd = None
+
+    def set_model(self, name: str, layout) -> None:
+        """Records the served model and its :class:`megascore.types.ParallelLayout`."""
+        self.model.info(
+            {
+                "model": name,
+                "world_size": str(layout.world_size),
+                "tp": str(layout.tensor_model_parallel_size),
+                "cp": str(layout.context_parallel_size),
+                "ep": str(layout.expert_model_parallel_size),
+                "pp": str(layout.pipeline_model_parallel_size),
+            }
+        )
 
     def set_queue(self, requests: int, tokens: int) -> None:
         """Updates the queue gauges."""

@@ -85,7 +85,9 @@ class EngineConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
-            raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
+            raise ValueError(
+                f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}"
+            )
         if self.collective_timeout_s <= 0:
             raise ValueError("collective_timeout_s must be > 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:

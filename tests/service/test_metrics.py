@@ -53,6 +53,8 @@ def test_metrics_endpoint_serves_counters():
         # lengths 3, 5, 30 padded to 4, 8, 32: overhead is observed and positive.
         assert value(text, "megascore_padding_overhead_sum") > 0
         assert value(text, 'megascore_request_latency_seconds_count{rpc="Score"}') == 3
+        layout = 'cp="1",ep="1",model="fake",pp="1",tp="1",world_size="1"'
+        assert value(text, f"megascore_model_info{{{layout}}}") == 1
     finally:
         srv.stop()
     with pytest.raises(urllib.error.URLError):

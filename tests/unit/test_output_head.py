@@ -159,7 +159,7 @@ def test_step_never_materialises_all_rows_of_logits(pgs, monkeypatch, name, metr
         return layer_forward(input_, *args, **kwargs)
 
     monkeypatch.setattr(model.output_layer, "forward", spy)
-    groups = StepGroups(tp=pgs.tp, cp=pgs.cp, status=dist.group.WORLD)
+    groups = StepGroups(tp=pgs.tp, cp=pgs.cp, pp=pgs.pp, status=dist.group.WORLD)
     cfg = StepConfig(pad_multiple=1, chunk_tokens=chunk_tokens, vocab_size=vocab, device="cpu")
     watch = _LargestOutputs(vocab_local=vocab)
     with watch:
@@ -171,6 +171,9 @@ def test_step_never_materialises_all_rows_of_logits(pgs, monkeypatch, name, metr
     assert watch.max_vocab_rows <= chunk_tokens, watch.max_vocab_rows
     assert watch.max_numel < num_tokens * vocab, watch.max_numel
     assert np.isfinite(out.logprobs).all() and out.top_k_ids.shape == (num_tokens, TOP_K)
+    # the schedule's loss: the step's token-mean NLL, normalised by the global token count
+    want_loss = out.losses["nll"].sum() / out.num_loss_tokens.sum()
+    assert result.loss == pytest.approx(want_loss, rel=1e-5)
     assert set(out.moe_metrics) == (
         {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"} if metrics else set()
     )

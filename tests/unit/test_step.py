@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from megascore import layout
 from megascore.config import EngineConfig
-from megascore.engine.step import PredictionIndex, _megatron_loss_mask
+from megascore.engine.pipeline import build_microbatch
+from megascore.engine.step import PredictionIndex
 from megascore.packing import pack_sequences
-from megascore.types import ScoreBatch
 
 
 def test_prediction_index_shifts_right_within_each_sequence():
@@ -71,16 +72,22 @@ def test_sequence_parallel_for(tp, cp, sp, is_moe, want_sp, want_pad):
     assert cfg.metrics_supported(is_moe) is (want_sp or not is_moe or tp == 1)
 
 
-def _batch(**kw) -> ScoreBatch:
-    base = dict(token_ids=np.array([1, 2, 3, 4]), lengths=np.array([1, 3]))
-    return ScoreBatch(**{**base, **kw})
-
-
-def test_megatron_loss_mask_is_aligned_with_targets():
-    batch = _batch(loss_mask=np.array([1, 1, 0, 1], np.uint8))
-    packed = pack_sequences(
-        torch.tensor([1, 2, 3, 4]), [1, 3], pad_individual_seqs_to_multiple_of=2
+def test_microbatch_loss_mask_is_aligned_with_targets():
+    lengths = np.array([1, 3])
+    mask = layout.effective_loss_mask(lengths, np.array([1, 1, 0, 1], np.uint8)).astype(np.float32)
+    mb = build_microbatch(
+        torch.tensor([1, 2, 3, 4]),
+        lengths,
+        None,
+        mask,
+        pad_multiple=2,
+        pad_to=8,
+        cp_rank=0,
+        cp_size=1,
+        has_request_mask=True,
     )
-    mask = _megatron_loss_mask(batch, packed)
-    # segments [0,2) and [2,6): seq 1 tokens 2,3,4 at 2,3,4; token 3 masked out, token 4 kept
-    np.testing.assert_array_equal(mask[0].numpy(), [0, 0, 0, 1, 0, 0])
+    # segments [0,2) and [2,8) (the last one raised to pad_to): seq 1 tokens 2,3,4 at
+    # 2,3,4; token 3 masked out, token 4 kept -> position 3 predicts it
+    np.testing.assert_array_equal(mb.loss_mask.numpy(), [0, 0, 0, 1, 0, 0, 0, 0])
+    assert mb.targets[2:4].tolist() == [3, 4]  # the targets of the scored positions
+    assert mb.mtp_loss_mask.shape == (1, 8)

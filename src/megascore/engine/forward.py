@@ -289,11 +289,11 @@ def _head_processor(*, hidden_states, output_layer, output_weight, scale_logits,
     )
 
 
-def _read_moe_metrics(model, names: list[str]) -> dict[str, float]:
+def _read_moe_metrics(model, names: list[str], loss_scale: float) -> dict[str, float]:
     cfg = model.config
     writer = _ScalarCollector()
     get_moe_metrics_tracker().report(
-        loss_scale=1.0,
+        loss_scale=loss_scale,
         iteration=0,
         writer=writer,
         force_initialize=True,
@@ -306,16 +306,17 @@ def _read_moe_metrics(model, names: list[str]) -> dict[str, float]:
     return {name: writer.scalars[name] for name in names}
 
 
-def _read_mtp_metrics(model) -> dict[str, float]:
+def _read_mtp_metrics(model, loss_scale: float) -> dict[str, float]:
     n = model.config.mtp_num_layers
-    # Adding zeros creates the entries where this rank recorded nothing and sets the same
-    # reduction group on every rank, so all of them join the same all-reduces.
+    # Adding zeros creates the entries where this rank recorded nothing (other pipeline
+    # stages too) and sets the same reduction group on every rank, so all of them join
+    # the same all-reduces. Only the last pipeline stage holds the MTP layers.
     zero = torch.zeros((), device=next(model.parameters()).device)
     MTPLossLoggingHelper.save_metrics_to_tracker(
         zero, zero, zero, 0, n, avg_group=model.pg_collection.dp_cp
     )
     writer = _ScalarCollector()
-    MTPLossLoggingHelper.track_mtp_metrics(1.0, 0, writer)
+    MTPLossLoggingHelper.track_mtp_metrics(loss_scale, 0, writer)
     out = {}
     for i in range(1, n + 1):
         out[f"mtp_{i}_loss"] = writer.scalars[f"mtp_{i} loss"]
@@ -328,6 +329,118 @@ def _clear_trackers() -> None:
     MTPLossLoggingHelper.clean_metrics_in_tracker()
 
 
+def check_metrics_request(cfg, want_moe_metrics: bool, want_mtp_metrics: bool) -> None:
+    """Raises ValueError for metrics the model cannot report (it has no such layers)."""
+    if want_moe_metrics and not cfg.num_moe_experts:
+        raise ValueError("MoE metrics requested from a dense model")
+    if want_mtp_metrics and not cfg.mtp_num_layers:
+        raise ValueError("MTP metrics requested from a model without MTP layers")
+
+
+def wants_mtp_labels(model, want_moe_metrics: bool, want_mtp_metrics: bool) -> bool:
+    """A metrics forward of an MTP model runs the MTP block, which needs labels."""
+    return (want_moe_metrics or want_mtp_metrics) and bool(model.config.mtp_num_layers)
+
+
+def model_inputs(
+    model,
+    packed: PackedSequences,
+    *,
+    with_mtp_labels: bool = False,
+    loss_mask_packed_local: torch.Tensor | None = None,
+) -> dict:
+    """Keyword arguments of ``model(...)`` for this rank's shard of a packed batch.
+
+    Every pipeline stage passes the same inputs (the first embeds ``input_ids``; the
+    last needs them for MTP); the output processor hands over the :class:`OutputHead`.
+
+    Args:
+        model: the GPTModel.
+        packed: the batch, packed for this rank's CP rank.
+        with_mtp_labels: add MTP ``labels`` and ``loss_mask`` (a metrics forward).
+        loss_mask_packed_local: ``[1, T_local]`` Megatron-style loss mask for the MTP
+            metrics, CP-sharded; None: every target that is a real token of its sequence.
+
+    Returns:
+        The keyword arguments.
+    """
+    cp_group = model.pg_collection.cp
+    cp_size = cp_group.size()
+    cp_rank = cp_group.rank() if cp_size > 1 else 0
+    device = next(model.parameters()).device
+    p = packed.packed_seq_params
+    kwargs = dict(
+        input_ids=packed.input_ids_cp_sharded.to(device, torch.long),  # [1, T_local]
+        position_ids=packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size).to(device),
+        attention_mask=None,
+        packed_seq_params=dataclasses.replace(
+            p,
+            cu_seqlens_q=p.cu_seqlens_q.to(device),
+            cu_seqlens_kv=p.cu_seqlens_kv.to(device),
+            cu_seqlens_q_padded=p.cu_seqlens_q_padded.to(device),
+            cu_seqlens_kv_padded=p.cu_seqlens_kv_padded.to(device),
+        ),
+        output_processor=_head_processor,
+    )
+    if with_mtp_labels:
+        labels, loss_mask = packed_labels_and_mask(packed, cp_rank, cp_size)
+        if loss_mask_packed_local is not None:
+            loss_mask = loss_mask_packed_local.reshape(1, -1).float()
+        kwargs.update(labels=labels.to(device), loss_mask=loss_mask.to(device))
+    return kwargs
+
+
+@dataclasses.dataclass
+class ForwardMetrics:
+    """MoE / MTP metrics of the forwards run inside :func:`scoring_forward` (filled on exit)."""
+
+    moe: dict[str, float] = dataclasses.field(default_factory=dict)
+    mtp: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def scoring_forward(
+    model, *, want_moe_metrics: bool, want_mtp_metrics: bool, num_microbatches: int = 1
+):
+    """The mode every scoring forward of one step runs in (see the module docstring).
+
+    Without metrics: eval mode, no grad, MTP skipped. With metrics: one training-mode
+    pass with grad enabled over the step's ``num_microbatches`` forwards, then the
+    trackers are read as Megatron's ``training.py`` reads them (loss scale
+    ``1 / num_microbatches``: the mean over microbatches), cleared, and the routers'
+    buffers restored. Collective when metrics are requested (every rank, all stages).
+
+    Args:
+        model: the GPTModel of this rank.
+        want_moe_metrics: compute the MoE aux-loss metrics (MoE models only).
+        want_mtp_metrics: compute the MTP metrics (MTP models only).
+        num_microbatches: forwards of the step run inside the block.
+
+    Yields:
+        A :class:`ForwardMetrics`, filled when the block exits without error.
+
+    Raises:
+        ValueError: see :func:`check_metrics_request`.
+    """
+    check_metrics_request(model.config, want_moe_metrics, want_mtp_metrics)
+    metrics = ForwardMetrics()
+    if not (want_moe_metrics or want_mtp_metrics):
+        with torch.no_grad(), _mtp_skipped(model):
+            yield metrics
+        return
+    moe_names = moe_metric_names(model.config) if want_moe_metrics else []
+    _clear_trackers()
+    try:
+        with _training_forward(model):
+            yield metrics
+        if moe_names:
+            metrics.moe = _read_moe_metrics(model, moe_names, 1.0 / num_microbatches)
+        if want_mtp_metrics:
+            metrics.mtp = _read_mtp_metrics(model, 1.0 / num_microbatches)
+    finally:
+        _clear_trackers()
+
+
 def forward_packed(
     model,
     packed: PackedSequences,
@@ -336,7 +449,7 @@ def forward_packed(
     want_mtp_metrics: bool = False,
     loss_mask_packed_local: torch.Tensor | None = None,
 ) -> ModelOutputs:
-    """Runs the model on this rank's shard of a packed batch.
+    """Runs the model on this rank's shard of a packed batch (one stage, no schedule).
 
     Every rank of the replica calls it with the same batch packed for its own
     ``cp_rank`` (the model's ``pg_collection.cp``) and the same flags.
@@ -361,51 +474,14 @@ def forward_packed(
             metrics at TP > 1 also need sequence parallelism: the engine refuses such
             requests up front, :meth:`megascore.config.EngineConfig.metrics_supported`.)
     """
-    cfg = model.config
-    cp_group = model.pg_collection.cp
-    cp_size = cp_group.size()
-    cp_rank = cp_group.rank() if cp_size > 1 else 0
-    device = next(model.parameters()).device
-    moe_names = moe_metric_names(cfg) if want_moe_metrics else []
-    if want_moe_metrics and not cfg.num_moe_experts:
-        raise ValueError("MoE metrics requested from a dense model")
-    if want_mtp_metrics and not cfg.mtp_num_layers:
-        raise ValueError("MTP metrics requested from a model without MTP layers")
-    train_fwd = want_moe_metrics or want_mtp_metrics
-
-    input_ids = packed.input_ids_cp_sharded.to(device, torch.long)  # [1, T_local]
-    position_ids = packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size).to(device)
-    p = packed.packed_seq_params
-    params = dataclasses.replace(
-        p,
-        cu_seqlens_q=p.cu_seqlens_q.to(device),
-        cu_seqlens_kv=p.cu_seqlens_kv.to(device),
-        cu_seqlens_q_padded=p.cu_seqlens_q_padded.to(device),
-        cu_seqlens_kv_padded=p.cu_seqlens_kv_padded.to(device),
+    kwargs = model_inputs(
+        model,
+        packed,
+        with_mtp_labels=wants_mtp_labels(model, want_moe_metrics, want_mtp_metrics),
+        loss_mask_packed_local=loss_mask_packed_local,
     )
-    kwargs = dict(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=None,
-        packed_seq_params=params,
-        output_processor=_head_processor,
-    )
-    if not train_fwd:
-        with torch.no_grad(), _mtp_skipped(model):
-            head = model(**kwargs)
-        return ModelOutputs(head=head)
-
-    labels, loss_mask = packed_labels_and_mask(packed, cp_rank, cp_size)
-    if loss_mask_packed_local is not None:
-        loss_mask = loss_mask_packed_local.reshape(1, -1).float()
-    if cfg.mtp_num_layers:
-        kwargs.update(labels=labels.to(device), loss_mask=loss_mask.to(device))
-    _clear_trackers()
-    try:
-        with _training_forward(model):
-            head = model(**kwargs)
-        moe = _read_moe_metrics(model, moe_names) if moe_names else {}
-        mtp = _read_mtp_metrics(model) if want_mtp_metrics else {}
-    finally:
-        _clear_trackers()
-    return ModelOutputs(head=head, moe_metrics=moe, mtp_metrics=mtp)
+    with scoring_forward(
+        model, want_moe_metrics=want_moe_metrics, want_mtp_metrics=want_mtp_metrics
+    ) as metrics:
+        head = model(**kwargs)
+    return ModelOutputs(head=head, moe_metrics=metrics.moe, mtp_metrics=metrics.mtp)

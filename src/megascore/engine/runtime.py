@@ -124,6 +124,12 @@ def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> 
             dist.destroy_process_group()
 
 
+def result_rank(world_size: int, pp: int) -> int:
+    """Rank 0's peer on the last pipeline stage (Megatron's rank order puts PP outermost:
+    stage ``s`` holds ranks ``[s * world / pp, (s + 1) * world / pp)``)."""
+    return _SRC + (pp - 1) * (world_size // pp)
+
+
 class DistributedEngine:
     """A model replica; implements :class:`megascore.types.Engine` on rank 0."""
 
@@ -151,8 +157,10 @@ class DistributedEngine:
             chunk_tokens=engine_cfg.logprob_chunk_tokens,
             vocab_size=loaded.config.vocab_size,
             device=self.device,
+            microbatches=engine_cfg.microbatches,
             output_rank=_SRC,
             lm_head_dtype=engine_cfg.lm_head_dtype,
+            result_rank=result_rank(self.world_size, engine_cfg.pipeline_model_parallel_size),
         )
         self.limits = BatchLimits(
             vocab_size=loaded.config.vocab_size,
@@ -194,6 +202,12 @@ class DistributedEngine:
         own_groups: list[dist.ProcessGroup] = []
         try:
             pg_collection = initialize_parallel(engine_cfg)
+            pp = pg_collection.pp.size()
+            expected = result_rank(dist.get_world_size(), pp)
+            if _SRC in dist.get_process_group_ranks(pg_collection.pp):
+                last = dist.get_global_rank(pg_collection.pp, pp - 1)
+                if last != expected:
+                    raise RuntimeError(f"last pipeline stage of rank 0 is {last}, not {expected}")
             world = list(range(dist.get_world_size()))
             status_timeout = datetime.timedelta(seconds=3 * engine_cfg.collective_timeout_s)
             own_groups.append(dist.new_group(world, backend="gloo", timeout=status_timeout))
@@ -202,7 +216,9 @@ class DistributedEngine:
                 command_timeout = datetime.timedelta(seconds=engine_cfg.collective_timeout_s)
             own_groups.append(dist.new_group(world, backend="gloo", timeout=command_timeout))
             status, command = own_groups
-            groups = StepGroups(tp=pg_collection.tp, cp=pg_collection.cp, status=status)
+            groups = StepGroups(
+                tp=pg_collection.tp, cp=pg_collection.cp, pp=pg_collection.pp, status=status
+            )
             loaded, error = None, None
             try:
                 loaded = load_served_model(engine_cfg.model, engine_cfg, pg_collection)
@@ -257,7 +273,7 @@ class DistributedEngine:
                 tensor_model_parallel_size=e.tensor_model_parallel_size,
                 context_parallel_size=e.context_parallel_size,
                 expert_model_parallel_size=e.expert_model_parallel_size,
-                pipeline_model_parallel_size=1,
+                pipeline_model_parallel_size=e.pipeline_model_parallel_size,
             ),
             attention_backend=self.loaded.model.megascore_attention_backend,
             checkpoint_path=self.loaded.spec.path,

@@ -28,6 +28,7 @@ from megascore.checkpoint import (
     resolve_model,
 )
 from megascore.config import EngineConfig
+from megascore.distributed import collective_device
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig
 
@@ -64,7 +65,10 @@ def count_parameters(model: torch.nn.Module, pg_collection) -> int:
 
     Returns:
         Sum over parameters of ``numel x`` the number of shards it is split into
-        (TP or expert-TP for partitioned tensors, x EP for expert parameters).
+        (TP or expert-TP for partitioned tensors, x EP for expert parameters),
+        summed over the pipeline stages (collective over the PP group when PP > 1);
+        a later stage's copy of the word embedding (Megatron marks it ``shared``)
+        is not counted twice.
     """
 
     def size(group) -> int:
@@ -72,11 +76,17 @@ def count_parameters(model: torch.nn.Module, pg_collection) -> int:
 
     total = 0
     for param in model.parameters():
+        if getattr(param, "shared", False):
+            continue
         is_expert = not getattr(param, "allreduce", True)
         factor = size(pg_collection.ep) if is_expert else 1
         if getattr(param, "tensor_model_parallel", False):
             factor *= size(pg_collection.expt_tp if is_expert else pg_collection.tp)
         total += param.numel() * factor
+    if size(pg_collection.pp) > 1:
+        count = torch.tensor([total], dtype=torch.int64, device=collective_device(pg_collection.pp))
+        torch.distributed.all_reduce(count, group=pg_collection.pp)
+        total = int(count.item())
     return total
 
 

@@ -3,17 +3,23 @@
 Every rank of the replica runs :func:`run_step` with the same
 :class:`~megascore.types.ScoreBatch` (broadcast by rank 0):
 
-1. pack the flat ids for this rank's CP rank (NeMo-RL layout), with next-token
-   targets rolled inside each padded segment on the *full* packed axis and
-   then CP-sharded like the inputs;
-2. ``forward_packed`` -> the output head (final hidden states + output layer);
-3. logprobs / top-k over the TP group (:func:`megascore.engine.logprobs.score_tokens`),
+1. split the batch into microbatches (:func:`megascore.engine.pipeline.split_microbatches`)
+   and pack each from the flat ids for this rank's CP rank (NeMo-RL layout), with
+   next-token targets rolled inside each padded segment on the *full* packed axis
+   and then CP-sharded like the inputs;
+2. run them through Megatron's forward-only schedule
+   (:func:`megascore.engine.pipeline.run_schedule`): on the last pipeline stage
+   each microbatch's output head (final hidden states + output layer) gives the
+   logprobs / top-k over the TP group (:func:`megascore.engine.logprobs.score_tokens`),
    chunk by chunk: the head computes the vocab-parallel logits of ``chunk_tokens``
    rows at a time, so ``[T_local, V/tp]`` never exists;
-4. the CP group that holds the output rank gathers the per-token results (each in
-   its own dtype: top-k ids stay int64);
-5. every rank all-reduces a per-rank failure flag over the status group, so a
-   rank that raised anywhere in 1-4 is known to all (the others reach the flag
+3. on the last stage, the CP group that holds the *result rank* (the output rank's
+   peer there) gathers the per-token results (each in its own dtype: top-k ids stay
+   int64); with PP > 1 the result rank broadcasts them, typed, with shapes every
+   receiver derives from the batch (no pickling), over the output rank's pipeline
+   group;
+4. every rank all-reduces a per-rank failure flag over the status group, so a
+   rank that raised anywhere in 1-3 is known to all (the others reach the flag
    after their own collectives time out) and :class:`StepFailedError` is raised
    on every rank.
 
@@ -32,12 +38,16 @@ import torch
 import torch.distributed as dist
 
 from megascore import layout
-from megascore.distributed import gather_cp_shards
-from megascore.engine.forward import forward_packed
-from megascore.engine.logprobs import Float32Logits, score_tokens
+from megascore.distributed import collective_device
+from megascore.engine.forward import mtp_metric_names, scoring_forward, wants_mtp_labels
 from megascore.engine.losses import compute_losses
+from megascore.engine.pipeline import (
+    ScoreSpec,
+    build_microbatch,
+    run_schedule,
+    split_microbatches,
+)
 from megascore.errors import WorkerLostError
-from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
 from megascore.types import ScoreBatch, ScoreOutput
 
 logger = logging.getLogger(__name__)
@@ -54,12 +64,14 @@ class StepGroups:
     Attributes:
         tp: tensor-parallel group (vocabulary split of the logits).
         cp: context-parallel group (token split of the packed sequence).
+        pp: pipeline group (this rank's peers on the other stages).
         status: every rank of the replica; carries the per-step failure flags.
             A gloo group whose timeout is the collective timeout.
     """
 
     tp: dist.ProcessGroup
     cp: dist.ProcessGroup
+    pp: dist.ProcessGroup
     status: dist.ProcessGroup
 
 
@@ -73,7 +85,10 @@ class StepConfig:
         chunk_tokens: tokens per chunk of the vocab-parallel log-softmax.
         vocab_size: true vocabulary size (padded logit columns never enter the top-k).
         device: device of the model inputs.
-        output_rank: global rank that builds the :class:`ScoreOutput`.
+        microbatches: microbatches per step (fewer when a step is small).
+        output_rank: global rank that builds the :class:`ScoreOutput` (first stage).
+        result_rank: its peer on the last pipeline stage, where the results are
+            computed (the output rank itself at PP = 1).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
     """
 
@@ -81,7 +96,9 @@ class StepConfig:
     chunk_tokens: int
     vocab_size: int
     device: torch.device
+    microbatches: int = 1
     output_rank: int = 0
+    result_rank: int = 0
     lm_head_dtype: str = "model"
 
 
@@ -98,15 +115,19 @@ class StepResult:
         top_k_ids: int64 ``[T_padded, k]``.
         top_k_logprobs: float32 ``[T_padded, k]``.
         token_positions: int64 ``[T]`` packed position of every token of the batch
-            (:attr:`megascore.packing.PackedSequences.token_positions`).
-        moe_metrics: MoE metric name -> value of this forward.
-        mtp_metrics: MTP metric name -> value of this forward.
+            on the step's packed axis (microbatch ``i`` occupies rows
+            ``[i * L, (i + 1) * L)``, ``L`` the common microbatch length).
+        loss: token-mean NLL of the step's scored tokens (the sum of the microbatch
+            losses; set where the results are, else None).
+        moe_metrics: MoE metric name -> value of this forward (every rank).
+        mtp_metrics: MTP metric name -> value of this forward (where the results are).
     """
 
     logprobs: torch.Tensor | None
     top_k_ids: torch.Tensor | None
     top_k_logprobs: torch.Tensor | None
     token_positions: torch.Tensor
+    loss: float | None
     moe_metrics: dict[str, float]
     mtp_metrics: dict[str, float]
 
@@ -115,82 +136,112 @@ def _wants_logprobs(batch: ScoreBatch) -> bool:
     return batch.want_logprobs or bool(batch.losses)
 
 
-def _megatron_loss_mask(batch: ScoreBatch, packed: PackedSequences) -> torch.Tensor:
-    """The request's loss mask in Megatron's alignment on the full packed axis.
-
-    Megatron's mask is aligned with the targets (entry ``p``: whether the target of
-    packed position ``p``, token ``p + 1``, counts); the request's is aligned with
-    the tokens (entry ``t``: whether token ``t`` counts; entry 0 never does).
-
-    Returns:
-        float32 ``[1, T_padded]`` (0 on pads and at every segment's last position).
-    """
-    lengths = np.asarray(batch.lengths, dtype=np.int64)
-    mask = torch.from_numpy(layout.effective_loss_mask(lengths, batch.loss_mask)).float()
-    cu_padded = packed.cu_seqlens_padded.cpu()
-    full = torch.zeros(1, int(cu_padded[-1]))
-    full[0, packed.token_positions] = mask
-    return roll_within_segments(full, cu_padded, shifts=-1)
-
-
 def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
-    """Steps 1-4 of the module docstring on this rank (issues the TP / CP collectives)."""
-    device = cfg.device
-    packed = pack_sequences(
-        torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).to(device),
-        batch.lengths,
-        pad_individual_seqs_to_multiple_of=cfg.pad_multiple,
-        cp_rank=dist.get_rank(groups.cp),
-        cp_size=dist.get_world_size(groups.cp),
-    )
-    cu_padded = packed.cu_seqlens_padded.to("cpu", torch.int64)
-    shard = packed.shard_indices
-    # targets: [1, T_padded] rolled on the full axis -> [T_local], sharded like the inputs
-    targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
-    temperature = None
-    if batch.temperature is not None:
-        temps = torch.from_numpy(np.asarray(batch.temperature, dtype=np.float32))
-        temperature = torch.repeat_interleave(temps, cu_padded.diff())[shard].to(device)
+    """Steps 1-3 of the module docstring on this rank (issues the step's collectives)."""
+    lengths = np.asarray(batch.lengths, dtype=np.int64)
+    offsets = layout.offsets(lengths)
+    ranges, pad_to = split_microbatches(lengths, cfg.pad_multiple, cfg.microbatches)
+    ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).to(cfg.device)
+    target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
+    temps = batch.temperature
+    microbatches = [
+        build_microbatch(
+            ids[offsets[a] : offsets[b]],
+            lengths[a:b],
+            None if temps is None else np.asarray(temps)[a:b],
+            target_mask[offsets[a] : offsets[b]],
+            pad_multiple=cfg.pad_multiple,
+            pad_to=pad_to,
+            cp_rank=dist.get_rank(groups.cp),
+            cp_size=dist.get_world_size(groups.cp),
+            has_request_mask=batch.loss_mask is not None,
+        )
+        for a, b in ranges
+    ]
     # Metrics of a model without MoE / MTP layers are empty, not an error.
     want_moe = batch.want_moe_metrics and bool(model.config.num_moe_experts)
     want_mtp = batch.want_mtp_metrics and bool(model.config.mtp_num_layers)
-    mtp_mask = None
-    if want_mtp and batch.loss_mask is not None:
-        mtp_mask = _megatron_loss_mask(batch, packed)[:, shard].to(device)
-
-    outputs = forward_packed(
-        model,
-        packed,
-        want_moe_metrics=want_moe,
-        want_mtp_metrics=want_mtp,
-        loss_mask_packed_local=mtp_mask,
-    )
-    scores = score_tokens(
-        outputs.head if cfg.lm_head_dtype == "model" else Float32Logits(outputs.head),
-        targets if _wants_logprobs(batch) else None,
-        tp_group=groups.tp,
-        temperature=temperature,
+    last_stage = groups.pp.rank() == groups.pp.size() - 1
+    spec = ScoreSpec(
+        want_logprobs=_wants_logprobs(batch),
         top_k=batch.top_k,
         chunk_tokens=cfg.chunk_tokens,
         vocab_size=cfg.vocab_size,
+        global_valid_tokens=max(1, int(target_mask.sum())),
+        num_microbatches=len(microbatches),
+        gather=last_stage and cfg.result_rank in dist.get_process_group_ranks(groups.cp),
+        mtp_labels=wants_mtp_labels(model, want_moe, want_mtp),
+        lm_head_dtype=cfg.lm_head_dtype,
     )
-
-    on_output_side = cfg.output_rank in dist.get_process_group_ranks(groups.cp)
-
-    def gathered(local: torch.Tensor | None) -> torch.Tensor | None:
-        """``[T_local, ...]`` -> ``[T_padded, ...]`` on the CPU, same dtype."""
-        if local is None or not on_output_side:
-            return None
-        return gather_cp_shards(local.unsqueeze(0), cu_padded.to(local.device), groups.cp)[0].cpu()
-
-    return StepResult(
-        logprobs=gathered(scores.logprobs),
-        top_k_ids=gathered(scores.top_k_ids),
-        top_k_logprobs=gathered(scores.top_k_logprobs),
-        token_positions=packed.token_positions,
-        moe_metrics=dict(outputs.moe_metrics),
-        mtp_metrics=dict(outputs.mtp_metrics),
+    with scoring_forward(
+        model,
+        want_moe_metrics=want_moe,
+        want_mtp_metrics=want_mtp,
+        num_microbatches=len(microbatches),
+    ) as metrics:
+        store = run_schedule(model, microbatches, spec)
+    positions = torch.cat(
+        [mb.packed.token_positions + i * pad_to for i, mb in enumerate(microbatches)]
     )
+    result = StepResult(
+        logprobs=None,
+        top_k_ids=None,
+        top_k_logprobs=None,
+        token_positions=positions,
+        loss=None,
+        moe_metrics=dict(metrics.moe),
+        mtp_metrics=dict(metrics.mtp),
+    )
+    if spec.gather:
+        for name in ("logprobs", "top_k_ids", "top_k_logprobs"):
+            parts = [out[name] for out in store]
+            setattr(result, name, None if parts[0] is None else torch.cat(parts))
+        result.loss = float(sum(out["loss"] for out in store))
+    if groups.pp.size() > 1 and cfg.output_rank in dist.get_process_group_ranks(groups.pp):
+        mtp_names = mtp_metric_names(model.config) if want_mtp else []
+        rows = len(microbatches) * pad_to
+        _send_results_to_output_rank(result, batch, rows, mtp_names, groups.pp, cfg)
+    return result
+
+
+def _send_results_to_output_rank(
+    result: StepResult,
+    batch: ScoreBatch,
+    rows: int,
+    mtp_names: list[str],
+    pp_group: dist.ProcessGroup,
+    cfg: StepConfig,
+) -> None:
+    """Broadcasts the results from the result rank over the output rank's pipeline group.
+
+    Typed: every receiver allocates the buffers from the batch (``rows`` packed
+    positions, ``top_k`` columns, the MTP metric names), so only tensors travel.
+    Fills ``result`` in place on the receivers.
+    """
+    device = collective_device(pp_group)
+    is_src = dist.get_rank() == cfg.result_rank
+    k = batch.top_k
+    buffers = {}
+    if _wants_logprobs(batch):
+        buffers["logprobs"] = (torch.float32, (rows,))
+    if k > 0:
+        buffers["top_k_ids"] = (torch.int64, (rows, k))
+        buffers["top_k_logprobs"] = (torch.float32, (rows, k))
+    for name, (dtype, shape) in buffers.items():
+        if is_src:
+            tensor = getattr(result, name).to(device).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=cfg.result_rank, group=pp_group)
+        setattr(result, name, tensor.cpu())
+    scalars = torch.zeros(1 + len(mtp_names), dtype=torch.float64, device=device)
+    if is_src:
+        scalars[0] = result.loss
+        scalars[1:] = torch.tensor([result.mtp_metrics[n] for n in mtp_names], dtype=torch.float64)
+    dist.broadcast(scalars, src=cfg.result_rank, group=pp_group)
+    values = scalars.cpu().tolist()
+    result.loss = values[0]
+    result.mtp_metrics = dict(zip(mtp_names, values[1:], strict=True))
 
 
 def agree_on_status(failed: bool, status_group: dist.ProcessGroup) -> list[int]:

@@ -128,6 +128,16 @@ BUILTIN_MODELS: dict[str, ModelConfig] = {
         moe_shared_expert_intermediate_size=64,
         mtp_num_layers=1,
     ),
+    # "tiny" with 5 layers: pipeline layouts up to PP=5, uneven splits (PP=2: 3 + 2).
+    "tiny-deep": ModelConfig(
+        num_layers=5,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=512,
+        max_position_embeddings=1024,
+    ),
     # Dense ~100M parameters for benchmarks.
     "bench": ModelConfig(
         num_layers=12,

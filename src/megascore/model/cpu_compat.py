@@ -16,11 +16,14 @@ code (layers, mappings, router, dispatcher, MTP):
   tracker whose ``fork()`` is a no-op context: scoring runs with dropout off and
   megascore initialises weights itself (``megascore.model.build``), so no code
   path draws from a forked CUDA generator.
-* Megatron's pipeline schedules (``get_forward_backward_func``) allocate their
-  token counter with a literal ``device="cuda"``; :func:`cuda_factories_on_cpu`
-  places such tensors on the CPU while the schedule runs. Its p2p sends work on
-  gloo as they are (gloo has no coalescing: ``batch_isend_irecv`` issues the
-  isend / irecv one by one).
+* Pipeline parallelism: a last stage holding a copy of the word embedding (tied
+  output layer, or MTP) moves it with ``.cuda()`` before all-reducing it with the
+  first stage: :func:`apply` makes ``Tensor.cuda()`` return the tensor itself.
+  Megatron's schedules (``get_forward_backward_func``) allocate their token
+  counter with a literal ``device="cuda"``: :func:`cuda_tensors_on_cpu` places it
+  on the CPU while the schedule runs. The p2p sends work on gloo as they are
+  (gloo has no coalescing: ``batch_isend_irecv`` issues the isend / irecv one by
+  one).
 * The alltoall token dispatcher and shared-expert overlap create CUDA streams:
   :func:`transformer_config_overrides` selects the ``allgather`` dispatcher and
   turns overlap and fused kernels off.
@@ -61,6 +64,11 @@ def _cpu_synchronize(device: Any = None) -> None:
     """Stand-in for ``torch.cuda.synchronize`` on a CPU-only host: nothing to wait for."""
 
 
+def _cpu_tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Stand-in for ``Tensor.cuda`` on a CPU-only host: the tensor stays where it is."""
+    return self
+
+
 def is_applied() -> bool:
     """Whether :func:`apply` has run in this process."""
     return _APPLIED
@@ -83,14 +91,15 @@ def apply() -> None:
             raise RuntimeError("cpu_compat.apply() called on a host where CUDA is available")
         torch.cuda.current_device = _cpu_current_device
         torch.cuda.synchronize = _cpu_synchronize
+        torch.Tensor.cuda = _cpu_tensor_cuda
         _APPLIED = True
         logger.info(
             "megatron CPU compatibility applied: torch.cuda.current_device -> cpu, "
-            "torch.cuda.synchronize -> no-op"
+            "torch.cuda.synchronize -> no-op, Tensor.cuda() -> the tensor itself"
         )
 
 
-class _CudaFactoriesOnCpu(TorchFunctionMode):
+class _CudaTensorsOnCpu(TorchFunctionMode):
     """Rewrites an explicit ``device="cuda"`` of any torch call to the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -102,18 +111,18 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def cuda_factories_on_cpu():
-    """Runs Megatron code that creates tensors with a literal ``device="cuda"`` on the CPU.
+def cuda_tensors_on_cpu():
+    """Runs Megatron code that places tensors on ``"cuda"`` explicitly on the CPU instead.
 
-    Use it around ``get_forward_backward_func()(...)`` on a CPU-only host (after
+    Used around ``get_forward_backward_func()(...)`` on a CPU-only host (after
     :func:`apply`); it refuses to run where CUDA is available.
 
     Raises:
         RuntimeError: CUDA is available.
     """
     if torch.cuda.is_available():
-        raise RuntimeError("cuda_factories_on_cpu() used on a host where CUDA is available")
-    with _CudaFactoriesOnCpu():
+        raise RuntimeError("cuda_tensors_on_cpu() used on a host where CUDA is available")
+    with _CudaTensorsOnCpu():
         yield
 
 

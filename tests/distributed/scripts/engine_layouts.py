@@ -24,6 +24,7 @@ import torch.distributed as dist
 from engine_common import CheckLog, edge_case_batch, save_output
 
 from megascore.config import EngineConfig
+from megascore.engine import pipeline as pipeline_module
 from megascore.engine import step as step_module
 from megascore.engine.logprobs import score_tokens
 from megascore.engine.runtime import DistributedEngine
@@ -141,14 +142,14 @@ def expect_worker_lost(fn, match: str) -> float:
 def check_reported_failure(rank):
     """Rank 1 raises after its step collectives: everyone learns it from the status flags."""
     engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, False))
-    real = step_module.score_tokens
+    real = pipeline_module.score_tokens
 
     def failing(*args, **kwargs):
         real(*args, **kwargs)
         raise RuntimeError("injected failure")
 
     if rank == 1:
-        step_module.score_tokens = failing
+        pipeline_module.score_tokens = failing
     try:
         if rank == 0:
             expect_worker_lost(lambda: engine.score(edge_case_batch()), "ranks [1]")
@@ -156,7 +157,7 @@ def check_reported_failure(rank):
         else:
             expect_worker_lost(engine.worker_loop, "ranks [1]")
     finally:
-        step_module.score_tokens = real
+        pipeline_module.score_tokens = real
         engine.shutdown()  # rank 0: broken, so no SHUTDOWN broadcast; all: local teardown
 
 

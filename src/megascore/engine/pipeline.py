@@ -1,0 +1,276 @@
+"""A step's forward through Megatron's own schedule, in microbatches.
+
+Every layout runs the step through ``megatron.core.pipeline_parallel.
+get_forward_backward_func()`` with ``forward_only=True``: the 1F1B schedule
+without interleaving under pipeline parallelism (stages overlap on different
+microbatches), the plain loop at PP = 1. The pieces follow NeMo-RL's logprob
+path (``forward_step_arbitrary_loss`` / its loss post-processors):
+
+* :func:`split_microbatches`: contiguous runs of sequences, balanced by padded
+  tokens; every microbatch is packed (THD, the per-sequence pad multiple) and
+  padded to one common length (``pad_full_seq_to``), so the stages exchange
+  activations of a fixed shape. Megatron refuses ``variable_seq_lengths`` with
+  the allgather MoE dispatcher, the one that runs on the CPU. A microbatch is
+  never shorter than the step's longest sequence (that would pad every other
+  microbatch up to it), so a step may use fewer microbatches than configured.
+* :func:`forward_step`: called by the schedule with the data iterator and the
+  model; runs the model on the next microbatch and returns the output with a
+  loss closure. On the last stage the output is the model's
+  :class:`~megascore.engine.forward.OutputHead`, and the closure computes the
+  logprobs / top-k chunk by chunk over the TP group, gathers the CP shards and
+  returns a loss normalised by the step's global valid token count
+  (``cp_normalize`` under CP, then undoing Megatron's ``x cp / num_microbatches``
+  scaling, as NeMo-RL does) with the per-token results.
+
+The results stay on the last stage; :mod:`megascore.engine.step` moves them to
+the output rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megascore.distributed import gather_cp_shards
+from megascore.engine.forward import model_inputs
+from megascore.engine.logprobs import Float32Logits, score_tokens
+from megascore.model import cpu_compat
+from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
+
+logger = logging.getLogger(__name__)
+
+
+def split_microbatches(
+    lengths: np.ndarray, pad_multiple: int, count: int
+) -> tuple[list[tuple[int, int]], int]:
+    """Splits a step's sequences into contiguous, balanced microbatches.
+
+    Args:
+        lengths: int64 ``[B]`` sequence lengths (>= 1).
+        pad_multiple: per-sequence pad multiple.
+        count: microbatches wanted.
+
+    Returns:
+        ``(ranges, pad_to)``: ``[first, end)`` sequence ranges in batch order (at most
+        ``count``, each non-empty) and the packed length every microbatch is padded to
+        (the longest microbatch's; a multiple of ``pad_multiple``).
+    """
+    padded = -(-np.asarray(lengths, dtype=np.int64) // pad_multiple) * pad_multiple
+    total, longest = int(padded.sum()), int(padded.max())
+    count = max(1, min(count, len(padded), total // longest))
+    cum = np.cumsum(padded)
+    cuts = [0]
+    for k in range(1, count):
+        # the sequence boundary closest to k / count of the tokens, after the previous cut
+        cut = int(np.argmin(np.abs(cum - k * total / count))) + 1
+        cut = min(max(cut, cuts[-1] + 1), len(padded) - (count - k))
+        cuts.append(cut)
+    cuts.append(len(padded))
+    ranges = list(zip(cuts[:-1], cuts[1:], strict=True))
+    pad_to = max(int(padded[a:b].sum()) for a, b in ranges)
+    return ranges, pad_to
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """One microbatch of a step, packed for this rank (built alike on every stage).
+
+    Attributes:
+        packed: the microbatch's sequences, packed and padded to the step's common length.
+        targets: int64 ``[T_local]`` next-token targets of this CP shard.
+        temperature: float32 ``[T_local]`` or None.
+        loss_mask: float32 ``[T_local]``: whether the target of each position is a
+            scored token (the request's loss mask, Megatron's alignment).
+        mtp_loss_mask: ``[1, T_local]`` the same mask for MTP when the request has one,
+            else None (Megatron's default mask).
+    """
+
+    packed: PackedSequences
+    targets: torch.Tensor
+    temperature: torch.Tensor | None
+    loss_mask: torch.Tensor
+    mtp_loss_mask: torch.Tensor | None
+
+
+def build_microbatch(
+    token_ids: torch.Tensor,
+    lengths: np.ndarray,
+    temperature: np.ndarray | None,
+    target_mask: np.ndarray,
+    *,
+    pad_multiple: int,
+    pad_to: int,
+    cp_rank: int,
+    cp_size: int,
+    has_request_mask: bool,
+) -> Microbatch:
+    """Packs one microbatch for this rank's CP rank.
+
+    Args:
+        token_ids: int64 ``[T_mb]`` the microbatch's ids, on the model's device.
+        lengths: int64 ``[B_mb]``.
+        temperature: float32 ``[B_mb]`` or None.
+        target_mask: float32 ``[T_mb]`` token-aligned: whether each token is scored.
+        pad_multiple: per-sequence pad multiple.
+        pad_to: common packed length of the step's microbatches.
+        cp_rank: this rank in the CP group.
+        cp_size: CP group size.
+        has_request_mask: the request carried a loss mask (MTP then uses it).
+
+    Returns:
+        The :class:`Microbatch`.
+    """
+    device = token_ids.device
+    packed = pack_sequences(
+        token_ids,
+        lengths,
+        pad_individual_seqs_to_multiple_of=pad_multiple,
+        pad_packed_seq_to=pad_to,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+    )
+    cu_padded = packed.cu_seqlens_padded.to("cpu", torch.int64)
+    shard = packed.shard_indices
+    # targets: [1, T_padded] rolled on the full axis -> [T_local], sharded like the inputs
+    targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
+    temps = None
+    if temperature is not None:
+        per_seq = torch.from_numpy(np.asarray(temperature, dtype=np.float32))
+        temps = torch.repeat_interleave(per_seq, cu_padded.diff())[shard].to(device)
+    # mask: token-aligned on the full axis, then rolled to the targets' alignment
+    full = torch.zeros(1, pad_to)
+    full[0, packed.token_positions] = torch.from_numpy(target_mask)
+    mask = roll_within_segments(full, cu_padded, shifts=-1)[0, shard]
+    return Microbatch(
+        packed=packed,
+        targets=targets,
+        temperature=temps,
+        loss_mask=mask.to(device),
+        mtp_loss_mask=mask.unsqueeze(0).to(device) if has_request_mask else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreSpec:
+    """What the last stage computes for every microbatch of a step.
+
+    Attributes:
+        want_logprobs: compute the targets' logprobs.
+        top_k: alternatives per position (0 = none).
+        chunk_tokens: rows per chunk of the vocab-parallel log-softmax.
+        vocab_size: true vocabulary size.
+        global_valid_tokens: scored tokens of the whole step (loss normaliser, >= 1).
+        num_microbatches: microbatches of the step.
+        gather: this rank's CP group gathers the per-token results (the output side).
+        mtp_labels: the forward passes MTP labels (a metrics forward of an MTP model).
+        lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
+    """
+
+    want_logprobs: bool
+    top_k: int
+    chunk_tokens: int
+    vocab_size: int
+    global_valid_tokens: int
+    num_microbatches: int
+    gather: bool
+    mtp_labels: bool
+    lm_head_dtype: str = "model"
+
+
+def _score_microbatch(
+    mb: Microbatch, spec: ScoreSpec, tp_group, cp_group, head
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """The loss closure (last stage): per-token results and the normalised loss."""
+    cu_padded = mb.packed.cu_seqlens_padded.to("cpu", torch.int64)
+    scores = score_tokens(
+        head if spec.lm_head_dtype == "model" else Float32Logits(head),
+        mb.targets,
+        tp_group=tp_group,
+        temperature=mb.temperature,
+        top_k=spec.top_k,
+        chunk_tokens=spec.chunk_tokens,
+        vocab_size=spec.vocab_size,
+    )
+    # loss: this CP shard's share of the step's token-mean NLL (NeMo-RL's normalisation
+    # by the global valid token count); the CP ranks' shares sum to the microbatch's
+    loss = -(scores.logprobs * mb.loss_mask).sum() / spec.global_valid_tokens
+    cp_size = dist.get_world_size(cp_group)
+    local_loss = loss.detach().clone()
+    # cp_normalize, then undo Megatron's (x cp_size / num_microbatches) averaging
+    loss = loss / cp_size * spec.num_microbatches / cp_size
+
+    def gathered(local: torch.Tensor | None) -> torch.Tensor | None:
+        """``[T_local, ...]`` -> ``[T_padded, ...]`` on the CPU, same dtype."""
+        if local is None or not spec.gather:
+            return None
+        return gather_cp_shards(local.unsqueeze(0), cu_padded.to(local.device), cp_group)[0].cpu()
+
+    if cp_size > 1:
+        dist.all_reduce(local_loss, group=cp_group)
+    return loss, {
+        "loss": local_loss.cpu(),
+        "logprobs": gathered(scores.logprobs if spec.want_logprobs else None),
+        "top_k_ids": gathered(scores.top_k_ids),
+        "top_k_logprobs": gathered(scores.top_k_logprobs),
+    }
+
+
+def forward_step(data_iterator, model, *, spec: ScoreSpec):
+    """Megatron forward-step function (NeMo-RL's ``forward_step_arbitrary_loss`` shape).
+
+    Args:
+        data_iterator: yields this step's :class:`Microbatch` objects in order.
+        model: this rank's GPTModel (one stage).
+        spec: what the loss closure computes.
+
+    Returns:
+        ``(output, loss closure)``: the hidden states for the next stage, or on the
+        last stage the :class:`~megascore.engine.forward.OutputHead` that the closure
+        scores.
+    """
+    mb = next(data_iterator)
+    kwargs = model_inputs(
+        model, mb.packed, with_mtp_labels=spec.mtp_labels, loss_mask_packed_local=mb.mtp_loss_mask
+    )
+    output = model(**kwargs)
+    pgs = model.pg_collection
+    return output, functools.partial(_score_microbatch, mb, spec, pgs.tp, pgs.cp)
+
+
+def run_schedule(model, microbatches: list[Microbatch], spec: ScoreSpec) -> list[dict]:
+    """Runs the microbatches through Megatron's forward-only schedule on this rank.
+
+    Collective over the replica (p2p between stages; TP / CP / EP inside each).
+
+    Args:
+        model: this rank's GPTModel, in the mode of the step
+            (:func:`megascore.engine.forward.scoring_forward`).
+        microbatches: the step's microbatches, in order.
+        spec: what the last stage computes.
+
+    Returns:
+        On the last stage, one dict per microbatch (``loss`` and the gathered per-token
+        results); an empty list on the other stages.
+    """
+    pp = model.pg_collection.pp
+    seq_length = microbatches[0].packed.input_ids.shape[1]
+    run = functools.partial(
+        get_forward_backward_func(pp_size=pp.size(), vp_size=None),
+        forward_step_func=functools.partial(forward_step, spec=spec),
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=1,
+        forward_only=True,
+    )
+    if next(model.parameters()).device.type == "cpu":
+        with cpu_compat.cuda_tensors_on_cpu():
+            return run()
+    return run()

@@ -1,0 +1,168 @@
+"""Pipeline-parallel layouts of DistributedEngine in one 4-rank gloo launch.
+
+Like ``engine_layouts.py``: the script initialises torch.distributed itself and
+every layout re-initialises only Megatron's parallel state. For each layout rank
+0 scores a batch that splits into several microbatches and writes
+``OUT_DIR/<layout>.npz/.json``; the test compares every PP layout with the
+one-stage reference of the same model and microbatch count. Each rank records
+which decoder layers (global numbers) and which ends (embedding, output layer,
+MTP) its stage holds. Then the failure paths under PP=2 x TP=2: a last-stage
+rank that raises, and a last-stage rank that hangs. Check outcomes:
+``OUT_DIR/pipeline_rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+from engine_common import CheckLog, edge_case_batch, save_output
+
+from megascore.config import EngineConfig
+from megascore.engine import pipeline as pipeline_module
+from megascore.engine import step as step_module
+from megascore.engine.pipeline import split_microbatches
+from megascore.engine.runtime import DistributedEngine
+from megascore.errors import WorkerLostError
+
+# Many sequences of similar lengths: the step splits into MICROBATCHES microbatches.
+PP_LENGTHS = (1, 5, 60, 1, 17, 3, 2, 40, 1, 9, 2, 33, 64, 20, 7, 50)
+MICROBATCHES = 3
+# name -> (model, tp, cp, ep, pp)
+LAYOUTS = {
+    "tiny_ref": ("tiny", 1, 1, 1, 1),
+    "tiny_pp2": ("tiny", 1, 1, 1, 2),
+    "tiny_pp2_tp2": ("tiny", 2, 1, 1, 2),
+    "tiny_pp2_cp2": ("tiny", 1, 2, 1, 2),
+    "deep_ref": ("tiny-deep", 1, 1, 1, 1),
+    "deep_pp4": ("tiny-deep", 1, 1, 1, 4),
+    "deep_pp2_tp2": ("tiny-deep", 2, 1, 1, 2),
+    "moe_ref": ("tiny-moe", 1, 1, 1, 1),
+    "moe_pp2_ep2": ("tiny-moe", 1, 1, 2, 2),
+}
+MOE = {"moe_ref", "moe_pp2_ep2"}
+
+
+def engine_config(model, tp, cp, ep, pp, timeout=60.0) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp,
+        pipeline_microbatches=MICROBATCHES,
+        logprob_chunk_tokens=50,  # several chunks per microbatch
+        collective_timeout_s=timeout,
+    )
+
+
+def pp_batch(moe: bool = False):
+    return edge_case_batch(moe=moe, lengths=PP_LENGTHS)
+
+
+def stage_contents(engine) -> dict:
+    """What this rank's stage holds: global decoder layer numbers and the model's ends."""
+    model = engine.loaded.model
+    return {
+        "pp_rank": engine.pg_collection.pp.rank(),
+        "layers": [int(layer.layer_number) for layer in model.decoder.layers],
+        "embedding": hasattr(model, "embedding"),
+        "output_layer": hasattr(model, "output_layer"),
+        "mtp": bool(getattr(model, "mtp_process", False)),
+    }
+
+
+def run_layout(name, spec, rank, out_dir) -> None:
+    engine = DistributedEngine.create(engine_config(*spec))
+    contents = stage_contents(engine)
+    (out_dir / f"{name}_stage_rank{rank}.json").write_text(json.dumps(contents))
+    if rank != 0:
+        engine.worker_loop()
+        return
+    try:
+        info = engine.info()
+        assert info.parallel.pipeline_model_parallel_size == spec[4], info.parallel
+        out = engine.score(pp_batch(moe=name in MOE))
+        save_output(out_dir / name, out, num_parameters=info.num_parameters)
+    finally:
+        engine.shutdown()
+
+
+def expect_worker_lost(fn, match: str) -> float:
+    start = time.monotonic()
+    try:
+        fn()
+    except WorkerLostError as e:
+        assert match in str(e), f"WorkerLostError {e!r} does not mention {match!r}"
+        return time.monotonic() - start
+    raise AssertionError("expected WorkerLostError")
+
+
+def check_last_stage_failure(rank):
+    """Rank 3 (last stage, not rank 0's peer) raises after the schedule: every rank
+    learns it from the status flags."""
+    engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, 2))
+    real = step_module.run_schedule
+
+    def failing(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("injected failure")
+
+    if rank == 3:
+        step_module.run_schedule = failing
+    try:
+        if rank == 0:
+            expect_worker_lost(lambda: engine.score(pp_batch()), "ranks [3]")
+            expect_worker_lost(lambda: engine.score(pp_batch()), "broken")
+        else:
+            expect_worker_lost(engine.worker_loop, "ranks [3]")
+    finally:
+        step_module.run_schedule = real
+        engine.shutdown()
+
+
+def check_hung_last_stage(rank):
+    """Rank 2 (rank 0's last-stage peer) stalls mid-step: rank 0 fails within the timeouts."""
+    engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, 2, timeout=3.0))
+    real = pipeline_module.score_tokens
+
+    def stalled(*args, **kwargs):
+        time.sleep(20.0)  # > the result broadcast (3 s) + the status all-reduce (3 x 3 s)
+        return real(*args, **kwargs)
+
+    if rank == 2:
+        pipeline_module.score_tokens = stalled
+    if rank == 0:
+        elapsed = expect_worker_lost(lambda: engine.score(pp_batch()), "")
+        assert elapsed < 30, f"took {elapsed:.1f} s"
+    else:
+        try:
+            engine.worker_loop()
+        except (WorkerLostError, RuntimeError):
+            pass
+
+
+def main(out_dir: Path) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    ranges, _ = split_microbatches(np.asarray(PP_LENGTHS), 1, MICROBATCHES)
+    assert len(ranges) == MICROBATCHES, ranges
+    log = CheckLog(out_dir / f"pipeline_rank{rank}.json")
+    for name, spec in LAYOUTS.items():
+        log.run(f"{name}:run", run_layout, name, spec, rank, out_dir)
+    log.run("last_stage_failure", check_last_stage_failure, rank)
+    log.run("hung_last_stage", check_hung_last_stage, rank)
+    # The process group is unusable after the hung-rank check: leave without teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,51 @@
+"""split_microbatches: contiguous, balanced, never shorter than the longest sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megascore.engine.pipeline import split_microbatches
+
+
+def _padded(lengths, multiple):
+    return -(-np.asarray(lengths) // multiple) * multiple
+
+
+@pytest.mark.parametrize(
+    ("lengths", "multiple", "count"),
+    [
+        ([5] * 8, 1, 4),
+        ([3, 9, 2, 7, 7, 1, 4, 8, 8, 2], 4, 3),
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9], 2, 8),
+        ([16] * 3, 1, 8),
+    ],
+)
+def test_split_covers_batch_in_order_balanced(lengths, multiple, count):
+    ranges, pad_to = split_microbatches(np.array(lengths), multiple, count)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(lengths)
+    assert all(a < b for a, b in ranges)
+    assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:], strict=False))
+    padded = _padded(lengths, multiple)
+    assert len(ranges) == min(count, len(lengths), padded.sum() // padded.max())
+    sizes = [int(padded[a:b].sum()) for a, b in ranges]
+    assert pad_to == max(sizes) and pad_to % multiple == 0
+    # balanced: the largest microbatch is at most the even share plus one sequence
+    assert pad_to <= padded.sum() / len(ranges) + padded.max()
+
+
+def test_equal_sequences_split_evenly():
+    ranges, pad_to = split_microbatches(np.array([4] * 8), 1, 4)
+    assert ranges == [(0, 2), (2, 4), (4, 6), (6, 8)] and pad_to == 8
+
+
+def test_fewer_microbatches_than_a_long_sequence_would_force():
+    # one 100-token sequence among short ones: microbatches no shorter than it
+    ranges, pad_to = split_microbatches(np.array([100, 5, 5, 5, 5]), 1, 4)
+    assert len(ranges) == 1 and pad_to == 120
+    ranges, pad_to = split_microbatches(np.array([50, 10, 20, 30, 40, 50]), 1, 8)
+    assert len(ranges) == 4 and pad_to >= 50
+
+
+def test_one_microbatch_is_the_whole_batch():
+    assert split_microbatches(np.array([3, 1, 2]), 2, 1) == ([(0, 3)], 8)
