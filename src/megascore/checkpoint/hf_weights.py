@@ -89,7 +89,10 @@ class _Mapper:
         if name == "embedding.word_embeddings.weight":
             return VocabRows(Src("model.embed_tokens.weight", (v, h)), r.tp_rank, r.tp_size)
         if name == "output_layer.weight":
-            return VocabRows(Src("lm_head.weight", (v, h)), r.tp_rank, r.tp_size)
+            # tied embeddings: a last pipeline stage holds its own copy of the embedding
+            tied = cfg.share_embeddings_and_output_weights
+            head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            return VocabRows(Src(head, (v, h)), r.tp_rank, r.tp_size)
         if name == "decoder.final_layernorm.weight":
             return Replicated(Src("model.norm.weight", (h,)))
         m = _LAYER.fullmatch(name)
