@@ -1,5 +1,10 @@
 """One packed GPTModel forward: the LM head's input plus the MoE / MTP metrics.
 
+The pieces are also what Megatron's schedule calls per microbatch
+(:mod:`megascore.engine.pipeline`): :func:`model_inputs` builds the model's
+arguments, :func:`scoring_forward` is the mode a whole step runs in (and reads the
+metrics after it).
+
 :func:`forward_packed` feeds a :class:`~megascore.packing.PackedSequences` (THD,
 this rank's CP shard) through the model and returns an :class:`OutputHead`: the
 final hidden states (after the final layernorm) and the model's output layer,

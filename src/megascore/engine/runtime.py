@@ -26,11 +26,14 @@ Process groups (all explicit):
   failure flags and the start-up barrier. It outlasts the step collectives so
   that a rank that failed early still hears from the ranks that first had to
   time out waiting for it.
-* Megatron's TP / CP / EP groups from ``megascore.model.parallel`` (timeout
+* Megatron's TP / CP / EP / PP groups from ``megascore.model.parallel`` (timeout
   ``collective_timeout_s``). Under NCCL the timeout is enforced by NCCL's watchdog,
   which aborts the communicators and ends the process
   (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, set here when unset): a rank left in a
   collective by a peer that raised (out of memory) or died fails within the timeout.
+  Under PP, rank 0 is on the first stage; its peer on the last stage
+  (:func:`result_rank`) sends the step's results back over rank 0's PP group
+  (:mod:`megascore.engine.step`).
 
 Failure: when any rank fails a step, every rank learns it through the status
 all-reduce (:func:`megascore.engine.step.run_step`, which first waits for the
