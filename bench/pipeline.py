@@ -4,8 +4,12 @@
 other, with the same model and the same step (``--sequences`` x ``--length``
 tokens, logprobs + top-5):
 
-* PP=1: one rank with every core (``OMP_NUM_THREADS`` = cores);
-* PP=2: two ranks with ``cores / 2`` threads each (the same CPU);
+* PP=1: one rank;
+* PP=2: two ranks;
+
+every rank with ``--threads`` intra-op threads (default 1: on a shared machine a
+multi-threaded rank loses most of its time in OpenMP barriers, which would flatter
+PP=2; the ideal PP=2 / PP=1 ratio is then ``2 x (1 - bubble)``);
 
 and in each job, for every microbatch count of ``--microbatches`` (1, 2, 4, 8), a
 fresh engine scores the step ``--warmup`` + ``--reps`` times (the median timed step
@@ -112,8 +116,7 @@ def free_port() -> int:
 
 
 def run_job(args: argparse.Namespace, pp: int, out: Path) -> None:
-    cores = os.cpu_count() or 1
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // pp)), CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), CUDA_VISIBLE_DEVICES="")
     cmd = [
         sys.executable,
         "-m",
@@ -138,6 +141,8 @@ def run_job(args: argparse.Namespace, pp: int, out: Path) -> None:
         str(args.warmup),
         "--reps",
         str(args.reps),
+        "--threads",
+        str(args.threads),
         "--microbatches",
         ",".join(map(str, args.microbatches)),
     ]
@@ -157,13 +162,13 @@ def report(args: argparse.Namespace, out: Path, seconds: float) -> str:
         f"({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} "
         f"cores, load average at the end {load}). Model `{args.model}`, float32, "
         f"one step of {args.sequences} x {args.length} tokens (logprobs + top-5), median "
-        f"of {args.reps} timed steps after {args.warmup} warm-up. PP=1: one rank with "
-        f"{os.cpu_count()} threads; PP=2: two ranks with {max(1, (os.cpu_count() or 1) // 2)} "
-        "thread(s) each (the same CPU). No GPU was available: NCCL is not measured.",
+        f"of {args.reps} timed steps after {args.warmup} warm-up; every rank "
+        f"{args.threads} thread(s), so PP=1 uses {args.threads} core(s) and PP=2 twice "
+        "that. No GPU was available: NCCL is not measured.",
         "",
-        "| microbatches m | PP=1 tokens/s | PP=2 tokens/s | PP=2 / PP=1 | 1F1B bubble "
-        "(PP-1)/(m+PP-1) | PP=2 measured idle (bubble + transfers) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| microbatches m | PP=1 tokens/s | PP=2 tokens/s | PP=2 / PP=1 | ideal 2 x (1 - "
+        "bubble) | 1F1B bubble (PP-1)/(m+PP-1) | PP=2 measured idle (bubble + transfers) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in args.microbatches:
         key = str(m)
@@ -172,15 +177,16 @@ def report(args: argparse.Namespace, out: Path, seconds: float) -> str:
         idle = 1 - statistics.mean(pp2[r][key]["busy_s"] / t2 for r in range(2))
         lines.append(
             f"| {m} | {tokens / t1:.0f} | {tokens / t2:.0f} | {t1 / t2:.2f} | "
-            f"{1 / (m + 1):.2f} | {idle:.2f} |"
+            f"{2 * (1 - 1 / (m + 1)):.2f} | {1 / (m + 1):.2f} | {idle:.2f} |"
         )
     lines += [
         "",
-        "Reading it: on one host PP does not add compute, it only splits the layers; "
-        "PP=2 / PP=1 > 1 needs the two stages to overlap, which more microbatches allow "
-        "(the bubble shrinks) at the price of smaller matrix multiplications per "
-        "microbatch. The measured idle share includes the warm-up/cool-down bubble, "
-        "the activation sends between stages and the result broadcast to rank 0.",
+        "Reading it: PP splits the layers over twice the cores; the stages overlap only "
+        "on different microbatches, so PP=2 / PP=1 approaches 2 as the bubble shrinks "
+        "with more microbatches, minus what smaller matrix multiplications per "
+        "microbatch cost. The measured idle share includes the warm-up / cool-down "
+        "bubble, the activation sends between stages and the result broadcast to "
+        "rank 0 (and, on a loaded machine, time the OS gives to other processes).",
         END,
     ]
     return "\n".join(lines) + "\n"
@@ -203,6 +209,7 @@ def main() -> int:
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--microbatches", default="1,2,4,8")
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
