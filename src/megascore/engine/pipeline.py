@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megascore import layout
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import model_inputs
 from megascore.engine.logprobs import Float32Logits, score_tokens
@@ -61,7 +62,7 @@ def split_microbatches(
         ``count``, each non-empty) and the packed length every microbatch is padded to
         (the longest microbatch's; a multiple of ``pad_multiple``).
     """
-    padded = -(-np.asarray(lengths, dtype=np.int64) // pad_multiple) * pad_multiple
+    padded = layout.padded_lengths(np.asarray(lengths), pad_multiple)
     total, longest = int(padded.sum()), int(padded.max())
     count = max(1, min(count, len(padded), total // longest))
     cum = np.cumsum(padded)

@@ -32,8 +32,8 @@ LAYOUTS = {"pp2": (1, 2), "pp2_tp2": (2, 2)}  # name -> (tp, pp)
 
 
 def _save_tp2(work: Path) -> None:
-    from megascore.checkpoint.loader import resolve_model
     from megascore.checkpoint.megatron_ckpt import save_checkpoint
+    from megascore.checkpoint.resolve import resolve_model
     from megascore.config import EngineConfig
     from megascore.model.build import build_model
     from megascore.model.parallel import destroy_parallel, initialize_parallel
