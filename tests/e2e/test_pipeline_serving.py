@@ -9,6 +9,9 @@ step) on the built-in tiny model:
 * hot reload under PP: ``LoadWeights("builtin:tiny@7")`` serves seed 7's numbers;
 * a hung rank on the last stage (SIGSTOP) fails the next request with UNAVAILABLE
   within 30 s, health goes NOT_SERVING and the server exits non-zero.
+
+Under ``torchrun`` (PP=2 on 2 ranks, ``-m megascore_server.main``): the same numbers,
+and a SIGTERM drains both stages.
 """
 
 from __future__ import annotations
@@ -85,4 +88,21 @@ def test_pp2_tp2_server(serve, cases, engine_reference):
     assert elapsed <= 30, elapsed
     assert_not_serving(server)
     assert server.wait(timeout=120) != 0, server.output()
+    assert not server.leftovers(), "processes left behind"
+
+
+@pytest.mark.timeout(600)
+def test_pp2_under_torchrun_drains_both_stages(serve, cases, engine_reference):
+    server = serve("--model", "tiny", "--pp", "2", "--grace-s", "5", torchrun_nproc=2)
+    server.wait_serving()
+    with ScoringClient(server.target, timeout=120) as client:
+        info = client.model_info()
+        assert info.parallel.world_size == 2 and info.parallel.pipeline_model_parallel_size == 2
+        for case, out in zip(cases, engine_reference, strict=True):
+            assert_result_matches_output(case.score(client), case, out)
+    code = server.terminate(timeout=120)
+    log = server.output(tail=10**6)
+    # the last stage (rank 1) left through rank 0's drain: SHUTDOWN broadcast, clean exit
+    assert "rank 1: SHUTDOWN received, exiting" in log, log
+    assert code in (0, 1, -signal.SIGTERM), (code, log)
     assert not server.leftovers(), "processes left behind"

@@ -225,3 +225,25 @@ def test_pad_multiple_follows_the_engine_layout(kw, expected):
 def test_sequence_parallel_is_tri_state(argv, environ, expected):
     config = load_serve_config(["--tp", "2", *argv], environ=environ)
     assert config.engine.sequence_parallel is expected
+
+
+def test_pipeline_flags_env_and_file(tmp_path):
+    config = load_serve_config(["--pp", "2", "--pipeline-microbatches", "6"], environ={})
+    assert config.engine.pipeline_model_parallel_size == 2
+    assert config.engine.microbatches == 6
+    env = {"MEGASCORE_PIPELINE_MODEL_PARALLEL_SIZE": "4"}
+    config = load_serve_config([], environ=env)
+    assert config.engine.pipeline_model_parallel_size == 4
+    assert config.engine.microbatches == 8  # default: 2 x PP
+    assert config.engine.model_parallel_size == 4
+    path = tmp_path / "serve.yaml"
+    path.write_text("engine: {pipeline_model_parallel_size: 2, tensor_model_parallel_size: 2}\n")
+    config = load_serve_config(["--config", str(path)], environ={})
+    assert config.engine.model_parallel_size == 4 and config.engine.microbatches == 4
+    assert load_serve_config([], environ={}).engine.microbatches == 1  # PP = 1: one step
+    for argv, message in (
+        (["--pp", "0"], "pipeline_model_parallel_size must be >= 1"),
+        (["--pipeline-microbatches", "0"], "pipeline_microbatches must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_serve_config(argv, environ={})

@@ -1,4 +1,5 @@
-"""split_microbatches: contiguous, balanced, never shorter than the longest sequence."""
+"""split_microbatches (contiguous, balanced, never shorter than the longest sequence) and
+pipeline_layer_split (decoder layers per pipeline stage)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from megascore.engine.pipeline import split_microbatches
+from megascore.model.parallel import pipeline_layer_split
 
 
 def _padded(lengths, multiple):
@@ -49,3 +51,21 @@ def test_fewer_microbatches_than_a_long_sequence_would_force():
 
 def test_one_microbatch_is_the_whole_batch():
     assert split_microbatches(np.array([3, 1, 2]), 2, 1) == ([(0, 3)], 8)
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "pp", "want"),
+    [(4, 2, None), (5, 2, (3, 2)), (5, 4, (2, 1)), (7, 3, (3, 2)), (10, 4, (3, 3))],
+)
+def test_pipeline_layer_split_covers_every_layer(num_layers, pp, want):
+    split = pipeline_layer_split(num_layers, pp)
+    assert split == want
+    if split is not None:
+        middle = num_layers // pp
+        assert split[0] + split[1] + (pp - 2) * middle == num_layers
+        assert min(split) >= 1
+
+
+def test_fewer_layers_than_stages_is_refused_naming_both():
+    with pytest.raises(ValueError, match="num_layers 2 < pipeline_model_parallel_size 4"):
+        pipeline_layer_split(2, 4)
