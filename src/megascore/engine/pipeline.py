@@ -41,7 +41,6 @@ from megascore import layout
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import model_inputs
 from megascore.engine.logprobs import Float32Logits, score_tokens
-from megascore.model import cpu_compat
 from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
 
 logger = logging.getLogger(__name__)
@@ -261,8 +260,8 @@ def run_schedule(model, microbatches: list[Microbatch], spec: ScoreSpec) -> list
     """
     pp = model.pg_collection.pp
     seq_length = microbatches[0].packed.input_ids.shape[1]
-    run = functools.partial(
-        get_forward_backward_func(pp_size=pp.size(), vp_size=None),
+    schedule = get_forward_backward_func(pp_size=pp.size(), vp_size=None)
+    return schedule(
         forward_step_func=functools.partial(forward_step, spec=spec),
         data_iterator=iter(microbatches),
         model=[model],
@@ -271,7 +270,3 @@ def run_schedule(model, microbatches: list[Microbatch], spec: ScoreSpec) -> list
         micro_batch_size=1,
         forward_only=True,
     )
-    if next(model.parameters()).device.type == "cpu":
-        with cpu_compat.cuda_tensors_on_cpu():
-            return run()
-    return run()
