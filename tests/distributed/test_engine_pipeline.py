@@ -2,10 +2,11 @@
 
 One 4-rank torchrun launch (``scripts/engine_pipeline.py``): PP=2, PP=2 x TP=2,
 PP=2 x CP=2 (tiny), PP=4 (2 + 1 + 1 + 1 layers of the 5-layer tiny-deep, an
-uneven split) and PP=2 x TP=2 (tiny-deep, 3 + 2 layers), PP=2 x EP=2 (tiny-moe with
-MTP, metrics); each scores a batch that splits into 3 microbatches and must equal
-the one-stage run of the same model with the same microbatches: logprobs, top-k,
-losses (<= 1e-5, fp32), MoE / MTP metrics. Each stage holds only its own layers.
+uneven split) and PP=2 x TP=2 (tiny-deep, 3 + 2 layers), PP=2 x EP=2 and PP=2 x TP=2
+with sequence parallelism (tiny-moe with MTP, metrics); each scores a batch that
+splits into 3 microbatches and must equal the one-stage run of the same model with
+the same microbatches: logprobs, top-k, losses (<= 1e-5, fp32), MoE / MTP metrics.
+Each stage holds only its own layers.
 Failures on the last stage (a raise, a hang) reach rank 0 as WorkerLostError.
 """
 
@@ -30,9 +31,10 @@ LAYOUTS = {
     "deep_pp4": ("deep_ref", 4, 5),
     "deep_pp2_tp2": ("deep_ref", 2, 5),
     "moe_pp2_ep2": ("moe_ref", 2, 2),
+    "moe_pp2_tp2": ("moe_ref_pad2", 2, 2),
 }
 CHECKS = (
-    *(f"{name}:run" for name in ("tiny_ref", "deep_ref", "moe_ref", *LAYOUTS)),
+    *(f"{name}:run" for name in ("tiny_ref", "deep_ref", "moe_ref", "moe_ref_pad2", *LAYOUTS)),
     "last_stage_failure",
     "hung_last_stage",
 )

@@ -34,7 +34,9 @@ from megascore.errors import WorkerLostError
 # Many sequences of similar lengths: the step splits into MICROBATCHES microbatches.
 PP_LENGTHS = (1, 5, 60, 1, 17, 3, 2, 40, 1, 9, 2, 33, 64, 20, 7, 50)
 MICROBATCHES = 3
-# name -> (model, tp, cp, ep, pp)
+# name -> (model, tp, cp, ep, pp[, pad_to_multiple_of]). "moe_pp2_tp2" turns sequence
+# parallelism on (MoE at TP > 1): per-sequence pad multiple 2, so its reference packs
+# with pad multiple 2 too (pads count in Megatron's MoE aux losses).
 LAYOUTS = {
     "tiny_ref": ("tiny", 1, 1, 1, 1),
     "tiny_pp2": ("tiny", 1, 1, 1, 2),
@@ -45,12 +47,15 @@ LAYOUTS = {
     "deep_pp2_tp2": ("tiny-deep", 2, 1, 1, 2),
     "moe_ref": ("tiny-moe", 1, 1, 1, 1),
     "moe_pp2_ep2": ("tiny-moe", 1, 1, 2, 2),
+    "moe_ref_pad2": ("tiny-moe", 1, 1, 1, 1, 2),
+    "moe_pp2_tp2": ("tiny-moe", 2, 1, 1, 2),
 }
-MOE = {"moe_ref", "moe_pp2_ep2"}
+MOE = {"moe_ref", "moe_pp2_ep2", "moe_ref_pad2", "moe_pp2_tp2"}
 
 
-def engine_config(model, tp, cp, ep, pp, timeout=60.0) -> EngineConfig:
+def engine_config(model, tp, cp, ep, pp, pad=1, timeout=60.0) -> EngineConfig:
     return EngineConfig(
+        pad_to_multiple_of=pad,
         model=model,
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
@@ -88,6 +93,8 @@ def run_layout(name, spec, rank, out_dir) -> None:
     try:
         info = engine.info()
         assert info.parallel.pipeline_model_parallel_size == spec[4], info.parallel
+        if name == "moe_pp2_tp2":
+            assert engine.sequence_parallel and engine.pad_multiple == 2, engine.pad_multiple
         out = engine.score(pp_batch(moe=name in MOE))
         save_output(out_dir / name, out, num_parameters=info.num_parameters)
     finally:
