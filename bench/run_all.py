@@ -39,6 +39,7 @@ import e2e_vs_engine
 import memory
 import mfu
 import packed_vs_hf
+import pipeline
 import wire_cost
 from common import Row
 
@@ -455,7 +456,11 @@ def main() -> int:
         results = measure(args, cfg, Path(tmp))
     results["machine"]["load average (end)"] = common.machine_info(args.device)["load average"]
     text = report(args, cfg, results, time.time() - start)
+    previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
+    if pipeline.BEGIN in previous and pipeline.END in previous:  # bench/pipeline.py's section
+        kept = previous[previous.index(pipeline.BEGIN) : previous.index(pipeline.END)]
+        pipeline.write_section(args.output, kept + pipeline.END + "\n")
     print(text)
     log(f"wrote {args.output} in {time.time() - start:.0f} s")
     return 0

@@ -73,7 +73,7 @@ def test_float32_head_is_exact_and_model_dtype_rounds(bf16_model):
 
 def test_engine_step_uses_the_configured_head_dtype(bf16_model, pgs):
     batch = ScoreBatch(token_ids=_ids().numpy(), lengths=np.array(LENGTHS), top_k=3)
-    groups = StepGroups(tp=pgs.tp, cp=pgs.cp, status=dist.group.WORLD)
+    groups = StepGroups(tp=pgs.tp, cp=pgs.cp, pp=pgs.pp, status=dist.group.WORLD)
     outs = {}
     for dtype in ("model", "float32"):
         cfg = StepConfig(
