@@ -38,6 +38,7 @@ from megascore.checkpoint.recipes import (
     ParallelRanks,
     Recipe,
     Replicated,
+    RowsOrReplicated,
     Split,
     Src,
     VocabRows,
@@ -50,6 +51,15 @@ logger = logging.getLogger(__name__)
 
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_MTP = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
+_MTP_OWN = {  # MTP layer parts -> HF names under model.layers.{num_layers + i}.
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+_MTP_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": ""}
+"""HF copies in each MTP layer of tensors Megatron shares with the main model ("": the
+output layer, ``lm_head.weight`` or the tied embedding)."""
 _SEQ_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 _TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)")
 
@@ -80,6 +90,9 @@ class HFLoadPlan:
     """Megatron state-dict name -> recipe producing this rank's tensor."""
     unused: list[str]
     """HF tensors no recipe reads."""
+    copies: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(MTP layer copy, main tensor) pairs that must be equal: Megatron's MTP layers use
+    the main model's embedding and output layer."""
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -116,7 +129,24 @@ class _Mapper:
             recipe = self._layer(int(m.group(1)) + layer_offset, m.group(2))
             if recipe is not None:
                 return recipe
+        m = _MTP.fullmatch(name)
+        if m:
+            recipe = self._mtp(cfg.num_layers + int(m.group(1)), m.group(2))
+            if recipe is not None:
+                return recipe
         raise CheckpointError(f"no HF source known for Megatron parameter {name!r}")
+
+    def _mtp(self, i: int, rest: str) -> Recipe | None:
+        """MTP layer parts (HF layer ``i`` = num_layers + MTP index, DeepSeek-V3 layout)."""
+        h, p = self.cfg.hidden_size, f"model.layers.{i}."
+        if rest in _MTP_OWN:
+            return Replicated(Src(p + _MTP_OWN[rest], (h,)))
+        if rest == "eh_proj.weight":  # input: [enorm(embedding); hnorm(hidden)]
+            src = Src(p + "eh_proj.weight", (h, 2 * h))
+            return Split(src, 0, self.ranks.tp_rank, self.ranks.tp_size)
+        if rest.startswith("mtp_model_layer."):
+            return self._layer(i, rest[len("mtp_model_layer.") :])
+        return None
 
     def _layer(self, i: int, rest: str) -> Recipe | None:
         cfg, r = self.cfg, self.ranks
@@ -127,6 +157,8 @@ class _Mapper:
             return Replicated(Src(p + "input_layernorm.weight", (h,)))
         if rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
             return Replicated(Src(p + "post_attention_layernorm.weight", (h,)))
+        if cfg.multi_latent_attention and rest.startswith("self_attention."):
+            return self._mla(p, rest[len("self_attention.") :])
         if rest.startswith("self_attention.linear_qkv."):
             kind = rest.rsplit(".", 1)[1]
             tail = (h,) if kind == "weight" else ()
@@ -148,9 +180,18 @@ class _Mapper:
         if rest == "mlp.linear_fc2.weight":
             return Split(Src(p + "mlp.down_proj.weight", (h, f)), 1, r.tp_rank, r.tp_size)
         if rest == "mlp.router.weight":
-            router = "mlp.gate.weight" if self.fused_experts else "block_sparse_moe.gate.weight"
-            router = p + router
+            mixtral = p + "block_sparse_moe.gate.weight"
+            router = mixtral if mixtral in self.reader else p + "mlp.gate.weight"
             return Replicated(Src(router, (cfg.num_moe_experts, h)))
+        if rest == "mlp.router.expert_bias":
+            return Replicated(Src(p + "mlp.gate.e_score_correction_bias", (cfg.num_moe_experts,)))
+        if rest.startswith("mlp.shared_experts.linear_fc"):
+            fs, q = cfg.moe_shared_expert_intermediate_size, p + "mlp.shared_experts."
+            if rest == "mlp.shared_experts.linear_fc1.weight":
+                gate, up = Src(q + "gate_proj.weight", (fs, h)), Src(q + "up_proj.weight", (fs, h))
+                return GatedFC1(gate, up, r.tp_rank, r.tp_size)
+            if rest == "mlp.shared_experts.linear_fc2.weight":
+                return Split(Src(q + "down_proj.weight", (h, fs)), 1, r.tp_rank, r.tp_size)
         m = _SEQ_EXPERT.fullmatch(rest)
         if m:
             return self._expert(p, int(m.group(1)), m.group(2))
@@ -175,10 +216,50 @@ class _Mapper:
             src = Src(p + "mlp.experts.down_proj", (h, f), lead=(e,), full=(num, h, f))
             return Split(src, 1, r.etp_rank, r.etp_size)
         q = f"{p}block_sparse_moe.experts.{e}."
+        names = ("w1", "w3", "w2")  # mixtral: gate, up, down
+        if q + "w1.weight" not in self.reader:  # qwen3_moe / deepseek_v3 / glm4_moe
+            q, names = f"{p}mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")
         if which == "linear_fc1":
-            gate, up = Src(q + "w1.weight", (f, h)), Src(q + "w3.weight", (f, h))
+            gate, up = Src(f"{q}{names[0]}.weight", (f, h)), Src(f"{q}{names[1]}.weight", (f, h))
             return GatedFC1(gate, up, r.etp_rank, r.etp_size)
-        return Split(Src(q + "w2.weight", (h, f)), 1, r.etp_rank, r.etp_size)
+        return Split(Src(f"{q}{names[2]}.weight", (h, f)), 1, r.etp_rank, r.etp_size)
+
+    def _mla(self, p: str, rest: str) -> Recipe | None:
+        """Multi-latent attention (Megatron local or TE spec names; DeepSeek-V3 HF names).
+
+        Per-head rows (q up-projection: no-RoPE then RoPE dims; kv up-projection: key
+        no-RoPE dims then value dims) are laid out head-major on both sides, so TP
+        splits whole heads. The RoPE dims stay interleaved: Megatron's MLA
+        de-interleaves them as transformers does (``rope_interleave``).
+        """
+        cfg, r = self.cfg, self.ranks
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+        a = p + "self_attn."
+        if rest in ("q_layernorm.weight", "linear_q_up_proj.layer_norm_weight"):
+            return Replicated(Src(a + "q_a_layernorm.weight", (cfg.q_lora_rank,)))
+        if rest in ("kv_layernorm.weight", "linear_kv_up_proj.layer_norm_weight"):
+            return Replicated(Src(a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,)))
+        if rest == "linear_q_proj.weight":
+            return Split(Src(a + "q_proj.weight", (nh * qk, h)), 0, r.tp_rank, r.tp_size)
+        if rest == "linear_q_down_proj.weight":
+            src = Src(a + "q_a_proj.weight", (cfg.q_lora_rank, h))
+            return RowsOrReplicated(src, r.tp_rank, r.tp_size)
+        if rest == "linear_q_up_proj.weight":
+            src = Src(a + "q_b_proj.weight", (nh * qk, cfg.q_lora_rank))
+            return Split(src, 0, r.tp_rank, r.tp_size)
+        if rest == "linear_kv_down_proj.weight":
+            rows = cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+            src = Src(a + "kv_a_proj_with_mqa.weight", (rows, h))
+            return RowsOrReplicated(src, r.tp_rank, r.tp_size)
+        if rest == "linear_kv_up_proj.weight":
+            rows = nh * (cfg.qk_head_dim + cfg.v_head_dim)
+            src = Src(a + "kv_b_proj.weight", (rows, cfg.kv_lora_rank))
+            return Split(src, 0, r.tp_rank, r.tp_size)
+        if rest == "linear_proj.weight":
+            src = Src(a + "o_proj.weight", (h, nh * cfg.v_head_dim))
+            return Split(src, 1, r.tp_rank, r.tp_size)
+        return None
 
 
 def plan_hf_load(
@@ -218,7 +299,16 @@ def plan_hf_load(
             continue
         recipe = mapper(name, offset)
         recipe.fit(tuple(tensor.shape))
-        recipe.validate(reader, name)
+        try:
+            recipe.validate(reader, name)
+        except CheckpointError as e:
+            if name.startswith("mtp.") and "missing tensor" in str(e):
+                raise CheckpointError(
+                    f"{e}: config.json declares {model_cfg.mtp_num_layers} MTP layer(s) "
+                    f"(num_nextn_predict_layers) stored as model.layers.{model_cfg.num_layers}+; "
+                    "checkpoints saved by transformers drop them"
+                ) from None
+            raise
         if tuple(tensor.shape) != recipe.local_shape():
             raise CheckpointError(
                 f"Megatron parameter {name!r} has shape {tuple(tensor.shape)} on this rank but "
@@ -226,6 +316,8 @@ def plan_hf_load(
             )
         recipes[name] = recipe
         used.update(recipe.sources())
+    copies = _mtp_copies(model_cfg, reader)
+    used.update(copy for copy, _ in copies)
     unused = [n for n in reader.names() if n not in used and not _IGNORED_HF.match(n)]
     if model_cfg.share_embeddings_and_output_weights:
         unused = [n for n in unused if n != "lm_head.weight"]
@@ -233,13 +325,49 @@ def plan_hf_load(
         logger.warning(
             "%s: %d HF tensors unused, e.g. %s", reader.directory, len(unused), unused[:5]
         )
-    return HFLoadPlan(reader.directory, recipes, unused)
+    return HFLoadPlan(reader.directory, recipes, unused, copies)
+
+
+def _mtp_copies(cfg: ModelConfig, reader: SafetensorsDir) -> list[tuple[str, str]]:
+    """The MTP layers' copies of the embedding / output layer present in the checkpoint."""
+    output = "model.embed_tokens.weight"
+    if not cfg.share_embeddings_and_output_weights:
+        output = "lm_head.weight"
+    copies = []
+    for i in range(cfg.num_layers, cfg.num_layers + (cfg.mtp_num_layers or 0)):
+        for part, main in _MTP_COPIES.items():
+            copy = f"model.layers.{i}.{part}"
+            if copy in reader:
+                main = main or output
+                if reader.shape(copy) != reader.shape(main):
+                    raise CheckpointError(
+                        f"{reader.directory}: {copy!r} has shape {list(reader.shape(copy))}, "
+                        f"{main!r} {list(reader.shape(main))}: MTP layers share the main model's"
+                    )
+                copies.append((copy, main))
+    return copies
+
+
+def _check_copies(plan: HFLoadPlan, reader: SafetensorsDir, ranks: ParallelRanks) -> None:
+    """Checks this rank's share of rows of every MTP copy against the main tensor."""
+    for copy, main in plan.copies:
+        rows = reader.shape(main)[0]
+        per = -(-rows // ranks.tp_size)
+        start, stop = ranks.tp_rank * per, min(rows, (ranks.tp_rank + 1) * per)
+        index = (slice(start, stop),)
+        if stop > start and not torch.equal(reader.read(copy, index), reader.read(main, index)):
+            raise CheckpointError(
+                f"{reader.directory}: {copy!r} differs from {main!r}; Megatron's MTP layers "
+                "use the main model's embedding and output layer, so a checkpoint whose MTP "
+                "copies differ cannot be served"
+            )
 
 
 def stage_hf_weights(
     plan: HFLoadPlan, reader: SafetensorsDir, model: torch.nn.Module
 ) -> dict[str, torch.Tensor]:
     """Reads this rank's shards into host tensors in the parameters' dtypes."""
+    _check_copies(plan, reader, ParallelRanks.from_model(_unwrap(model)))
     targets = _unwrap(model).state_dict(keep_vars=True)
     staged = {}
     for name, recipe in plan.recipes.items():

@@ -32,7 +32,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megascore.config import EngineConfig
 from megascore.model import cpu_compat
@@ -135,6 +135,10 @@ def make_transformer_config(
             moe_z_loss_coeff=model_cfg.moe_z_loss_coeff,
             moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
             moe_layer_freq=model_cfg.moe_layer_freq,
+            moe_router_enable_expert_bias=model_cfg.moe_router_enable_expert_bias,
+            moe_router_num_groups=model_cfg.moe_router_num_groups,
+            moe_router_group_topk=model_cfg.moe_router_group_topk,
+            moe_router_topk_scaling_factor=model_cfg.moe_router_topk_scaling_factor,
             moe_expert_capacity_factor=None,
             moe_token_dispatcher_type="allgather",
         )
@@ -150,7 +154,31 @@ def make_transformer_config(
         if not model_cfg.is_moe:
             overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
         kwargs.update(overrides)
+    if model_cfg.multi_latent_attention:
+        return MLATransformerConfig(**kwargs, **_mla_fields(model_cfg))
     return TransformerConfig(**kwargs)
+
+
+def _mla_fields(model_cfg: ModelConfig) -> dict:
+    """``MLATransformerConfig`` fields of a multi-latent-attention model. MLA's q/kv
+    down-projection norms are Megatron's ``q_layernorm`` / ``kv_layernorm`` (qk_layernorm);
+    MLA owns its rotary embedding (``rotary_*`` fields; GPTModel builds none)."""
+    return dict(
+        q_lora_rank=model_cfg.q_lora_rank,
+        kv_lora_rank=model_cfg.kv_lora_rank,
+        qk_head_dim=model_cfg.qk_head_dim,
+        qk_pos_emb_head_dim=model_cfg.qk_pos_emb_head_dim,
+        v_head_dim=model_cfg.v_head_dim,
+        rope_type=model_cfg.rope_type,
+        rotary_base=model_cfg.rotary_base,
+        rotary_percent=model_cfg.rotary_percent,
+        rotary_scaling_factor=model_cfg.rotary_scaling_factor,
+        original_max_position_embeddings=model_cfg.original_max_position_embeddings,
+        beta_fast=model_cfg.beta_fast,
+        beta_slow=model_cfg.beta_slow,
+        mscale=model_cfg.mscale,
+        mscale_all_dim=model_cfg.mscale_all_dim,
+    )
 
 
 class TorchNorm:
