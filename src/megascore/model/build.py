@@ -38,6 +38,7 @@ from megascore.config import EngineConfig
 from megascore.model import cpu_compat
 from megascore.model.attention import TorchCoreAttention
 from megascore.model.config import ModelConfig
+from megascore.model.mla import local_mla_layer_spec
 from megascore.model.parallel import resolve_device
 from megascore.model.weights import initialize_weights
 
@@ -256,7 +257,10 @@ def make_layer_specs(
         config, use_transformer_engine=use_te, normalization=config.normalization
     )
     if not use_te:
-        layers = [_with_core_attention(s, TorchCoreAttention) for s in block.layer_specs]
+        layers = [
+            local_mla_layer_spec(_with_core_attention(s, TorchCoreAttention))
+            for s in block.layer_specs
+        ]
         block = _replace_norms(dataclasses.replace(block, layer_specs=layers), TorchNorm)
     mtp = None
     if config.mtp_num_layers:

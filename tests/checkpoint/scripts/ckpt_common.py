@@ -24,9 +24,20 @@ COMMON = dict(
     vocab_size=VOCAB,
     max_position_embeddings=512,
 )
-FAMILIES = ("llama", "qwen2", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe")
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
-MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
+# "deepseek_v3-qfull": deepseek_v3 without the query down-projection and without YaRN
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "mixtral",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek_v3",
+    "deepseek_v3-qfull",
+    "glm4_moe",
+)
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3-qfull", "glm4_moe")
+MTP_FAMILIES = ("deepseek_v3", "deepseek_v3-qfull", "glm4_moe")
 # Shared by deepseek_v3 and glm4_moe: sigmoid router with correction bias, a dense first
 # layer, a shared expert, a scaling factor, one MTP layer after the 3 decoder layers.
 SIGMOID_MOE = dict(
@@ -67,18 +78,19 @@ def hf_config(family: str):
             mlp_only_layers=[0],
             norm_topk_prob=True,
         )
-    if family == "deepseek_v3":  # MLA (q LoRA, v_head_dim != qk dim), YaRN, 2 expert groups
+    if family.startswith("deepseek_v3"):  # MLA (v_head_dim != qk dim), 2 expert groups
         cfg = dict(COMMON, **SIGMOID_MOE, num_key_value_heads=4)
+        qfull = family == "deepseek_v3-qfull"
         return transformers.DeepseekV3Config(
             **cfg,
-            q_lora_rank=32,
+            q_lora_rank=None if qfull else 32,
             kv_lora_rank=16,
             qk_rope_head_dim=8,
             qk_nope_head_dim=16,
             v_head_dim=16,
             n_group=2,
             topk_group=1,
-            rope_parameters=YARN,
+            rope_parameters=dict(rope_type="default", rope_theta=5000.0) if qfull else YARN,
         )
     if family == "glm4_moe":  # partial rotary, QKV bias, QK-norm
         return transformers.Glm4MoeConfig(
