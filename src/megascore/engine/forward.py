@@ -23,11 +23,13 @@ restores the routers' running buffers and returns the model to eval mode. The
 hidden states are identical in both modes (dropout is off, MoE is dropless).
 Semantics are Megatron's, including where they depend on the layout:
 
-* no ``padding_mask`` is passed (Megatron's default): pad tokens of the packed
-  layout are routed and count in the aux losses, as in a trainer using the same
-  packing; the per-sequence pad multiple therefore matters for MoE metrics;
-* an MTP loss is the mean over the DP x CP ranks of each rank's own masked mean;
-  acceptance rates sum the counts (percent, as Megatron logs them);
+* Megatron's ``padding_mask`` marks the pad positions of the packed layout, so the
+  routers leave pads out of the aux-loss and z-loss statistics (MTP layers too:
+  ``megascore.model.mtp``): MoE metrics do not depend on the per-sequence pad multiple,
+  hence not on the TP / CP layout either;
+* an MTP loss is the token-weighted mean over the DP x CP ranks (each rank's masked
+  mean weighted by its share of the target tokens: equal to CP = 1); acceptance rates
+  sum the counts (percent, as Megatron logs them);
 * with DP > 1 every metric is averaged over the DP ranks (their batches);
 * Megatron's MTP loss (``process_mtp_loss``) computes each MTP layer's full
   ``[T_local, V / tp]`` logits: a metrics forward of an MTP model is the one
@@ -225,6 +227,14 @@ def packed_labels_and_mask(packed: PackedSequences, cp_rank: int, cp_size: int):
     return labels, (pos + 1 < length)[idx][None].float()
 
 
+def packed_padding_mask(packed: PackedSequences, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Megatron's MoE ``padding_mask`` for this CP shard: bool ``[1, T_local]``, True at the
+    pad positions of each padded segment (position >= the sequence's real length)."""
+    pos, length = _position_and_length(packed)
+    idx = cp_shard_indices(packed.cu_seqlens_padded.to("cpu"), cp_rank, cp_size)
+    return (pos >= length)[idx][None]
+
+
 class _ScalarCollector:
     """Minimal ``SummaryWriter`` stand-in that keeps the scalars Megatron logs."""
 
@@ -251,11 +261,18 @@ def _mtp_skipped(model):
 
 @contextlib.contextmanager
 def _training_forward(model):
-    """Training mode with grad enabled; restores eval mode and the routers' buffers."""
+    """Training mode with grad enabled; restores eval mode and the routers' buffers.
+
+    The routers' expert-bias token counts (``local_tokens_per_expert``, a training-only
+    buffer restored afterwards anyway) are not accumulated: Megatron-Core 0.19 fails to
+    broadcast a padding mask against the routing map there.
+    """
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     saved = [{k: b.clone() for k, b in r.named_buffers(recurse=False)} for r in routers]
+    bias_updates = [r.enable_expert_bias for r in routers]
     for router in routers:
         router.reset_global_aux_loss_tracker()  # this batch is one "global batch"
+        router.enable_expert_bias = False  # routing still adds expert_bias (the buffer)
     was_training = model.training
     model.train()
     try:
@@ -264,6 +281,8 @@ def _training_forward(model):
     finally:
         model.train(was_training)
         with torch.no_grad():
+            for router, enabled in zip(routers, bias_updates, strict=True):
+                router.enable_expert_bias = enabled
             for router, bufs in zip(routers, saved, strict=True):
                 for name, value in bufs.items():
                     getattr(router, name).copy_(value)
@@ -289,8 +308,49 @@ def _head_processor(*, hidden_states, output_layer, output_weight, scale_logits,
     )
 
 
-def _read_moe_metrics(model, names: list[str]) -> dict[str, float]:
+def router_token_counts(model, packed: PackedSequences, cp_rank: int, cp_size: int):
+    """Real tokens the router of each MoE-capable layer sees on this rank.
+
+    Decoder layers see this rank's share of the real tokens (its CP shard; with sequence
+    parallelism its TP slice of that); MTP layer k sees the positions whose token k ahead
+    is real (``position + k < length``).
+
+    Returns:
+        float32 ``[num_layers + mtp_num_layers]``.
+    """
     cfg = model.config
+    pos, length = _position_and_length(packed)
+    idx = cp_shard_indices(packed.cu_seqlens_padded.to("cpu"), cp_rank, cp_size)
+    pos, length = pos[idx], length[idx]
+    tp = model.pg_collection.tp
+    if cfg.sequence_parallel and tp.size() > 1:  # contiguous T_local / tp rows per TP rank
+        per = pos.numel() // tp.size()
+        rows = slice(tp.rank() * per, (tp.rank() + 1) * per)
+        pos, length = pos[rows], length[rows]
+    counts = [float((pos < length).sum())] * cfg.num_layers
+    counts += [float((pos + k < length).sum()) for k in range(1, (cfg.mtp_num_layers or 0) + 1)]
+    return torch.tensor(counts)
+
+
+def _token_weight_z_loss(model, counts: torch.Tensor) -> None:
+    """Megatron averages each rank's per-layer z-loss (a mean over its own real tokens) over
+    the TP x DP x CP ranks; pads masked out leave the ranks different numbers of tokens, so
+    weight each rank's mean by its share of them: the result is the mean over all tokens."""
+    entry = get_moe_metrics_tracker().metrics.get("z_loss")
+    router = next((m for m in model.modules() if isinstance(m, TopKRouter)), None)
+    if entry is None or router is None or router.tp_dp_cp_group.size() == 1:
+        return
+    group = router.tp_dp_cp_group
+    counts = counts.to(entry.values.device)
+    total = counts.clone()
+    torch.distributed.all_reduce(total, group=group)
+    entry.values.mul_(counts * group.size() / total.clamp(min=1))
+
+
+def _read_moe_metrics(model, names: list[str], counts: torch.Tensor) -> dict[str, float]:
+    cfg = model.config
+    if "z_loss" in names:
+        _token_weight_z_loss(model, counts)
     writer = _ScalarCollector()
     get_moe_metrics_tracker().report(
         loss_scale=1.0,
@@ -311,9 +371,16 @@ def _read_mtp_metrics(model) -> dict[str, float]:
     # Adding zeros creates the entries where this rank recorded nothing and sets the same
     # reduction group on every rank, so all of them join the same all-reduces.
     zero = torch.zeros((), device=next(model.parameters()).device)
-    MTPLossLoggingHelper.save_metrics_to_tracker(
-        zero, zero, zero, 0, n, avg_group=model.pg_collection.dp_cp
-    )
+    group = model.pg_collection.dp_cp
+    MTPLossLoggingHelper.save_metrics_to_tracker(zero, zero, zero, 0, n, avg_group=group)
+    # Megatron averages the ranks' own means; weight each by its share of the target
+    # tokens (``total_values``: this rank's counted positions) so the mean is over tokens.
+    tracker = MTPLossLoggingHelper.tracker
+    if group.size() > 1:
+        counts = tracker["total_values"].clone()
+        torch.distributed.all_reduce(counts, group=group)
+        share = tracker["total_values"] * group.size() / counts.clamp(min=1)
+        tracker["loss_values"].mul_(share)
     writer = _ScalarCollector()
     MTPLossLoggingHelper.track_mtp_metrics(1.0, 0, writer)
     out = {}
@@ -399,6 +466,8 @@ def forward_packed(
         return ModelOutputs(head=head)
 
     labels, loss_mask = packed_labels_and_mask(packed, cp_rank, cp_size)
+    if cfg.num_moe_experts:  # route only real tokens into the aux-loss statistics
+        kwargs.update(padding_mask=packed_padding_mask(packed, cp_rank, cp_size).to(device))
     if loss_mask_packed_local is not None:
         loss_mask = loss_mask_packed_local.reshape(1, -1).float()
     if cfg.mtp_num_layers:
@@ -407,7 +476,8 @@ def forward_packed(
     try:
         with _training_forward(model):
             head = model(**kwargs)
-        moe = _read_moe_metrics(model, moe_names) if moe_names else {}
+        counts = router_token_counts(model, packed, cp_rank, cp_size) if moe_names else None
+        moe = _read_moe_metrics(model, moe_names, counts) if moe_names else {}
         mtp = _read_mtp_metrics(model) if want_mtp_metrics else {}
     finally:
         _clear_trackers()

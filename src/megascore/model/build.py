@@ -39,6 +39,7 @@ from megascore.model import cpu_compat
 from megascore.model.attention import TorchCoreAttention
 from megascore.model.config import ModelConfig
 from megascore.model.mla import local_mla_layer_spec
+from megascore.model.mtp import padding_aware_mtp_spec
 from megascore.model.parallel import resolve_device
 from megascore.model.weights import initialize_weights
 
@@ -264,7 +265,9 @@ def make_layer_specs(
         block = _replace_norms(dataclasses.replace(block, layer_specs=layers), TorchNorm)
     mtp = None
     if config.mtp_num_layers:
-        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=use_te)
+        mtp = padding_aware_mtp_spec(
+            get_gpt_mtp_block_spec(config, block, use_transformer_engine=use_te)
+        )
         if not use_te:
             mtp = _replace_norms(mtp, TorchNorm)
     return block, mtp
