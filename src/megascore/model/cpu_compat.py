@@ -16,6 +16,11 @@ code (layers, mappings, router, dispatcher, MTP):
   tracker whose ``fork()`` is a no-op context: scoring runs with dropout off and
   megascore initialises weights itself (``megascore.model.build``), so no code
   path draws from a forked CUDA generator.
+* ``get_pos_emb_on_this_cp_rank`` (RoPE tables of an unpacked sequence under context
+  parallelism) builds its index tensor in pinned memory and copies it to CUDA; YaRN's
+  rotary embedding (multi-latent attention) calls it once at construction to fill its
+  cache. :func:`apply` points the modules that imported it at
+  :func:`_cpu_pos_emb_on_this_cp_rank`, the same selection on the tensor's own device.
 * The alltoall token dispatcher and shared-expert overlap create CUDA streams:
   :func:`transformer_config_overrides` selects the ``allgather`` dispatcher and
   turns overlap and fused kernels off.
@@ -54,6 +59,19 @@ def _cpu_synchronize(device: Any = None) -> None:
     """Stand-in for ``torch.cuda.synchronize`` on a CPU-only host: nothing to wait for."""
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` without the CUDA copy: the chunks
+    ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` along ``seq_dim``."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    pos_emb = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+
 def is_applied() -> bool:
     """Whether :func:`apply` has run in this process."""
     return _APPLIED
@@ -76,10 +94,18 @@ def apply() -> None:
             raise RuntimeError("cpu_compat.apply() called on a host where CUDA is available")
         torch.cuda.current_device = _cpu_current_device
         torch.cuda.synchronize = _cpu_synchronize
+        from megatron.core.models.common.embeddings import (
+            rope_utils,
+            rotary_pos_embedding,
+            yarn_rotary_pos_embedding,
+        )
+
+        for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+            module.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
         _APPLIED = True
         logger.info(
             "megatron CPU compatibility applied: torch.cuda.current_device -> cpu, "
-            "torch.cuda.synchronize -> no-op"
+            "torch.cuda.synchronize -> no-op, get_pos_emb_on_this_cp_rank on the CPU"
         )
 
 
