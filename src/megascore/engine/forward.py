@@ -49,7 +49,10 @@ from collections.abc import Callable
 
 import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_logging import (
+    destroy_moe_metrics_tracker,
+    get_moe_metrics_tracker,
+)
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -391,8 +394,11 @@ def _read_mtp_metrics(model) -> dict[str, float]:
 
 
 def _clear_trackers() -> None:
-    get_moe_metrics_tracker().clear()
-    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    """Fresh trackers: Megatron's keep their per-layer tensors, sized for the first model
+    that recorded, so a later model with more layers (another checkpoint in the same
+    process) would index past them."""
+    destroy_moe_metrics_tracker()
+    MTPLossLoggingHelper.tracker.clear()
 
 
 def forward_packed(
