@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megascore.checkpoint.hf_weights import _Mapper, load_hf_weights, plan_hf_load
+from megascore.checkpoint.hf_names import ParamMapper
+from megascore.checkpoint.hf_weights import load_hf_weights, plan_hf_load
 from megascore.checkpoint.loader import reload_weights, resolve_model
 from megascore.checkpoint.recipes import ParallelRanks, Src, VocabRows
 from megascore.checkpoint.safetensors_io import SafetensorsDir
@@ -184,7 +185,7 @@ def test_te_parameter_names_map_like_local_ones(hf_dirs, build, family):
     model = build(cfg)
     with SafetensorsDir(hf_dirs[family]) as reader:
         local = plan_hf_load(model, cfg, reader).recipes
-        mapper = _Mapper(cfg, reader, ParallelRanks())
+        mapper = ParamMapper(cfg, reader, ParallelRanks())
         for name, recipe in local.items():
             te = mapper(_te_name(name, cfg.is_moe), 0)
             te.fit(recipe.target_shape)

@@ -163,20 +163,59 @@ def test_mtp_loss_and_acceptance_match_reference(hf_dirs, family):
 
 def test_mtp_metrics_come_from_the_checkpoint(hf_dirs, tmp_path):
     """Other MTP weights (eh_proj scaled) -> another served loss, equal to its reference."""
-    import shutil
 
-    from safetensors.torch import save_file
+    def edit(tensors):
+        name = next(k for k in tensors if k.endswith("eh_proj.weight"))
+        return {**tensors, name: tensors[name] * 0.5}
 
-    src = hf_dirs["deepseek_v3"]
-    dst = tmp_path / "other_mtp"
-    shutil.copytree(src, dst)
-    with safe_open(str(dst / "mtp.safetensors"), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    name = next(k for k in tensors if k.endswith("eh_proj.weight"))
-    tensors[name] = tensors[name] * 0.5
-    save_file(tensors, str(dst / "mtp.safetensors"), metadata={"format": "pt"})
+    src, dst = hf_dirs["deepseek_v3"], tmp_path / "other_mtp"
+    _edit_mtp(src, dst, edit)
     seqs = _sequences()
     got = engine_outputs([_batch(seqs)], model=f"hf:{dst}")[0].mtp_metrics["mtp_1_loss"]
     loss, _ = MTPReference(dst).metrics(seqs)
     original, _ = MTPReference(src).metrics(seqs)
     assert abs(got - loss) <= TOL * max(1.0, loss) and abs(loss - original) > 1e-3
+
+
+def _edit_mtp(src, dst, edit) -> None:
+    """Copies a checkpoint, passing its MTP tensors through ``edit(dict) -> dict``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    with safe_open(str(dst / "mtp.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(edit(tensors), str(dst / "mtp.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("copy_differs", "embed_tokens.weight' differs from 'model.embed_tokens.weight'"),
+        ("missing", "num_nextn_predict_layers.*transformers drop them"),
+    ],
+)
+def test_bad_mtp_layers_are_refused(hf_dirs, build, tmp_path, case, needle):
+    from megascore.checkpoint.loader import resolve_model
+    from megascore.errors import CheckpointError
+
+    def edit(tensors):
+        if case == "copy_differs":
+            name = next(k for k in tensors if k.endswith("embed_tokens.weight"))
+            tensors[name] = tensors[name] + 1.0
+        else:
+            tensors = {k: v for k, v in tensors.items() if "eh_proj" not in k}
+        return tensors
+
+    _edit_mtp(hf_dirs["glm4_moe"], tmp_path / case, edit)
+    if case == "missing":  # also drop it from the shard index
+        import json
+
+        index = tmp_path / case / "model.safetensors.index.json"
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: v for k, v in data["weight_map"].items() if "eh_proj" not in k}
+        index.write_text(json.dumps(data))
+    cfg, load, _ = resolve_model(f"hf:{tmp_path / case}")
+    with pytest.raises(CheckpointError, match=needle):
+        load(build(cfg))
