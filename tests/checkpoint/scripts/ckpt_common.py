@@ -24,7 +24,9 @@ COMMON = dict(
     vocab_size=VOCAB,
     max_position_embeddings=512,
 )
-# "deepseek_v3-qfull": deepseek_v3 without the query down-projection and without YaRN
+# "deepseek_v3-qfull": deepseek_v3 without the query down-projection and without YaRN;
+# "qwen3_moe-softmax": top-k of the softmax over all experts, not renormalised, every
+# second layer MoE (decoder_sparse_step)
 FAMILIES = (
     "llama",
     "qwen2",
@@ -32,11 +34,19 @@ FAMILIES = (
     "mixtral",
     "qwen3",
     "qwen3_moe",
+    "qwen3_moe-softmax",
     "deepseek_v3",
     "deepseek_v3-qfull",
     "glm4_moe",
 )
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3-qfull", "glm4_moe")
+MOE_FAMILIES = (
+    "mixtral",
+    "qwen3_moe",
+    "qwen3_moe-softmax",
+    "deepseek_v3",
+    "deepseek_v3-qfull",
+    "glm4_moe",
+)
 MTP_FAMILIES = ("deepseek_v3", "deepseek_v3-qfull", "glm4_moe")
 # Shared by deepseek_v3 and glm4_moe: sigmoid router with correction bias, a dense first
 # layer, a shared expert, a scaling factor, one MTP layer after the 3 decoder layers.
@@ -68,15 +78,17 @@ def hf_config(family: str):
         return transformers.MixtralConfig(**cfg, num_local_experts=4, num_experts_per_tok=2)
     if family == "qwen3":  # QK-norm, no bias, head_dim != hidden / heads
         return transformers.Qwen3Config(**COMMON, head_dim=32)
-    if family == "qwen3_moe":  # layer 0 dense (mlp_only_layers), renormalised top-k
+    if family.startswith("qwen3_moe"):  # layer 0 dense (mlp_only_layers), renormalised top-k
         cfg = dict(COMMON, num_hidden_layers=3)
+        softmax = family == "qwen3_moe-softmax"
         return transformers.Qwen3MoeConfig(
             **cfg,
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
-            mlp_only_layers=[0],
-            norm_topk_prob=True,
+            mlp_only_layers=[] if softmax else [0],
+            decoder_sparse_step=2 if softmax else 1,
+            norm_topk_prob=not softmax,
         )
     if family.startswith("deepseek_v3"):  # MLA (v_head_dim != qk dim), 2 expert groups
         cfg = dict(COMMON, **SIGMOID_MOE, num_key_value_heads=4)
