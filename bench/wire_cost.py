@@ -32,7 +32,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SERVER_BUDGET = 16384  # ServerConfig.max_tokens_per_batch default
+SERVER_BUDGET = 16384  # GrpcServerConfig.max_tokens_per_batch default
 PHASES = ("client_encode", "server_decode", "server_batching", "server_encode", "client_decode")
 
 
@@ -55,7 +55,7 @@ def make_sequences(num_tokens: int, vocab_size: int, seed: int) -> list[np.ndarr
 
 def _step_plan(lengths: np.ndarray, budget: int) -> list[np.ndarray]:
     """Request-sequence indices per step, as the batcher plans one lone request."""
-    from megascore_server.microbatch import fill_step
+    from megascore_server.step_planner import fill_step
 
     remaining = np.argsort(-lengths, kind="stable")
     steps = []
@@ -84,12 +84,13 @@ def _fake_output(step, top_k: int, rng: np.random.Generator):
 
 def round_trip(sequences: list[np.ndarray], vocab_size: int, top_k: int = 5) -> dict[str, float]:
     """One timed round trip; returns seconds per phase (see the module docstring)."""
+    from megascore.layout import concat_outputs, select_sequences
     from megascore.v1 import scoring_pb2 as pb
-    from megascore_client.batching import ScoreOptions, build_parts, decode_part, merge
     from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES
     from megascore_client.inputs import make_batch
-    from megascore_server.convert import build_response, concat_outputs, select_sequences
-    from megascore_server.microbatch import merge_batches
+    from megascore_client.splitting import ScoreOptions, build_parts, decode_part, merge
+    from megascore_server.convert import build_response
+    from megascore_server.step_planner import merge_batches
     from megascore_server.validation import RequestLimits, validate_request
 
     limits = RequestLimits(

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from megascore.checkpoint.loader import resolve_model
+from megascore.checkpoint import resolve_model
 from megascore.checkpoint.megatron_ckpt import save_checkpoint
 from megascore.config import EngineConfig
 from megascore.model.build import build_model
@@ -57,8 +59,15 @@ def main() -> None:
         dtype=args.dtype,
         device=args.device,
     )
+    if engine_cfg.device != "cpu" and torch.cuda.is_available():
+        # One GPU per rank: without this every rank of a node would use cuda:0 and NCCL
+        # would refuse the group ("Duplicate GPU detected").
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = resolve_device(engine_cfg)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     try:
         pgs = initialize_parallel(engine_cfg)
         model_cfg, load_weights, _ = resolve_model(engine_cfg.model)

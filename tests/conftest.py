@@ -1,8 +1,33 @@
-"""Shared test setup: GPU marker handling and the --run-slow flag."""
+"""Shared test setup: GPU marker handling, the --run-slow flag and shared fixtures.
+
+``pgs``: a one-rank gloo world for in-process model tests (torch imported on use). The
+real-server fixtures of ``tests/e2e`` and ``tests/reliability`` (``serve``, ``tp1``,
+``tp2``, ``shared_tp1``, ``shared_tp2``) live in :mod:`tests.e2e.fixtures`.
+"""
 
 from __future__ import annotations
 
 import pytest
+
+pytest_plugins = ("tests.e2e.fixtures",)
+
+
+@pytest.fixture(scope="module")
+def pgs():
+    """Megatron parallel state of a one-rank gloo world (TP = CP = EP = 1), per module."""
+    import torch.distributed as dist
+
+    from megascore.config import EngineConfig
+    from megascore.model.parallel import destroy_parallel, initialize_parallel
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    pg_collection = initialize_parallel(EngineConfig())
+    yield pg_collection
+    destroy_parallel()
+    if created:
+        dist.destroy_process_group()
 
 
 def pytest_addoption(parser):
@@ -20,10 +45,10 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     has_cuda = None
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             if has_cuda is None:
                 has_cuda = _cuda_available()
             if not has_cuda:
                 item.add_marker(pytest.mark.skip(reason="needs CUDA"))
-        if "slow" in item.keywords and not config.getoption("--run-slow"):
+        if item.get_closest_marker("slow") is not None and not config.getoption("--run-slow"):
             item.add_marker(pytest.mark.skip(reason="slow: pass --run-slow"))

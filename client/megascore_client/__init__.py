@@ -14,7 +14,6 @@ Every failure raises :class:`ScoringError` (``code`` is the ``grpc.StatusCode``)
 
 from megascore import __version__
 from megascore_client.aio import AsyncScoringClient
-from megascore_client.batching import ScoreOptions
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, RetryPolicy, TlsConfig
 from megascore_client.client import ScoringClient
 from megascore_client.errors import InvalidInputError, ScoringError
@@ -26,6 +25,7 @@ from megascore_client.results import (
     ScoreResult,
     Timings,
 )
+from megascore_client.splitting import ScoreOptions
 from megascore_client.stream import AsyncScoreStream, ScoreStream
 
 __all__ = [

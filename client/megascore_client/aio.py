@@ -5,17 +5,22 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-
 from megascore.v1 import scoring_pb2 as pb
-from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import health as health_codec
-from megascore_client.batching import Part, ScoreOptions, decode_part, merge
-from megascore_client.client import _UNRESOLVED, LOAD_WEIGHTS_TIMEOUT_S, ClientBase
+from megascore_client.client import (
+    _UNRESOLVED,
+    LOAD_WEIGHTS_TIMEOUT_S,
+    ClientBase,
+    _finish,
+)
 from megascore_client.errors import ScoringError, closed_error
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
+from megascore_client.splitting import Part, ScoreOptions, decode_part
 from megascore_client.stream import AsyncScoreStream
-from megascore_client.waiting import time_left
+from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
+from megascore_client.transport import AsyncTransport
+
+__all__ = ["AsyncScoringClient"]
 
 
 class AsyncScoringClient(ClientBase):
@@ -23,7 +28,8 @@ class AsyncScoringClient(ClientBase):
 
     Takes the constructor arguments of :class:`~megascore_client.client.ClientBase`.
     Many ``score`` calls may run concurrently on one client (one channel, HTTP/2
-    multiplexing).
+    multiplexing). ``transport`` is the
+    :class:`~megascore_client.transport.AsyncTransport` every call and stream goes through.
 
     Example:
         >>> async with AsyncScoringClient("127.0.0.1:50051") as client:
@@ -32,11 +38,8 @@ class AsyncScoringClient(ClientBase):
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
-        self._channel = self.settings.open_aio()
-        self._stub = pb_grpc.ScorerStub(self._channel)
-        self._health = health_codec.check_callable(self._channel)
+        self.transport = AsyncTransport(self.settings)
         self._limit_lock = asyncio.Lock()
-        self._closed = asyncio.Event()  # set by close(); wakes requests waiting
 
     async def __aenter__(self) -> AsyncScoringClient:
         return self
@@ -48,37 +51,20 @@ class AsyncScoringClient(ClientBase):
         """Closes the channel (calls in flight are cancelled after ``grace`` seconds;
         they, later calls and requests waiting for the server raise ScoringError
         CANCELLED "the client is closed")."""
-        self._closed.set()
-        await self._channel.close(grace)
+        await self.transport.close(grace)
 
-    def _cancelled_by_close(self) -> bool:
-        """Whether a ``CancelledError`` out of a call comes from :meth:`close` (which
-        cancels the calls in flight) rather than from a cancellation of the awaiting
-        task: the client is closed and the task is not being cancelled."""
-        task = asyncio.current_task()
-        return self._closed.is_set() and (task is None or task.cancelling() == 0)
-
-    async def _call(self, method, request, timeout, *, wait: bool = False):
+    async def _unary(self, method, request, deadline, *, wait: bool = False):
         """One unary call; with ``wait``, re-sent on UNAVAILABLE per ``wait_for_server_s``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        schedule = None
+        schedule = error = None
         while True:
-            if self._closed.is_set():  # grpc.aio raises a bare UsageError on a closed channel
-                raise closed_error()
+            if error is not None:
+                schedule, delay = self._resend_delay(error, wait, deadline, schedule)
+                if await self.transport.sleep(delay):
+                    raise closed_error()
             try:
-                return await method(request, timeout=time_left(deadline), metadata=self._metadata)
-            except grpc.RpcError as exc:
-                error = ScoringError.from_rpc_error(exc)
-            except asyncio.CancelledError:
-                if self._cancelled_by_close():  # close() cancelled the call, not the caller
-                    raise closed_error() from None
-                raise
-            schedule = self._server_wait(error, wait, deadline, schedule)
-            delay = schedule.next_delay()
-            if delay is None:
-                raise schedule.gave_up(error)
-            if await self._closed_within(delay):
-                raise closed_error()
+                return await self.transport.call(method, request, deadline)
+            except ScoringError as exc:
+                error = exc
 
     async def request_token_limit(self) -> int | None:
         """The per-request token limit used for splitting (resolves "auto" once, which
@@ -86,10 +72,9 @@ class AsyncScoringClient(ClientBase):
         async with self._limit_lock:
             if self._token_limit is _UNRESOLVED:
                 try:
-                    info = await self.model_info()
+                    await self.model_info()
                 except ScoringError as exc:
-                    info = exc
-                self._token_limit = self._limit_from_info(info)
+                    self._lookup_failed(exc)
             return self._token_limit
 
     async def score(
@@ -115,19 +100,22 @@ class AsyncScoringClient(ClientBase):
             metrics=metrics,
             return_logprobs=return_logprobs,
         )
-        limit = await self.request_token_limit()
-        parts, rid = self._plan(sequences, loss_mask, lengths, options, request_id, limit)
-        result = merge(await self._send(parts, self._deadline(timeout)), rid)
-        result.timings.client_ms = (time.perf_counter() - start) * 1e3
-        return result
+        parts, rid = self._prepare(
+            sequences, options, await self.request_token_limit(),
+            loss_mask=loss_mask, lengths=lengths, request_id=request_id,
+        )  # fmt: skip
+        return _finish(await self._send(parts, timeout), rid, start)
 
     async def _send(self, parts: list[Part], timeout: float | None) -> list[ScoreResult]:
         semaphore = asyncio.Semaphore(self.max_concurrency)
 
         async def one(part: Part) -> ScoreResult:
-            async with semaphore:
-                response = await self._call(self._stub.Score, part.request, timeout, wait=True)
-            return decode_part(response, part)
+            with part.located():
+                async with semaphore:
+                    response = await self._unary(
+                        self.transport.stub.Score, part.request, self._deadline(timeout), wait=True
+                    )
+                return decode_part(response, part)
 
         if len(parts) == 1:
             return [await one(parts[0])]
@@ -137,6 +125,21 @@ class AsyncScoringClient(ClientBase):
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def score_padded(self, input_ids, input_lengths, **kwargs):
+        """Logprobs of a NeMo-RL batch (see ``ScoringClient.score_padded``)."""
+        return await self._score_layout(nemo_rl_layout(input_ids, input_lengths), kwargs)
+
+    async def score_responses(self, input_ids, attention_mask, responses, **kwargs):
+        """Response logprobs of a verl batch (see ``ScoringClient.score_responses``)."""
+        layout = verl_layout(input_ids, attention_mask, responses)
+        return await self._score_layout(layout, kwargs)
+
+    async def _score_layout(self, layout: PaddedLayout, kwargs: dict):
+        scored = None
+        if layout.sequences:
+            scored = await self.score(layout.sequences, losses=(), **kwargs)
+        return layout.logprobs(None if scored is None else scored.logprobs)
 
     def stream(self, *, timeout: float | None = None) -> AsyncScoreStream:
         """A ScoreStream helper: ``async with client.stream() as s: f = await s.submit(...)``.
@@ -148,11 +151,14 @@ class AsyncScoringClient(ClientBase):
         return AsyncScoreStream(self, timeout=timeout)
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        """Describes the served model and its limits (waits like ``score``)."""
-        msg = await self._call(
-            self._stub.GetModelInfo, pb.GetModelInfoRequest(), self._deadline(timeout), wait=True
+        """Describes the served model and its limits (see ``ScoringClient.model_info``)."""
+        msg = await self._unary(
+            self.transport.stub.GetModelInfo,
+            pb.GetModelInfoRequest(),
+            self._deadline(timeout),
+            wait=True,
         )
-        return ModelInfo.from_proto(msg)
+        return self._learn_limits(ModelInfo.from_proto(msg))
 
     async def load_weights(
         self, model: str, weights_version: str = "", *, timeout: float | None = None
@@ -160,29 +166,17 @@ class AsyncScoringClient(ClientBase):
         """Asks the server to load new weights (see ``ScoringClient.load_weights``; never
         re-sent by ``wait_for_server_s``)."""
         request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
-        msg = await self._call(
-            self._stub.LoadWeights, request, LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout
-        )
+        deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
+        msg = await self.transport.call(self.transport.stub.LoadWeights, request, deadline)
         return LoadWeightsResult.from_proto(msg)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """Runs the ``grpc.health.v1`` check (see ``ScoringClient.health``)."""
-        if self._closed.is_set():
-            raise closed_error()
+        request, deadline = health_codec.encode_request(service), self._deadline(timeout)
         try:
-            data = await self._health(
-                health_codec.encode_request(service),
-                timeout=self._deadline(timeout),
-                metadata=self._metadata,
-            )
-        except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.NOT_FOUND:
-                return health_codec.not_found_status()
-            raise ScoringError.from_rpc_error(exc) from None
-        except asyncio.CancelledError:
-            if self._cancelled_by_close():
-                raise closed_error() from None
-            raise
+            data = await self.transport.call(self.transport.health_check, request, deadline)
+        except ScoringError as exc:
+            return health_codec.status_after(exc)
         return health_codec.decode_response(data)
 
     async def wait_until_serving(
@@ -198,22 +192,10 @@ class AsyncScoringClient(ClientBase):
                     return status
                 last = status.status
             except ScoringError as exc:
-                if self._closed.is_set():  # closed before or during the probe
+                if self.transport.closed:  # closed before or during the probe
                     raise closed_error() from None
                 last = str(exc)
             if loop.time() + interval > deadline:
-                raise ScoringError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"{self.target} not SERVING after {timeout:.1f}s (last: {last})",
-                )
-            if await self._closed_within(interval):
+                raise self._not_serving(timeout, last)
+            if await self.transport.sleep(interval):
                 raise closed_error()
-
-    async def _closed_within(self, delay: float) -> bool:
-        """Sleeps ``delay`` seconds or until :meth:`close`; True when the client is closed."""
-        closed = asyncio.get_running_loop().create_task(self._closed.wait())
-        try:
-            await asyncio.wait([closed], timeout=delay)
-        finally:
-            closed.cancel()
-        return self._closed.is_set()

@@ -30,6 +30,14 @@ import grpc
 
 from megascore import __version__
 
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "ChannelSettings",
+    "RetryPolicy",
+    "TlsConfig",
+    "resolve_retries",
+]
+
 SCORER_SERVICE = "megascore.v1.Scorer"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024

@@ -14,6 +14,10 @@ Connection flags (all but ``serve``): ``--target`` (default ``$MEGASCORE_TARGET`
 ``--load-balancing``. ``megascore score --wait-for-server S`` rides out a server that is
 down or restarting for up to S seconds (the client's ``wait_for_server_s``); the
 per-request ``--timeout`` must then exceed S, and defaults to 60 + S.
+
+``serve`` is not part of the client: it is the command registered under the name
+``serve`` in the entry point group :data:`COMMAND_GROUP` (the package declares
+``megascore_server.main:main`` there), so the client never imports the server.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+from importlib.metadata import entry_points
 
 from megascore import __version__
 from megascore_client import score_jsonl
@@ -29,7 +34,11 @@ from megascore_client.channel import TlsConfig
 from megascore_client.client import ScoringClient
 from megascore_client.errors import ScoringError
 
+__all__ = ["COMMAND_GROUP", "build_parser", "main", "make_client", "serve"]
+
+COMMAND_GROUP = "megascore.commands"
 DEFAULT_TARGET = "127.0.0.1:50051"
+_INSTALL_SERVER = "Install it with: pip install 'megascore[server]'"
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -181,13 +190,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(argv: list[str]) -> int:
-    """``megascore serve``: runs ``megascore_server.main.main(argv)``."""
+    """``megascore serve``: runs the ``serve`` entry point of :data:`COMMAND_GROUP`
+    (``megascore_server.main:main``) with ``argv``; exit 2 with a message saying what
+    to install when there is none or its modules are missing."""
+    found = entry_points(group=COMMAND_GROUP, name="serve")
+    if not found:
+        print(
+            "megascore serve needs the server, which is not installed (no 'serve' entry "
+            f"point in group {COMMAND_GROUP!r}). {_INSTALL_SERVER}",
+            file=sys.stderr,
+        )
+        return 2
+    command = next(iter(found))
     try:
-        from megascore_server.main import main as server_main
+        server_main = command.load()
     except ModuleNotFoundError as exc:
         print(
-            "megascore serve needs the server, which is not installed "
-            f"(missing module {exc.name!r}). Install it with: pip install 'megascore[server]'",
+            f"megascore serve needs the server extra, which is not installed (missing "
+            f"module {exc.name!r} for {command.value}). {_INSTALL_SERVER}",
             file=sys.stderr,
         )
         return 2

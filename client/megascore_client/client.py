@@ -1,4 +1,6 @@
-"""Synchronous client: :class:`ScoringClient`."""
+"""Synchronous client: :class:`ScoringClient`, and :class:`ClientBase`, what it shares
+with the asyncio client (configuration, limits, the re-send schedule, the trainer
+layouts)."""
 
 from __future__ import annotations
 
@@ -9,22 +11,17 @@ import time
 import grpc
 
 from megascore.v1 import scoring_pb2 as pb
-from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import health as health_codec
-from megascore_client.batching import (
-    Part,
-    ScoreOptions,
-    build_parts,
-    decode_part,
-    merge,
-    new_request_id,
-)
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, TlsConfig
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.inputs import make_batch
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
+from megascore_client.splitting import Part, ScoreOptions, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
-from megascore_client.waiting import ServerWait, check_wait, time_left
+from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
+from megascore_client.transport import SyncTransport
+from megascore_client.waiting import ServerWait, check_wait
+
+__all__ = ["ClientBase", "ScoringClient"]
 
 _UNRESOLVED = object()
 LOAD_WEIGHTS_TIMEOUT_S = 600.0
@@ -108,14 +105,16 @@ class ClientBase:
         self.max_concurrency = max_concurrency
         self._token_limit = _UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
         self._server_message_bytes = 0  # ModelInfo.max_message_bytes, with "auto" (0 = unknown)
-        self._metadata = self.settings.metadata()
 
     @property
     def target(self) -> str:
         return self.settings.target
 
     def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+        """The ``time.monotonic()`` deadline of a request (None = none) from its
+        ``timeout`` argument (None = the client's default)."""
+        timeout = self.timeout if timeout is None else timeout
+        return None if timeout is None else time.monotonic() + timeout
 
     @property
     def message_limit(self) -> int:
@@ -126,42 +125,57 @@ class ClientBase:
         server = self._server_message_bytes
         return min(own, server) if server > 0 else own
 
-    def _server_wait(self, error: ScoringError, wait: bool, deadline, schedule):
-        """The re-send schedule to follow after ``error``; raises ``error`` when it
-        is not to be re-sent (``wait`` False, option off, or not UNAVAILABLE)."""
+    def _resend_delay(self, error: ScoringError, wait: bool, deadline, schedule):
+        """After a failed attempt: ``(schedule, delay)`` before re-sending the request;
+        raises ``error`` when it is not to be re-sent (``wait`` False, option off, not
+        UNAVAILABLE) and the schedule's final error when the wait is over."""
         if not (wait and self.wait_for_server_s > 0 and error.retryable):
             raise error
-        return schedule or ServerWait(self.wait_for_server_s, deadline)
+        schedule = schedule or ServerWait(self.wait_for_server_s, deadline)
+        delay = schedule.next_delay()
+        if delay is None:
+            raise schedule.gave_up(error)
+        return schedule, delay
 
-    def _plan(
-        self, sequences, loss_mask, lengths, options: ScoreOptions, request_id, limit
-    ) -> tuple[list[Part], str]:
-        batch = make_batch(sequences, loss_mask=loss_mask, lengths=lengths)
-        rid = request_id or new_request_id()
-        parts = build_parts(
-            batch,
-            options,
-            rid,
-            max_message_bytes=self.message_limit,
-            max_request_tokens=limit,
+    def _prepare(self, sequences, options: ScoreOptions, limit, **batch) -> tuple[list[Part], str]:
+        return prepare(
+            sequences, options, max_message_bytes=self.message_limit, max_request_tokens=limit,
+            **batch,
+        )  # fmt: skip
+
+    def _learn_limits(self, info: ModelInfo) -> ModelInfo:
+        """Resolves ``max_request_tokens="auto"`` from a GetModelInfo answer: the server's
+        token limit and message size limit (0 = not reported: the client's applies)."""
+        if self._token_limit is _UNRESOLVED:
+            self._server_message_bytes = max(int(info.max_message_bytes), 0)
+            self._token_limit = info.max_request_tokens or None
+        return info
+
+    def _lookup_failed(self, error: ScoringError) -> None:
+        """The "auto" lookup failed: a server without GetModelInfo has no limits."""
+        if error.code is not grpc.StatusCode.UNIMPLEMENTED:
+            raise error
+        self._token_limit = None
+
+    def _not_serving(self, timeout: float, last: str) -> ScoringError:
+        return ScoringError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{self.target} not SERVING after {timeout:.1f}s (last: {last})",
         )
-        return parts, rid
 
-    def _limit_from_info(self, info_or_error) -> int | None:
-        """The token limit of the "auto" lookup; also records the server's message
-        size limit (0 = not reported: the client's own limit applies)."""
-        if isinstance(info_or_error, ScoringError):
-            if info_or_error.code is grpc.StatusCode.UNIMPLEMENTED:
-                return None
-            raise info_or_error
-        self._server_message_bytes = max(int(info_or_error.max_message_bytes), 0)
-        return info_or_error.max_request_tokens or None
+
+def _finish(results: list[ScoreResult], request_id: str, start: float) -> ScoreResult:
+    """The call's result: its parts merged, with the client's wall time."""
+    result = merge(results, request_id)
+    result.timings.client_ms = (time.perf_counter() - start) * 1e3
+    return result
 
 
 class ScoringClient(ClientBase):
     """Blocking megascore client. Thread-safe; use as a context manager.
 
-    See :class:`ClientBase` for the constructor arguments.
+    See :class:`ClientBase` for the constructor arguments. ``transport`` is the
+    :class:`~megascore_client.transport.SyncTransport` every call and stream goes through.
 
     Example:
         >>> with ScoringClient("127.0.0.1:50051") as client:
@@ -171,12 +185,8 @@ class ScoringClient(ClientBase):
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
-        self._channel = self.settings.open_sync()
-        self._stub = pb_grpc.ScorerStub(self._channel)
-        self._health = health_codec.check_callable(self._channel)
+        self.transport = SyncTransport(self.settings)
         self._lock = threading.Lock()
-        self._closed = threading.Event()  # set by close(); wakes requests waiting
-        self._start_lock = threading.Lock()  # no call starts once close() has begun
 
     def __enter__(self) -> ScoringClient:
         return self
@@ -187,53 +197,22 @@ class ScoringClient(ClientBase):
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled (CANCELLED), later calls
         and requests waiting for the server raise CANCELLED."""
-        with self._start_lock:
-            self._closed.set()
-        self._channel.close()
+        self.transport.close()
 
-    def _start(self, method, request, deadline: float | None):
-        """Starts a unary call and returns its future, unless the client is closed
-        (grpcio 1.85 crashes the process on a call through a closed sync channel)."""
-        with self._start_lock:
-            if self._closed.is_set():
-                raise closed_error()
-            return method.future(request, timeout=time_left(deadline), metadata=self._metadata)
-
-    def _start_stream(self, request_iterator, timeout: float | None):
-        """Opens a ScoreStream call, unless the client is closed (as :meth:`_start`)."""
-        with self._start_lock:
-            if self._closed.is_set():
-                raise closed_error()
-            return self._stub.ScoreStream(
-                request_iterator, timeout=timeout, metadata=self._metadata
-            )
-
-    def _call(self, method, request, timeout, *, wait: bool = False):
-        """One unary call; with ``wait``, re-sent on UNAVAILABLE per ``wait_for_server_s``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return self._unary(method, request, deadline, wait=wait)
-
-    def _unary(self, method, request, deadline, *, wait: bool, error: ScoringError | None = None):
-        """Sends ``request`` (unless ``error`` is the answer of an attempt already
-        made) and re-sends it while the wait schedule allows."""
+    def _unary(self, method, request, deadline, *, wait: bool = False, error=None):
+        """Sends ``request`` (after ``error``, the failure of an attempt already made,
+        per the re-send schedule); with ``wait``, re-sent on UNAVAILABLE per
+        ``wait_for_server_s``."""
         schedule = None
         while True:
-            if error is None:
-                future = self._start(method, request, deadline)
-                try:
-                    return future.result()
-                except grpc.RpcError as exc:
-                    error = ScoringError.from_rpc_error(exc)
-                except BaseException:  # e.g. KeyboardInterrupt: do not leave the call running
-                    future.cancel()
-                    raise
-            schedule = self._server_wait(error, wait, deadline, schedule)
-            delay = schedule.next_delay()
-            if delay is None:
-                raise schedule.gave_up(error)
-            if self._closed.wait(delay):
-                raise closed_error()
-            error = None
+            if error is not None:
+                schedule, delay = self._resend_delay(error, wait, deadline, schedule)
+                if self.transport.sleep(delay):
+                    raise closed_error()
+            try:
+                return self.transport.call(method, request, deadline)
+            except ScoringError as exc:
+                error = exc
 
     def request_token_limit(self) -> int | None:
         """The per-request token limit used for splitting (resolves "auto" once, which
@@ -241,10 +220,9 @@ class ScoringClient(ClientBase):
         with self._lock:
             if self._token_limit is _UNRESOLVED:
                 try:
-                    info = self.model_info()
+                    self.model_info()
                 except ScoringError as exc:
-                    info = exc
-                self._token_limit = self._limit_from_info(info)
+                    self._lookup_failed(exc)
             return self._token_limit
 
     def score(
@@ -283,7 +261,8 @@ class ScoringClient(ClientBase):
 
         Raises:
             InvalidInputError: the input is rejected before sending.
-            ScoringError: the call failed (``code`` holds the gRPC status code).
+            ScoringError: the call failed (``code`` holds the gRPC status code;
+                ``sequence_index`` the sequence an INVALID_ARGUMENT names).
         """
         start = time.perf_counter()
         options = ScoreOptions(
@@ -293,46 +272,76 @@ class ScoringClient(ClientBase):
             metrics=metrics,
             return_logprobs=return_logprobs,
         )
-        limit = self.request_token_limit()
-        parts, rid = self._plan(sequences, loss_mask, lengths, options, request_id, limit)
-        result = merge(self._send(parts, self._deadline(timeout)), rid)
-        result.timings.client_ms = (time.perf_counter() - start) * 1e3
-        return result
+        parts, rid = self._prepare(
+            sequences, options, self.request_token_limit(),
+            loss_mask=loss_mask, lengths=lengths, request_id=request_id,
+        )  # fmt: skip
+        return _finish(self._send(parts, timeout), rid, start)
 
     def _send(self, parts: list[Part], timeout: float | None) -> list[ScoreResult]:
-        if len(parts) == 1:
-            response = self._call(self._stub.Score, parts[0].request, timeout, wait=True)
-            return [decode_part(response, parts[0])]
+        score = self.transport.stub.Score
         results: list[ScoreResult | None] = [None] * len(parts)
         inflight: collections.deque = collections.deque()
 
         def collect():
             index, future, deadline = inflight.popleft()
-            try:
-                response = future.result()
-            except grpc.RpcError as exc:
-                response = ScoringError.from_rpc_error(exc)
-            if isinstance(response, ScoringError):
-                # UNAVAILABLE + wait_for_server_s: re-sent here, the others stay in flight
-                response = self._unary(
-                    self._stub.Score, parts[index].request, deadline, wait=True, error=response
-                )
-            results[index] = decode_part(response, parts[index])
+            part = parts[index]
+            with part.located():
+                try:
+                    response = self.transport.result(future)
+                except ScoringError as exc:
+                    # UNAVAILABLE + wait_for_server_s: re-sent here, the others stay in flight
+                    response = self._unary(score, part.request, deadline, wait=True, error=exc)
+                results[index] = decode_part(response, part)
 
         try:
             for index, part in enumerate(parts):
                 if len(inflight) >= self.max_concurrency:
                     collect()
-                deadline = None if timeout is None else time.monotonic() + timeout
-                inflight.append(
-                    (index, self._start(self._stub.Score, part.request, deadline), deadline)
-                )
+                deadline = self._deadline(timeout)
+                future = self.transport.start(score, part.request, deadline)
+                inflight.append((index, future, deadline))
             while inflight:
                 collect()
         finally:
             for _, future, _ in inflight:
                 future.cancel()
         return results
+
+    def score_padded(self, input_ids, input_lengths, **kwargs):
+        """Logprobs of a NeMo-RL batch: right-padded ``input_ids [B, S]`` and
+        ``input_lengths [B]`` (layout in :mod:`megascore_client.trainer_layouts`).
+
+        Args:
+            input_ids: int ``[B, S]`` (numpy, torch or array-like).
+            input_lengths: int ``[B]``, each in ``[0, S]``.
+            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
+
+        Returns:
+            float32 ``[B, S]``: entry ``[b, t]`` is ``log p(x_t | x_<t)`` of row b for
+            ``1 <= t < input_lengths[b]``, 0.0 at t = 0 and past the length; a torch
+            tensor on the device of ``input_ids`` when that is a torch tensor.
+        """
+        return self._score_layout(nemo_rl_layout(input_ids, input_lengths), kwargs)
+
+    def score_responses(self, input_ids, attention_mask, responses, **kwargs):
+        """Response logprobs of a verl batch: ``input_ids [B, P+R]`` (left-padded
+        prompts, then right-padded responses), ``attention_mask [B, P+R]``,
+        ``responses [B, R]`` (layout in :mod:`megascore_client.trainer_layouts`).
+
+        Args:
+            input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
+            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
+
+        Returns:
+            float32 ``[B, R]``: entry ``[b, j]`` is the logprob of ``responses[b, j]``
+            given the real tokens before it, 0.0 on response padding (torch in, torch out).
+        """
+        return self._score_layout(verl_layout(input_ids, attention_mask, responses), kwargs)
+
+    def _score_layout(self, layout: PaddedLayout, kwargs: dict):
+        scored = self.score(layout.sequences, losses=(), **kwargs) if layout.sequences else None
+        return layout.logprobs(None if scored is None else scored.logprobs)
 
     def stream(self, *, timeout: float | None = None) -> ScoreStream:
         """Opens a ScoreStream bidi call for rollout loops (see :class:`ScoreStream`).
@@ -346,11 +355,15 @@ class ScoringClient(ClientBase):
         return ScoreStream(self, timeout=timeout)
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        """Describes the served model and its limits (waits like ``score``)."""
-        msg = self._call(
-            self._stub.GetModelInfo, pb.GetModelInfoRequest(), self._deadline(timeout), wait=True
+        """Describes the served model and its limits (waits like ``score``; resolves
+        ``max_request_tokens="auto"`` when not done yet)."""
+        msg = self._unary(
+            self.transport.stub.GetModelInfo,
+            pb.GetModelInfoRequest(),
+            self._deadline(timeout),
+            wait=True,
         )
-        return ModelInfo.from_proto(msg)
+        return self._learn_limits(ModelInfo.from_proto(msg))
 
     def load_weights(
         self, model: str, weights_version: str = "", *, timeout: float | None = None
@@ -368,9 +381,8 @@ class ScoringClient(ClientBase):
         an UNAVAILABLE the caller decides (``wait_until_serving``, then load again).
         """
         request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
-        msg = self._call(
-            self._stub.LoadWeights, request, LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout
-        )
+        deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
+        msg = self.transport.call(self.transport.stub.LoadWeights, request, deadline)
         return LoadWeightsResult.from_proto(msg)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
@@ -382,15 +394,11 @@ class ScoringClient(ClientBase):
         Raises:
             ScoringError: the server cannot be reached (UNAVAILABLE) or similar.
         """
-        timeout = self._deadline(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        future = self._start(self._health, health_codec.encode_request(service), deadline)
+        request, deadline = health_codec.encode_request(service), self._deadline(timeout)
         try:
-            data = future.result()
-        except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.NOT_FOUND:
-                return health_codec.not_found_status()
-            raise ScoringError.from_rpc_error(exc) from None
+            data = self.transport.call(self.transport.health_check, request, deadline)
+        except ScoringError as exc:
+            return health_codec.status_after(exc)
         return health_codec.decode_response(data)
 
     def wait_until_serving(self, timeout: float = 60.0, interval: float = 0.5) -> HealthStatus:
@@ -409,13 +417,10 @@ class ScoringClient(ClientBase):
                     return status
                 last = status.status
             except ScoringError as exc:
-                if self._closed.is_set():  # closed before or during the probe
+                if self.transport.closed:  # closed before or during the probe
                     raise closed_error() from None
                 last = str(exc)
             if time.monotonic() + interval > deadline:
-                raise ScoringError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"{self.target} not SERVING after {timeout:.1f}s (last: {last})",
-                )
-            if self._closed.wait(interval):
+                raise self._not_serving(timeout, last)
+            if self.transport.sleep(interval):
                 raise closed_error()

@@ -8,7 +8,15 @@ as the server would answer) and a ``ValueError``.
 
 from __future__ import annotations
 
+import re
+
 import grpc
+
+__all__ = ["InvalidInputError", "ScoringError", "closed_error", "malformed_response"]
+
+# How the server ("sequence 4", "sequences[4]") and the client ("sequences[4]",
+# "loss_mask[4]", "lengths[4]") name a sequence of a request in an error message.
+_SEQUENCE_REF = re.compile(r"\bsequences?(?: |\[)(\d+)|\b(?:loss_mask|lengths)\[(\d+)\]")
 
 
 class ScoringError(Exception):
@@ -19,12 +27,25 @@ class ScoringError(Exception):
             client assigned to a local failure).
         details: the status message (the server names the offending field and
             sequence index for INVALID_ARGUMENT).
+        sequence_offset: for a batch the client split into several requests, the index
+            in the call's batch of the first sequence of the request that failed (the
+            sequence indices in ``details`` count from it); 0 otherwise.
     """
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, sequence_offset: int = 0):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.sequence_offset = sequence_offset
+
+    @property
+    def sequence_index(self) -> int | None:
+        """Index in the call's batch of the sequence that ``details`` names (the first
+        one), or None when it names none."""
+        match = _SEQUENCE_REF.search(self.details)
+        if match is None:
+            return None
+        return self.sequence_offset + int(match.group(1) or match.group(2))
 
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError) -> ScoringError:
@@ -50,7 +71,7 @@ class ScoringError(Exception):
         return self.code is grpc.StatusCode.UNAVAILABLE
 
     def __reduce__(self):
-        return (type(self), (self.code, self.details))
+        return (type(self), (self.code, self.details, self.sequence_offset))
 
 
 class InvalidInputError(ScoringError, ValueError):

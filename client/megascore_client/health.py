@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import grpc
 
-from megascore_client.errors import malformed_response
+from megascore_client.errors import ScoringError, malformed_response
 from megascore_client.results import HealthStatus
+
+__all__ = ["check_callable", "decode_response", "encode_request", "status_after"]
 
 CHECK_METHOD = "/grpc.health.v1.Health/Check"
 _STATUS_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
@@ -82,6 +84,9 @@ def check_callable(channel: grpc.Channel | grpc.aio.Channel):
     )
 
 
-def not_found_status() -> HealthStatus:
-    """What ``health()`` returns when the server does not know the service (NOT_FOUND)."""
+def status_after(error: ScoringError) -> HealthStatus:
+    """What ``health()`` answers after a failed check: SERVICE_UNKNOWN when the server
+    does not know the service (NOT_FOUND); any other error is raised."""
+    if error.code is not grpc.StatusCode.NOT_FOUND:
+        raise error
     return HealthStatus(serving=False, status="SERVICE_UNKNOWN")

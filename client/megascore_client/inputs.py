@@ -19,6 +19,8 @@ import numpy as np
 
 from megascore_client.errors import InvalidInputError
 
+__all__ = ["Batch", "as_numpy", "make_batch"]
+
 _INT32_MAX = np.iinfo(np.int32).max
 
 

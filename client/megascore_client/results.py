@@ -6,7 +6,6 @@ import dataclasses
 
 import numpy as np
 
-from megascore.types import ParallelLayout
 from megascore.v1 import scoring_pb2 as pb
 
 __all__ = [
@@ -102,6 +101,22 @@ class ScoreResult:
         return float(self.loss["nll"].sum() / total) if total else float("nan")
 
 
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """How the served model is split over its ranks (mirrors ``ParallelLayout``; the
+    Megatron names of the sizes)."""
+
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+    @classmethod
+    def from_proto(cls, msg: pb.ParallelLayout) -> ParallelLayout:
+        return cls(**{field.name: getattr(msg, field.name) for field in dataclasses.fields(cls)})
+
+
 @dataclasses.dataclass
 class ModelInfo:
     """The served model and the limits requests must respect (mirrors ``ModelInfo``)."""
@@ -127,7 +142,6 @@ class ModelInfo:
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
-        p = msg.parallel
         return cls(
             name=msg.name,
             architecture=msg.architecture,
@@ -135,13 +149,7 @@ class ModelInfo:
             vocab_size=msg.vocab_size,
             max_sequence_length=msg.max_sequence_length,
             dtype=msg.dtype,
-            parallel=ParallelLayout(
-                world_size=p.world_size,
-                tensor_model_parallel_size=p.tensor_model_parallel_size,
-                context_parallel_size=p.context_parallel_size,
-                expert_model_parallel_size=p.expert_model_parallel_size,
-                pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-            ),
+            parallel=ParallelLayout.from_proto(msg.parallel),
             attention_backend=msg.attention_backend,
             checkpoint_path=msg.checkpoint_path,
             weights_version=msg.weights_version,

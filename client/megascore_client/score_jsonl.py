@@ -1,19 +1,18 @@
 """``megascore score``: score a JSONL file of token sequences (or texts) into a JSONL file.
 
-Input rows (one JSON value per line; blank lines are ignored):
-
-* ``{"id": ..., "token_ids": [...], "loss_mask": [...]}`` (``id`` and ``loss_mask``
-  optional);
-* a bare list of token ids;
-* ``{"id": ..., "text": "..."}`` with ``--tokenizer DIR`` (a local Hugging Face
-  tokenizer directory: ``transformers.AutoTokenizer`` when installed, else
-  ``tokenizers`` with ``DIR/tokenizer.json``).
-
-A row without ``id`` is identified by its index among the non-blank input lines.
-Ids must be unique. Output rows, in input order::
+Input rows are read and checked by :mod:`megascore_client.jsonl_rows` (``text`` rows
+need ``--tokenizer DIR``, a local Hugging Face tokenizer directory:
+``transformers.AutoTokenizer`` when installed, else ``tokenizers`` with
+``DIR/tokenizer.json``). Ids must be unique. Output rows, in input order::
 
     {"id": ..., "num_tokens": L, "num_loss_tokens": n, "nll": sum, "logprobs": [...],
      "top_k_ids": [[...]], "top_k_logprobs": [[...]]}   # top-k only with --top-k
+
+Bad rows (each checked where it is read, against the model's ``GetModelInfo``, and any
+row the server refuses, traced back to its line) are named as ``FILE:LINE (id ...):
+reason``. Without ``--skip-invalid`` the run stops at the first one with exit code 1,
+after writing every row before it. With it, each bad row goes to ``OUT.rejected.jsonl``
+(``{"line", "id", "reason"}``; rewritten by every run) and the run goes on.
 
 The run is resumable: rows whose id is already in the output are skipped and new
 rows are appended; a truncated last line (an interrupted write) is dropped first.
@@ -29,12 +28,16 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 
-from megascore_client.errors import InvalidInputError
+from megascore_client.errors import InvalidInputError, ScoringError
+from megascore_client.jsonl_rows import BadRow, Row, RowLimits, key, read_rows
+
+__all__ = ["add_arguments", "load_done", "rejected_path", "run"]
 
 
 def _seconds(text: str) -> float:
@@ -76,11 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "still UNAVAILABLE after gRPC's retries is re-sent until the server answers "
         "(the client's wait_for_server_s; --timeout must exceed S, default 60 + S)",
     )
+    parser.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="write bad rows to OUT.rejected.jsonl (line, id, reason) and go on, instead "
+        "of stopping at the first one with exit code 1",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def _key(row_id) -> str:
-    return json.dumps(row_id, sort_keys=True)
+def rejected_path(output: Path) -> Path:
+    """The side file of ``--skip-invalid``: ``out.jsonl`` -> ``out.rejected.jsonl``."""
+    stem = output.name.removesuffix(".jsonl")
+    return output.with_name(f"{stem}.rejected.jsonl")
 
 
 def load_done(path: Path) -> dict[str, tuple[int, int, float]]:
@@ -105,7 +116,7 @@ def load_done(path: Path) -> dict[str, tuple[int, int, float]]:
                 if not line.endswith(b"\n"):
                     raise ValueError("no newline")
                 row = json.loads(line)
-                done[_key(row["id"])] = (row["num_tokens"], row["num_loss_tokens"], row["nll"])
+                done[key(row["id"])] = (row["num_tokens"], row["num_loss_tokens"], row["nll"])
             except (ValueError, KeyError, TypeError):
                 bad_line = number
                 continue
@@ -130,60 +141,67 @@ def _load_tokenizer(path: str, add_special_tokens: bool):
     return lambda text: tok.encode(text, add_special_tokens=add_special_tokens).ids
 
 
-def read_rows(args, done: dict) -> Iterator[tuple[object, list[int], list[int] | None]]:
-    """Yields (id, token_ids, loss_mask) of the input rows not in ``done``."""
-    tokenize = None
-    seen: set[str] = set()
-    index = -1
-    with args.input.open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            index += 1
-            where = f"{args.input}:{number}"
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise InvalidInputError(f"{where}: invalid JSON ({exc})") from None
-            mask = None
-            if isinstance(row, list):
-                row_id, ids = index, row
-            elif isinstance(row, dict):
-                row_id, mask = row.get("id", index), row.get("loss_mask")
-                if "token_ids" in row:
-                    ids = row["token_ids"]
-                elif "text" in row:
-                    if not args.tokenizer:
-                        raise InvalidInputError(f"{where}: a 'text' row needs --tokenizer DIR")
-                    if tokenize is None:
-                        tokenize = _load_tokenizer(args.tokenizer, args.add_special_tokens)
-                    ids = list(tokenize(row["text"]))
-                else:
-                    raise InvalidInputError(f"{where}: row needs 'token_ids' or 'text'")
-            else:
-                raise InvalidInputError(f"{where}: expected an object or a list of token ids")
-            key = _key(row_id)
-            if key in seen:
-                raise InvalidInputError(f"{where}: duplicate id {row_id!r}")
-            seen.add(key)
-            if key in done:
-                continue
-            if not ids:
-                raise InvalidInputError(f"{where}: empty token sequence")
-            yield row_id, ids, mask
+def _tokenizer(args):
+    """The ``text`` -> ids function of ``--tokenizer`` (loaded at its first use), or None."""
+    if not args.tokenizer:
+        return None
+    loaded = []
+
+    def tokenize(text: str) -> list[int]:
+        if not loaded:
+            loaded.append(_load_tokenizer(args.tokenizer, args.add_special_tokens))
+        return loaded[0](text)
+
+    return tokenize
 
 
-def _batches(rows: Iterator, batch_tokens: int, limit: int | None) -> Iterator[list]:
+class _Rejects:
+    """Where bad rows go: the side file with ``--skip-invalid``; else they stop the run."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.count = 0
+        self._file = None if path is None else path.open("w")
+
+    def add(self, bad: BadRow) -> None:
+        """Records ``bad`` in the side file, or raises it (no ``--skip-invalid``)."""
+        if self._file is None:
+            raise bad
+        self._file.write(json.dumps(bad.record()) + "\n")
+        self._file.flush()
+        self.count += 1
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _good_rows(items: Iterator[Row | BadRow], rejects: _Rejects) -> Iterator[Row]:
+    for item in items:
+        if isinstance(item, BadRow):
+            rejects.add(item)
+        else:
+            yield item
+
+
+def _batches(rows: Iterator[Row], batch_tokens: int, limit: int | None) -> Iterator[list[Row]]:
+    """Cuts the rows into batches of about ``batch_tokens``; a bad row that stops the
+    run (raised by ``rows``) first lets the rows before it through."""
     batch, tokens, count = [], 0, 0
-    for row in rows:
-        if limit is not None and count >= limit:
-            break
-        batch.append(row)
-        tokens += len(row[1])
-        count += 1
-        if tokens >= batch_tokens:
+    try:
+        for row in rows:
+            if limit is not None and count >= limit:
+                break
+            batch.append(row)
+            tokens += len(row.token_ids)
+            count += 1
+            if tokens >= batch_tokens:
+                yield batch
+                batch, tokens = [], 0
+    except BadRow:
+        if batch:
             yield batch
-            batch, tokens = [], 0
+        raise
     if batch:
         yield batch
 
@@ -195,13 +213,13 @@ def _floats(values: np.ndarray) -> str:
     return "[" + ",".join(values.astype(str).ravel().tolist()) + "]"
 
 
-def _format_rows(batch: list, result, args) -> tuple[str, list[tuple[int, int, float]]]:
+def _format_rows(batch: list[Row], result, args) -> tuple[str, list[tuple[int, int, float]]]:
     lines, stats = [], []
-    for i, (row_id, ids, _) in enumerate(batch):
+    for i, row in enumerate(batch):
         n_loss, nll = int(result.num_tokens[i]), float(result.loss["nll"][i])
         parts = [
-            f'"id": {json.dumps(row_id)}',
-            f'"num_tokens": {len(ids)}',
+            f'"id": {json.dumps(row.id)}',
+            f'"num_tokens": {len(row.token_ids)}',
             f'"num_loss_tokens": {n_loss}',
             f'"nll": {json.dumps(nll)}',
         ]
@@ -213,7 +231,7 @@ def _format_rows(batch: list, result, args) -> tuple[str, list[tuple[int, int, f
             parts.append(f'"top_k_ids": [{rows_ids}]')
             parts.append(f'"top_k_logprobs": [{rows_lps}]')
         lines.append("{" + ", ".join(parts) + "}\n")
-        stats.append((len(ids), n_loss, nll))
+        stats.append((len(row.token_ids), n_loss, nll))
     return "".join(lines), stats
 
 
@@ -238,22 +256,50 @@ def _progress(enabled: bool):
     return tqdm(unit="tok", unit_scale=True, desc="scoring", file=sys.stderr, dynamic_ncols=True)
 
 
-def run(args, client) -> int:
-    """Runs ``megascore score`` with a connected client; returns the exit code."""
-    if args.batch_tokens < 1 or args.concurrency < 1:
-        raise InvalidInputError("--batch-tokens and --concurrency must be >= 1")
-    done = load_done(args.output)
-    skipped = len(done)
-    totals = [sum(v[i] for v in done.values()) for i in range(3)]
-    scored_rows = scored_tokens = 0
-    start = time.perf_counter()
-    bar = _progress(args.progress)
+def _refused_row(batch: list[Row], error: ScoringError, path: Path) -> tuple[int, BadRow]:
+    """The row of ``batch`` that ``error`` (the failure of scoring it) names, as a bad
+    row; ``error`` itself is raised when it names none (not the input's fault)."""
+    index = error.sequence_index
+    if error.code is not grpc.StatusCode.INVALID_ARGUMENT or index is None:
+        raise error
+    if not 0 <= index < len(batch):
+        raise error
+    row = batch[index]
+    return index, BadRow(path, row.line, row.id, f"refused: {error.details}")
 
-    def score(batch):
-        masks = [m if m is not None else [1] * len(ids) for _, ids, m in batch]
-        has_mask = any(m is not None for _, _, m in batch)
+
+class _Output:
+    """The output file and the running totals of the summary."""
+
+    def __init__(self, file, done: dict, bar, args):
+        self._file, self._bar, self._args = file, bar, args
+        self.totals = [sum(v[i] for v in done.values()) for i in range(3)]
+        self.rows = self.tokens = 0
+
+    def write(self, batch: list[Row], result) -> None:
+        """Appends the scored rows of ``batch`` (in order) and flushes."""
+        if not batch:
+            return
+        text, stats = _format_rows(batch, result, self._args)
+        self._file.write(text)
+        self._file.flush()
+        for i, value in enumerate(zip(*stats, strict=True)):
+            self.totals[i] += sum(value)
+        tokens = sum(s[0] for s in stats)
+        self.rows += len(stats)
+        self.tokens += tokens
+        self._bar.update(tokens)
+        self._bar.set_postfix(rows=self.rows)
+
+
+def _scorer(client, args) -> Callable[[list[Row]], object]:
+    """Scores a batch of rows with the CLI's options."""
+
+    def score(batch: list[Row]):
+        has_mask = any(row.loss_mask is not None for row in batch)
+        masks = [row.loss_mask or [1] * len(row.token_ids) for row in batch]
         return client.score(
-            [ids for _, ids, _ in batch],
+            [row.token_ids for row in batch],
             loss_mask=masks if has_mask else None,
             top_k=args.top_k,
             temperature=args.temperature,
@@ -261,45 +307,87 @@ def run(args, client) -> int:
             return_logprobs=args.logprobs,
         )
 
+    return score
+
+
+def _write_settled(batch: list[Row], future, score, rejects: _Rejects, output: _Output, path):
+    """Writes a batch's result. Rows the server refused are set aside and the rest of
+    the batch scored again; without ``--skip-invalid`` the rows before the first
+    refused one are written and it is raised (a :class:`BadRow`)."""
+    try:
+        output.write(batch, future.result())
+        return
+    except ScoringError as exc:
+        error = exc
+    stop = rejects.path is None
+    while True:
+        index, bad = _refused_row(batch, error, path)
+        if not stop:
+            rejects.add(bad)
+        batch = batch[:index] + ([] if stop else batch[index + 1 :])
+        try:
+            output.write(batch, score(batch) if batch else None)
+            break
+        except ScoringError as exc:
+            error = exc
+    if stop:
+        raise bad
+
+
+def run(args, client) -> int:
+    """Runs ``megascore score`` with a connected client; returns the exit code."""
+    if args.batch_tokens < 1 or args.concurrency < 1:
+        raise InvalidInputError("--batch-tokens and --concurrency must be >= 1")
+    done = load_done(args.output)
+    limits = RowLimits.from_model_info(client.model_info())
+    start = time.perf_counter()
     args.output.parent.mkdir(parents=True, exist_ok=True)
+    rejects = _Rejects(rejected_path(args.output) if args.skip_invalid else None)
+    bar = _progress(args.progress)
+    score = _scorer(client, args)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.concurrency)
     inflight: collections.deque = collections.deque()
     try:
         with args.output.open("a") as out:
-
-            def write_oldest():
-                nonlocal scored_rows, scored_tokens
-                batch, future = inflight.popleft()
-                text, stats = _format_rows(batch, future.result(), args)
-                out.write(text)
-                out.flush()
-                for i, value in enumerate(zip(*stats, strict=True)):
-                    totals[i] += sum(value)
-                tokens = sum(s[0] for s in stats)
-                scored_rows += len(stats)
-                scored_tokens += tokens
-                bar.update(tokens)
-                bar.set_postfix(rows=scored_rows)
-
-            for batch in _batches(read_rows(args, done), args.batch_tokens, args.limit):
+            output = _Output(out, done, bar, args)
+            rows = read_rows(args.input, limits, skip=done.__contains__, tokenize=_tokenizer(args))
+            batches = _batches(_good_rows(rows, rejects), args.batch_tokens, args.limit)
+            stop = None  # a bad row read: the rows before it are scored first
+            while True:
+                try:
+                    batch = next(batches, None)
+                except BadRow as bad:
+                    stop, batch = bad, None
+                if batch is None:
+                    break
                 if len(inflight) >= args.concurrency:
-                    write_oldest()
+                    _write_settled(*inflight.popleft(), score, rejects, output, args.input)
                 inflight.append((batch, pool.submit(score, batch)))
             while inflight:
-                write_oldest()
+                _write_settled(*inflight.popleft(), score, rejects, output, args.input)
+            if stop is not None:
+                raise stop
+    except BadRow as bad:
+        raise InvalidInputError(str(bad)) from None
     finally:
         for _, future in inflight:
             future.cancel()
         pool.shutdown(wait=False, cancel_futures=True)  # the client closes what still runs
         bar.close()
-    elapsed = time.perf_counter() - start
-    tokens, loss_tokens, nll = totals
+        rejects.close()
+    _summary(output, len(done), rejects, time.perf_counter() - start)
+    return 0
+
+
+def _summary(output: _Output, skipped: int, rejects: _Rejects, elapsed: float) -> None:
+    tokens, loss_tokens, nll = output.totals
     mean_nll = nll / loss_tokens if loss_tokens else float("nan")
-    print(f"rows: {skipped + scored_rows} (scored {scored_rows}, skipped {skipped} already done)")
+    print(f"rows: {skipped + output.rows} (scored {output.rows}, skipped {skipped} already done)")
+    if rejects.path is not None:
+        print(f"rejected: {rejects.count} (listed in {rejects.path})")
     print(f"tokens: {tokens} ({loss_tokens} predicted)")
     print(f"mean NLL per token: {mean_nll:.6f}")
     perplexity = math.exp(min(mean_nll, 709.0)) if loss_tokens else float("nan")
     print(f"perplexity: {perplexity:.4f}")
-    rate = scored_tokens / elapsed if elapsed > 0 else 0.0
+    rate = output.tokens / elapsed if elapsed > 0 else 0.0
     print(f"elapsed: {elapsed:.2f} s ({rate:.0f} tokens/s)")
-    return 0

@@ -22,9 +22,11 @@ from collections.abc import Callable
 
 import grpc
 
-from megascore_client.batching import ScoreOptions, decode_part, merge
 from megascore_client.errors import ScoringError, closed_error, malformed_response
 from megascore_client.results import ScoreResult
+from megascore_client.splitting import ScoreOptions, decode_part, merge, prepare
+
+__all__ = ["AsyncScoreStream", "ScoreStream"]
 
 
 class _Assembler:
@@ -64,25 +66,54 @@ def _task_cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _plan(client, sequences, kwargs: dict, limit: int | None):
+def _plan(sequences, kwargs: dict, message_limit: int, token_limit: int | None):
     """Splits ``submit`` keyword arguments and plans the parts (as ``score`` does)."""
     batch = {k: kwargs.pop(k, None) for k in ("loss_mask", "lengths", "request_id")}
-    options = ScoreOptions(**kwargs)
-    return client._plan(
-        sequences, batch["loss_mask"], batch["lengths"], options, batch["request_id"], limit
+    return prepare(
+        sequences,
+        ScoreOptions(**kwargs),
+        max_message_bytes=message_limit,
+        max_request_tokens=token_limit,
+        **batch,
     )
 
 
-def _resolve(pending: collections.deque, response) -> None:
-    if not pending:
-        raise malformed_response(f"unexpected response {response.request_id!r}")
-    part, index, assembler = pending.popleft()
-    try:
-        result = decode_part(response, part)
-    except ScoringError as exc:
-        assembler.fail(exc)
-        raise
-    assembler.part_done(index, result)
+class _Pending:
+    """What a stream has sent and not had answered yet, in order, and the error that
+    ended the stream (shared by the sync and the asyncio stream; the caller locks)."""
+
+    def __init__(self):
+        self.parts: collections.deque = collections.deque()
+        self.error: ScoringError | None = None
+
+    def add(self, part, index: int, assembler: _Assembler) -> None:
+        self.parts.append((part, index, assembler))
+
+    def resolve(self, response) -> None:
+        """Decodes a response as the answer to the oldest part sent."""
+        if not self.parts:
+            raise malformed_response(f"unexpected response {response.request_id!r}")
+        part, index, assembler = self.parts.popleft()
+        try:
+            result = decode_part(response, part)
+        except ScoringError as exc:
+            assembler.fail(exc)
+            raise
+        assembler.part_done(index, result)
+
+    def fail(self, error: ScoringError | None) -> None:
+        """Records ``error`` (the first one wins) and fails every outstanding batch."""
+        if error is not None and self.error is None:
+            self.error = error
+        while self.parts:
+            _, _, assembler = self.parts.popleft()
+            assembler.fail(self.error)
+
+    def end(self, error: ScoringError | None) -> None:
+        """The call is over (with ``error``, or None when it ended cleanly)."""
+        if error is None and self.parts:
+            error = malformed_response(f"stream ended with {len(self.parts)} unanswered")
+        self.fail(error or _ended())
 
 
 class ScoreStream:
@@ -97,12 +128,10 @@ class ScoreStream:
     def __init__(self, client, *, timeout: float | None = None):
         self._client = client
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: collections.deque = collections.deque()
+        self._pending = _Pending()
         self._lock = threading.Lock()
-        self._error: ScoringError | None = None
         self._closed = False
-        # under the client's start lock: no call through a closed sync channel
-        self._call = client._start_stream(self._request_iter(), timeout)
+        self._call = client.transport.open_stream(self._request_iter(), timeout)
         self._reader = threading.Thread(target=self._read, name="megascore-stream", daemon=True)
         self._reader.start()
 
@@ -131,17 +160,17 @@ class ScoreStream:
             RuntimeError: the stream is closed.
         """
         limit = self._client.request_token_limit()
-        parts, rid = _plan(self._client, sequences, kwargs, limit)
+        parts, rid = _plan(sequences, kwargs, self._client.message_limit, limit)
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()  # ordered results: not cancellable one by one
         assembler = _Assembler(len(parts), rid, future.set_result, future.set_exception)
         with self._lock:
             if self._closed:
                 raise RuntimeError("submit on a closed stream")
-            if self._error is not None:
-                raise self._error
+            if self._pending.error is not None:
+                raise self._pending.error
             for index, part in enumerate(parts):
-                self._pending.append((part, index, assembler))
+                self._pending.add(part, index, assembler)
                 self._requests.put(part.request)
         return future
 
@@ -150,23 +179,14 @@ class ScoreStream:
         try:
             for response in self._call:
                 with self._lock:
-                    _resolve(self._pending, response)
+                    self._pending.resolve(response)
         except grpc.RpcError as exc:
             error = ScoringError.from_rpc_error(exc)
         except ScoringError as exc:
             error = exc
             self._call.cancel()
         with self._lock:
-            if error is None and self._pending:
-                error = malformed_response(f"stream ended with {len(self._pending)} unanswered")
-            self._fail_pending(error or _ended())
-
-    def _fail_pending(self, error: ScoringError | None) -> None:
-        if error is not None and self._error is None:
-            self._error = error
-        while self._pending:
-            _, _, assembler = self._pending.popleft()
-            assembler.fail(self._error)
+            self._pending.end(error)
 
     def close(self) -> None:
         """Half-closes the stream and waits until every submitted batch is answered."""
@@ -193,19 +213,14 @@ class AsyncScoreStream:
     def __init__(self, client, *, timeout: float | None = None):
         self._client = client
         self._timeout = timeout
-        self._pending: collections.deque = collections.deque()
+        self._pending = _Pending()
         self._write_lock = asyncio.Lock()
-        self._error: ScoringError | None = None
         self._closed = False
         self._call = None
         self._reader: asyncio.Task | None = None
 
     async def __aenter__(self) -> AsyncScoreStream:
-        if self._client._closed.is_set():  # grpc.aio raises a bare UsageError on a closed channel
-            raise closed_error()
-        self._call = self._client._stub.ScoreStream(
-            timeout=self._timeout, metadata=self._client._metadata
-        )
+        self._call = self._client.transport.open_stream(self._timeout)
         self._reader = asyncio.create_task(self._read())
         return self
 
@@ -222,7 +237,7 @@ class AsyncScoreStream:
         if self._call is None:
             raise RuntimeError("use the stream as 'async with client.stream() as stream'")
         limit = await self._client.request_token_limit()
-        parts, rid = _plan(self._client, sequences, kwargs, limit)
+        parts, rid = _plan(sequences, kwargs, self._client.message_limit, limit)
         future = asyncio.get_running_loop().create_future()
 
         def on_result(result: ScoreResult) -> None:
@@ -238,27 +253,27 @@ class AsyncScoreStream:
         async with self._write_lock:
             if self._closed:
                 raise RuntimeError("submit on a closed stream")
-            if self._error is not None:
-                raise self._error
+            if self._pending.error is not None:
+                raise self._pending.error
             for index, part in enumerate(parts):
-                self._pending.append((part, index, assembler))
+                self._pending.add(part, index, assembler)
                 try:
                     await self._call.write(part.request)
                 except grpc.RpcError as exc:
-                    self._fail_pending(ScoringError.from_rpc_error(exc))
-                    raise self._error from None
+                    self._pending.fail(ScoringError.from_rpc_error(exc))
+                    raise self._pending.error from None
                 except (asyncio.InvalidStateError, asyncio.CancelledError):
                     if _task_cancelling():
                         raise
                     await asyncio.shield(self._reader)  # the call ended: the reader knows why
-                    raise self._error from None
+                    raise self._pending.error from None
         return future
 
     async def _read(self) -> None:
         error: ScoringError | None = None
         try:
             while (response := await self._call.read()) is not grpc.aio.EOF:
-                _resolve(self._pending, response)
+                self._pending.resolve(response)
         except grpc.RpcError as exc:
             error = ScoringError.from_rpc_error(exc)
         except ScoringError as exc:
@@ -269,27 +284,18 @@ class AsyncScoreStream:
             # client's close(); a cancellation of this task itself goes on
             error = self._cancelled_error()
             if _task_cancelling():
-                self._fail_pending(error)
+                self._pending.fail(error)
                 raise
-        if error is None and self._pending:
-            error = malformed_response(f"stream ended with {len(self._pending)} unanswered")
-        if error is None and self._call.done():
+        if error is None and not self._pending.parts and self._call.done():
             code = await self._call.code()
             if code is not grpc.StatusCode.OK:
                 error = ScoringError(code, await self._call.details() or code.name)
-        self._fail_pending(error or _ended())
-
-    def _fail_pending(self, error: ScoringError | None) -> None:
-        if error is not None and self._error is None:
-            self._error = error
-        while self._pending:
-            _, _, assembler = self._pending.popleft()
-            assembler.fail(self._error)
+        self._pending.end(error)
 
     def _cancelled_error(self) -> ScoringError:
         """The error of a call cancelled on this side: by ``close()`` of the client
         (the closed error) or by :meth:`cancel`."""
-        if self._client._closed.is_set():
+        if self._client.transport.closed:
             return closed_error()
         return ScoringError(grpc.StatusCode.CANCELLED, "the stream was cancelled")
 

@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 from megascore_client.errors import ScoringError
 
+__all__ = ["ServerWait", "check_wait", "time_left"]
+
 INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 5.0
 JITTER = 0.2

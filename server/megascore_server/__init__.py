@@ -5,6 +5,6 @@
 """
 
 from megascore_server.app import ServerHandles, build_server
-from megascore_server.config import ServeConfig, ServerConfig
+from megascore_server.config import GrpcServerConfig, ReplicaConfig
 
-__all__ = ["ServeConfig", "ServerConfig", "ServerHandles", "build_server"]
+__all__ = ["ReplicaConfig", "GrpcServerConfig", "ServerHandles", "build_server"]

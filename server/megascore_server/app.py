@@ -20,11 +20,13 @@ from grpc_reflection.v1alpha import reflection
 from megascore.types import Engine
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.auth import BearerTokenInterceptor, read_token
-from megascore_server.config import ServerConfig
+from megascore_server.config import GrpcServerConfig
+from megascore_server.gate import CallGate
 from megascore_server.health import SCORER_SERVICE, ScorerHealth
 from megascore_server.lifecycle import ServerHandles, resolve_limits
 from megascore_server.metrics import ServerMetrics
 from megascore_server.servicer import ScorerServicer
+from megascore_server.status import StatusInterceptor
 from megascore_server.tls import server_credentials, warn_if_exposed
 
 __all__ = ["ServerHandles", "build_server", "resolve_limits"]
@@ -39,7 +41,7 @@ def _bind_address(host: str, port: int) -> str:
 
 
 def build_server(
-    engine: Engine | None, server_config: ServerConfig, *, pad_multiple: int = 1
+    engine: Engine | None, server_config: GrpcServerConfig, *, pad_multiple: int = 1
 ) -> tuple[grpc.aio.Server, int, ServerHandles]:
     """Builds and binds (does not start) the gRPC server of rank 0. Call it from a coroutine.
 
@@ -59,22 +61,17 @@ def build_server(
     config = server_config
     metrics = ServerMetrics()
     health_servicer = ScorerHealth()
+    gate = CallGate(health_servicer)
     servicer = ScorerServicer(
-        health_servicer,
+        gate,
         max_tokens_per_batch=config.max_tokens_per_batch,
         max_message_bytes=config.max_message_bytes,
         max_stream_inflight=config.max_stream_inflight,
-        metrics=metrics,
     )
-    interceptors = []
+    # First: it also answers (and counts) the calls the next ones refuse.
+    interceptors = [StatusInterceptor(metrics)]
     if config.auth_token_file:
-        token = read_token(config.auth_token_file)
-
-        def on_reject(method: str) -> None:
-            rpc = method.rsplit("/", 1)[-1]
-            metrics.observe_request(rpc, grpc.StatusCode.UNAUTHENTICATED.name, 0.0)
-
-        interceptors.append(BearerTokenInterceptor(token, on_reject=on_reject))
+        interceptors.append(BearerTokenInterceptor(read_token(config.auth_token_file)))
     credentials = server_credentials(config)
     server = grpc.aio.server(
         interceptors=interceptors,
@@ -90,6 +87,7 @@ def build_server(
         server=server,
         config=config,
         health=health_servicer,
+        gate=gate,
         servicer=servicer,
         metrics=metrics,
         executor=executor,
@@ -118,7 +116,7 @@ def build_server(
         "megascore.v1.Scorer bound on %s (%s, auth %s)%s",
         _bind_address(config.host, port),
         "TLS" if credentials is not None else "plaintext",
-        "on" if interceptors else "off",
+        "on" if config.auth_token_file else "off",
         "" if engine is not None else "; no engine yet (UNAVAILABLE until attached)",
     )
     return server, port, handles

@@ -1,7 +1,8 @@
 """Bearer-token authentication: a ``grpc.aio`` server interceptor.
 
-Clients send ``authorization: Bearer <token>`` metadata; anything else is
-answered UNAUTHENTICATED on every RPC. Health checking and server reflection
+Clients send ``authorization: Bearer <token>`` metadata; anything else raises
+:class:`UnauthenticatedError` on every RPC (UNAUTHENTICATED through the status
+table, :mod:`megascore_server.status`). Health checking and server reflection
 stay reachable without a token (load balancers and ``grpcurl`` need them).
 The token is read from a file so that it never appears in a command line.
 """
@@ -9,15 +10,13 @@ The token is read from a file so that it never appears in a command line.
 from __future__ import annotations
 
 import hmac
-import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-logger = logging.getLogger(__name__)
+from megascore.errors import UnauthenticatedError
 
 OPEN_SERVICES = (
     health.SERVICE_NAME,
@@ -49,14 +48,15 @@ def _service_of(method: str) -> str:
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without ``authorization: Bearer <token>`` (except open services).
 
+    Place it after :class:`megascore_server.status.StatusInterceptor`, which answers,
+    logs and counts the rejections.
+
     Args:
         token: the expected token.
-        on_reject: called with the full method name of each rejected call.
     """
 
-    def __init__(self, token: str, on_reject: Callable[[str], None] | None = None):
+    def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
-        self._on_reject = on_reject
 
     def _authorized(self, metadata) -> bool:
         for key, value in metadata or ():
@@ -74,29 +74,30 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        logger.warning("rejected unauthenticated call to %s", method)
-        if self._on_reject is not None:
-            self._on_reject(method)
         return _deny(handler)
 
 
-async def _abort(request_or_iterator, context: grpc.aio.ServicerContext):
-    await context.abort(
-        grpc.StatusCode.UNAUTHENTICATED,
-        "missing or invalid credentials: send metadata 'authorization: Bearer <token>'",
+async def _refuse(request_or_iterator, context: grpc.aio.ServicerContext):
+    raise UnauthenticatedError(
+        "missing or invalid credentials: send metadata 'authorization: Bearer <token>'"
     )
 
 
+def _unread(data: bytes) -> None:
+    """The request of a refused call is not parsed: it is refused whatever its bytes."""
+    return None
+
+
 def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
+    """A handler of the same kind as ``handler`` that raises :class:`UnauthenticatedError`."""
     kwargs = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": _unread,
         "response_serializer": handler.response_serializer,
     }
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_abort, **kwargs)
+        return grpc.stream_stream_rpc_method_handler(_refuse, **kwargs)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_abort, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(_refuse, **kwargs)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_abort, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(_abort, **kwargs)
+        return grpc.unary_stream_rpc_method_handler(_refuse, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(_refuse, **kwargs)

@@ -9,7 +9,7 @@ interleave. Scheduling:
 * A step is launched when its token budget can be filled, when the oldest
   waiting request has waited ``max_batch_wait_ms``, or at once when nothing
   else can join it. Sequences are chosen first-fit decreasing
-  (:func:`~megascore_server.microbatch.fill_step`); a request larger than the
+  (:func:`~megascore_server.step_planner.fill_step`); a request larger than the
   budget is spread over several steps and reassembled in its own order.
 * Requests with different options share a step: per-sequence temperature,
   the step's top_k is the largest and each request gets its own k columns,
@@ -23,8 +23,12 @@ interleave. Scheduling:
 * :meth:`DynamicBatcher.load_weights` is a barrier: requests accepted before
   it finish on the old weights, later ones wait and run on the new ones.
 * :class:`WorkerLostError` from the engine is fatal: every pending and later
-  request fails with UNAVAILABLE and ``on_fatal`` is called. Any other
-  exception fails only the requests of that step.
+  request fails with UNAVAILABLE and ``on_fatal`` is called.
+* :class:`InvalidRequestError` from a step (the engine's ``ScoreBatch.check``
+  refused it) is one request's data: each request of the step is checked on
+  its own (``engine.check``), those that fail get their own error (naming their
+  own sequence) and the others are scored again without them, in the same step
+  slot. Any other exception fails only the requests of that step.
 """
 
 from __future__ import annotations
@@ -38,11 +42,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megascore.errors import ResourceExhaustedError, UnavailableError, WorkerLostError
+from megascore.errors import (
+    InvalidRequestError,
+    ResourceExhaustedError,
+    UnavailableError,
+    WorkerLostError,
+)
+from megascore.layout import padded_lengths
 from megascore.types import Engine, ModelInfo, ScoreBatch, ScoreOutput
 from megascore_server.metrics import ServerMetrics
-from megascore_server.microbatch import fill_step, merge_batches, padded_lengths
-from megascore_server.pending import Barrier, PendingRequest, ScoreResult
+from megascore_server.pending import Barrier, PendingRequest, TimedOutput
+from megascore_server.step_planner import fill_step, merge_batches
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +113,7 @@ class DynamicBatcher:
 
     async def submit(
         self, request_id: str, batch: ScoreBatch, *, arrival: float, deadline: float | None = None
-    ) -> ScoreResult:
+    ) -> TimedOutput:
         """Queues one validated request and waits for its result.
 
         Args:
@@ -312,26 +322,32 @@ class DynamicBatcher:
     async def _run_step(self, loop, window: list[PendingRequest]) -> None:
         pieces = self._plan(window)
         solo = window[0].solo
-        step = merge_batches(
-            [(item.batch, idx) for item, idx in pieces],
-            want_moe_metrics=solo and window[0].batch.want_moe_metrics,
-            want_mtp_metrics=solo and window[0].batch.want_mtp_metrics,
-        )
         start = time.monotonic()
-        self._running = [item for item, _ in pieces]
-        for item in self._running:
+        for item, _ in pieces:
             if item.first_start is None:
                 item.first_start = start
-        try:
-            output = await loop.run_in_executor(self._executor, self._engine.score, step)
-        except WorkerLostError as exc:
-            self._fatal(exc)
-            return
-        except Exception as exc:
-            ids = ",".join(item.request_id for item in self._running)
-            logger.error("engine step failed for request_ids=%s", ids, exc_info=exc)
-            self._fail_step(exc)
-            return
+        while True:
+            step = merge_batches(
+                [(item.batch, idx) for item, idx in pieces],
+                want_moe_metrics=solo and window[0].batch.want_moe_metrics,
+                want_mtp_metrics=solo and window[0].batch.want_mtp_metrics,
+            )
+            self._running = [item for item, _ in pieces]
+            try:
+                output = await loop.run_in_executor(self._executor, self._engine.score, step)
+                break
+            except WorkerLostError as exc:
+                self._fatal(exc)
+                return
+            except InvalidRequestError as exc:  # one request's data: the others run again
+                pieces = await self._without_invalid(loop, pieces, exc)
+                if not pieces:
+                    return
+            except Exception as exc:
+                ids = ",".join(item.request_id for item in self._running)
+                logger.error("engine step failed for request_ids=%s", ids, exc_info=exc)
+                self._fail_step(exc)
+                return
         elapsed = time.monotonic() - start
         self.steps_run += 1
         if self._metrics is not None:
@@ -357,6 +373,31 @@ class DynamicBatcher:
                 if self._metrics is not None:
                     self._metrics.tokens_scored.inc(item.batch.num_tokens)
                 item.future.set_result(item.result())
+
+    async def _without_invalid(self, loop, pieces, exc: InvalidRequestError) -> list:
+        """The pieces of a step the engine refused, less the requests that fail alone.
+
+        Each request is checked on its own (``engine.check``, no forward); those that
+        fail get their own error, which names their own sequence. When none fails
+        alone, the step's error goes to all of them and nothing is left to run.
+        """
+        left = []
+        for item, idx in pieces:
+            try:
+                await loop.run_in_executor(self._executor, self._engine.check, item.batch)
+            except InvalidRequestError as own:
+                logger.info("request_id=%s refused by the engine: %s", item.request_id, own)
+                if item in self._queue:
+                    self._dequeue(item)
+                if not item.future.done():
+                    item.future.set_exception(own)
+            else:
+                left.append((item, idx))
+        if len(left) == len(pieces):
+            self._running = [item for item, _ in pieces]
+            self._fail_step(exc)
+            return []
+        return left
 
     def _fail_step(self, exc: BaseException) -> None:
         for item in self._running:

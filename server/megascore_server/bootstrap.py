@@ -39,7 +39,7 @@ import threading
 from megascore.config import EngineConfig
 from megascore.errors import LOAD_FAILURES, WorkerLostError
 from megascore_server.app import ServerHandles, build_server
-from megascore_server.config import ServeConfig
+from megascore_server.config import ReplicaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def ensure_dist_env() -> None:
         os.environ.setdefault(key, value)
 
 
-async def serve_async(config: ServeConfig) -> int:
+async def serve_async(config: ReplicaConfig) -> int:
     """Rank 0: binds and starts the server, loads the engine on the engine thread, serves.
 
     Health answers NOT_SERVING (Scorer calls UNAVAILABLE, "model loading") while
@@ -152,7 +152,7 @@ async def serve_async(config: ServeConfig) -> int:
     return 0 if ok else 1
 
 
-async def _load(handles: ServerHandles, config: ServeConfig, stop: asyncio.Event) -> int | None:
+async def _load(handles: ServerHandles, config: ReplicaConfig, stop: asyncio.Event) -> int | None:
     """Builds the engine on the engine thread and attaches it; an exit code when it failed.
 
     A signal while loading cannot interrupt the (collective) load: the server stops,
@@ -188,7 +188,7 @@ async def _load(handles: ServerHandles, config: ServeConfig, stop: asyncio.Event
     return None
 
 
-def run_rank(config: ServeConfig) -> int:
+def run_rank(config: ReplicaConfig) -> int:
     """Runs this process's rank (RANK from the environment); returns its exit code."""
     ensure_dist_env()
     rank = int(os.environ["RANK"])

@@ -1,7 +1,7 @@
 """Server configuration dataclasses (torch-free).
 
-:class:`ServerConfig` describes the gRPC front end of rank 0 (address, limits,
-batching, security, metrics); :class:`ServeConfig` combines it with the
+:class:`GrpcServerConfig` describes the gRPC front end of rank 0 (address, limits,
+batching, security, metrics); :class:`ReplicaConfig` combines it with the
 :class:`megascore.config.EngineConfig` every rank builds its engine from and
 the number of local ranks. Parsing (CLI flags, YAML / TOML files, environment
 variables) lives in :mod:`megascore_server.config_loader`.
@@ -20,7 +20,7 @@ MIB = 1024 * 1024
 
 
 @dataclasses.dataclass
-class ServerConfig:
+class GrpcServerConfig:
     """The gRPC server of rank 0: address, limits, batching, security, metrics."""
 
     host: str = "127.0.0.1"
@@ -103,10 +103,10 @@ class ServerConfig:
 
 
 @dataclasses.dataclass
-class ServeConfig:
+class ReplicaConfig:
     """Everything ``megascore serve`` needs: server, engine and the local rank count."""
 
-    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    server: GrpcServerConfig = dataclasses.field(default_factory=GrpcServerConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     nproc: int = 1
     """Local ranks to launch (1 = this process only; ignored under torchrun)."""
@@ -124,10 +124,10 @@ class ServeConfig:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> ServeConfig:
+    def from_dict(cls, data: dict) -> ReplicaConfig:
         """Inverse of :meth:`to_dict`; validates every field."""
         return cls(
-            server=ServerConfig(**data.get("server", {})),
+            server=GrpcServerConfig(**data.get("server", {})),
             engine=EngineConfig(**data.get("engine", {})),
             nproc=int(data.get("nproc", 1)),
         )

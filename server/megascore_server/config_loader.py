@@ -1,8 +1,8 @@
-"""Builds a :class:`ServeConfig` from CLI flags, a YAML / TOML file and the environment.
+"""Builds a :class:`ReplicaConfig` from CLI flags, a YAML / TOML file and the environment.
 
 Precedence, lowest to highest: dataclass defaults < config file (``--config``
 or ``MEGASCORE_CONFIG``) < environment variables ``MEGASCORE_<FIELD>`` <
-command-line flags. Every field of :class:`ServerConfig` and
+command-line flags. Every field of :class:`GrpcServerConfig` and
 :class:`megascore.config.EngineConfig` (and ``nproc``) can be set at every
 level under the same name: ``--max-tokens-per-batch 8192``,
 ``MEGASCORE_MAX_TOKENS_PER_BATCH=8192``, ``max_tokens_per_batch: 8192``.
@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from megascore.config import EngineConfig
-from megascore_server.config import ServeConfig, ServerConfig
+from megascore_server.config import GrpcServerConfig, ReplicaConfig
 
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "MEGASCORE_"
 CONFIG_ENV = "MEGASCORE_CONFIG"
 
-_SERVER_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(ServerConfig)}
+_SERVER_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(GrpcServerConfig)}
 _ENGINE_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
 _TOP_FIELDS = {"nproc": "int"}
 _ALL_FIELDS = {**_SERVER_FIELDS, **_ENGINE_FIELDS, **_TOP_FIELDS}
@@ -169,7 +169,7 @@ def _field_docs() -> dict[str, str]:
     import inspect
 
     docs: dict[str, str] = {}
-    for cls in (ServerConfig, EngineConfig):
+    for cls in (GrpcServerConfig, EngineConfig):
         try:
             tree = ast.parse(inspect.getsource(cls))
         except (OSError, TypeError):
@@ -189,7 +189,7 @@ def _field_docs() -> dict[str, str]:
 
 def load_serve_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> ServeConfig:
+) -> ReplicaConfig:
     """Resolves the serve configuration from flags, config file and environment.
 
     Args:
@@ -197,7 +197,7 @@ def load_serve_config(
         environ: environment (None = ``os.environ``).
 
     Returns:
-        The validated :class:`ServeConfig`.
+        The validated :class:`ReplicaConfig`.
 
     Raises:
         ValueError: an unknown key, a value of the wrong type or a failed validation.
@@ -216,8 +216,8 @@ def load_serve_config(
 
     server = {k: v for k, v in coerced.items() if k in _SERVER_FIELDS}
     engine = {k: v for k, v in coerced.items() if k in _ENGINE_FIELDS}
-    return ServeConfig(
-        server=ServerConfig(**server),
+    return ReplicaConfig(
+        server=GrpcServerConfig(**server),
         engine=EngineConfig(**engine),
         nproc=coerced.get("nproc", 1),
     )

@@ -1,10 +1,10 @@
-"""Domain <-> wire conversion on the output side, and sequence slicing of outputs.
+"""Domain -> wire codec of the output side: ``ScoreResponse`` and ``ModelInfo`` messages.
 
-An engine step scores the sequences of several requests at once; the batcher
-uses :func:`select_sequences` to cut each request's sequences out of the
-step's :class:`ScoreOutput` and :func:`concat_outputs` to put a request's
-pieces (possibly from several steps, in any order) back in its own order.
-:func:`build_response` then turns a request's output into a ``ScoreResponse``.
+Pure conversion: :func:`build_response` encodes one request's
+:class:`~megascore.types.ScoreOutput` (already cut out of the engine steps by
+the batcher, :mod:`megascore.layout`) as it is; nothing is recomputed here.
+The request side (proto -> :class:`~megascore.types.ScoreBatch`) is
+``validation.py``, the wire gate.
 """
 
 from __future__ import annotations
@@ -18,113 +18,6 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import encode_array
 
 logger = logging.getLogger(__name__)
-
-
-def offsets_of(lengths: np.ndarray) -> np.ndarray:
-    """int64 ``[B+1]`` start offsets of sequences of the given lengths."""
-    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return offsets
-
-
-def token_index(
-    offsets: np.ndarray, lengths: np.ndarray, seq_idx: np.ndarray
-) -> np.ndarray | slice:
-    """Flat token positions of sequences ``seq_idx`` (concatenated in that order).
-
-    Args:
-        offsets: ``[B+1]`` offsets of the layout the positions refer to.
-        lengths: ``[B]`` lengths of that layout.
-        seq_idx: int64 indices of the sequences to take.
-
-    Returns:
-        A slice when the sequences are consecutive and ascending, else an int64 array.
-    """
-    if seq_idx.size and np.array_equal(seq_idx, np.arange(seq_idx[0], seq_idx[0] + seq_idx.size)):
-        return slice(int(offsets[seq_idx[0]]), int(offsets[seq_idx[-1] + 1]))
-    lens = lengths[seq_idx]
-    out_starts = np.cumsum(lens) - lens
-    return np.repeat(offsets[seq_idx] - out_starts, lens) + np.arange(int(lens.sum()))
-
-
-def select_sequences(
-    output: ScoreOutput,
-    lengths: np.ndarray,
-    seq_idx: np.ndarray,
-    *,
-    top_k: int,
-    losses: tuple[str, ...],
-    want_logprobs: bool,
-) -> ScoreOutput:
-    """Cuts sequences ``seq_idx`` of a step's output, trimmed to one request's options.
-
-    Args:
-        output: the step's output (layout of ``lengths``).
-        lengths: the step's sequence lengths.
-        seq_idx: step-sequence indices to take, in the order wanted.
-        top_k: the request's k (<= the step's k); top-k columns are sliced to it.
-        losses: the request's loss names (a subset of the step's).
-        want_logprobs: whether to keep per-token logprobs.
-
-    Returns:
-        The output of those sequences only; MoE / MTP metrics are not copied.
-    """
-    tokens = token_index(offsets_of(lengths), lengths, seq_idx)
-    part = ScoreOutput(logprobs=None, weights_version=output.weights_version)
-    if want_logprobs:
-        part.logprobs = output.logprobs[tokens]
-    if top_k > 0:
-        part.top_k_ids = output.top_k_ids[tokens, :top_k]
-        part.top_k_logprobs = output.top_k_logprobs[tokens, :top_k]
-    part.losses = {name: output.losses[name][seq_idx] for name in losses}
-    if output.num_loss_tokens is not None:
-        part.num_loss_tokens = output.num_loss_tokens[seq_idx]
-    return part
-
-
-def concat_outputs(parts: list[tuple[np.ndarray, ScoreOutput]], lengths: np.ndarray) -> ScoreOutput:
-    """Joins pieces of one request into its own sequence order.
-
-    Args:
-        parts: ``(request-sequence indices, output of those sequences)`` per piece;
-            together the indices cover every sequence exactly once.
-        lengths: the request's lengths.
-
-    Returns:
-        The request's output in request order (no MoE / MTP metrics).
-    """
-    if len(parts) == 1 and np.array_equal(parts[0][0], np.arange(lengths.size)):
-        return parts[0][1]
-    order = np.concatenate([idx for idx, _ in parts])
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(order.size)
-    piece_lengths = lengths[order]
-    tokens = token_index(offsets_of(piece_lengths), piece_lengths, inverse)
-
-    def join(values: list[np.ndarray | None], index) -> np.ndarray | None:
-        if values[0] is None:
-            return None
-        return np.concatenate(values)[index]
-
-    outs = [out for _, out in parts]
-    joined = ScoreOutput(
-        logprobs=join([o.logprobs for o in outs], tokens),
-        top_k_ids=join([o.top_k_ids for o in outs], tokens),
-        top_k_logprobs=join([o.top_k_logprobs for o in outs], tokens),
-        losses={k: join([o.losses[k] for o in outs], inverse) for k in outs[0].losses},
-        num_loss_tokens=join([o.num_loss_tokens for o in outs], inverse),
-        weights_version=outs[-1].weights_version,
-    )
-    return joined
-
-
-def count_loss_tokens(batch: ScoreBatch) -> np.ndarray:
-    """int64 ``[B]``: masked positions 1..L-1 of each sequence (entry 0 never counts)."""
-    if batch.loss_mask is None:
-        return batch.lengths - 1
-    offsets = batch.offsets()
-    sums = np.add.reduceat(batch.loss_mask.astype(np.int64), offsets[:-1])
-    return sums - batch.loss_mask[offsets[:-1]].astype(np.int64)
 
 
 def build_response(
@@ -161,10 +54,9 @@ def build_response(
         response.sequence_losses[name].CopyFrom(
             encode_array(np.asarray(output.losses[name], dtype=np.float64))
         )
-    num_loss_tokens = output.num_loss_tokens
-    if num_loss_tokens is None:
-        num_loss_tokens = count_loss_tokens(batch)
-    response.num_loss_tokens.CopyFrom(encode_array(np.asarray(num_loss_tokens, dtype=np.int64)))
+    response.num_loss_tokens.CopyFrom(
+        encode_array(np.asarray(output.num_loss_tokens, dtype=np.int64))
+    )
     if batch.want_moe_metrics:
         response.moe_metrics.update(output.moe_metrics)
     if batch.want_mtp_metrics:

@@ -2,7 +2,9 @@
 
 Lifecycle: NOT_SERVING from creation until the engine is ready
 (:meth:`ScorerHealth.set_serving`), SERVING after, NOT_SERVING for good on
-drain or when a rank is lost (:meth:`ScorerHealth.shut_down`). A Watch
+drain or when a rank is lost (:meth:`ScorerHealth.shut_down`). Health only
+publishes: whether the server serves is decided by
+:class:`megascore_server.gate.CallGate`, which the Scorer asks too. A Watch
 stream sends NOT_SERVING and ends at that point: an open watcher (gRPC
 client-side health checking, a load balancer) would otherwise hold
 ``server.stop(grace)`` for the whole grace period of every drain.
@@ -32,7 +34,6 @@ class ScorerHealth(health.aio.HealthServicer):
         super().__init__()
         for service in SERVICES:
             self._server_status[service] = NOT_SERVING
-        self.serving = False
         self._changed = asyncio.Condition()
         self._version = 0  # bumped on every status change, under ``_changed``
 
@@ -67,15 +68,18 @@ class ScorerHealth(health.aio.HealthServicer):
             if final:
                 return
 
+    @property
+    def serving(self) -> bool:
+        """Whether SERVING is published (for the server as a whole)."""
+        return self._server_status[""] == SERVING
+
     async def set_serving(self) -> None:
-        """Marks the server ready (the engine answered on every rank)."""
+        """Publishes SERVING (the gate opened: the engine answered on every rank)."""
         for service in SERVICES:
             await self.set(service, SERVING)
-        self.serving = not self._gracefully_shutting_down
         logger.info("health: SERVING" if self.serving else "health: stays NOT_SERVING")
 
     async def shut_down(self, reason: str) -> None:
         """NOT_SERVING for good (drain or lost rank); later :meth:`set_serving` is ignored."""
-        self.serving = False
         await self.enter_graceful_shutdown()
         logger.warning("health: NOT_SERVING (%s)", reason)

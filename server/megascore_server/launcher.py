@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from megascore_server.config import ServeConfig
+from megascore_server.config import ReplicaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def pick_port(host: str = "127.0.0.1", low: int = 20000, tries: int = 200) -> in
     raise RuntimeError(f"no free port among {tries} tried in [{low}, {high})")
 
 
-def rank_env(config: ServeConfig, rank: int, master_port: int) -> dict[str, str]:
+def rank_env(config: ReplicaConfig, rank: int, master_port: int) -> dict[str, str]:
     """Environment of local rank ``rank``."""
     n = config.nproc
     env = dict(os.environ)
@@ -125,7 +125,7 @@ class LocalLauncher:
         failure_grace_s: after a rank failed, time the others get before SIGKILL.
     """
 
-    def __init__(self, config: ServeConfig, *, failure_grace_s: float = 15.0):
+    def __init__(self, config: ReplicaConfig, *, failure_grace_s: float = 15.0):
         self.config = config
         self.failure_grace_s = failure_grace_s
         self.procs: list[subprocess.Popen] = []

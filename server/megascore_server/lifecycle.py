@@ -44,12 +44,13 @@ import grpc
 import numpy as np
 
 from megascore.errors import UnavailableError
+from megascore.layout import padded_lengths
 from megascore.types import Engine, ModelInfo
 from megascore_server.batcher import DynamicBatcher
-from megascore_server.config import ServerConfig
+from megascore_server.config import GrpcServerConfig
+from megascore_server.gate import CallGate
 from megascore_server.health import ScorerHealth
 from megascore_server.metrics import ServerMetrics
-from megascore_server.microbatch import padded_lengths
 from megascore_server.servicer import ScorerServicer
 from megascore_server.validation import RequestLimits
 
@@ -59,7 +60,7 @@ PARK_S = 0.2
 """Drain: how long new calls are parked before grpc core shuts down (see module doc)."""
 
 
-def resolve_limits(info: ModelInfo, config: ServerConfig, pad_multiple: int) -> RequestLimits:
+def resolve_limits(info: ModelInfo, config: GrpcServerConfig, pad_multiple: int) -> RequestLimits:
     """The request limits: the model's, tightened by the config and the step budget.
 
     Raises:
@@ -105,8 +106,9 @@ class ServerHandles:
     """
 
     server: grpc.aio.Server
-    config: ServerConfig
+    config: GrpcServerConfig
     health: ScorerHealth
+    gate: CallGate
     servicer: ScorerServicer
     metrics: ServerMetrics
     executor: concurrent.futures.ThreadPoolExecutor
@@ -124,8 +126,7 @@ class ServerHandles:
         """Starts answering; health goes SERVING now if an engine is attached, else later."""
         await self.server.start()
         self._started = True
-        if self.batcher is not None:
-            await self.health.set_serving()
+        await self.gate.open()
 
     async def load_engine(self, factory: Callable[[], Engine]) -> Engine:
         """Builds the engine on the engine thread (the thread that runs every later step).
@@ -176,6 +177,7 @@ class ServerHandles:
         )
         self.engine, self.batcher, self.limits = engine, batcher, limits
         self.servicer.attach(batcher, limits, info)
+        self.gate.engine_attached()
         logger.info(
             "model %s attached (weights %s, pad multiple %d, max_sequence_length %d)",
             info.name,
@@ -200,13 +202,12 @@ class ServerHandles:
             raise UnavailableError("server stopped while the model was loading")
         self.wire_engine(engine, pad_multiple)
         if self._started:
-            await self.health.set_serving()
+            await self.gate.open()
 
     def on_fatal(self, exc: BaseException) -> None:
         """Batcher callback: the engine lost a rank. Health goes NOT_SERVING at once."""
         self.fatal_error = exc
-        self.health.serving = False
-        asyncio.get_running_loop().create_task(self.health.shut_down(f"engine lost: {exc}"))
+        self.gate.lose(f"engine lost: {exc}")
         self.fatal.set()
 
     def _shutdown_engine(self) -> None:  # engine thread, after the last step or load
@@ -234,22 +235,21 @@ class ServerHandles:
         grace = self.config.grace_s if grace is None else grace
         deadline = time.monotonic() + grace
         loading = self._load is not None and not self._load.done()
-        self.servicer.start_draining()  # before health: no call slips in between
-        await self.health.shut_down("stopping while loading" if loading else "draining")
+        await self.gate.drain("stopping while loading" if loading else "draining")
         logger.info("stopping: %.1f s grace for in-flight requests", grace)
-        if not await self.servicer.wait_idle(grace):
+        if not await self.gate.wait_idle(grace):
             logger.warning(
                 "%d call(s) still running after %.1f s grace: cancelling them",
-                self.servicer.active_calls,
+                self.gate.active_calls,
                 grace,
             )
         park_s = min(PARK_S, deadline - time.monotonic())
         if park_s > 0:
-            self.servicer.park_new_calls()
+            self.gate.park_new_calls()
             await asyncio.sleep(park_s)
         stopping = asyncio.ensure_future(self.server.stop(max(deadline - time.monotonic(), 0.0)))
         await asyncio.sleep(0)  # stop() has run up to its first wait: core shut down, GOAWAY sent
-        self.servicer.release_parked()
+        self.gate.release_parked()
         await stopping
         if self.batcher is not None:
             await self.batcher.close()

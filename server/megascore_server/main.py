@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from megascore_server.bootstrap import ensure_dist_env, run_rank
-from megascore_server.config import ServeConfig
+from megascore_server.config import ReplicaConfig
 from megascore_server.config_loader import load_serve_config
 from megascore_server.launcher import LAUNCHED_ENV, RESOLVED_CONFIG_ENV, LocalLauncher
 
@@ -38,11 +38,11 @@ def setup_logging(level: str) -> None:
     )
 
 
-def resolve_config(argv: Sequence[str]) -> ServeConfig:
+def resolve_config(argv: Sequence[str]) -> ReplicaConfig:
     """The config passed down by the launcher, or the one resolved from flags / file / env."""
     resolved = os.environ.get(RESOLVED_CONFIG_ENV)
     if resolved:
-        return ServeConfig.from_dict(json.loads(resolved))
+        return ReplicaConfig.from_dict(json.loads(resolved))
     return load_serve_config(argv)
 
 

@@ -2,7 +2,7 @@
 
 A :class:`PendingRequest` tracks which of its sequences still wait, collects
 the pieces of output each engine step produced for it and, once every
-sequence was scored, assembles its :class:`ScoreResult` in its own order.
+sequence was scored, assembles its :class:`TimedOutput` in its own order.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from megascore.layout import concat_outputs, padded_lengths, select_sequences
 from megascore.types import ScoreBatch, ScoreOutput
-from megascore_server.convert import concat_outputs, select_sequences
-from megascore_server.microbatch import padded_lengths
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class ScoreResult:
+class TimedOutput:
     """A request's output with its server-side timings."""
 
     output: ScoreOutput
@@ -149,7 +148,7 @@ class PendingRequest:
                     sums[name] = sums.get(name, 0.0) + float(value) * step.num_tokens
             self.metric_tokens += step.num_tokens
 
-    def result(self) -> ScoreResult:
+    def result(self) -> TimedOutput:
         """The assembled result (every sequence must have been recorded)."""
         output = concat_outputs(self.parts, self.batch.lengths)
         output.weights_version = self.parts[-1][1].weights_version
@@ -157,7 +156,7 @@ class PendingRequest:
             for kind, sums in self.metric_sums.items():
                 means = {name: value / self.metric_tokens for name, value in sums.items()}
                 setattr(output, f"{kind}_metrics", means)
-        return ScoreResult(
+        return TimedOutput(
             output=output,
             queue_ms=(self.first_start - self.arrival) * 1000.0,
             compute_ms=self.compute_s * 1000.0,

@@ -1,7 +1,9 @@
 """Thin async servicer of ``megascore.v1.Scorer``: validate, convert, await, convert back.
 
-No torch here: the engine sits behind the :class:`DynamicBatcher`. Errors are
-mapped to status codes by :func:`megascore_server.status.status_for` only.
+No torch here: the engine sits behind the :class:`DynamicBatcher`. Methods raise
+typed errors; :class:`megascore_server.status.StatusInterceptor` turns them into
+statuses, logs and counts them. Whether a call may run is asked of the
+:class:`megascore_server.gate.CallGate`.
 """
 
 from __future__ import annotations
@@ -14,161 +16,66 @@ import uuid
 
 import grpc
 
-from megascore.errors import (
-    CheckpointError,
-    InvalidRequestError,
-    MegascoreError,
-    UnavailableError,
-)
+from megascore.errors import CheckpointError, MegascoreError, UnavailableError
 from megascore.types import ModelInfo
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.convert import build_response, model_info_to_proto
-from megascore_server.health import ScorerHealth
-from megascore_server.metrics import ServerMetrics
-from megascore_server.status import status_for
-from megascore_server.validation import RequestLimits, validate_request
+from megascore_server.gate import SHUTTING_DOWN_MESSAGE, CallGate
+from megascore_server.status import clip, quoted, request_label
+from megascore_server.validation import RequestLimits, validate_load_request, validate_request
 
 logger = logging.getLogger(__name__)
+
+_DRAIN = object()  # wakes an open ScoreStream when the drain begins
 
 
 def _new_request_id() -> str:
     return "srv-" + uuid.uuid4().hex[:16]
 
 
-LOADING_MESSAGE = (
-    "server is starting: model loading on every rank (health NOT_SERVING until it is "
-    "loaded); retry later"
-)
-SHUTTING_DOWN_MESSAGE = "server shutting down: retry on another replica"
-_DRAIN = object()  # wakes an open ScoreStream when the drain begins
-
-
 class ScorerServicer(pb_grpc.ScorerServicer):
     """``megascore.v1.Scorer`` on top of a :class:`DynamicBatcher`.
 
-    Every RPC answers UNAVAILABLE (:data:`LOADING_MESSAGE`) until :meth:`attach`
-    gives it the engine's batcher, so the server can start while the model loads.
-    After :meth:`start_draining`, every new call (and new message of an open stream)
-    answers UNAVAILABLE (:data:`SHUTTING_DOWN_MESSAGE`) while the calls already in
-    progress finish (:meth:`wait_idle`); :meth:`park_new_calls` /
-    :meth:`release_parked` hold new calls around the final ``server.stop()``
-    (:mod:`megascore_server.lifecycle`).
+    Every RPC answers UNAVAILABLE until :meth:`attach` gives it the engine's batcher
+    and the gate lets calls in (:class:`megascore_server.gate.CallGate`).
 
     Args:
-        health: health servicer; requests are refused while it is not SERVING.
+        gate: admission, readiness and the count of running calls.
         max_tokens_per_batch: step budget, reported in ``ModelInfo``.
         max_message_bytes: the gRPC server's message size limit (both directions),
             reported in ``ModelInfo`` so that clients split batches under it.
         max_stream_inflight: ScoreStream messages submitted ahead of their responses.
-        metrics: optional Prometheus metrics.
     """
 
     def __init__(
         self,
-        health: ScorerHealth,
+        gate: CallGate,
         *,
         max_tokens_per_batch: int,
         max_message_bytes: int,
         max_stream_inflight: int = 32,
-        metrics: ServerMetrics | None = None,
     ):
-        self._health = health
+        self._gate = gate
         self._max_tokens_per_batch = max_tokens_per_batch
         self._max_message_bytes = max_message_bytes
         self._max_stream_inflight = max_stream_inflight
-        self._metrics = metrics
         self._batcher: DynamicBatcher | None = None
         self._limits: RequestLimits | None = None
         self._info: ModelInfo | None = None
-        self._draining = False
-        self._parked: asyncio.Event | None = None  # set: parked calls get UNAVAILABLE
-        self._active = 0  # Score / ScoreStream / LoadWeights handlers running
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._open_streams: set[asyncio.Queue] = set()
 
     def attach(self, batcher: DynamicBatcher, limits: RequestLimits, info: ModelInfo) -> None:
         """Serves the engine behind ``batcher`` (its limits and model description)."""
         self._batcher, self._limits, self._info = batcher, limits, info
 
-    def _ready(self) -> DynamicBatcher:
-        if self._draining:
-            raise UnavailableError(SHUTTING_DOWN_MESSAGE)
-        if self._batcher is None:
-            raise UnavailableError(LOADING_MESSAGE)
-        return self._batcher
-
-    def start_draining(self) -> None:
-        """From now on new calls (and new stream messages) fail fast with UNAVAILABLE;
-        an open stream ends (UNAVAILABLE) once it has answered what it already got."""
-        self._draining = True
-        for queue in self._open_streams:
-            queue.put_nowait(_DRAIN)
-
-    def park_new_calls(self) -> None:
-        """New calls wait (unanswered) until :meth:`release_parked`, then fail UNAVAILABLE.
-
-        For the instant grpc core shuts down: a client whose call is parked sends
-        nothing new, and a call that reaches grpc core after its shutdown began is
-        cancelled (CANCELLED) before any handler sees it.
-        """
-        self._draining = True
-        if self._parked is None:
-            self._parked = asyncio.Event()
-
-    def release_parked(self) -> None:
-        """Parked (and later) calls fail with UNAVAILABLE now."""
-        if self._parked is not None:
-            self._parked.set()
-
-    async def _refuse_when_draining(self) -> None:
-        if not self._draining:
-            return
-        if self._parked is not None:
-            await self._parked.wait()
-        raise UnavailableError(SHUTTING_DOWN_MESSAGE)
-
-    @property
-    def active_calls(self) -> int:
-        """Score / ScoreStream / LoadWeights handlers still running."""
-        return self._active
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` s for the running calls to end; True when none is left."""
-        if self._active == 0:
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), max(timeout, 0.0))
-        except TimeoutError:
-            return False
-        return True
-
-    @contextlib.contextmanager
-    def _tracked(self):
-        self._active += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
-
-    def _observe(self, rpc: str, code: grpc.StatusCode, start: float) -> None:
-        if self._metrics is not None:
-            self._metrics.observe_request(rpc, code.name, time.monotonic() - start)
-
-    async def _score_one(
+    async def _score(
         self, request: pb.ScoreRequest, request_id: str, arrival: float, remaining: float | None
     ) -> pb.ScoreResponse:
-        batcher = self._ready()
-        if not self._health.serving:
-            raise UnavailableError("server is not serving (starting up or draining)")
+        self._gate.check()
         batch = validate_request(request, self._limits)
         deadline = None if remaining is None else arrival + remaining
-        result = await batcher.submit(request_id, batch, arrival=arrival, deadline=deadline)
+        result = await self._batcher.submit(request_id, batch, arrival=arrival, deadline=deadline)
         timings = pb.Timings(
             queue_ms=result.queue_ms, compute_ms=result.compute_ms, num_steps=result.num_steps
         )
@@ -193,22 +100,9 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         """Scores one request (merged with concurrent ones by the batcher)."""
         arrival = time.monotonic()
         request_id = request.request_id or _new_request_id()
-        with self._tracked():
-            try:
-                await self._refuse_when_draining()
-                remaining = context.time_remaining()
-                response = await self._score_one(request, request_id, arrival, remaining)
-            except asyncio.CancelledError:
-                logger.info("request_id=%s cancelled by the client", request_id)
-                self._observe("Score", grpc.StatusCode.CANCELLED, arrival)
-                raise
-            except Exception as exc:
-                code, message = status_for(exc, request_id)
-                logger.info("request_id=%s failed: %s %s", request_id, code.name, message)
-                self._observe("Score", code, arrival)
-                await context.abort(code, message)
-        self._observe("Score", grpc.StatusCode.OK, arrival)
-        return response
+        request_label.set(clip(request_id))
+        async with self._gate.call():
+            return await self._score(request, request_id, arrival, context.time_remaining())
 
     async def ScoreStream(self, request_iterator, context: grpc.aio.ServicerContext):
         """One response per request message, in order; the first error ends the stream."""
@@ -223,130 +117,105 @@ class ScorerServicer(pb_grpc.ScorerServicer):
                     await slots.acquire()
                     arrival = time.monotonic()
                     request_id = request.request_id or _new_request_id()
-                    label = f"{request_id} (stream message {index})"
+                    label = f"{clip(request_id)} (stream message {index})"
+                    remaining = context.time_remaining()
                     task = asyncio.ensure_future(
-                        self._score_one(request, request_id, arrival, context.time_remaining())
+                        self._score(request, request_id, arrival, remaining)
                     )
-                    queue.put_nowait((label, arrival, task))
+                    queue.put_nowait((label, task))
                     index += 1
             except Exception as exc:
                 reader_error.append(exc)
             finally:
                 queue.put_nowait(None)
 
-        with self._tracked():
-            try:
-                await self._refuse_when_draining()
-            except UnavailableError as exc:
-                code, message = status_for(exc)
-                self._observe("ScoreStream", code, time.monotonic())
-                await context.abort(code, message)
-            self._open_streams.add(queue)
+        async with self._gate.call():
             reader = asyncio.ensure_future(read())
             try:
-                responses = self._stream_responses(queue, reader_error, slots, context)
-                async with contextlib.aclosing(responses):
-                    async for response in responses:
-                        yield response
+                with self._gate.waking(lambda: queue.put_nowait(_DRAIN)):
+                    responses = self._stream_responses(queue, slots)
+                    async with contextlib.aclosing(responses):
+                        async for response in responses:
+                            yield response
+                if reader_error:
+                    request_label.set("")
+                    raise reader_error[0]
             finally:
-                self._open_streams.discard(queue)
                 reader.cancel()
-                while not queue.empty():
-                    item = queue.get_nowait()
-                    if item is None or item is _DRAIN:
-                        continue
-                    task = item[2]
-                    if not task.done():
-                        task.cancel()  # the batcher drops it
-                    elif not task.cancelled():
-                        task.exception()  # retrieved: a later failure is not logged as lost
+                _cancel_queued(queue)
 
-    async def _stream_responses(self, queue: asyncio.Queue, reader_error, slots, context):
+    async def _stream_responses(self, queue: asyncio.Queue, slots: asyncio.Semaphore):
         while True:
-            if self._draining and queue.empty():
+            if self._gate.draining and queue.empty():
                 # Idle (every answer sent): end the stream now rather than hold the drain.
-                code, message = status_for(UnavailableError(SHUTTING_DOWN_MESSAGE))
-                self._observe("ScoreStream", code, time.monotonic())
-                await context.abort(code, message)
+                request_label.set("")
+                raise UnavailableError(SHUTTING_DOWN_MESSAGE)
             item = await queue.get()
             if item is None:
-                break
+                return
             if item is _DRAIN:  # wakes an idle stream for the check above
                 continue
-            label, arrival, task = item
+            label, task = item
+            request_label.set(label)
             try:
                 response = await task
-            except Exception as exc:
-                code, message = status_for(exc, label)
-                logger.info("stream request_id=%s failed: %s %s", label, code.name, message)
-                self._observe("ScoreStream", code, arrival)
-                await context.abort(code, message)
             finally:
                 slots.release()
-            self._observe("ScoreStream", grpc.StatusCode.OK, arrival)
             yield response
-        if reader_error:
-            raise reader_error[0]
-
-    async def _load_weights(self, request: pb.LoadWeightsRequest) -> tuple[str, str, ModelInfo]:
-        await self._refuse_when_draining()
-        batcher = self._ready()
-        if not request.model:
-            raise InvalidRequestError(
-                "model: required ('hf:DIR', 'megatron:DIR' or 'builtin:NAME@SEED')"
-            )
-        logger.info("loading weights %s (version %r)", request.model, request.weights_version)
-        previous = batcher.weights_version
-        try:
-            return await batcher.load_weights(request.model, request.weights_version)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{exc.reason}; still serving weights {previous!r}") from exc
-        except MegascoreError:
-            raise
-        except Exception as exc:
-            logger.error("LoadWeights %s: unexpected error", request.model, exc_info=exc)
-            raise CheckpointError(
-                f"loading {request.model} failed ({type(exc).__name__}: {exc}); "
-                f"still serving weights {previous!r}"
-            ) from exc
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         """The model, its current weights version and the server's limits."""
-        start = time.monotonic()
-        try:
-            await self._refuse_when_draining()
-            batcher = self._ready()
-        except UnavailableError as exc:
-            code, message = status_for(exc)
-            self._observe("GetModelInfo", code, start)
-            await context.abort(code, message)
-        self._observe("GetModelInfo", grpc.StatusCode.OK, start)
+        await self._gate.admit()
+        self._gate.check(serving=False)
         return model_info_to_proto(
             self._info,
             max_sequence_length=self._limits.max_sequence_length,
             max_request_tokens=self._limits.max_request_tokens,
             max_tokens_per_batch=self._max_tokens_per_batch,
             max_message_bytes=self._max_message_bytes,
-            weights_version=batcher.weights_version,
+            weights_version=self._batcher.weights_version,
         )
 
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context):
         """Swaps weights between steps; on failure the old weights keep serving."""
         start = time.monotonic()
-        try:
-            with self._tracked():
-                new, previous, info = await self._load_weights(request)
-        except Exception as exc:
-            code, message = status_for(exc)
-            # Expected failures (bad spec, unloadable checkpoint) are one line; the
-            # traceback of an unexpected one was logged where it was caught.
-            logger.warning("LoadWeights %s failed: %s %s", request.model, code.name, message)
-            self._observe("LoadWeights", code, start)
-            await context.abort(code, message)
+        async with self._gate.call():
+            self._gate.check(serving=False)
+            new, previous, info = await self._load_weights(request)
         self._info = info
         load_ms = (time.monotonic() - start) * 1000.0
         logger.info("weights %r -> %r loaded in %.0f ms", previous, new, load_ms)
-        self._observe("LoadWeights", grpc.StatusCode.OK, start)
         return pb.LoadWeightsResponse(
             weights_version=new, previous_weights_version=previous, load_ms=load_ms
         )
+
+    async def _load_weights(self, request: pb.LoadWeightsRequest) -> tuple[str, str, ModelInfo]:
+        validate_load_request(request)
+        model = quoted(request.model)
+        logger.info("loading weights %s (version %r)", model, request.weights_version)
+        previous = self._batcher.weights_version
+        try:
+            return await self._batcher.load_weights(request.model, request.weights_version)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc.reason}; still serving weights {previous!r}") from exc
+        except MegascoreError:
+            raise
+        except Exception as exc:
+            logger.error("LoadWeights %s: unexpected error", model, exc_info=exc)
+            raise CheckpointError(
+                f"loading {model} failed ({type(exc).__name__}: {clip(str(exc))}); "
+                f"still serving weights {previous!r}"
+            ) from exc
+
+
+def _cancel_queued(queue: asyncio.Queue) -> None:
+    """Cancels the stream messages submitted but not answered (the batcher drops them)."""
+    while not queue.empty():
+        item = queue.get_nowait()
+        if item is None or item is _DRAIN:
+            continue
+        task = item[1]
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()  # retrieved: a later failure is not logged as lost

@@ -1,13 +1,32 @@
-"""The one table mapping exception types to gRPC status codes.
+"""Failed calls become gRPC statuses here, and only here.
 
-Typed errors (:mod:`megascore.errors`) carry a reason that is safe to show
-the caller; anything else is a bug or an engine failure and is answered with
-INTERNAL and a generic message, the traceback going to the log only.
+:data:`STATUS_TABLE` maps typed errors (:mod:`megascore.errors`) to status codes;
+their reason is safe to show the caller. Anything else is a bug or an engine
+failure: INTERNAL with a generic message, the traceback in the log.
+
+:class:`StatusInterceptor` applies the table to every Scorer RPC (and counts and
+logs each outcome), so servicer methods just raise. It also makes requests that
+do not parse an ordinary INVALID_ARGUMENT on every RPC of the server: grpc
+deserializes a request before any handler runs and answers a deserializer that
+raises with UNKNOWN and an ERROR traceback, so the interceptor swaps each
+method's deserializer for one that turns a parse failure into a value, raised
+as :class:`UndecodableRequestError` where the handler would receive the request
+(for a stream: where the handler reads that message).
+
+User data in messages is cut by :func:`clip` / :func:`quoted`, and a whole
+message by :func:`status_for`: a status must fit in the response metadata.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import inspect
 import logging
+import time
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -18,6 +37,9 @@ from megascore.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+
+if TYPE_CHECKING:
+    from megascore_server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +53,45 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 INTERNAL_MESSAGE = "internal error (see the server log)"
+QUOTE_CHARS = 64
+"""User data quoted in a message: at most this many characters, then the full length."""
+MAX_MESSAGE_CHARS = 1024
+"""Longest status message sent (grpc's default client metadata limit is 8 KiB)."""
+DECODE_LOG_EVERY_S = 10.0
+"""At most one log line per this many seconds about requests that do not parse."""
+
+SCORER_METHOD_PREFIX = "/megascore.v1.Scorer/"
+_EXPECTED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+)
+"""Failures logged at INFO (the caller's mistake, or a server not serving); others WARNING."""
+
+request_label: contextvars.ContextVar[str] = contextvars.ContextVar("request_label", default="")
+"""The request a failure belongs to (``request_id``, or ``"id (stream message i)"``):
+set by the servicer in the RPC's task, named by :func:`status_for` in the message."""
+
+
+def clip(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``text`` itself when short, else its first ``limit`` characters and its length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``repr(text)`` when short, else the repr of its first ``limit`` characters and its
+    length: user data in an error message."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+class UndecodableRequestError(InvalidRequestError):
+    """The request bytes do not parse as the method's request message."""
 
 
 def status_for(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCode, str]:
@@ -44,14 +105,207 @@ def status_for(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCod
         request_id: id for the log line (and the message, when not empty).
 
     Returns:
-        ``(code, message)``.
+        ``(code, message)``; the message is at most :data:`MAX_MESSAGE_CHARS` long.
     """
     prefix = f"request_id={request_id}: " if request_id else ""
     for exc_type, code in STATUS_TABLE:
         if isinstance(exc, exc_type):
             reason = getattr(exc, "reason", str(exc))
-            return code, prefix + reason
+            return code, clip(prefix + reason, MAX_MESSAGE_CHARS)
     logger.error(
         "request_id=%s: unexpected %s", request_id or "-", type(exc).__name__, exc_info=exc
     )
     return grpc.StatusCode.INTERNAL, prefix + INTERNAL_MESSAGE
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+    """What the tolerant deserializer returns for bytes that do not parse."""
+
+    message_type: str
+    error: str
+    num_bytes: int
+
+    def raise_error(self, where: str = "") -> None:
+        raise UndecodableRequestError(
+            f"request does not parse as {self.message_type}: {where}{clip(self.error, 200)} "
+            f"({self.num_bytes} bytes)"
+        )
+
+
+def _tolerant(deserialize):
+    """``deserialize`` returning :class:`_Undecodable` instead of raising."""
+    if deserialize is None:
+        return None
+    descriptor = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    message_type = getattr(descriptor, "full_name", "the request message")
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # DecodeError, or anything else the parser raises
+            return _Undecodable(message_type, f"{type(exc).__name__}: {exc}", len(data))
+
+    return parse
+
+
+async def _parsed(requests):
+    """The request stream, raising :class:`UndecodableRequestError` at a bad message."""
+    index = 0
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            request.raise_error(f"stream message {index}: ")
+        yield request
+        index += 1
+
+
+def _seconds(response, since: float) -> float:
+    """A ScoreResponse carries its own latency (``timings.total_ms``); others: since then."""
+    timings = getattr(response, "timings", None)
+    if timings is not None and timings.total_ms:
+        return timings.total_ms / 1000.0
+    return time.monotonic() - since
+
+
+@dataclasses.dataclass
+class _Clock:
+    since: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class _RateLimited:
+    """True at most once per ``every_s`` seconds; counts the calls it refused."""
+
+    def __init__(self, every_s: float):
+        self._every_s = every_s
+        self._next = 0.0
+        self.suppressed = 0
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            self.suppressed += 1
+            return False
+        self._next = now + self._every_s
+        return True
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Maps, logs and counts the outcome of every call (see the module docstring).
+
+    Put it first in the server's interceptors so that it also sees the calls other
+    interceptors refuse (:mod:`megascore_server.auth` raises
+    :class:`UnauthenticatedError`).
+
+    Args:
+        metrics: counts each Scorer call (and each ScoreStream message) by status code.
+    """
+
+    def __init__(self, metrics: ServerMetrics | None = None):
+        self._metrics = metrics
+        self._decode_log = _RateLimited(DECODE_LOG_EVERY_S)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        rpc = method.rsplit("/", 1)[-1]
+        counted = method.startswith(SCORER_METHOD_PREFIX)
+        return self._wrap(handler, rpc, counted)
+
+    def _observe(self, rpc: str, counted: bool, code: grpc.StatusCode, since: float) -> None:
+        if counted and self._metrics is not None:
+            self._metrics.observe_request(rpc, code.name, time.monotonic() - since)
+
+    def _observe_message(self, rpc: str, counted: bool, response, since: float) -> None:
+        if counted and self._metrics is not None:
+            self._metrics.observe_request(rpc, "OK", _seconds(response, since))
+
+    def _log(self, rpc: str, exc: Exception, code: grpc.StatusCode, message: str) -> None:
+        if isinstance(exc, UndecodableRequestError):
+            if self._decode_log.allow():
+                logger.info(
+                    "%s: %s %s (at most one such line per %.0f s; %d suppressed so far)",
+                    rpc,
+                    code.name,
+                    message,
+                    DECODE_LOG_EVERY_S,
+                    self._decode_log.suppressed,
+                )
+            return
+        level = logging.INFO if code in _EXPECTED else logging.WARNING
+        logger.log(level, "%s failed: %s %s", rpc, code.name, message)
+
+    async def _fail(self, rpc, counted, exc: Exception, context, since: float):
+        """Answers ``exc`` with its status (never returns)."""
+        code, message = status_for(exc, request_label.get())
+        self._log(rpc, exc, code, message)
+        self._observe(rpc, counted, code, since)
+        await context.abort(code, message)
+
+    def _cancelled(self, rpc: str, counted: bool, since: float) -> None:
+        logger.info("%s request_id=%s cancelled by the client", rpc, request_label.get() or "-")
+        self._observe(rpc, counted, grpc.StatusCode.CANCELLED, since)
+
+    @contextlib.asynccontextmanager
+    async def _outcome(self, rpc: str, counted: bool, context):
+        """Answers, logs and counts whatever the call raises inside; yields its clock
+        (``since``: the call's start, or for a stream the last message sent)."""
+        clock = _Clock()
+        try:
+            yield clock
+        except asyncio.CancelledError:
+            self._cancelled(rpc, counted, clock.since)
+            raise
+        except grpc.aio.AbortError:  # answered already
+            raise
+        except Exception as exc:
+            await self._fail(rpc, counted, exc, context, clock.since)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, rpc: str, counted: bool):
+        inner = (
+            handler.unary_unary or handler.unary_stream or handler.stream_unary
+        ) or handler.stream_stream
+
+        def adapt(request):
+            if not handler.request_streaming:
+                if isinstance(request, _Undecodable):
+                    request.raise_error()
+                return request
+            return _parsed(request)
+
+        async def unary_response(request, context):
+            async with self._outcome(rpc, counted, context) as clock:
+                response = await inner(adapt(request), context)
+            self._observe(rpc, counted, grpc.StatusCode.OK, clock.since)
+            return response
+
+        async def stream_response(request, context):
+            async with self._outcome(rpc, counted, context) as clock:
+                result = inner(adapt(request), context)
+                if not inspect.isasyncgen(result):  # writes with context.write()
+                    await result
+                    return
+                async with contextlib.aclosing(result):
+                    async for response in result:
+                        self._observe_message(rpc, counted, response, clock.since)
+                        yield response
+                        clock.since = time.monotonic()
+
+        kwargs = {
+            "request_deserializer": _tolerant(handler.request_deserializer),
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.response_streaming:
+            make = (
+                grpc.stream_stream_rpc_method_handler
+                if handler.request_streaming
+                else grpc.unary_stream_rpc_method_handler
+            )
+            return make(stream_response, **kwargs)
+        make = (
+            grpc.stream_unary_rpc_method_handler
+            if handler.request_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(unary_response, **kwargs)

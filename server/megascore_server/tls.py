@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from megascore_server.config import ServerConfig
+from megascore_server.config import GrpcServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def _read_pem(path: str, what: str) -> bytes:
     return data
 
 
-def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+def server_credentials(config: GrpcServerConfig) -> grpc.ServerCredentials | None:
     """TLS credentials from the configured files, or None for plaintext.
 
     With ``tls_client_ca`` set, clients must present a certificate signed by that
@@ -55,7 +55,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def warn_if_exposed(config: ServerConfig) -> bool:
+def warn_if_exposed(config: GrpcServerConfig) -> bool:
     """Logs a warning when binding beyond loopback without TLS or a token.
 
     Returns:

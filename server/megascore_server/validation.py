@@ -14,10 +14,12 @@ import math
 
 import numpy as np
 
+from megascore import layout
 from megascore.errors import InvalidRequestError, ResourceExhaustedError
 from megascore.types import ScoreBatch
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array
+from megascore_server.status import quoted
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,10 @@ _INT_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
 _MASK_DTYPES = (pb.DTYPE_UINT8, pb.DTYPE_INT32, pb.DTYPE_INT64)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_ID_CHARS = 256
+"""Longest ``request_id`` / ``weights_version`` accepted."""
+MAX_MODEL_CHARS = 4096
+"""Longest ``LoadWeightsRequest.model`` accepted (a path of up to PATH_MAX)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +48,13 @@ def _locate(offsets: np.ndarray, position: int) -> tuple[int, int]:
     """Sequence index and position inside it of flat token ``position``."""
     seq = int(np.searchsorted(offsets, position, side="right")) - 1
     return seq, position - int(offsets[seq])
+
+
+def _check_length(field: str, text: str, limit: int) -> None:
+    if len(text) > limit:
+        raise InvalidRequestError(
+            f"{field}: {len(text)} characters, more than {limit} ({quoted(text)})"
+        )
 
 
 def _decode_required(request: pb.ScoreRequest, field: str, allowed) -> np.ndarray:
@@ -143,7 +156,7 @@ def validate_options(options: pb.ScoreOptions, limits: RequestLimits) -> dict:
         if name not in limits.loss_names:
             known = ", ".join(sorted(limits.loss_names)) or "none"
             raise InvalidRequestError(
-                f"options.losses[{i}]: unknown loss {name!r} (available: {known})"
+                f"options.losses[{i}]: unknown loss {quoted(name)} (available: {known})"
             )
         if name not in losses:
             losses.append(name)
@@ -172,6 +185,7 @@ def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBa
         InvalidRequestError: anything malformed (names the field and sequence index).
         ResourceExhaustedError: more than ``max_request_tokens`` tokens.
     """
+    _check_length("request_id", request.request_id, MAX_ID_CHARS)
     options = validate_options(request.options, limits)
     lengths = validate_lengths(_decode_required(request, "lengths", _INT_DTYPES), limits)
     ids = _decode_required(request, "token_ids", _INT_DTYPES)
@@ -180,8 +194,7 @@ def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBa
             f"token_ids: request has {ids.size} tokens, more than max_request_tokens "
             f"{limits.max_request_tokens}"
         )
-    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = layout.offsets(lengths)
     if ids.size != int(offsets[-1]):
         raise InvalidRequestError(
             f"token_ids: has {ids.size} ids but lengths sum to {int(offsets[-1])} "
@@ -196,3 +209,17 @@ def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBa
     return ScoreBatch(
         token_ids=ids, lengths=lengths, loss_mask=mask, temperature=temperature, **options
     )
+
+
+def validate_load_request(request: pb.LoadWeightsRequest) -> None:
+    """Checks a ``LoadWeightsRequest`` before anything is loaded.
+
+    Raises:
+        InvalidRequestError: no model, or a string field longer than its limit.
+    """
+    if not request.model:
+        raise InvalidRequestError(
+            "model: required ('hf:DIR', 'megatron:DIR' or 'builtin:NAME@SEED')"
+        )
+    _check_length("model", request.model, MAX_MODEL_CHARS)
+    _check_length("weights_version", request.weights_version, MAX_ID_CHARS)

@@ -8,6 +8,7 @@ import math
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
+LM_HEAD_DTYPES = ("model", "float32")
 
 
 @dataclasses.dataclass
@@ -28,7 +29,13 @@ class EngineConfig:
     """"cpu", "cuda" or "auto" (cuda when available)."""
     dtype: str = "float32"
     attention_backend: str = "auto"
-    """"te" (TransformerEngine, GPU), "torch" (portable SDPA) or "auto"."""
+    """"te" (TransformerEngine, GPU; bfloat16 / float16), "torch" (portable SDPA) or "auto".
+
+    "auto" is "te" where TransformerEngine imports, the device is CUDA and the dtype is
+    bfloat16 / float16, else "torch" (TE's fused attention has no float32 THD path)."""
+    lm_head_dtype: str = "model"
+    """dtype of the output layer's matmul: "model" (as the Megatron trainer: logits in the
+    model dtype, upcast to float32 for the log-softmax) or "float32" (float32 logits)."""
     pad_to_multiple_of: int = 1
     """Extra per-sequence pad multiple (combined with what CP / SP require)."""
     max_top_k: int = 64
@@ -57,6 +64,16 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.attention_backend == "te" and self.dtype == "float32":
+            raise ValueError(
+                "attention_backend 'te' needs dtype bfloat16 or float16 (TransformerEngine's "
+                "packed-sequence attention has no float32 kernel); use --dtype bfloat16 or "
+                "--attention-backend torch"
+            )
+        if self.lm_head_dtype not in LM_HEAD_DTYPES:
+            raise ValueError(
+                f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {self.lm_head_dtype!r}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.collective_timeout_s <= 0:
@@ -80,6 +97,19 @@ class EngineConfig:
         if self.sequence_parallel is not None:
             return self.sequence_parallel
         return is_moe and self.tensor_model_parallel_size > 1
+
+    def metrics_supported(self, is_moe: bool) -> bool:
+        """Whether MoE / MTP metrics can be computed for a model in this layout.
+
+        Megatron's training-mode MoE forward (which the metrics need) refuses TP > 1
+        without sequence parallelism, so only an explicit ``sequence_parallel=False``
+        for a MoE model at TP > 1 rules them out.
+
+        Args:
+            is_moe: whether the served model has MoE layers.
+        """
+        tp_split = is_moe and self.tensor_model_parallel_size > 1
+        return not tp_split or self.sequence_parallel_for(is_moe)
 
     def pad_multiple(self, is_moe: bool = False) -> int:
         """Per-sequence pad multiple of an engine step: lcm of what CP, SP and the config need.

@@ -1,4 +1,4 @@
-"""Sequence packing into Megatron's THD layout, context-parallel sharding and unpacking.
+"""Sequence packing into Megatron's THD layout and context-parallel sharding.
 
 The layout is the one NeMo-RL's ``_pack_sequences_for_megatron`` produces, so a
 model trained with NeMo-RL packing sees identical inputs here:
@@ -15,8 +15,8 @@ model trained with NeMo-RL packing sees identical inputs here:
   equal chunks and rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r``
   (load-balanced causal attention), segment after segment.
 
-Unlike NeMo-RL, nothing is truncated silently: inputs that do not fit the
-layout raise ``ValueError`` naming the offending sequence. A zero-length
+Unlike NeMo-RL, nothing is truncated silently: pad and CP settings that do not
+fit the layout raise ``ValueError`` naming the offending sequence. A zero-length
 sequence among non-empty ones is allowed and occupies 0 packed tokens (its
 padded length is ``round_up_to_multiple(0, m) == 0``), giving an empty segment
 with two equal boundaries.
@@ -28,8 +28,11 @@ import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+
+from megascore import layout
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,11 @@ class PackedSequences(NamedTuple):
         packed_seq_params: THD parameters with the padded boundaries.
         cu_seqlens: int32 ``[B+1]`` boundaries of the real tokens.
         cu_seqlens_padded: int32 ``[B+1]`` boundaries of the padded segments.
+        token_positions: int64 ``[T]`` (CPU) packed position of every real token, in
+            the order of the flat input: the packed <-> flat index.
+        shard_indices: int64 ``[T / cp_size]`` (CPU) :func:`cp_shard_indices` of this
+            CP rank: ``full[:, shard_indices]`` is this rank's shard of any full
+            packed tensor.
     """
 
     input_ids: torch.Tensor
@@ -52,6 +60,8 @@ class PackedSequences(NamedTuple):
     packed_seq_params: PackedSeqParams
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
+    token_positions: torch.Tensor
+    shard_indices: torch.Tensor
 
 
 def round_up_to_multiple(value: int, multiple: int) -> int:
@@ -80,12 +90,9 @@ def _segment_lengths(cu_seqlens_padded: torch.Tensor) -> list[int]:
     return lengths
 
 
-def _runs_to_indices(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenates ``arange(start, start + length)`` for every run, in order."""
-    total = int(lengths.sum())
-    run_offsets = torch.cumsum(lengths, 0) - lengths  # exclusive prefix sum
-    within = torch.arange(total, dtype=torch.long) - torch.repeat_interleave(run_offsets, lengths)
-    return torch.repeat_interleave(starts, lengths) + within
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """int64 CPU :func:`megascore.layout.ranges` of CPU tensors."""
+    return torch.from_numpy(layout.ranges(starts.numpy(), lengths.numpy()))
 
 
 def cp_shard_indices(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
@@ -128,11 +135,11 @@ def cp_shard_indices(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int
         [starts + cp_rank * chunk, starts + (n_chunks - 1 - cp_rank) * chunk], dim=1
     ).reshape(-1)
     run_lens = chunk.repeat_interleave(2)
-    return _runs_to_indices(run_starts, run_lens)
+    return _ranges(run_starts, run_lens)
 
 
 def pack_sequences(
-    input_ids: torch.Tensor,
+    token_ids: torch.Tensor,
     seq_lengths: torch.Tensor | Sequence[int],
     *,
     pad_individual_seqs_to_multiple_of: int = 1,
@@ -140,11 +147,12 @@ def pack_sequences(
     cp_rank: int = 0,
     cp_size: int = 1,
 ) -> PackedSequences:
-    """Packs a padded batch into one THD sequence (NeMo-RL layout).
+    """Packs flat sequences into one THD sequence (NeMo-RL layout).
 
     Args:
-        input_ids: ``[B, S]`` ids; row ``b`` holds ``seq_lengths[b]`` real tokens first.
-        seq_lengths: ``[B]`` number of real tokens per row (0 allowed, not all 0).
+        token_ids: ``[T]`` ids, all sequences concatenated (``T = sum(seq_lengths)``).
+        seq_lengths: ``[B]`` tokens per sequence (0 allowed, not all 0; the engine's
+            batches come checked by :meth:`megascore.types.ScoreBatch.check`).
         pad_individual_seqs_to_multiple_of: every sequence is padded to a multiple of
             this; with ``cp_size > 1`` it must be a multiple of ``2 * cp_size``.
         pad_packed_seq_to: total packed length (before CP sharding); the padding
@@ -154,19 +162,18 @@ def pack_sequences(
         cp_size: size of the CP group.
 
     Returns:
-        A :class:`PackedSequences`; all tensors on ``input_ids.device``.
+        A :class:`PackedSequences`; ids and boundaries on ``token_ids.device``, the
+        index tensors on the CPU.
 
     Raises:
         ValueError: where the inputs do not fit the layout (names the sequence).
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-    batch_size, row_len = input_ids.shape
+    if token_ids.dim() != 1:
+        raise ValueError(f"token_ids must be [T], got shape {tuple(token_ids.shape)}")
     lengths = [
         int(x) for x in (seq_lengths.tolist() if torch.is_tensor(seq_lengths) else seq_lengths)
     ]
-    if len(lengths) != batch_size:
-        raise ValueError(f"got {len(lengths)} seq_lengths for {batch_size} rows of input_ids")
+    batch_size = len(lengths)
     multiple = pad_individual_seqs_to_multiple_of
     if multiple < 1:
         raise ValueError(f"pad_individual_seqs_to_multiple_of must be >= 1, got {multiple}")
@@ -179,13 +186,6 @@ def pack_sequences(
             f"pad_individual_seqs_to_multiple_of ({multiple}) must be a multiple of "
             f"2 * cp_size = {2 * cp_size} with context parallelism"
         )
-    for b, length in enumerate(lengths):
-        if length < 0:
-            raise ValueError(f"sequence {b}: negative length {length}")
-        if length > row_len:
-            raise ValueError(f"sequence {b}: length {length} exceeds the row length {row_len}")
-    if sum(lengths) == 0:
-        raise ValueError(f"nothing to pack: all {batch_size} sequences are empty")
 
     padded = [round_up_to_multiple(length, multiple) for length in lengths]
     natural_total = sum(padded)
@@ -202,26 +202,18 @@ def pack_sequences(
             )
         padded[-1] += pad_packed_seq_to - natural_total
 
-    device = input_ids.device
-    seq_lens_t = torch.tensor(lengths, dtype=torch.int32)
-    padded_t = torch.tensor(padded, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
-    cu_seqlens = torch.cat([zero, torch.cumsum(seq_lens_t, 0, dtype=torch.int32)])
-    cu_seqlens_padded = torch.cat([zero, torch.cumsum(padded_t, 0, dtype=torch.int32)])
-    total = int(cu_seqlens_padded[-1])
+    device = token_ids.device
+    starts = layout.offsets(padded)  # [B+1]: where each padded segment starts, then T_padded
+    cu_seqlens = torch.from_numpy(layout.offsets(lengths).astype(np.int32))
+    cu_seqlens_padded = torch.from_numpy(starts.astype(np.int32))
+    total = int(starts[-1])
 
-    # Scatter the real tokens of each row to their packed positions; the rest stays pad.
-    rows = torch.repeat_interleave(torch.arange(batch_size), seq_lens_t.long())
-    cols = _runs_to_indices(torch.zeros(batch_size, dtype=torch.long), seq_lens_t.long())
-    dest = torch.repeat_interleave(cu_seqlens_padded[:-1].long(), seq_lens_t.long()) + cols
-    packed = torch.full((total,), PAD_TOKEN_ID, dtype=input_ids.dtype, device=device)
-    packed[dest.to(device)] = input_ids[rows.to(device), cols.to(device)]
-    packed = packed.unsqueeze(0)  # [1, T]
-
-    if cp_size > 1:
-        shard = packed[:, cp_shard_indices(cu_seqlens_padded, cp_rank, cp_size).to(device)]
-    else:
-        shard = packed
+    # Scatter the real tokens to their packed positions; the rest stays pad.
+    positions = torch.from_numpy(layout.ranges(starts[:-1], lengths))  # [T]
+    packed = torch.full((total,), PAD_TOKEN_ID, dtype=token_ids.dtype, device=device)
+    packed[positions.to(device)] = token_ids
+    packed = packed.unsqueeze(0)  # [1, T_padded]
+    shard = cp_shard_indices(cu_seqlens_padded, cp_rank, cp_size)  # [T_padded / cp]
 
     cu_seqlens = cu_seqlens.to(device)
     cu_seqlens_padded = cu_seqlens_padded.to(device)
@@ -241,10 +233,12 @@ def pack_sequences(
     )
     return PackedSequences(
         input_ids=packed.contiguous(),
-        input_ids_cp_sharded=shard.contiguous(),
+        input_ids_cp_sharded=packed[:, shard.to(device)].contiguous() if cp_size > 1 else packed,
         packed_seq_params=params,
         cu_seqlens=cu_seqlens,
         cu_seqlens_padded=cu_seqlens_padded,
+        token_positions=positions,
+        shard_indices=shard,
     )
 
 
@@ -272,56 +266,8 @@ def roll_within_segments(
         )
     lens = torch.tensor(seg_lens, dtype=torch.long)
     starts = cu_seqlens_padded[:-1].to(device="cpu", dtype=torch.long)
-    pos = _runs_to_indices(starts, lens)  # [T] = arange(T)
+    pos = _ranges(starts, lens)  # [T] = arange(T)
     seg_start = torch.repeat_interleave(starts, lens)
     seg_len = torch.repeat_interleave(lens, lens)
     src = seg_start + torch.remainder(pos - seg_start - shifts, seg_len)
     return packed[:, src.to(packed.device)]
-
-
-def unpack_sequences(
-    packed: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    batch_size: int,
-    seq_length: int,
-) -> torch.Tensor:
-    """Scatters a full packed per-token tensor back to a padded batch.
-
-    Args:
-        packed: ``[1, T_padded, ...]`` full (gathered) packed per-token values.
-        cu_seqlens: ``[B+1]`` real boundaries.
-        cu_seqlens_padded: ``[B+1]`` padded boundaries (where each sequence starts).
-        batch_size: ``B``.
-        seq_length: ``S`` of the output, >= every sequence length.
-
-    Returns:
-        ``[B, S, ...]``: row ``b`` holds sequence ``b``'s values at ``0..len-1``, zeros after.
-    """
-    if cu_seqlens.numel() != batch_size + 1 or cu_seqlens_padded.numel() != batch_size + 1:
-        raise ValueError(
-            f"cu_seqlens ({cu_seqlens.numel()}) and cu_seqlens_padded "
-            f"({cu_seqlens_padded.numel()}) must have batch_size + 1 = {batch_size + 1} entries"
-        )
-    if packed.dim() < 2 or packed.shape[0] != 1:
-        raise ValueError(f"packed must be [1, T, ...], got {tuple(packed.shape)}")
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device="cpu", dtype=torch.long)
-    seg_lens = _segment_lengths(cu_seqlens_padded)
-    for b, (length, seg) in enumerate(zip(lens.tolist(), seg_lens, strict=True)):
-        if length < 0 or length > seg:
-            raise ValueError(f"sequence {b}: length {length} does not fit its segment of {seg}")
-        if length > seq_length:
-            raise ValueError(f"sequence {b}: length {length} exceeds seq_length {seq_length}")
-    if int(cu_seqlens_padded[-1]) > packed.shape[1]:
-        raise ValueError(
-            f"packed has {packed.shape[1]} tokens, cu_seqlens_padded needs "
-            f"{int(cu_seqlens_padded[-1])}"
-        )
-    out = packed.new_zeros((batch_size, seq_length, *packed.shape[2:]))
-    starts = cu_seqlens_padded[:-1].to(device="cpu", dtype=torch.long)
-    src = _runs_to_indices(starts, lens)
-    rows = torch.repeat_interleave(torch.arange(batch_size), lens)
-    cols = _runs_to_indices(torch.zeros(batch_size, dtype=torch.long), lens)
-    dev = packed.device
-    out[rows.to(dev), cols.to(dev)] = packed[0, src.to(dev)]
-    return out

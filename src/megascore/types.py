@@ -1,7 +1,8 @@
 """Domain objects exchanged between the gRPC layer and the engine (numpy, torch-free).
 
 The servicer converts protobuf messages into :class:`ScoreBatch`, the engine
-returns :class:`ScoreOutput`; neither side sees the other's types.
+returns :class:`ScoreOutput`; neither side sees the other's types. Their flat
+token layout (offsets, selection, concatenation) is :mod:`megascore.layout`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,29 @@ import dataclasses
 from typing import Protocol
 
 import numpy as np
+
+from megascore import layout
+from megascore.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLimits:
+    """What an engine accepts in one batch (:meth:`ScoreBatch.check`).
+
+    Attributes:
+        vocab_size: token ids must be below it.
+        max_length: longest sequence accepted.
+        max_top_k: largest ``top_k`` accepted.
+        loss_names: the losses the engine computes.
+        metrics_supported: whether MoE / MTP metrics can be computed in this layout
+            (:meth:`megascore.config.EngineConfig.metrics_supported`).
+    """
+
+    vocab_size: int
+    max_length: int
+    max_top_k: int
+    loss_names: tuple[str, ...]
+    metrics_supported: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +72,60 @@ class ScoreBatch:
         return int(self.lengths.shape[0])
 
     def offsets(self) -> np.ndarray:
-        """int64 ``[B+1]`` start offsets of each sequence in ``token_ids``."""
-        return np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+        """int64 ``[B+1]`` start of each sequence in ``token_ids`` (:func:`layout.offsets`)."""
+        return layout.offsets(self.lengths)
 
     def temperatures(self) -> np.ndarray:
         """float32 ``[B]`` temperatures (ones when unset)."""
         if self.temperature is None:
             return np.ones(self.num_sequences, dtype=np.float32)
         return self.temperature
+
+    def check(self, limits: BatchLimits) -> None:
+        """The engine's one check of a batch, before any collective.
+
+        The wire gate (``megascore_server.validation``) checks requests first; this
+        guards the engine against whatever reaches it (a merged step, a direct caller).
+
+        Args:
+            limits: what the engine accepts.
+
+        Raises:
+            InvalidRequestError: naming the offending field (and sequence).
+        """
+        ids, lengths = np.asarray(self.token_ids), np.asarray(self.lengths)
+        if ids.ndim != 1 or lengths.ndim != 1 or lengths.size == 0:
+            raise InvalidRequestError("token_ids and lengths must be 1-D, lengths non-empty")
+        bad = np.flatnonzero((lengths < 1) | (lengths > limits.max_length))
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidRequestError(
+                f"sequence {i}: length {int(lengths[i])} not in [1, {limits.max_length}]"
+            )
+        bounds = layout.offsets(lengths)
+        if int(bounds[-1]) != ids.size:
+            raise InvalidRequestError(f"lengths sum to {int(bounds[-1])}, token_ids has {ids.size}")
+        out_of_vocab = np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))
+        if out_of_vocab.size:
+            seq = layout.sequence_at(bounds, int(out_of_vocab[0]))
+            raise InvalidRequestError(
+                f"sequence {seq}: token ids must be in [0, {limits.vocab_size})"
+            )
+        if self.loss_mask is not None and np.shape(self.loss_mask) != (ids.size,):
+            raise InvalidRequestError(f"loss_mask must have {ids.size} entries")
+        temps = self.temperatures()
+        if np.shape(temps) != (lengths.size,) or not (np.isfinite(temps) & (temps > 0)).all():
+            raise InvalidRequestError("temperature must be finite and > 0, one per sequence")
+        if not 0 <= self.top_k <= limits.max_top_k:
+            raise InvalidRequestError(f"top_k must be in [0, {limits.max_top_k}], got {self.top_k}")
+        unknown = sorted(set(self.losses) - set(limits.loss_names))
+        if unknown:
+            raise InvalidRequestError(f"unknown losses {unknown}; known: {list(limits.loss_names)}")
+        if (self.want_moe_metrics or self.want_mtp_metrics) and not limits.metrics_supported:
+            raise InvalidRequestError(
+                "MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel, which the "
+                "engine config disables (leave it unset to turn it on)"
+            )
 
 
 @dataclasses.dataclass
@@ -68,7 +138,8 @@ class ScoreOutput:
         top_k_ids: int64 ``[T, k]`` (entry 0 of each sequence all -1) or None.
         top_k_logprobs: float32 ``[T, k]`` (entry 0 of each sequence all 0.0) or None.
         losses: name -> float64 ``[B]`` per-sequence loss.
-        num_loss_tokens: int64 ``[B]`` tokens that contributed to the losses.
+        num_loss_tokens: int64 ``[B]`` tokens that contributed to the losses
+            (:func:`megascore.layout.count_loss_tokens`); every engine sets it.
         moe_metrics: MoE metric name -> value for this forward.
         mtp_metrics: MTP metric name -> value for this forward.
         weights_version: version of the weights that produced these numbers.
@@ -122,6 +193,13 @@ class Engine(Protocol):
     """
 
     def info(self) -> ModelInfo: ...
+
+    def check(self, batch: ScoreBatch) -> None:
+        """Checks one batch against the model (:meth:`ScoreBatch.check`, cheap, no
+        collective); raises :class:`~megascore.errors.InvalidRequestError`. ``score``
+        runs it on every step; the batcher runs it per request to single out the one
+        that failed a merged step."""
+        ...
 
     def score(self, batch: ScoreBatch) -> ScoreOutput: ...
 

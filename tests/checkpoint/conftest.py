@@ -5,11 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from megascore.config import EngineConfig
 from megascore.model.build import build_model
-from megascore.model.parallel import destroy_parallel, initialize_parallel
 from tests.checkpoint.scripts.ckpt_common import FAMILIES, write_hf_checkpoint
 
 
@@ -27,19 +25,6 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     dirs["llama_sharded"] = root / "llama_sharded"
     write_hf_checkpoint("llama", dirs["llama_sharded"], max_shard_size="40KB")
     return dirs
-
-
-@pytest.fixture(scope="module")
-def pgs():
-    """Megatron parallel state for a one-rank gloo world (TP = CP = EP = 1)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    pg_collection = initialize_parallel(EngineConfig())
-    yield pg_collection
-    destroy_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
-from megascore.engine import loading
+from megascore.engine import served_model
 from megascore.engine.runtime import DistributedEngine
 from megascore.v1 import scoring_pb2 as pb
 from tests.service.harness import ServerThread
@@ -78,7 +78,7 @@ def test_other_architecture_refused_from_its_config_alone(server, tmp_path, monk
     def no_build(*args, **kwargs):
         raise AssertionError("a model was built for a checkpoint of another architecture")
 
-    monkeypatch.setattr(loading, "build_model", no_build)
+    monkeypatch.setattr(served_model, "build_model", no_build)
     with caplog.at_level(logging.INFO):
         error = _load(server, f"hf:{other}")
     assert isinstance(error, grpc.RpcError), error
@@ -121,7 +121,7 @@ def test_unexpected_load_error_keeps_its_traceback(server, monkeypatch, caplog):
     def broken_build(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(loading, "build_model", broken_build)
+    monkeypatch.setattr(served_model, "build_model", broken_build)
     with caplog.at_level(logging.INFO):
         error = _load(server, "builtin:tiny@7")
     assert isinstance(error, grpc.RpcError), error

@@ -13,11 +13,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megascore.checkpoint import resolve_model
 from megascore.checkpoint.hf_names import ParamMapper
 from megascore.checkpoint.hf_weights import load_hf_weights, plan_hf_load
-from megascore.checkpoint.loader import reload_weights, resolve_model
 from megascore.checkpoint.recipes import ParallelRanks, Src, VocabRows
 from megascore.checkpoint.safetensors_io import SafetensorsDir
+from megascore.config import EngineConfig
+from megascore.engine.served_model import load_served_model
 from megascore.errors import CheckpointError
 from tests.checkpoint.scripts.ckpt_common import FAMILIES, megatron_logprobs, token_batch
 
@@ -147,13 +149,13 @@ def test_missing_shard_and_no_weights(hf_dirs, tmp_path):
         resolve_model(f"hf:{empty}")
 
 
-def test_reload_swaps_weights_and_failed_reload_keeps_old(hf_dirs, tmp_path, build, pgs):
-    cfg, load, _ = resolve_model(f"hf:{hf_dirs['llama']}")
-    model = build(cfg)
-    load(model)
-    meta = reload_weights(model, cfg, f"hf:{hf_dirs['llama_b']}")
-    assert meta.checkpoint_path == str(hf_dirs["llama_b"])
-    got = megatron_logprobs(model, token_batch(), pgs.tp)
+def test_reload_path_loads_new_weights_and_refuses_bad_checkpoints(hf_dirs, tmp_path, pgs):
+    """The engine's one load path (start-up and reload) on HF checkpoints."""
+    engine_cfg = EngineConfig(device="cpu")
+    served = load_served_model(f"hf:{hf_dirs['llama']}", engine_cfg, pgs)
+    new = load_served_model(f"hf:{hf_dirs['llama_b']}", engine_cfg, pgs, expected=served.config)
+    assert new.spec.path == str(hf_dirs["llama_b"])
+    got = megatron_logprobs(new.model, token_batch(), pgs.tp)
     assert np.abs(got - _reference(hf_dirs["llama_b"])).max() <= TOL
 
     _rewrite(
@@ -162,11 +164,11 @@ def test_reload_swaps_weights_and_failed_reload_keeps_old(hf_dirs, tmp_path, bui
         lambda t: {k: v for k, v in t.items() if "layers.1.mlp" not in k},
     )
     with pytest.raises(CheckpointError, match="model.layers.1.mlp"):
-        reload_weights(model, cfg, f"hf:{tmp_path / 'bad'}")
+        load_served_model(f"hf:{tmp_path / 'bad'}", engine_cfg, pgs, expected=served.config)
     with pytest.raises(CheckpointError, match="architecture differs"):
-        reload_weights(model, cfg, f"hf:{hf_dirs['qwen2']}")
-    got = megatron_logprobs(model, token_batch(), pgs.tp)
-    assert np.abs(got - _reference(hf_dirs["llama_b"])).max() <= TOL
+        load_served_model(f"hf:{hf_dirs['qwen2']}", engine_cfg, pgs, expected=served.config)
+    got = megatron_logprobs(served.model, token_batch(), pgs.tp)
+    assert np.abs(got - _reference(hf_dirs["llama"])).max() <= TOL
 
 
 def _te_name(name: str, is_moe: bool) -> str:

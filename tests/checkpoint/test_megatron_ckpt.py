@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megascore.checkpoint.loader import resolve_model
+from megascore.checkpoint import resolve_model
 from megascore.checkpoint.megatron_ckpt import CONFIG_FILE, load_checkpoint, save_checkpoint
 from megascore.errors import CheckpointError
 from megascore.model.config import builtin_model

@@ -197,7 +197,7 @@ def _edit_mtp(src, dst, edit) -> None:
     ],
 )
 def test_bad_mtp_layers_are_refused(hf_dirs, build, tmp_path, case, needle):
-    from megascore.checkpoint.loader import resolve_model
+    from megascore.checkpoint import resolve_model
     from megascore.errors import CheckpointError
 
     def edit(tensors):

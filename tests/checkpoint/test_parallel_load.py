@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megascore.checkpoint.loader import resolve_model
+from megascore.checkpoint import resolve_model
 from megascore.checkpoint.megatron_ckpt import save_checkpoint
 from megascore.config import EngineConfig
 from megascore.model.build import build_model

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import importlib.util
 import json
 import math
 import sys
 import threading
+import tomllib
 import types
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -26,6 +31,7 @@ ROWS = [
     {"id": ["tuple", 1], "token_ids": [9, 9, 9]},
 ]
 IDS = ["a", 1, 2, 42, 4, "z", ["tuple", 1]]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write_input(path, rows=ROWS):
@@ -211,17 +217,52 @@ def test_score_errors(server, tmp_path, capsys):
     assert main(["score", str(tmp_path / "missing.jsonl"), *target]) == 2
 
 
-def test_serve_dispatch(monkeypatch, capsys):
+def _commands(**targets: str):
+    """A stand-in for ``importlib.metadata.entry_points`` holding ``targets`` as the
+    commands of the CLI's entry point group (nothing in any other group)."""
+
+    def entry_points(*, group: str, name: str):
+        eps = [
+            importlib.metadata.EntryPoint(name=n, value=value, group=cli.COMMAND_GROUP)
+            for n, value in targets.items()
+        ]
+        return importlib.metadata.EntryPoints(eps).select(group=group, name=name)
+
+    return entry_points
+
+
+def test_serve_runs_the_entry_point_of_the_command_group(monkeypatch, capsys):
     seen = []
-    fake = types.ModuleType("megascore_server.main")
+    fake = types.ModuleType("fake_megascore_server")
     fake.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "megascore_server.main", fake)
+    monkeypatch.setitem(sys.modules, "fake_megascore_server", fake)
+    monkeypatch.setattr(cli, "entry_points", _commands(serve="fake_megascore_server:main"))
     assert main(["serve", "--model", "tiny", "--port", "0"]) == 3
     assert seen == [["--model", "tiny", "--port", "0"]]
-    monkeypatch.setitem(sys.modules, "megascore_server.main", None)
+
+    # The entry point names a module whose dependencies are missing (no server extra).
+    monkeypatch.setitem(sys.modules, "fake_megascore_server", None)
     assert main(["serve"]) == 2
     err = capsys.readouterr().err
-    assert "pip install 'megascore[server]'" in err and "megascore_server.main" in err
+    assert "needs the server extra" in err and "'fake_megascore_server'" in err
+    assert "pip install 'megascore[server]'" in err
+
+    # No server installed at all: no `serve` command in the group.
+    monkeypatch.setattr(cli, "entry_points", _commands(other="fake_megascore_server:main"))
+    assert main(["serve", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"no 'serve' entry point in group {cli.COMMAND_GROUP!r}" in err
+    assert "pip install 'megascore[server]'" in err
+
+
+def test_the_package_declares_the_serve_command():
+    """pyproject.toml registers the server's main as the ``serve`` command, and it exists."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"][cli.COMMAND_GROUP]["serve"]
+    assert target == "megascore_server.main:main"
+    module, _, attr = target.partition(":")
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    assert any(isinstance(n, ast.FunctionDef) and n.name == attr for n in tree.body)
 
 
 def test_score_waits_for_a_server_that_is_down(tmp_path, capsys, monkeypatch):

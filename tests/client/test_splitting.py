@@ -8,10 +8,13 @@ import grpc
 import numpy as np
 import pytest
 
+from megascore.v1 import scoring_pb2 as pb
+from megascore.wire import encode_array
 from megascore_client import AsyncScoringClient, InvalidInputError, ScoringClient, ScoringError
-from megascore_client.batching import ScoreOptions, build_parts, plan
 from megascore_client.inputs import make_batch
+from megascore_client.splitting import ScoreOptions, build_parts, decode_part, plan
 from tests.client.fake_server import (
+    VOCAB,
     FakeScorer,
     FakeServer,
     ref_logprobs,
@@ -141,3 +144,47 @@ def test_plan_ranges_are_consecutive_and_within_limits():
         tokens = int(batch.lengths[start:stop].sum())
         assert tokens <= 3000 and tokens * (4 + 12 * 2) < LIMIT
     assert plan(batch, options, max_message_bytes=1 << 30) == [(0, 500)]
+
+
+@pytest.mark.parametrize("bad", [0, 37, 79])
+def test_a_server_error_names_the_sequence_in_the_callers_batch(bad):
+    """The server counts sequences within its request; ``ScoringError.sequence_index``
+    counts them in the caller's split batch (sync and asyncio)."""
+    seqs = _batch(4, 80, 20, 60)
+    seqs[bad] = seqs[bad].copy()
+    seqs[bad][3] = VOCAB + 5  # the client does not know the vocabulary: the server refuses
+
+    async def score_async(target):
+        async with AsyncScoringClient(target, timeout=30) as c:
+            await c.score(seqs)
+
+    with FakeServer(FakeScorer(max_request_tokens=400)) as srv:
+        with ScoringClient(srv.target, timeout=30, max_concurrency=2) as c:
+            with pytest.raises(ScoringError) as info:
+                c.score(seqs)
+        with pytest.raises(ScoringError) as async_info:
+            asyncio.run(score_async(srv.target))
+    parts = plan(make_batch(seqs), ScoreOptions(), max_message_bytes=LIMIT, max_request_tokens=400)
+    start = next(a for a, b in parts if a <= bad < b)
+    for error in (info.value, async_info.value):
+        assert error.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert f"sequence {bad - start} has id {VOCAB + 5}" in error.details
+        assert error.sequence_offset == start and error.sequence_index == bad
+    assert bad == 0 or len(parts) > 1 and start > 0
+
+
+def test_a_response_that_breaks_the_contract_is_internal():
+    batch = make_batch([[1, 2, 3], [4, 5]])
+    (part,) = build_parts(batch, ScoreOptions(losses=()), "r", max_message_bytes=1 << 20)
+    good = pb.ScoreResponse(request_id="r", token_logprobs=encode_array(np.zeros(5, np.float32)))
+    assert decode_part(good, part).logprobs[1].tolist() == [0.0, 0.0]
+    for array, expected in [
+        (encode_array(np.zeros(5, np.float64)), "dtype DTYPE_FLOAT64, expected DTYPE_FLOAT32"),
+        (encode_array(np.zeros(4, np.float32)), "16 bytes, expected 5 values (20 bytes)"),
+        (pb.Array(dtype=pb.DTYPE_FLOAT32, data=b"\0" * 21), "21 bytes, expected 5 values"),
+    ]:
+        bad = pb.ScoreResponse(request_id="r", token_logprobs=array)
+        with pytest.raises(ScoringError) as info:
+            decode_part(bad, part)
+        assert info.value.code is grpc.StatusCode.INTERNAL
+        assert f"malformed response: token_logprobs has {expected}" in info.value.details

@@ -7,8 +7,8 @@ its ranks through ``/proc`` and always tears everything it started down: SIGCONT
 SIGKILL to its own process group, never a kill by name.
 
 :class:`SharedServers` keeps one server per configuration for the whole pytest
-session, so that ``tests/e2e`` and ``tests/reliability`` (two conftests) reuse the
-same subprocesses.
+session: ``tests/e2e`` and ``tests/reliability`` use the same subprocesses (fixtures in
+:mod:`tests.e2e.fixtures`).
 """
 
 from __future__ import annotations
@@ -361,9 +361,8 @@ class SharedServers:
     keeps only one core busy), and waits until it is SERVING. ``release`` stops a
     server (SIGTERM, which must exit 0 and leave no process) when its last user
     releases it; servers started but never acquired are stopped with the last one.
-    Each conftest's session fixture acquires once, so ``tests/e2e`` and
-    ``tests/reliability`` see the same processes. Whatever survives a crashed
-    session is killed at interpreter exit.
+    Each session fixture (:func:`shared_server_fixture`) acquires once. Whatever
+    survives a crashed session is killed at interpreter exit.
     """
 
     CONFIGS: dict[str, dict] = {
@@ -450,9 +449,8 @@ SHARED = SharedServers()
 def shared_server_fixture(name: str):
     """A session fixture yielding the shared server ``name`` (see :class:`SharedServers`).
 
-    Each conftest that needs the server defines its own fixture from this factory;
-    the process is still started once per session. The first one also starts the
-    other shared servers that the session's tests use.
+    :mod:`tests.e2e.fixtures` defines the fixtures from this factory; the first one
+    used also starts the other shared servers that the session's tests use.
     """
 
     @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 import pytest
 
-from megascore.checkpoint.loader import resolve_model
+from megascore.checkpoint import resolve_model
 from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
 from tests.checkpoint.scripts.ckpt_common import VOCAB, make_hf_model
 from tests.e2e.serve import ServeProcess

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from megascore_client import ScoringClient
+from megascore_client.jsonl_rows import RowLimits
 from tests.e2e.reference import VOCAB
 
 MEGASCORE = Path(sys.executable).with_name("megascore")  # the venv's console script
@@ -87,3 +88,49 @@ def test_cli_scores_resumes_and_matches_the_sdk(tp1, tmp_path):
     assert math.isclose(
         float(_summary(second.stdout)["mean NLL per token"]), mean_nll, rel_tol=1e-5
     )
+
+
+def test_cli_names_bad_rows_and_sets_them_aside(tp1, tmp_path):
+    """Against the real model's limits (``GetModelInfo``): each bad row is named by its
+    line and id; without ``--skip-invalid`` the run stops after the rows before it, with
+    it the bad rows go to the side file and the good ones match the SDK."""
+    with ScoringClient(tp1.target) as client:
+        info = client.model_info()
+    limits = RowLimits.from_model_info(info)
+    rows = _rows(seed=5, num=8)
+    bad = {
+        3: {"id": "oov", "token_ids": [1, info.vocab_size]},
+        5: {"id": "long", "token_ids": [1] * (limits.max_tokens + 1)},
+        7: {"id": "frac", "token_ids": [1, 2.5, 3]},
+    }
+    lines = [json.dumps(r) for r in rows]
+    for at in sorted(bad):
+        lines.insert(at, json.dumps(bad[at]))
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")  # line = index + 1
+
+    stopped = _cli(tp1.target, src, out, "--batch-tokens", "16")
+    assert stopped.returncode == 1
+    assert (
+        f'{src}:4 (id "oov"): token_ids[1] = {info.vocab_size} is not below the model\'s '
+        f"vocab_size {info.vocab_size}" in stopped.stderr
+    ), stopped.stderr
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["r0", "r1", "r2"]
+
+    out.unlink()
+    skipped = _cli(tp1.target, src, out, "--skip-invalid")
+    assert skipped.returncode == 0, skipped.stderr
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in got] == [r["id"] for r in rows]
+    side_file = out.with_name("out.rejected.jsonl")
+    side = [json.loads(line) for line in side_file.read_text().splitlines()]
+    assert [(r["line"], r["id"]) for r in side] == [(4, "oov"), (6, "long"), (8, "frac")]
+    assert side[1]["reason"] == (
+        f"{limits.max_tokens + 1} tokens, more than the model's {limits.max_tokens_name} "
+        f"{limits.max_tokens}"
+    )
+    assert side[2]["reason"] == "token_ids[1] = 2.5 is not an integer"
+    with ScoringClient(tp1.target) as client:
+        ref = client.score([r["token_ids"] for r in rows], top_k=2)
+    for i, out_row in enumerate(got):
+        np.testing.assert_array_equal(np.asarray(out_row["logprobs"], np.float32), ref.logprobs[i])

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megascore.checkpoint.loader import resolve_model
+from megascore.checkpoint import resolve_model
 from megascore_client import ScoringClient
 from tests.checkpoint.scripts.ckpt_common import (
     MOE_FAMILIES,

@@ -33,8 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import AsyncScoringClient, RetryPolicy, ScoringClient, ScoringError
-from megascore_client.batching import ScoreOptions, build_parts
 from megascore_client.inputs import make_batch
+from megascore_client.splitting import ScoreOptions, build_parts
 from megascore_server.launcher import pick_port
 from tests.e2e.reference import LOSSES, VOCAB, assert_results_equal, assert_top_k_close
 from tests.e2e.serve import ServeProcess, own_servers
@@ -189,7 +189,7 @@ def test_sync_client_splits_a_batch_over_the_real_message_limit(server, big_batc
         server.target, timeout=RPC_TIMEOUT_S, retries=None, max_message_bytes=LIMIT
     ) as client:
         limit = client.request_token_limit()  # GetModelInfo before the first scrape
-        spy = client._stub.Score = SpyScore(client._stub.Score)
+        spy = client.transport.stub.Score = SpyScore(client.transport.stub.Score)
         before = score_ok(scrape(server))
         result = client.score(seqs, loss_mask=masks, losses=LOSSES, request_id="big-sync")
         served = score_ok(scrape(server)) - before
@@ -212,7 +212,7 @@ def test_async_client_splits_a_batch_over_the_real_message_limit(server, big_bat
             max_concurrency=3,
         ) as client:
             limit = await client.request_token_limit()
-            spy = client._stub.Score = SpyScore(client._stub.Score)
+            spy = client.transport.stub.Score = SpyScore(client.transport.stub.Score)
             before = score_ok(scrape(server))
             result = await client.score(
                 seqs, loss_mask=masks, top_k=2, losses=LOSSES, request_id="big-async"
@@ -236,7 +236,7 @@ def test_default_client_splits_under_the_limit_the_server_advertises(server, big
         assert client.model_info().max_message_bytes == LIMIT
         limit = client.request_token_limit()  # GetModelInfo before the first scrape
         assert client.message_limit == LIMIT < client.settings.max_message_bytes
-        spy = client._stub.Score = SpyScore(client._stub.Score)
+        spy = client.transport.stub.Score = SpyScore(client.transport.stub.Score)
         before = score_ok(scrape(server))
         result = client.score(
             seqs, loss_mask=masks, top_k=2, losses=LOSSES, request_id="big-default"

@@ -45,7 +45,7 @@ def _run(pgs, model_name: str, backend: str):
     model = build_model(builtin_model(model_name), engine_cfg, pgs)
     assert model.megascore_attention_backend == backend
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 512, (len(LENGTHS), max(LENGTHS)), generator=gen)
+    ids = torch.randint(1, 512, (sum(LENGTHS),), generator=gen)  # [T], concatenated
     packed = pack_sequences(ids.cuda(), torch.tensor(LENGTHS), pad_individual_seqs_to_multiple_of=8)
     is_moe = builtin_model(model_name).is_moe
     out = forward_packed(model, packed, want_moe_metrics=is_moe, want_mtp_metrics=is_moe)
@@ -63,5 +63,9 @@ def test_te_matches_torch_backend(pgs, model_name):
     diff = (lp_te - lp_torch).abs().max().item()
     assert diff <= LOGPROB_TOL, f"max |dlogprob| {diff}"
     assert set(metrics_te) == set(metrics_torch)
+    # An MTP acceptance rate is a percentage of tokens: one argmax flipped by a kernel's
+    # rounding moves it by 100 / tokens, far more than a relative tolerance allows.
+    flip = 2 * 100.0 / sum(LENGTHS)
     for name, value in metrics_torch.items():
-        assert metrics_te[name] == pytest.approx(value, rel=METRIC_REL_TOL, abs=1e-3), name
+        atol = flip if name.endswith("acceptance_rate") else 1e-3
+        assert metrics_te[name] == pytest.approx(value, rel=METRIC_REL_TOL, abs=atol), name

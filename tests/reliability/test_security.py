@@ -11,16 +11,9 @@ One subprocess server with ``--tls-cert/--tls-key`` (certificates generated here
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-
 import grpc
 import numpy as np
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -29,6 +22,7 @@ from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore.wire import encode_array
 from megascore_client import ScoringClient, ScoringError, TlsConfig
 from tests.e2e.serve import ServeProcess
+from tests.pki import make_pki
 
 TOKEN = "e2e-token-0123456789"
 SCORE = pb.ScoreRequest(
@@ -37,53 +31,6 @@ SCORE = pb.ScoreRequest(
     lengths=encode_array(np.array([2, 3], dtype=np.int64)),
     options=pb.ScoreOptions(return_logprobs=True),
 )
-
-
-def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    name = lambda cn: x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])  # noqa: E731
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name(subject))
-        .issuer_name(name(issuer))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if not ca:
-        sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _pem_cert(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def _pem_key(key) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def make_pki(directory) -> dict[str, bytes]:
-    """Server CA + server cert, client CA + client cert, a rogue CA + its client cert."""
-    pki: dict[str, bytes] = {}
-    for role in ("server", "client", "rogue"):
-        ca_key = ec.generate_private_key(ec.SECP256R1())
-        ca = _cert(f"{role} CA", ca_key, f"{role} CA", ca_key, ca=True)
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = _cert(f"{role} leaf", key, f"{role} CA", ca_key, ca=False)
-        pki[f"{role}_ca"], pki[f"{role}_cert"], pki[f"{role}_key"] = (
-            _pem_cert(ca),
-            _pem_cert(cert),
-            _pem_key(key),
-        )
-    for name, data in pki.items():
-        (directory / f"{name}.pem").write_bytes(data)
-    return pki
 
 
 def credentials(pki, root="server_ca", client="client") -> grpc.ChannelCredentials:
@@ -98,7 +45,7 @@ def credentials(pki, root="server_ca", client="client") -> grpc.ChannelCredentia
 def secure(tmp_path_factory):
     """The TLS + mTLS + token server, and the PKI."""
     directory = tmp_path_factory.mktemp("secure")
-    pki = make_pki(directory)
+    pki, _ = make_pki(directory)
     (directory / "token").write_text(TOKEN + "\n")
     server = ServeProcess(
         directory / "serve.log",

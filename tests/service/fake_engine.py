@@ -8,7 +8,10 @@ compare. Batch-level MoE / MTP metrics are token means over the step, so their
 token-weighted mean over several steps equals the mean over the request.
 
 The engine can be slowed down (``delay_s``), held at a gate (``gate``), made to
-fail one step or every step, or to raise :class:`WorkerLostError`.
+fail one step or every step, or to raise :class:`WorkerLostError`. Like the real
+engine it checks every step against its :class:`BatchLimits` first (``check``);
+narrowing ``limits`` below what ``info()`` announces lets requests through the
+wire gate that the engine then refuses.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 import numpy as np
 
 from megascore.errors import CheckpointError, InvalidRequestError, WorkerLostError
-from megascore.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
+from megascore.types import BatchLimits, ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 
 VOCAB = 1000
 MAX_LEN = 512
@@ -85,6 +88,8 @@ class FakeEngine:
         gate: when set to an unset ``threading.Event``, steps wait on it.
         fail_next: exception raised by the next step only.
         fail_always: exception raised by every step.
+        limits: what ``check`` (and so every step) accepts.
+        refused: the steps ``check`` refused.
         steps: ``(ScoreBatch, weights_version)`` of every successful step.
         events: ``("step", n_seqs)`` / ``("load", version)`` in execution order.
     """
@@ -96,6 +101,10 @@ class FakeEngine:
         self.gate: threading.Event | None = None
         self.fail_next: BaseException | None = None
         self.fail_always: BaseException | None = None
+        self.limits = BatchLimits(
+            vocab_size=VOCAB, max_length=max_len, max_top_k=MAX_TOP_K, loss_names=LOSS_NAMES
+        )
+        self.refused: list[ScoreBatch] = []
         self.steps: list[tuple[ScoreBatch, str]] = []
         self.events: list[tuple[str, object]] = []
         self.started = threading.Event()
@@ -121,6 +130,9 @@ class FakeEngine:
             mtp_metric_names=("mtp_1_loss", "mtp_1_acceptance_rate"),
         )
 
+    def check(self, batch: ScoreBatch) -> None:
+        batch.check(self.limits)
+
     def score(self, batch: ScoreBatch) -> ScoreOutput:
         self.threads.add(threading.current_thread().name)
         self.started.set()
@@ -133,6 +145,11 @@ class FakeEngine:
             raise exc
         if self.fail_always is not None:
             raise self.fail_always
+        try:
+            self.check(batch)
+        except InvalidRequestError:
+            self.refused.append(batch)
+            raise
         self.steps.append((batch, self.version))
         self.events.append(("step", batch.num_sequences))
         return compute(batch, self.version)

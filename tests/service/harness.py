@@ -24,7 +24,7 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore.wire import decode_array, encode_array
 from megascore_server.app import build_server
-from megascore_server.config import ServerConfig
+from megascore_server.config import GrpcServerConfig
 
 
 def free_port() -> int:
@@ -43,7 +43,7 @@ class ServerThread:
     def __init__(
         self,
         engine,
-        config: ServerConfig | None = None,
+        config: GrpcServerConfig | None = None,
         *,
         start: bool = True,
         pad_multiple: int = 1,
@@ -51,7 +51,7 @@ class ServerThread:
     ):
         self.engine = engine
         self.pad_multiple = pad_multiple
-        self.config = config or ServerConfig(port=0, **kw)
+        self.config = config or GrpcServerConfig(port=0, **kw)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 
 import grpc
 import numpy as np
@@ -178,6 +179,39 @@ def test_split_moe_request_reports_token_weighted_mean(server):
 
 def saw_token(engine: FakeEngine, since: int, token: int) -> bool:
     return any(np.any(b.token_ids == token) for b in new_steps(engine, since))
+
+
+def test_request_the_engine_refuses_fails_alone_and_the_others_are_rescored(server):
+    """A request that passes the wire gate but not the engine's check, merged with good ones:
+    only it fails (INVALID_ARGUMENT naming its own sequence); the others get their results."""
+    engine = server.engine
+    narrow = dataclasses.replace(engine.limits, vocab_size=500)  # the wire gate allows < 1000
+    good = [
+        Req([[1, 2, 3], [4, 5]], request_id="good0", top_k=2, losses=("nll",)),
+        Req([[9, 8, 7, 6]], request_id="good1", temperature=0.5),
+    ]
+    bad = Req([[11, 12], [13, 700, 14]], request_id="bad", top_k=1)
+    stub = server.stub()
+    try:
+        with engine_held(server):
+            engine.limits = narrow
+            since = len(engine.steps) + 1  # after the blocker
+            refused_before = len(engine.refused)
+            futures = [stub.Score.future(r.proto(), timeout=30) for r in (good[0], bad, good[1])]
+            queued(server, 3)
+        with pytest.raises(grpc.RpcError) as info:
+            futures[1].result()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sequence 1: token ids must be in [0, 500)" in info.value.details()
+        for req, future in zip(good, (futures[0], futures[2]), strict=True):
+            check_response(future.result(), req)
+    finally:
+        engine.limits = dataclasses.replace(narrow, vocab_size=1000)
+    (refused,) = engine.refused[refused_before:]
+    assert refused.num_sequences == 5  # all three requests were merged into one step
+    (rescored,) = new_steps(engine, since)
+    np.testing.assert_array_equal(np.sort(rescored.lengths), [2, 3, 4])  # the good ones only
+    assert not saw_token(engine, since, 700)
 
 
 def test_cancelled_and_expired_requests_are_dropped(server):

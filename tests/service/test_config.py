@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from megascore.config import EngineConfig
-from megascore_server.config import MIB, ServeConfig, ServerConfig
+from megascore_server.config import MIB, GrpcServerConfig, ReplicaConfig
 from megascore_server.config_loader import load_serve_config
 from megascore_server.main import main
 
 
 def test_defaults():
     config = load_serve_config([], environ={})
-    assert config == ServeConfig()
+    assert config == ReplicaConfig()
     assert config.server.host == "127.0.0.1" and config.server.port == 50051
     assert config.server.max_message_bytes == 256 * MIB and config.server.metrics_port == 0
     assert config.server.max_sequence_length is None and config.nproc == 1
@@ -152,12 +152,12 @@ def test_unsupported_file_type(tmp_path):
 
 
 def test_round_trip_dict():
-    config = ServeConfig(
-        server=ServerConfig(port=0, max_sequence_length=128),
+    config = ReplicaConfig(
+        server=GrpcServerConfig(port=0, max_sequence_length=128),
         engine=EngineConfig(model="tiny", seed=3),
         nproc=3,
     )
-    assert ServeConfig.from_dict(config.to_dict()) == config
+    assert ReplicaConfig.from_dict(config.to_dict()) == config
 
 
 def test_main_reports_invalid_config(capsys, monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 
 from megascore.config import EngineConfig
 from megascore_server import launcher
-from megascore_server.config import ServeConfig
+from megascore_server.config import ReplicaConfig
 
 
 class _ExitedRank:
@@ -36,7 +36,7 @@ def test_launcher_master_port_is_below_the_ephemeral_range(monkeypatch):
         return started[-1]
 
     monkeypatch.setattr(launcher.subprocess, "Popen", popen)
-    config = ServeConfig(engine=EngineConfig(tensor_model_parallel_size=2), nproc=2)
+    config = ReplicaConfig(engine=EngineConfig(tensor_model_parallel_size=2), nproc=2)
     assert launcher.LocalLauncher(config).run() == 0
     ports = {int(rank.env["MASTER_PORT"]) for rank in started}
     assert len(started) == 2 and len(ports) == 1

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from megascore.errors import WorkerLostError
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore_server.servicer import SHUTTING_DOWN_MESSAGE
+from megascore_server.gate import SHUTTING_DOWN_MESSAGE
 from megascore_server.status import INTERNAL_MESSAGE
 from tests.service.fake_engine import MAX_TOP_K, VOCAB, FakeEngine
 from tests.service.harness import Req, ServerThread, check_response, engine_held, wait_for
@@ -42,7 +42,7 @@ def test_health_not_serving_until_ready_then_serving_then_draining():
         with pytest.raises(grpc.RpcError) as info:
             srv.stub().Score(Req([[1, 2]]).proto(), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        srv.call(srv.handles.health.set_serving())
+        srv.call(srv.handles.gate.open())
         assert srv.health() == SERVING and srv.health(SCORER) == SERVING
         req = Req([[1, 2, 3]], request_id="r")
         check_response(srv.stub().Score(req.proto(), timeout=5), req)

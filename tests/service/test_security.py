@@ -2,102 +2,29 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import logging
 
 import grpc
 import numpy as np
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore_server.config import ServerConfig
+from megascore_server.config import GrpcServerConfig
 from megascore_server.tls import is_loopback, server_credentials, warn_if_exposed
+from tests.pki import make_pki
 from tests.service.fake_engine import FakeEngine
 from tests.service.harness import Req, ServerThread, check_response
 
 TOKEN = "s3cret-token"
 
 
-# ------------------------------------------------------------------ certificates
-
-
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _cert(subject, key, issuer, issuer_key, *, ca: bool, sans=()) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(_name(issuer))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _pem(obj) -> bytes:
-    if isinstance(obj, x509.Certificate):
-        return obj.public_bytes(serialization.Encoding.PEM)
-    return obj.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
-def _ca(name: str):
-    key = ec.generate_private_key(ec.SECP256R1())
-    return key, _cert(name, key, name, key, ca=True)
-
-
-def _leaf(name: str, ca_key, ca_cert, sans=()):
-    key = ec.generate_private_key(ec.SECP256R1())
-    issuer = ca_cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
-    return key, _cert(name, key, issuer, ca_key, ca=False, sans=sans)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """Server CA + server cert, client CA + client cert, and an unrelated CA + client cert."""
-    d = tmp_path_factory.mktemp("pki")
-    sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    server_ca_key, server_ca = _ca("test server CA")
-    server_key, server_cert = _leaf("localhost", server_ca_key, server_ca, sans)
-    client_ca_key, client_ca = _ca("test client CA")
-    client_key, client_cert = _leaf("client", client_ca_key, client_ca)
-    rogue_ca_key, rogue_ca = _ca("rogue CA")
-    rogue_key, rogue_cert = _leaf("rogue", rogue_ca_key, rogue_ca)
-    files = {
-        "server_ca": _pem(server_ca),
-        "server_cert": _pem(server_cert),
-        "server_key": _pem(server_key),
-        "client_ca": _pem(client_ca),
-        "client_cert": _pem(client_cert),
-        "client_key": _pem(client_key),
-        "rogue_ca": _pem(rogue_ca),
-        "rogue_cert": _pem(rogue_cert),
-        "rogue_key": _pem(rogue_key),
-    }
-    paths = {}
-    for name, data in files.items():
-        (d / f"{name}.pem").write_bytes(data)
-        paths[name] = str(d / f"{name}.pem")
-    return files, paths
+    """``(pem, paths)`` of a throwaway PKI (:func:`tests.pki.make_pki`)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def tls_stub(srv: ServerThread, root: bytes, key: bytes | None = None, cert: bytes | None = None):
@@ -125,7 +52,7 @@ def test_tls(pki):
     files, paths = pki
     srv = ServerThread(
         FakeEngine(),
-        ServerConfig(port=0, tls_cert=paths["server_cert"], tls_key=paths["server_key"]),
+        GrpcServerConfig(port=0, tls_cert=paths["server_cert"], tls_key=paths["server_key"]),
     )
     try:
         check_response(tls_stub(srv, files["server_ca"]).Score(REQ.proto(), timeout=10), REQ)
@@ -137,7 +64,7 @@ def test_tls(pki):
 
 def test_mtls(pki):
     files, paths = pki
-    config = ServerConfig(
+    config = GrpcServerConfig(
         port=0,
         tls_cert=paths["server_cert"],
         tls_key=paths["server_key"],
@@ -156,14 +83,14 @@ def test_mtls(pki):
 
 def test_tls_file_errors(tmp_path):
     with pytest.raises(ValueError, match="tls_cert: cannot read"):
-        server_credentials(ServerConfig(tls_cert=str(tmp_path / "nope.pem"), tls_key="k"))
+        server_credentials(GrpcServerConfig(tls_cert=str(tmp_path / "nope.pem"), tls_key="k"))
     (tmp_path / "junk.pem").write_text("not a certificate")
     with pytest.raises(ValueError, match="not a PEM file"):
-        server_credentials(ServerConfig(tls_cert=str(tmp_path / "junk.pem"), tls_key="k"))
+        server_credentials(GrpcServerConfig(tls_cert=str(tmp_path / "junk.pem"), tls_key="k"))
     with pytest.raises(ValueError, match="given together"):
-        ServerConfig(tls_cert="a.pem")
+        GrpcServerConfig(tls_cert="a.pem")
     with pytest.raises(ValueError, match="mTLS"):
-        ServerConfig(tls_client_ca="ca.pem")
+        GrpcServerConfig(tls_client_ca="ca.pem")
 
 
 # -------------------------------------------------------------------------- auth
@@ -223,6 +150,16 @@ def test_auth_accepts_token_and_leaves_health_open(auth_server):
     assert counter.labels(rpc="Score", code="UNAUTHENTICATED")._value.get() >= 1
 
 
+def test_auth_comes_before_parsing(auth_server):
+    score = auth_server.channel().unary_unary("/megascore.v1.Scorer/Score")  # raw bytes
+    error = assert_fails(lambda: score(b"\xff\xff\xff", timeout=5), grpc.StatusCode.UNAUTHENTICATED)
+    assert "authorization: Bearer" in error.details()
+    good = [("authorization", f"Bearer {TOKEN}")]
+    call = lambda: score(b"\xff\xff\xff", timeout=5, metadata=good)  # noqa: E731
+    error = assert_fails(call, grpc.StatusCode.INVALID_ARGUMENT)
+    assert error.details().startswith("request does not parse as megascore.v1.ScoreRequest")
+
+
 # ------------------------------------------------------------------- message size
 
 
@@ -243,8 +180,8 @@ def test_oversized_message_is_resource_exhausted():
 
 def test_exposed_bind_warning(caplog):
     caplog.set_level(logging.WARNING, logger="megascore_server.tls")
-    assert warn_if_exposed(ServerConfig(host="0.0.0.0"))
+    assert warn_if_exposed(GrpcServerConfig(host="0.0.0.0"))
     assert "without TLS or an auth token" in caplog.text
-    assert not warn_if_exposed(ServerConfig(host="0.0.0.0", auth_token_file="t"))
-    assert not warn_if_exposed(ServerConfig(host="127.0.0.1"))
+    assert not warn_if_exposed(GrpcServerConfig(host="0.0.0.0", auth_token_file="t"))
+    assert not warn_if_exposed(GrpcServerConfig(host="127.0.0.1"))
     assert is_loopback("::1") and is_loopback("localhost") and not is_loopback("10.0.0.1")

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megascore.engine.logprobs import score_tokens, vocab_parallel_logprobs, vocab_parallel_top_k
+from megascore.engine.logprobs import score_tokens
+
+
+def _logprobs(logits, targets, **kwargs) -> torch.Tensor:
+    return score_tokens(logits, targets, **kwargs).logprobs
+
+
+def _top_k(logits, k: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = score_tokens(logits, None, top_k=k, **kwargs)
+    return scores.top_k_ids, scores.top_k_logprobs
 
 
 def _random(num_tokens: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,7 +27,7 @@ def _random(num_tokens: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, t
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 4096])
 def test_logprobs_match_log_softmax(chunk_tokens):
     logits, targets = _random(50, 97)
-    got = vocab_parallel_logprobs(logits, targets, tp_group=None, chunk_tokens=chunk_tokens)
+    got = _logprobs(logits, targets, tp_group=None, chunk_tokens=chunk_tokens)
     want = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -28,9 +37,7 @@ def test_logprobs_per_token_temperature():
     logits, targets = _random(40, 64, seed=1)
     gen = torch.Generator().manual_seed(2)
     temperature = torch.rand(40, generator=gen) * 2.0 + 0.1
-    got = vocab_parallel_logprobs(
-        logits, targets, tp_group=None, temperature=temperature, chunk_tokens=9
-    )
+    got = _logprobs(logits, targets, tp_group=None, temperature=temperature, chunk_tokens=9)
     want = torch.log_softmax(logits / temperature[:, None], dim=-1)
     want = want.gather(-1, targets[:, None]).squeeze(-1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -39,7 +46,7 @@ def test_logprobs_per_token_temperature():
 def test_logprobs_bf16_input_computed_in_fp32():
     logits, targets = _random(16, 300, seed=3)
     logits = logits.to(torch.bfloat16)
-    got = vocab_parallel_logprobs(logits, targets, tp_group=None)
+    got = _logprobs(logits, targets, tp_group=None)
     want = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
@@ -50,7 +57,7 @@ def test_logprobs_extreme_logits_are_finite():
     logits[1, 5] = -1e4
     logits[2] = 80.0
     targets = torch.tensor([0, 5, 9])
-    got = vocab_parallel_logprobs(logits, targets, tp_group=None)
+    got = _logprobs(logits, targets, tp_group=None)
     want = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
@@ -61,9 +68,7 @@ def test_logprobs_extreme_logits_are_finite():
 def test_top_k_matches_torch(k, chunk_tokens):
     logits, _ = _random(30, 200, seed=4)
     temperature = torch.full((30,), 0.7)
-    ids, vals = vocab_parallel_top_k(
-        logits, k, tp_group=None, temperature=temperature, chunk_tokens=chunk_tokens
-    )
+    ids, vals = _top_k(logits, k, tp_group=None, temperature=temperature, chunk_tokens=chunk_tokens)
     ref = torch.log_softmax(logits / 0.7, dim=-1)
     want_vals, want_ids = torch.topk(ref, k, dim=-1)
     assert ids.shape == (30, k) and ids.dtype == torch.int64
@@ -75,7 +80,7 @@ def test_top_k_ties_are_ordered_by_id_and_consistent():
     logits = torch.zeros(4, 12)
     logits[:, 3] = 2.0
     logits[1, 7] = 2.0  # tie for first place at row 1
-    ids, vals = vocab_parallel_top_k(logits, 4, tp_group=None)
+    ids, vals = _top_k(logits, 4, tp_group=None)
     ref = torch.log_softmax(logits, dim=-1)
     # Values match torch whatever the tie order, ids are distinct and point at those values.
     torch.testing.assert_close(vals, torch.topk(ref, 4, dim=-1).values, rtol=0, atol=1e-6)
@@ -89,13 +94,13 @@ def test_top_k_ties_are_ordered_by_id_and_consistent():
 def test_top_k_excludes_padding_columns():
     logits, _ = _random(8, 20, seed=5)
     logits[:, 18:] = 100.0  # padded vocabulary columns (true vocab 18)
-    ids, vals = vocab_parallel_top_k(logits, 3, tp_group=None, vocab_size=18)
+    ids, vals = _top_k(logits, 3, tp_group=None, vocab_size=18)
     assert (ids < 18).all()
     # Normaliser still includes the padding columns (Megatron cross-entropy semantics).
     ref = torch.log_softmax(logits, dim=-1)[:, :18]
     torch.testing.assert_close(vals, torch.topk(ref, 3, dim=-1).values, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="top_k"):
-        vocab_parallel_top_k(logits, 19, tp_group=None, vocab_size=18)
+        _top_k(logits, 19, tp_group=None, vocab_size=18)
 
 
 def test_score_tokens_combined_and_no_grad():
@@ -131,7 +136,7 @@ def test_top_k_with_many_ties_matches_lexicographic_reference(k):
     gen = torch.Generator().manual_seed(11)
     logits = torch.randint(0, 6, (64, 40), generator=gen).float()
     logits[::4] = torch.randn(16, 40, generator=gen)  # rows without ties
-    ids, vals = vocab_parallel_top_k(logits, k, tp_group=None, chunk_tokens=7)
+    ids, vals = _top_k(logits, k, tp_group=None, chunk_tokens=7)
     ref = torch.log_softmax(logits, dim=-1)
     for row in range(logits.shape[0]):
         # reference: order by (value descending, id ascending)
@@ -142,7 +147,7 @@ def test_top_k_with_many_ties_matches_lexicographic_reference(k):
 
 def test_top_k_of_the_whole_vocabulary():
     logits, _ = _random(5, 6, seed=12)
-    ids, vals = vocab_parallel_top_k(logits, 6, tp_group=None)
+    ids, vals = _top_k(logits, 6, tp_group=None)
     want_vals, want_ids = torch.topk(torch.log_softmax(logits, dim=-1), 6, dim=-1)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(vals, want_vals, rtol=0, atol=1e-6)

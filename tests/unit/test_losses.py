@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from megascore.engine import losses
-from megascore.engine.losses import compute_losses, effective_loss_mask, loss_names
+from megascore.engine.losses import compute_losses, loss_names
+from megascore.layout import effective_loss_mask
 
 
 def test_loss_names_sorted_and_include_basics():

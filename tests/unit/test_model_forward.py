@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -27,22 +26,10 @@ from megascore.engine.forward import (
 )
 from megascore.model.build import build_model, resolve_attention_backend
 from megascore.model.config import ModelConfig, builtin_model
-from megascore.model.parallel import destroy_parallel, initialize_parallel
-from megascore.packing import cp_shard_indices, pack_sequences
+from megascore.packing import cp_shard_indices
+from tests.padded_rows import pack_rows
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def pgs():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    pg_collection = initialize_parallel(EngineConfig())
-    yield pg_collection
-    destroy_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def _build(pgs, model_cfg: ModelConfig, dtype: str = "float32"):
@@ -84,7 +71,7 @@ def _alone_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 def test_packed_equals_each_sequence_alone(pgs, name, lengths, pad_multiple, pad_to):
     model = _build(pgs, builtin_model(name))
     ids, lens = _batch(lengths, model.vocab_size)
-    packed = pack_sequences(
+    packed = pack_rows(
         ids, lens, pad_individual_seqs_to_multiple_of=pad_multiple, pad_packed_seq_to=pad_to
     )
     out = forward_packed(model, packed)
@@ -166,7 +153,7 @@ def test_logits_match_plain_pytorch_reference(pgs, model_cfg):
             if "norm" in name:
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
     ids, lens = _batch([9, 1, 16], model_cfg.vocab_size, seed=4)
-    packed = pack_sequences(ids, lens)
+    packed = pack_rows(ids, lens)
     packed_lp = _logprobs(_full_logits(forward_packed(model, packed)))
     sd = model.state_dict()
     starts = packed.cu_seqlens_padded.tolist()
@@ -187,7 +174,7 @@ def test_weights_depend_only_on_seed(pgs):
 
 def test_bf16_model_runs_close_to_fp32(pgs):
     ids, lens = _batch([10, 4], 512, seed=5)
-    packed = pack_sequences(ids, lens)
+    packed = pack_rows(ids, lens)
     lp32 = _logprobs(_full_logits(forward_packed(_build(pgs, builtin_model("tiny")), packed)))
     logits16 = _full_logits(forward_packed(_build(pgs, builtin_model("tiny"), "bfloat16"), packed))
     assert logits16.dtype == torch.bfloat16
@@ -250,7 +237,7 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
     model_cfg = builtin_model("tiny-moe")
     model = _build(pgs, model_cfg)
     ids, lens = _batch([11, 1, 6, 3], model_cfg.vocab_size, seed=6)
-    packed = pack_sequences(ids, lens, pad_individual_seqs_to_multiple_of=pad_multiple)
+    packed = pack_rows(ids, lens, pad_individual_seqs_to_multiple_of=pad_multiple)
     before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     eval_head = forward_packed(model, packed).head
 
@@ -275,7 +262,7 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
     assert out.mtp_metrics["mtp_1_loss"] > 0 and out.moe_metrics["z_loss"] > 0
     # pads are masked out of the statistics: the unpadded packing reports the same metrics
     unpadded = forward_packed(
-        model, pack_sequences(ids, lens), want_moe_metrics=True, want_mtp_metrics=True
+        model, pack_rows(ids, lens), want_moe_metrics=True, want_mtp_metrics=True
     )
     for name, value in {**unpadded.moe_metrics, **unpadded.mtp_metrics}.items():
         got = {**out.moe_metrics, **out.mtp_metrics}[name]
@@ -284,7 +271,7 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
 
 def test_metrics_requested_from_dense_model_raise(pgs):
     model = _build(pgs, builtin_model("tiny"))
-    packed = pack_sequences(*_batch([4], 512))
+    packed = pack_rows(*_batch([4], 512))
     with pytest.raises(ValueError, match="dense"):
         forward_packed(model, packed, want_moe_metrics=True)
     with pytest.raises(ValueError, match="MTP"):
@@ -297,7 +284,7 @@ def test_labels_mask_and_positions_follow_the_padded_segments(cp_size):
     lens = torch.tensor([5, 1, 2])
     full_labels, full_mask, full_pos = [], [], []
     for rank in range(cp_size):
-        packed = pack_sequences(
+        packed = pack_rows(
             ids, lens, pad_individual_seqs_to_multiple_of=4, cp_rank=rank, cp_size=cp_size
         )
         labels, mask = packed_labels_and_mask(packed, rank, cp_size)
@@ -320,7 +307,7 @@ def test_labels_mask_and_positions_follow_the_padded_segments(cp_size):
 
 def test_loss_mask_override_reaches_mtp(pgs):
     model = _build(pgs, builtin_model("tiny-moe"))
-    packed = pack_sequences(*_batch([9, 5], 512, seed=8))
+    packed = pack_rows(*_batch([9, 5], 512, seed=8))
     total = packed.input_ids.shape[1]
     none = forward_packed(
         model, packed, want_mtp_metrics=True, loss_mask_packed_local=torch.zeros(total)

@@ -26,9 +26,8 @@ from megascore.engine.logprobs import score_tokens
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig, builtin_model
-from megascore.model.parallel import destroy_parallel, initialize_parallel
-from megascore.packing import pack_sequences
 from megascore.types import ScoreBatch
+from tests.padded_rows import pack_rows
 
 EQUIV_TOL = 1e-6
 SMALL_CHUNK_TOL = 4e-6
@@ -43,18 +42,6 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def pgs():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    pg_collection = initialize_parallel(EngineConfig())
-    yield pg_collection
-    destroy_parallel()
-    if created:
-        dist.destroy_process_group()
-
-
 def _build(pgs, model_cfg: ModelConfig):
     return build_model(model_cfg, EngineConfig(device="cpu"), pgs)
 
@@ -62,7 +49,7 @@ def _build(pgs, model_cfg: ModelConfig):
 def _packed(lengths: list[int], vocab: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (len(lengths), max(lengths)), generator=gen)
-    return pack_sequences(ids, torch.tensor(lengths), pad_individual_seqs_to_multiple_of=4)
+    return pack_rows(ids, torch.tensor(lengths), pad_individual_seqs_to_multiple_of=4)
 
 
 def _gptmodel_full_logits(model, packed) -> torch.Tensor:

@@ -12,10 +12,19 @@ from megascore.packing import (
     pack_sequences,
     roll_within_segments,
     round_up_to_multiple,
-    unpack_sequences,
 )
+from tests.padded_rows import flatten_rows, pack_rows
 
 HAND_IDS = torch.tensor([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0], [6, 7, 8, 9, 10]])
+
+
+def _unpack(packed, cu_seqlens, cu_seqlens_padded, batch_size, seq_length):
+    """``[1, T_padded, ...]`` -> ``[B, S, ...]``, sequence by sequence from its padded start."""
+    out = packed.new_zeros((batch_size, seq_length, *packed.shape[2:]))
+    for b in range(batch_size):
+        start, n = int(cu_seqlens_padded[b]), int(cu_seqlens[b + 1] - cu_seqlens[b])
+        out[b, :n] = packed[0, start : start + n]
+    return out
 
 
 def _nemo_rl_reference(ids, lengths, multiple, pad_to, cp_rank, cp_size):
@@ -66,7 +75,7 @@ def test_round_up_to_multiple():
 
 def test_hand_worked_layout_with_cp():
     shards = [
-        pack_sequences(
+        pack_rows(
             HAND_IDS,
             [3, 2, 5],
             pad_individual_seqs_to_multiple_of=4,
@@ -98,7 +107,7 @@ def test_hand_worked_layout_with_cp():
 
 
 def test_no_padding_keeps_real_boundaries():
-    p = pack_sequences(HAND_IDS, torch.tensor([3, 2, 5]))
+    p = pack_rows(HAND_IDS, torch.tensor([3, 2, 5]))
     assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     assert torch.equal(p.input_ids_cp_sharded, p.input_ids)
     assert p.cu_seqlens.tolist() == p.cu_seqlens_padded.tolist() == [0, 3, 5, 10]
@@ -107,32 +116,22 @@ def test_no_padding_keeps_real_boundaries():
 
 
 def test_pad_packed_seq_to_extends_last_segment_without_individual_padding():
-    p = pack_sequences(HAND_IDS, [3, 2, 5], pad_packed_seq_to=13)
+    p = pack_rows(HAND_IDS, [3, 2, 5], pad_packed_seq_to=13)
     assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0, 0]]
     assert p.cu_seqlens_padded.tolist() == [0, 3, 5, 13]
     assert p.packed_seq_params.max_seqlen_q == 8
 
 
 def test_zero_length_sequence_occupies_no_tokens():
-    p = pack_sequences(HAND_IDS, [3, 0, 5], pad_individual_seqs_to_multiple_of=4)
+    p = pack_rows(HAND_IDS, [3, 0, 5], pad_individual_seqs_to_multiple_of=4)
     assert p.cu_seqlens.tolist() == [0, 3, 3, 8]
     assert p.cu_seqlens_padded.tolist() == [0, 4, 4, 12]
-    out = unpack_sequences(p.input_ids, p.cu_seqlens, p.cu_seqlens_padded, 3, 5)
+    out = _unpack(p.input_ids, p.cu_seqlens, p.cu_seqlens_padded, 3, 5)
     assert out.tolist() == [[1, 2, 3, 0, 0], [0, 0, 0, 0, 0], [6, 7, 8, 9, 10]]
 
 
-def test_unpack_uses_padded_starts_and_trailing_dims():
-    p = pack_sequences(HAND_IDS, [3, 2, 5], pad_individual_seqs_to_multiple_of=4)
-    # per-token values [1, T, 2] -> [B, S, 2]
-    values = torch.stack([p.input_ids.float(), -p.input_ids.float()], dim=-1)
-    out = unpack_sequences(values, p.cu_seqlens, p.cu_seqlens_padded, 3, 6)
-    assert out.shape == (3, 6, 2)
-    assert out[1, :, 0].tolist() == [4.0, 5.0, 0.0, 0.0, 0.0, 0.0]
-    assert out[2, :, 1].tolist() == [-6.0, -7.0, -8.0, -9.0, -10.0, 0.0]
-
-
 def test_roll_within_segments_builds_next_token_targets():
-    p = pack_sequences(HAND_IDS, [3, 2, 5], pad_individual_seqs_to_multiple_of=4)
+    p = pack_rows(HAND_IDS, [3, 2, 5], pad_individual_seqs_to_multiple_of=4)
     rolled = roll_within_segments(p.input_ids, p.cu_seqlens_padded)
     assert rolled.tolist() == [[2, 3, 0, 1, 5, 0, 0, 4, 7, 8, 9, 10, 0, 0, 0, 6]]
     back = roll_within_segments(rolled, p.cu_seqlens_padded, shifts=1)
@@ -142,10 +141,6 @@ def test_roll_within_segments_builds_next_token_targets():
 @pytest.mark.parametrize(
     ("lengths", "kwargs", "message"),
     [
-        ([3, -1, 5], {}, "sequence 1: negative length"),
-        ([3, 6, 5], {}, "sequence 1: length 6 exceeds"),
-        ([0, 0, 0], {}, "all 3 sequences are empty"),
-        ([3, 2], {}, "2 seq_lengths for 3 rows"),
         (
             [3, 2, 5],
             {"cp_size": 2, "cp_rank": 2, "pad_individual_seqs_to_multiple_of": 4},
@@ -168,14 +163,19 @@ def test_roll_within_segments_builds_next_token_targets():
 )
 def test_pack_rejects_what_nemo_rl_truncates(lengths, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        pack_sequences(HAND_IDS, lengths, **kwargs)
+        pack_rows(HAND_IDS, lengths, **kwargs)
 
 
-def test_pack_rejects_empty_batch_and_bad_rank():
-    with pytest.raises(ValueError, match="empty"):
-        pack_sequences(torch.zeros((0, 4), dtype=torch.long), [])
-    with pytest.raises(ValueError, match=r"\[B, S\]"):
-        pack_sequences(torch.arange(4), [4])
+def test_pack_rejects_a_batch_that_is_not_flat():
+    with pytest.raises(ValueError, match=r"\[T\]"):
+        pack_sequences(torch.arange(4).reshape(1, 4), [4])
+
+
+def test_token_positions_index_the_flat_tokens():
+    p = pack_rows(HAND_IDS, [3, 0, 5], pad_individual_seqs_to_multiple_of=4)
+    assert p.token_positions.tolist() == [0, 1, 2, 4, 5, 6, 7, 8]
+    flat = flatten_rows(HAND_IDS, [3, 0, 5])
+    assert torch.equal(p.input_ids[0, p.token_positions], flat)
 
 
 def test_cp_shard_indices_names_the_indivisible_sequence():
@@ -191,7 +191,7 @@ def test_cp_shard_indices_names_the_indivisible_sequence():
 def test_pack_matches_nemo_rl_layout_on_every_rank(case):
     ids, lengths, multiple, pad_to, cp_size = case
     for rank in range(cp_size):
-        p = pack_sequences(
+        p = pack_rows(
             ids,
             lengths,
             pad_individual_seqs_to_multiple_of=multiple,
@@ -211,12 +211,12 @@ def test_pack_matches_nemo_rl_layout_on_every_rank(case):
 
 @settings(max_examples=60, deadline=None)
 @given(packing_cases())
-def test_unpack_inverts_pack(case):
+def test_packed_segments_hold_each_sequence(case):
     ids, lengths, multiple, pad_to, cp_size = case
-    p = pack_sequences(
+    p = pack_rows(
         ids, lengths, pad_individual_seqs_to_multiple_of=multiple, pad_packed_seq_to=pad_to
     )
-    out = unpack_sequences(p.input_ids, p.cu_seqlens, p.cu_seqlens_padded, *ids.shape)
+    out = _unpack(p.input_ids, p.cu_seqlens, p.cu_seqlens_padded, *ids.shape)
     keep = torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]
     assert torch.equal(out, torch.where(keep, ids, 0))
 
@@ -226,11 +226,11 @@ def test_unpack_inverts_pack(case):
 def test_cp_shards_reassemble_to_full(case):
     ids, lengths, multiple, pad_to, cp_size = case
     kwargs = {"pad_individual_seqs_to_multiple_of": multiple, "pad_packed_seq_to": pad_to}
-    full = pack_sequences(ids, lengths, **kwargs).input_ids
+    full = pack_rows(ids, lengths, **kwargs).input_ids
     rebuilt = torch.full_like(full, -1)
     seen = []
     for rank in range(cp_size):
-        p = pack_sequences(ids, lengths, cp_rank=rank, cp_size=cp_size, **kwargs)
+        p = pack_rows(ids, lengths, cp_rank=rank, cp_size=cp_size, **kwargs)
         idx = cp_shard_indices(p.cu_seqlens_padded, rank, cp_size)
         rebuilt[:, idx] = p.input_ids_cp_sharded
         seen.append(idx)
@@ -242,7 +242,7 @@ def test_cp_shards_reassemble_to_full(case):
 @given(packing_cases(), st.integers(-3, 3))
 def test_roll_within_segments_matches_per_segment_roll(case, shifts):
     ids, lengths, multiple, pad_to, _ = case
-    p = pack_sequences(
+    p = pack_rows(
         ids, lengths, pad_individual_seqs_to_multiple_of=multiple, pad_packed_seq_to=pad_to
     )
     cu = p.cu_seqlens_padded.tolist()
@@ -255,7 +255,7 @@ def test_roll_within_segments_matches_per_segment_roll(case, shifts):
     )
     assert torch.equal(roll_within_segments(p.input_ids, p.cu_seqlens_padded, shifts), expected)
     # Next-token targets: real position t < len - 1 of sequence b targets ids[b, t + 1].
-    targets = unpack_sequences(
+    targets = _unpack(
         roll_within_segments(p.input_ids, p.cu_seqlens_padded),
         p.cu_seqlens,
         p.cu_seqlens_padded,

@@ -7,21 +7,25 @@ import pytest
 import torch
 
 from megascore.config import EngineConfig
-from megascore.engine.loading import parse_model_spec
-from megascore.engine.step import _megatron_loss_mask, packed_to_flat, validate_batch
+from megascore.engine.step import PredictionIndex, _megatron_loss_mask
 from megascore.packing import pack_sequences
 from megascore.types import ScoreBatch
 
 
-def test_packed_to_flat_shifts_right_within_each_sequence():
-    lengths = np.array([3, 1, 2])
-    cu_padded = torch.tensor([0, 4, 8, 10])  # padded to multiples of 2 / 4
-    # packed[p] = 100 * segment + position: the prediction made at packed position p
-    packed = torch.tensor([[0.0], [1], [2], [3], [100], [101], [102], [103], [200], [201]])
-    flat = packed_to_flat(packed, cu_padded, lengths, fill=-7.0)
-    assert flat.dtype == np.float64 and flat.shape == (6, 1)
+def test_prediction_index_shifts_right_within_each_sequence():
+    lengths = [3, 1, 2]
+    packed = pack_sequences(torch.arange(1, 7), lengths, pad_individual_seqs_to_multiple_of=4)
+    assert packed.cu_seqlens_padded.tolist() == [0, 4, 8, 12]
+    index = PredictionIndex.build(packed.token_positions, np.array(lengths))
+    # values[p] = 100 * segment + position: the prediction made at packed position p
+    values = torch.tensor([100 * s + p for s in range(3) for p in range(4)], dtype=torch.float32)
+    flat = index.to_flat(values[:, None].expand(12, 2), fill=-7.0)
+    assert flat.dtype == np.float32 and flat.shape == (6, 2)
     # seq 0: [fill, pred@0, pred@1]; seq 1: [fill]; seq 2: [fill, pred@0]
-    np.testing.assert_array_equal(flat[:, 0], [-7, 0, 1, -7, -7, 200])
+    np.testing.assert_array_equal(flat[:, 1], [-7, 0, 1, -7, -7, 200])
+    ids = index.to_flat(torch.arange(12, dtype=torch.int64), fill=-1)
+    assert ids.dtype == np.int64 and ids.tolist() == [-1, 0, 1, -1, -1, 8]
+    assert index.to_flat(None, fill=0.0) is None
 
 
 @pytest.mark.parametrize(
@@ -63,6 +67,8 @@ def test_sequence_parallel_for(tp, cp, sp, is_moe, want_sp, want_pad):
     )
     assert cfg.sequence_parallel_for(is_moe) is want_sp
     assert cfg.pad_multiple(is_moe) == want_pad
+    # The metrics forward of a MoE model at TP > 1 needs sequence parallelism.
+    assert cfg.metrics_supported(is_moe) is (want_sp or not is_moe or tp == 1)
 
 
 def _batch(**kw) -> ScoreBatch:
@@ -70,41 +76,11 @@ def _batch(**kw) -> ScoreBatch:
     return ScoreBatch(**{**base, **kw})
 
 
-def test_validate_batch_accepts_and_rejects():
-    ok = dict(vocab_size=10, max_length=3, max_top_k=4, metrics_supported=True)
-    validate_batch(_batch(top_k=4, losses=("nll",)), **ok)
-    for bad, match in (
-        (_batch(token_ids=np.array([1, 2, 3, 10])), "sequence 1: token ids"),
-        (_batch(lengths=np.array([2, 3])), "lengths sum"),
-        (_batch(token_ids=np.arange(5), lengths=np.array([1, 4])), "sequence 1: length 4"),
-        (_batch(lengths=np.array([0, 4])), "sequence 0"),
-        (_batch(top_k=5), "top_k"),
-        (_batch(losses=("nope",)), "unknown losses"),
-        (_batch(temperature=np.array([1.0, np.inf], np.float32)), "temperature"),
-        (_batch(loss_mask=np.ones(3, np.uint8)), "loss_mask"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            validate_batch(bad, **ok)
-    with pytest.raises(ValueError, match="sequence_parallel"):
-        validate_batch(_batch(want_moe_metrics=True), **{**ok, "metrics_supported": False})
-
-
 def test_megatron_loss_mask_is_aligned_with_targets():
     batch = _batch(loss_mask=np.array([1, 1, 0, 1], np.uint8))
     packed = pack_sequences(
-        torch.tensor([[1, 0, 0], [2, 3, 4]]), [1, 3], pad_individual_seqs_to_multiple_of=2
+        torch.tensor([1, 2, 3, 4]), [1, 3], pad_individual_seqs_to_multiple_of=2
     )
-    mask = _megatron_loss_mask(batch, packed.cu_seqlens, packed.cu_seqlens_padded.long())
+    mask = _megatron_loss_mask(batch, packed)
     # segments [0,2) and [2,6): seq 1 tokens 2,3,4 at 2,3,4; token 3 masked out, token 4 kept
     np.testing.assert_array_equal(mask[0].numpy(), [0, 0, 0, 1, 0, 0])
-
-
-def test_parse_model_spec():
-    assert parse_model_spec("tiny").seed is None
-    spec = parse_model_spec("builtin:tiny-moe@7")
-    assert (spec.kind, spec.name, spec.seed) == ("builtin", "tiny-moe", 7)
-    hf = parse_model_spec("hf:/ckpt/llama-3/")
-    assert (hf.kind, hf.name, hf.path) == ("hf", "llama-3", "/ckpt/llama-3/")
-    for bad in ("nope", "tiny@x", "hf:"):
-        with pytest.raises(ValueError):
-            parse_model_spec(bad)

@@ -21,23 +21,21 @@ rank's shard is cut out of them:
 Everything is checked from the file headers (names, shapes, sizes) before any
 data is read, and the full set of local shards is staged on the host before the
 first parameter is overwritten, so a bad checkpoint leaves the model untouched.
-When megatron-bridge is importable (``HAVE_BRIDGE``; GPU images) its
-``AutoBridge`` performs the copy instead (:func:`_load_with_bridge`), after the
-same validation; ``MEGASCORE_HF_LOADER=native`` keeps megascore's reader.
+(Where megatron-bridge applies, ``megascore.checkpoint.hf_bridge`` loads instead.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 from pathlib import Path
 
 import torch
 
 from megascore.checkpoint.hf_names import ParamMapper, mtp_copies
-from megascore.checkpoint.recipes import ParallelRanks, Recipe, Replicated
+from megascore.checkpoint.recipes import ParallelRanks, Recipe
+from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
@@ -45,23 +43,6 @@ from megascore.model.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
-
-try:  # the GPU path: megatron-bridge imports transformer_engine, which needs CUDA
-    from megatron.bridge import AutoBridge
-
-    HAVE_BRIDGE = True
-except Exception:  # noqa: BLE001 - ImportError, or TE failing to find CUDA libraries
-    AutoBridge = None
-    HAVE_BRIDGE = False
-
-
-def use_bridge(model: torch.nn.Module) -> bool:
-    """Whether HF weights go through AutoBridge: HAVE_BRIDGE and a TransformerEngine-spec
-    model (the parameter names the bridge maps), unless ``MEGASCORE_HF_LOADER=native``."""
-    if not HAVE_BRIDGE or os.environ.get("MEGASCORE_HF_LOADER", "auto") == "native":
-        return False
-    return getattr(_unwrap(model), "megascore_attention_backend", "te") == "te"
-
 
 @dataclasses.dataclass
 class HFLoadPlan:
@@ -191,20 +172,6 @@ def copy_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
             targets[name].copy_(value, non_blocking=False)
 
 
-def _load_with_bridge(model: torch.nn.Module, plan: HFLoadPlan, reader: SafetensorsDir) -> None:
-    """Loads HF weights with megatron-bridge's AutoBridge (GPU images), then checks the
-    replicated parameters (norms, routers) against the checkpoint, so a bridge that
-    skipped parameters cannot go unnoticed."""
-    bridge = AutoBridge.from_hf_pretrained(str(plan.directory))
-    bridge.load_hf_weights([_unwrap(model)])
-    targets = _unwrap(model).state_dict(keep_vars=True)
-    for name, recipe in plan.recipes.items():
-        if isinstance(recipe, Replicated):
-            got = targets[name].detach().float().cpu()
-            if not torch.allclose(got, recipe.read(reader).float(), rtol=1e-2, atol=1e-3):
-                raise CheckpointError(f"megatron-bridge did not load {name!r} from the checkpoint")
-
-
 def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: str | Path) -> None:
     """Validates, then loads a HF safetensors checkpoint into ``model`` on this rank.
 
@@ -214,17 +181,14 @@ def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: s
         directory: HF checkpoint directory (``config.json`` + safetensors).
 
     Raises:
-        CheckpointError: the checkpoint does not fit the model. Found before any
-            parameter is written; with megascore's reader the model is then unchanged
-            (the AutoBridge path validates the same way but copies as it reads).
+        CheckpointError: the checkpoint does not fit the model, or a parameter has no
+            recipe. Found before any parameter is written: the model is then unchanged.
     """
     directory = Path(directory)
     with SafetensorsDir(directory) as reader:
         plan = plan_hf_load(model, model_cfg, reader)
-        if use_bridge(model):
-            logger.info("loading %s with megatron-bridge AutoBridge", directory)
-            _load_with_bridge(model, plan, reader)
-            return
+        expected = model_tensor_names(_unwrap(model))
+        check_every_parameter_written(expected, plan.recipes, str(directory))
         staged = stage_hf_weights(plan, reader, model)
     copy_into_model(model, staged)
     logger.info("loaded %d tensors from %s", len(staged), directory)

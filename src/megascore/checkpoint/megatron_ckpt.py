@@ -7,6 +7,10 @@ and a ``megascore.json`` with the :class:`ModelConfig` and a weights version.
 Because every tensor is stored with its global shape and offsets, the
 checkpoint loads into any TP / CP / EP layout, and into either attention
 backend (Megatron maps the local spec's norm names onto TE's fused ones).
+Layers' ``_extra_state`` entries (TransformerEngine's FP8 metadata; empty
+placeholders in Megatron's local layers, keyed differently by the two backends)
+are neither saved nor loaded: megascore keeps no FP8 state, and a checkpoint
+saved with one backend would otherwise miss the other's entries.
 
 ``megascore.json`` is written last, so a directory without it is incomplete.
 Loading reads into fresh host buffers and copies into the model only after the
@@ -33,7 +37,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megascore.checkpoint.loader import check_same_architecture
+from megascore.checkpoint.resolve import (
+    check_every_parameter_written,
+    check_same_architecture,
+    model_tensor_names,
+)
 from megascore.distributed import collective_device
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
@@ -49,6 +57,11 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
     return model
+
+
+def _weights_only(sharded: dict[str, Any]) -> dict[str, Any]:
+    """The sharded state dict without the layers' ``_extra_state`` entries (module docstring)."""
+    return {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
 
 
 def _barrier() -> None:
@@ -148,7 +161,7 @@ def save_checkpoint(
         not_empty = int(flag.item())
     if not_empty:
         raise CheckpointError(f"{directory}: not empty; refusing to overwrite")
-    sharded = _unwrap(model).sharded_state_dict()
+    sharded = _weights_only(_unwrap(model).sharded_state_dict())
     dist_checkpointing.save(sharded, str(directory))
     if _rank() == 0:
         dtype = next(_unwrap(model).parameters()).dtype
@@ -197,10 +210,10 @@ def load_checkpoint(
     ckpt_cfg, data = read_checkpoint_config(directory)
     check_same_architecture(ckpt_cfg, model_cfg, str(directory))
     module = _unwrap(model)
-    sharded = module.sharded_state_dict()
+    sharded = _weights_only(module.sharded_state_dict())
     dict_list_map_inplace(_fresh_host_buffer, sharded)
     try:
-        loaded, missing, _unexpected = dist_checkpointing.load(
+        loaded, missing, _ = dist_checkpointing.load(
             sharded, str(directory), strict=StrictHandling.RETURN_ALL
         )
     except CheckpointError:
@@ -209,23 +222,24 @@ def load_checkpoint(
     # CheckpointingException; a damaged file surfaces as OSError / pickle errors.
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{directory}: cannot load distributed checkpoint: {e}") from e
-    if missing:
-        missing = sorted(missing)
-        raise CheckpointError(f"{directory}: tensors missing from checkpoint: {missing[:8]}")
-    targets = {
-        k: v for k, v in module.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
-    }
-    for name, target in targets.items():
-        value = loaded.get(name)
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"{directory}: tensor {name!r} was not loaded")
-        if value.shape != target.shape:
+    # Megatron's "missing" keys are in the checkpoint but not in the model (its
+    # "unexpected" ones, in the model but not the checkpoint, are not loaded: the
+    # coverage check below names them).
+    extra = sorted(k for k in missing if not k.endswith("_extra_state"))
+    if extra:
+        raise CheckpointError(f"{directory}: tensors the model does not have: {extra[:8]}")
+    state = module.state_dict(keep_vars=True)
+    names = model_tensor_names(module)
+    written = [n for n in names if isinstance(loaded.get(n), torch.Tensor)]
+    check_every_parameter_written(names, written, str(directory))
+    for name in names:
+        if loaded[name].shape != state[name].shape:
             raise CheckpointError(
-                f"{directory}: tensor {name!r} loaded as {tuple(value.shape)}, "
-                f"model has {tuple(target.shape)}"
+                f"{directory}: tensor {name!r} loaded as {tuple(loaded[name].shape)}, "
+                f"model has {tuple(state[name].shape)}"
             )
     with torch.no_grad():
-        for name, target in targets.items():
-            target.copy_(loaded[name])
+        for name in names:
+            state[name].copy_(loaded[name])
     logger.info("loaded Megatron checkpoint %s", directory)
     return data

@@ -430,9 +430,9 @@ def forward_packed(
         metrics (empty dicts otherwise).
 
     Raises:
-        ValueError: metrics requested from a model that has none, or MoE training-mode
-            metrics with TP > 1 without sequence parallelism (Megatron refuses it; the
-            engine turns it on for MoE models unless the config disables it).
+        ValueError: metrics requested from a model that has none. (MoE training-mode
+            metrics at TP > 1 also need sequence parallelism: the engine refuses such
+            requests up front, :meth:`megascore.config.EngineConfig.metrics_supported`.)
     """
     cfg = model.config
     cp_group = model.pg_collection.cp
@@ -445,9 +445,6 @@ def forward_packed(
     if want_mtp_metrics and not cfg.mtp_num_layers:
         raise ValueError("MTP metrics requested from a model without MTP layers")
     train_fwd = want_moe_metrics or want_mtp_metrics
-    if train_fwd and cfg.num_moe_experts and cfg.tensor_model_parallel_size > 1:
-        if not cfg.sequence_parallel:
-            raise ValueError("MoE / MTP metrics of a MoE model at TP > 1 need sequence_parallel")
 
     input_ids = packed.input_ids_cp_sharded.to(device, torch.long)  # [1, T_local]
     position_ids = packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size).to(device)

@@ -91,6 +91,40 @@ class TensorLogits:
         return self.tensor[start:end]
 
 
+class Float32Logits:
+    """A :class:`ChunkedLogits` computing an output head's logits in float32
+    (``--lm-head-dtype float32``, docs/engine.md).
+
+    Megatron's output layer multiplies in the model dtype (bf16 logits on GPU) and
+    its loss upcasts them; this multiplies the head's hidden states by the output
+    weight both upcast, the weight once per step (``V/tp x H`` float32 on the device).
+
+    Args:
+        head: the model's :class:`megascore.engine.forward.OutputHead` of this step.
+    """
+
+    def __init__(self, head):
+        self.head = head
+        weight = head.output_layer.weight if head.weight is None else head.weight
+        self.weight = weight.detach().float()  # [V/tp, H]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.head.num_tokens
+
+    @property
+    def vocab_local(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.device
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        rows = self.head.hidden_states[start:end, 0].float()  # [C, H]
+        return self.head.scale_logits(torch.nn.functional.linear(rows, self.weight))
+
+
 def _group_rank_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     if tp_group is None:
         return 0, 1
@@ -327,67 +361,3 @@ def score_tokens(
         top_k_ids=out_ids if top_k > 0 else None,
         top_k_logprobs=out_top if top_k > 0 else None,
     )
-
-
-def vocab_parallel_logprobs(
-    logits: torch.Tensor | ChunkedLogits,
-    targets: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None,
-    temperature: torch.Tensor | None = None,
-    chunk_tokens: int = 1024,
-) -> torch.Tensor:
-    """Log-probabilities of ``targets``: float32 ``[T]`` (see :func:`score_tokens`).
-
-    Args:
-        logits: ``[T, V_local]`` vocab-parallel logits (tensor or :class:`ChunkedLogits`).
-        targets: int64 ``[T]`` global target ids.
-        tp_group: tensor-parallel group, or None for unsharded logits.
-        temperature: float32 ``[T]`` or None.
-        chunk_tokens: tokens per chunk.
-
-    Returns:
-        float32 ``[T]`` log-probabilities.
-    """
-    scores = score_tokens(
-        logits, targets, tp_group=tp_group, temperature=temperature, chunk_tokens=chunk_tokens
-    )
-    assert scores.logprobs is not None
-    return scores.logprobs
-
-
-def vocab_parallel_top_k(
-    logits: torch.Tensor | ChunkedLogits,
-    k: int,
-    *,
-    tp_group: dist.ProcessGroup | None,
-    temperature: torch.Tensor | None = None,
-    chunk_tokens: int = 1024,
-    vocab_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids and log-probabilities per token (see :func:`score_tokens`).
-
-    Args:
-        logits: ``[T, V_local]`` vocab-parallel logits (tensor or :class:`ChunkedLogits`).
-        k: number of alternatives (>= 1).
-        tp_group: tensor-parallel group, or None for unsharded logits.
-        temperature: float32 ``[T]`` or None.
-        chunk_tokens: tokens per chunk.
-        vocab_size: true vocabulary size (padding columns excluded), or None.
-
-    Returns:
-        ``(ids int64 [T, k], logprobs float32 [T, k])``, most likely first.
-    """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    scores = score_tokens(
-        logits,
-        None,
-        tp_group=tp_group,
-        temperature=temperature,
-        top_k=k,
-        chunk_tokens=chunk_tokens,
-        vocab_size=vocab_size,
-    )
-    assert scores.top_k_ids is not None and scores.top_k_logprobs is not None
-    return scores.top_k_ids, scores.top_k_logprobs

@@ -2,8 +2,9 @@
 
 A loss is a function of one batch's per-token logprobs in the NeMo-RL layout
 (entry 0 of each sequence is 0.0, entry t is ``log p(x_t | x_<t)``), the
-effective loss mask (the request mask with entry 0 of every sequence forced to
-0) and the sequence lengths; it returns one float64 value per sequence.
+effective loss mask (:func:`megascore.layout.effective_loss_mask`: the request
+mask with entry 0 of every sequence forced to 0) and the sequence lengths; it
+returns one float64 value per sequence.
 
 To add a loss, write a function with the :data:`LossFn` signature in this
 module and decorate it with ``@register_loss("name")``; it is then listed by
@@ -17,6 +18,8 @@ import logging
 from collections.abc import Callable
 
 import numpy as np
+
+from megascore.layout import count_loss_tokens, effective_loss_mask, segment_sum
 
 logger = logging.getLogger(__name__)
 
@@ -48,39 +51,6 @@ def register_loss(name: str) -> Callable[[LossFn], LossFn]:
 def loss_names() -> tuple[str, ...]:
     """All registered loss names, sorted."""
     return tuple(sorted(_REGISTRY))
-
-
-def segment_sum(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Sums ``values`` over each sequence.
-
-    Args:
-        values: ``[T]`` per-token values.
-        lengths: int64 ``[B]``, every entry >= 1, summing to ``T``.
-
-    Returns:
-        float64 ``[B]`` per-sequence sums.
-    """
-    starts = np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
-    return np.add.reduceat(values.astype(np.float64), starts)
-
-
-def effective_loss_mask(lengths: np.ndarray, loss_mask: np.ndarray | None) -> np.ndarray:
-    """The mask the losses use: the request mask with entry 0 of each sequence zeroed.
-
-    Args:
-        lengths: int64 ``[B]``, every entry >= 1.
-        loss_mask: ``[T]`` of 0/1, or None for all ones.
-
-    Returns:
-        float64 ``[T]`` of 0.0 / 1.0.
-    """
-    total = int(lengths.sum())
-    mask = np.ones(total, np.float64) if loss_mask is None else loss_mask.astype(np.float64)
-    if mask.shape != (total,):
-        raise ValueError(f"loss_mask must have {total} entries, got {mask.shape}")
-    starts = np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
-    mask[starts] = 0.0
-    return mask
 
 
 @register_loss("nll")
@@ -131,6 +101,6 @@ def compute_losses(
     lp = np.asarray(logprobs, dtype=np.float64)
     if lp.shape != mask.shape:
         raise ValueError(f"logprobs must have {mask.shape[0]} entries, got {lp.shape}")
-    num_loss_tokens = segment_sum(mask, lengths).astype(np.int64)
+    num_loss_tokens = count_loss_tokens(lengths, loss_mask)
     losses = {name: _REGISTRY[name](lp, mask, lengths).astype(np.float64) for name in names}
     return losses, num_loss_tokens

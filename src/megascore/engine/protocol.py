@@ -30,8 +30,9 @@ Payloads, in order, after the header:
   (nothing when both are empty).
 * SHUTDOWN: nothing.
 
-Rank 0 validates before its first broadcast, so a bad batch raises there and
-the workers never see a partial message. The loss registry (``loss_names``)
+Rank 0 checks the batch (:meth:`~megascore.types.ScoreBatch.check`) before its
+first broadcast, so a bad batch raises there and the workers never see a
+partial message. The loss registry (``loss_names``)
 must be identical on every rank; the worker's batch lists its losses in the
 registry's sorted order.
 """
@@ -129,23 +130,11 @@ def _bcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
     dist.broadcast(tensor, src=src, group=group)
 
 
-def _validate(batch: ScoreBatch, registry: list[str]) -> None:
-    num_tokens, num_sequences = batch.num_tokens, batch.num_sequences
-    if batch.token_ids.ndim != 1 or batch.lengths.ndim != 1:
-        raise ValueError("token_ids and lengths must be 1-D")
-    if num_sequences and int(np.min(batch.lengths)) < 0:
-        raise ValueError(f"negative sequence length at index {int(np.argmin(batch.lengths))}")
-    if int(np.sum(batch.lengths)) != num_tokens:
-        raise ValueError(f"lengths sum to {int(np.sum(batch.lengths))}, token_ids has {num_tokens}")
-    if batch.loss_mask is not None and batch.loss_mask.shape != (num_tokens,):
-        raise ValueError(f"loss_mask shape {batch.loss_mask.shape} != ({num_tokens},)")
-    if batch.temperature is not None and batch.temperature.shape != (num_sequences,):
-        raise ValueError(f"temperature shape {batch.temperature.shape} != ({num_sequences},)")
-    if batch.top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {batch.top_k}")
-    unknown = sorted(set(batch.losses) - set(registry))
+def _loss_bits(names: Sequence[str], registry: list[str]) -> int:
+    unknown = sorted(set(names) - set(registry))
     if unknown:
         raise ValueError(f"unknown loss names {unknown}; registry is {registry}")
+    return sum(1 << registry.index(name) for name in set(names))
 
 
 def send_batch(
@@ -168,10 +157,11 @@ def send_batch(
         step: step id for the workers' logs.
 
     Raises:
-        ValueError: the batch is inconsistent (before any collective).
+        ValueError: a loss outside the registry (before any collective). The batch
+            itself was checked by :meth:`~megascore.types.ScoreBatch.check`.
     """
     registry = _registry(loss_names)
-    _validate(batch, registry)
+    losses = _loss_bits(batch.losses, registry)
     flags = (
         (FLAG_WANT_LOGPROBS if batch.want_logprobs else 0)
         | (FLAG_WANT_MOE if batch.want_moe_metrics else 0)
@@ -179,7 +169,6 @@ def send_batch(
         | (FLAG_HAS_LOSS_MASK if batch.loss_mask is not None else 0)
         | (FLAG_HAS_TEMPERATURE if batch.temperature is not None else 0)
     )
-    losses = sum(1 << registry.index(name) for name in set(batch.losses))
     header = _header(
         Command.FORWARD,
         step,

@@ -27,20 +27,26 @@ Process groups (all explicit):
   that a rank that failed early still hears from the ranks that first had to
   time out waiting for it.
 * Megatron's TP / CP / EP groups from ``megascore.model.parallel`` (timeout
-  ``collective_timeout_s``).
+  ``collective_timeout_s``). Under NCCL the timeout is enforced by NCCL's watchdog,
+  which aborts the communicators and ends the process
+  (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, set here when unset): a rank left in a
+  collective by a peer that raised (out of memory) or died fails within the timeout.
 
 Failure: when any rank fails a step, every rank learns it through the status
-all-reduce (:func:`megascore.engine.step.run_step`); the engine is then
+all-reduce (:func:`megascore.engine.step.run_step`, which first waits for the
+step's CUDA work so that asynchronous CUDA errors count); the engine is then
 *broken*: rank 0 raises :class:`~megascore.errors.WorkerLostError` for that and
 every later call, and the workers leave their loop with the same error (exit
 non-zero so that the launcher tears the replica down).
 
 Weights: ``EngineConfig.model`` and ``load_weights`` take the model strings of
-:mod:`megascore.engine.loading` (built-in ``tiny``, ``builtin:tiny@7`` for weight
-seed 7, ...). ``load_weights`` first reads the new model's architecture from
-its config alone on rank 0 and refuses another one (or a bad path) before
-anything is built; then it runs on every rank (RELOAD) and swaps the new
-weights in only after every rank loaded them; otherwise the old ones stay.
+:func:`megascore.checkpoint.parse_model_string` (built-in ``tiny``, ``builtin:tiny@7``
+for weight seed 7, ``hf:DIR``, ``megatron:DIR``), loaded by
+:func:`megascore.engine.served_model.load_served_model` at start-up and on reload.
+``load_weights`` first reads the new model's architecture from its config alone
+on rank 0 and refuses another one (or a bad path) before anything is built;
+then it runs on every rank (RELOAD) and swaps the new weights in only after
+every rank loaded them; otherwise the old ones stay.
 """
 
 from __future__ import annotations
@@ -52,25 +58,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from megascore.checkpoint import check_same_architecture
+from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
 from megascore.config import EngineConfig
 from megascore.engine import protocol
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
-from megascore.engine.loading import (
-    LoadedModel,
-    load_model_config_and_weights,
-    model_config,
-    parse_model_spec,
-)
 from megascore.engine.losses import loss_names
-from megascore.engine.step import (
-    StepConfig,
-    StepGroups,
-    agree_on_status,
-    finish_step,
-    run_step,
-    validate_batch,
-)
+from megascore.engine.served_model import LoadedModel, load_served_model
+from megascore.engine.step import StepConfig, StepGroups, agree_on_status, finish_step, run_step
 from megascore.errors import (
     LOAD_FAILURES,
     CheckpointError,
@@ -78,7 +72,7 @@ from megascore.errors import (
     WorkerLostError,
 )
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
-from megascore.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
+from megascore.types import BatchLimits, ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +88,13 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
         True when this call initialised it (the engine then destroys it on shutdown),
         False when the caller had (the caller keeps owning it).
     """
+    if device.type == "cuda":
+        # NCCL enforces a group's timeout in its watchdog thread: a collective that
+        # outlives it (a peer raised, hung or died mid-step) aborts the communicators
+        # and ends this process, so the launcher tears the replica down instead of
+        # leaving the peers in the collective. torchrun sets this too; a bare
+        # RANK / WORLD_SIZE start (Kubernetes) does not.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -102,7 +103,11 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     # Steps use the explicit groups, with the collective timeout.
     timeout = max(engine_cfg.collective_timeout_s, _STARTUP_TIMEOUT_S)
     dist.init_process_group(
-        backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout)
+        backend=backend,
+        init_method="env://",
+        timeout=datetime.timedelta(seconds=timeout),
+        # NCCL: bind this rank's GPU (its barriers would otherwise guess one)
+        device_id=device if device.type == "cuda" else None,
     )
     logger.info("rank %d/%d: %s initialised", dist.get_rank(), dist.get_world_size(), backend)
     return True
@@ -147,6 +152,14 @@ class DistributedEngine:
             vocab_size=loaded.config.vocab_size,
             device=self.device,
             output_rank=_SRC,
+            lm_head_dtype=engine_cfg.lm_head_dtype,
+        )
+        self.limits = BatchLimits(
+            vocab_size=loaded.config.vocab_size,
+            max_length=loaded.config.max_position_embeddings,
+            max_top_k=engine_cfg.max_top_k,
+            loss_names=loss_names(),
+            metrics_supported=engine_cfg.metrics_supported(is_moe),
         )
         self._step = 0
         self._broken: str | None = None
@@ -172,7 +185,7 @@ class DistributedEngine:
             ValueError: an unsupported model spec (on every rank, before any collective).
             WorkerLostError: some rank failed to build the model.
         """
-        parse_model_spec(engine_cfg.model)  # bad specs fail alike everywhere, early
+        parse_model_string(engine_cfg.model)  # bad strings fail alike everywhere, early
         device = resolve_device(engine_cfg)
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -192,7 +205,7 @@ class DistributedEngine:
             groups = StepGroups(tp=pg_collection.tp, cp=pg_collection.cp, status=status)
             loaded, error = None, None
             try:
-                loaded = load_model_config_and_weights(engine_cfg.model, engine_cfg, pg_collection)
+                loaded = load_served_model(engine_cfg.model, engine_cfg, pg_collection)
             except LOAD_FAILURES as e:  # raised below; the caller logs the reason
                 error = e
             except Exception as e:  # reported to every rank below
@@ -256,12 +269,19 @@ class DistributedEngine:
             mtp_metric_names=tuple(mtp_metric_names(cfg)),
         )
 
+    def check(self, batch: ScoreBatch) -> None:
+        """Checks a batch against the served model (any rank; no collective).
+
+        Raises:
+            InvalidRequestError: naming the field and sequence that do not fit.
+        """
+        batch.check(self.limits)
+
     def score(self, batch: ScoreBatch) -> ScoreOutput:
         """Rank 0: scores one batch on every rank of the replica.
 
         Args:
-            batch: the batch (validated by the caller; re-checked here before any
-                collective).
+            batch: the batch (:meth:`check` runs first, before any collective).
 
         Returns:
             The batch's :class:`ScoreOutput` (flat token layout, ``weights_version`` set).
@@ -272,7 +292,9 @@ class DistributedEngine:
                 must be restarted.
         """
         self._require_driver("score")
-        self._check_batch(batch)
+        if self._broken is not None:
+            raise WorkerLostError(f"replica is broken: {self._broken}")
+        self.check(batch)
         self._step += 1
         try:
             protocol.send_batch(
@@ -306,7 +328,7 @@ class DistributedEngine:
         """
         self._require_driver("load_weights")
         try:
-            spec = parse_model_spec(model)
+            spec = parse_model_string(model)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         served = self.loaded.spec
@@ -314,11 +336,7 @@ class DistributedEngine:
             raise InvalidRequestError(f"model {model!r}: the served model is {served.name!r}")
         # The architecture first, from the checkpoint's config alone: a mismatch (or a
         # bad path) is refused before any rank builds a model or opens a weight file.
-        try:
-            new_config = model_config(model, self.engine_cfg)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
-        check_same_architecture(new_config, self.loaded.config, model)
+        check_same_architecture(read_model_config(model), self.loaded.config, model)
         version = weights_version  # "" lets the loader derive one (seed, checkpoint hash)
         self._step += 1
         try:
@@ -400,7 +418,7 @@ class DistributedEngine:
         try:
             # Checks the architecture from the config before building anything (every
             # rank: rank 0 checked it already, but a worker may see other files).
-            new = load_model_config_and_weights(
+            new = load_served_model(
                 model,
                 self.engine_cfg,
                 self.pg_collection,
@@ -422,25 +440,6 @@ class DistributedEngine:
         old, self.loaded = self.loaded, new
         del old
         logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)
-
-    def _check_batch(self, batch: ScoreBatch) -> None:
-        if self._broken is not None:
-            raise WorkerLostError(f"replica is broken: {self._broken}")
-        cfg, e = self.loaded.config, self.engine_cfg
-        try:
-            validate_batch(
-                batch,
-                vocab_size=cfg.vocab_size,
-                max_length=cfg.max_position_embeddings,
-                max_top_k=e.max_top_k,
-                # Megatron's training-mode MoE forward (the metrics) needs SP with TP > 1;
-                # only an explicit sequence_parallel=False gets here.
-                metrics_supported=not (
-                    cfg.is_moe and e.tensor_model_parallel_size > 1 and not self.sequence_parallel
-                ),
-            )
-        except ValueError as err:
-            raise InvalidRequestError(str(err)) from err
 
     def _require_driver(self, what: str) -> None:
         if self.rank != _SRC:

@@ -3,21 +3,23 @@
 Every rank of the replica runs :func:`run_step` with the same
 :class:`~megascore.types.ScoreBatch` (broadcast by rank 0):
 
-1. pack the batch for this rank's CP rank (NeMo-RL layout), with next-token
+1. pack the flat ids for this rank's CP rank (NeMo-RL layout), with next-token
    targets rolled inside each padded segment on the *full* packed axis and
    then CP-sharded like the inputs;
 2. ``forward_packed`` -> the output head (final hidden states + output layer);
 3. logprobs / top-k over the TP group (:func:`megascore.engine.logprobs.score_tokens`),
    chunk by chunk: the head computes the vocab-parallel logits of ``chunk_tokens``
    rows at a time, so ``[T_local, V/tp]`` never exists;
-4. the CP group that holds the output rank gathers the per-token results;
+4. the CP group that holds the output rank gathers the per-token results (each in
+   its own dtype: top-k ids stay int64);
 5. every rank all-reduces a per-rank failure flag over the status group, so a
    rank that raised anywhere in 1-4 is known to all (the others reach the flag
    after their own collectives time out) and :class:`StepFailedError` is raised
    on every rank.
 
 The output rank then turns the gathered packed results into a
-:class:`~megascore.types.ScoreOutput` with :func:`finish_step` (local work only).
+:class:`~megascore.types.ScoreOutput` with :func:`finish_step` (local work only),
+through the packed <-> flat index that packing built (``token_positions``).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megascore import layout
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import forward_packed
-from megascore.engine.logprobs import score_tokens
-from megascore.engine.losses import compute_losses, effective_loss_mask, loss_names
+from megascore.engine.logprobs import Float32Logits, score_tokens
+from megascore.engine.losses import compute_losses
 from megascore.errors import WorkerLostError
-from megascore.packing import cp_shard_indices, pack_sequences, roll_within_segments
+from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
 from megascore.types import ScoreBatch, ScoreOutput
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class StepConfig:
         vocab_size: true vocabulary size (padded logit columns never enter the top-k).
         device: device of the model inputs.
         output_rank: global rank that builds the :class:`ScoreOutput`.
+        lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
     """
 
     pad_multiple: int
@@ -78,84 +82,40 @@ class StepConfig:
     vocab_size: int
     device: torch.device
     output_rank: int = 0
+    lm_head_dtype: str = "model"
 
 
 @dataclasses.dataclass
 class StepResult:
     """What :func:`run_step` returns on a rank.
 
+    The per-token tensors are in packed order (position ``p`` predicts the token at
+    ``p + 1`` of its segment), gathered over CP, on the CPU, on the ranks of the
+    output rank's CP group; None elsewhere and when not requested.
+
     Attributes:
-        packed: ``[T_padded, F]`` float64 gathered per-token results in packed order
-            (column 0 logprob if computed, then ``k`` top-k ids, then ``k`` top-k
-            logprobs), on the ranks of the output rank's CP group; None elsewhere.
-        cu_seqlens_padded: int64 ``[B+1]`` padded segment boundaries (CPU).
+        logprobs: float32 ``[T_padded]`` logprob of each position's target.
+        top_k_ids: int64 ``[T_padded, k]``.
+        top_k_logprobs: float32 ``[T_padded, k]``.
+        token_positions: int64 ``[T]`` packed position of every token of the batch
+            (:attr:`megascore.packing.PackedSequences.token_positions`).
         moe_metrics: MoE metric name -> value of this forward.
         mtp_metrics: MTP metric name -> value of this forward.
     """
 
-    packed: torch.Tensor | None
-    cu_seqlens_padded: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_k_ids: torch.Tensor | None
+    top_k_logprobs: torch.Tensor | None
+    token_positions: torch.Tensor
     moe_metrics: dict[str, float]
     mtp_metrics: dict[str, float]
-
-
-def validate_batch(
-    batch: ScoreBatch, *, vocab_size: int, max_length: int, max_top_k: int, metrics_supported: bool
-) -> None:
-    """Checks a batch against the model before any collective (rank 0).
-
-    Args:
-        batch: the batch.
-        vocab_size: token ids must be below it.
-        max_length: longest sequence accepted.
-        max_top_k: largest ``top_k`` accepted.
-        metrics_supported: whether MoE / MTP metrics can be computed in this layout
-            (False: a MoE model with TP > 1 and sequence parallelism disabled).
-
-    Raises:
-        ValueError: naming the offending field (and sequence).
-    """
-    lengths = np.asarray(batch.lengths)
-    if lengths.ndim != 1 or lengths.size == 0:
-        raise ValueError("lengths must be a non-empty 1-D array")
-    bad = np.flatnonzero((lengths < 1) | (lengths > max_length))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"sequence {i}: length {int(lengths[i])} not in [1, {max_length}]")
-    if int(lengths.sum()) != batch.num_tokens:
-        raise ValueError(f"lengths sum to {int(lengths.sum())}, token_ids has {batch.num_tokens}")
-    ids = np.asarray(batch.token_ids)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        seq = int(
-            np.searchsorted(
-                np.cumsum(lengths), np.flatnonzero((ids < 0) | (ids >= vocab_size))[0], side="right"
-            )
-        )
-        raise ValueError(f"sequence {seq}: token ids must be in [0, {vocab_size})")
-    if batch.loss_mask is not None and np.shape(batch.loss_mask) != (batch.num_tokens,):
-        raise ValueError(f"loss_mask must have {batch.num_tokens} entries")
-    temps = batch.temperatures()
-    if np.shape(temps) != (batch.num_sequences,) or not (np.isfinite(temps) & (temps > 0)).all():
-        raise ValueError("temperature must be finite and > 0, one per sequence")
-    if not 0 <= batch.top_k <= max_top_k:
-        raise ValueError(f"top_k must be in [0, {max_top_k}], got {batch.top_k}")
-    unknown = sorted(set(batch.losses) - set(loss_names()))
-    if unknown:
-        raise ValueError(f"unknown losses {unknown}; known: {list(loss_names())}")
-    if (batch.want_moe_metrics or batch.want_mtp_metrics) and not metrics_supported:
-        raise ValueError(
-            "MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel, which the "
-            "engine config disables (leave it unset to turn it on)"
-        )
 
 
 def _wants_logprobs(batch: ScoreBatch) -> bool:
     return batch.want_logprobs or bool(batch.losses)
 
 
-def _megatron_loss_mask(
-    batch: ScoreBatch, cu_seqlens: torch.Tensor, cu_padded: torch.Tensor
-) -> torch.Tensor:
+def _megatron_loss_mask(batch: ScoreBatch, packed: PackedSequences) -> torch.Tensor:
     """The request's loss mask in Megatron's alignment on the full packed axis.
 
     Megatron's mask is aligned with the targets (entry ``p``: whether the target of
@@ -166,85 +126,68 @@ def _megatron_loss_mask(
         float32 ``[1, T_padded]`` (0 on pads and at every segment's last position).
     """
     lengths = np.asarray(batch.lengths, dtype=np.int64)
-    mask = torch.from_numpy(effective_loss_mask(lengths, batch.loss_mask)).float()
+    mask = torch.from_numpy(layout.effective_loss_mask(lengths, batch.loss_mask)).float()
+    cu_padded = packed.cu_seqlens_padded.cpu()
     full = torch.zeros(1, int(cu_padded[-1]))
-    full[0, _token_positions(cu_seqlens.cpu(), cu_padded)] = mask
+    full[0, packed.token_positions] = mask
     return roll_within_segments(full, cu_padded, shifts=-1)
-
-
-def _token_positions(cu_seqlens: torch.Tensor, cu_padded: torch.Tensor) -> torch.Tensor:
-    """int64 ``[T]`` packed position of every real token, in batch order."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    starts = torch.repeat_interleave(cu_padded[:-1].long(), lens)
-    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(
-        torch.cumsum(lens, 0) - lens, lens
-    )
-    return starts + within
 
 
 def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
     """Steps 1-4 of the module docstring on this rank (issues the TP / CP collectives)."""
-    cp_rank, cp_size = dist.get_rank(groups.cp), dist.get_world_size(groups.cp)
-    lengths = torch.from_numpy(np.asarray(batch.lengths, dtype=np.int64))
-    ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64))
-    # rows: [B, S_max] right-padded with 0 (pack_sequences' input format)
-    offsets = torch.cumsum(lengths, 0) - lengths
-    rows = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.int64)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    rows[seq_of_token, torch.arange(len(ids)) - offsets[seq_of_token]] = ids
+    device = cfg.device
     packed = pack_sequences(
-        rows.to(cfg.device),
-        lengths,
+        torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).to(device),
+        batch.lengths,
         pad_individual_seqs_to_multiple_of=cfg.pad_multiple,
-        cp_rank=cp_rank,
-        cp_size=cp_size,
+        cp_rank=dist.get_rank(groups.cp),
+        cp_size=dist.get_world_size(groups.cp),
     )
     cu_padded = packed.cu_seqlens_padded.to("cpu", torch.int64)
-    shard = cp_shard_indices(cu_padded, cp_rank, cp_size).to(cfg.device)
-    # targets: [1, T] -> [1, T/cp]; rolled on the full axis, then sharded like the inputs
-    targets = roll_within_segments(packed.input_ids, cu_padded, shifts=-1)[:, shard]
+    shard = packed.shard_indices
+    # targets: [1, T_padded] rolled on the full axis -> [T_local], sharded like the inputs
+    targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
     temperature = None
     if batch.temperature is not None:
-        seg_lens = cu_padded[1:] - cu_padded[:-1]
         temps = torch.from_numpy(np.asarray(batch.temperature, dtype=np.float32))
-        temperature = torch.repeat_interleave(temps, seg_lens).to(cfg.device)[shard]
-
+        temperature = torch.repeat_interleave(temps, cu_padded.diff())[shard].to(device)
     # Metrics of a model without MoE / MTP layers are empty, not an error.
     want_moe = batch.want_moe_metrics and bool(model.config.num_moe_experts)
     want_mtp = batch.want_mtp_metrics and bool(model.config.mtp_num_layers)
     mtp_mask = None
     if want_mtp and batch.loss_mask is not None:
-        mtp_mask = _megatron_loss_mask(batch, packed.cu_seqlens, cu_padded)[:, shard.cpu()]
+        mtp_mask = _megatron_loss_mask(batch, packed)[:, shard].to(device)
+
     outputs = forward_packed(
         model,
         packed,
         want_moe_metrics=want_moe,
         want_mtp_metrics=want_mtp,
-        loss_mask_packed_local=None if mtp_mask is None else mtp_mask.to(cfg.device),
+        loss_mask_packed_local=mtp_mask,
     )
-    k = batch.top_k
     scores = score_tokens(
-        outputs.head,
-        targets[0] if _wants_logprobs(batch) else None,
+        outputs.head if cfg.lm_head_dtype == "model" else Float32Logits(outputs.head),
+        targets if _wants_logprobs(batch) else None,
         tp_group=groups.tp,
         temperature=temperature,
-        top_k=k,
+        top_k=batch.top_k,
         chunk_tokens=cfg.chunk_tokens,
         vocab_size=cfg.vocab_size,
     )
-    # columns: [T_local, F] float64 (ids < 2**53 are exact)
-    columns = []
-    if scores.logprobs is not None:
-        columns.append(scores.logprobs.double().unsqueeze(-1))
-    if k > 0:
-        columns += [scores.top_k_ids.double(), scores.top_k_logprobs.double()]
-    gathered = None
-    if columns and cfg.output_rank in dist.get_process_group_ranks(groups.cp):
-        local = torch.cat(columns, dim=-1).unsqueeze(0)
-        gathered = gather_cp_shards(local, cu_padded.to(local.device), groups.cp)[0].cpu()
+
+    on_output_side = cfg.output_rank in dist.get_process_group_ranks(groups.cp)
+
+    def gathered(local: torch.Tensor | None) -> torch.Tensor | None:
+        """``[T_local, ...]`` -> ``[T_padded, ...]`` on the CPU, same dtype."""
+        if local is None or not on_output_side:
+            return None
+        return gather_cp_shards(local.unsqueeze(0), cu_padded.to(local.device), groups.cp)[0].cpu()
+
     return StepResult(
-        packed=gathered,
-        cu_seqlens_padded=cu_padded,
+        logprobs=gathered(scores.logprobs),
+        top_k_ids=gathered(scores.top_k_ids),
+        top_k_logprobs=gathered(scores.top_k_logprobs),
+        token_positions=packed.token_positions,
         moe_metrics=dict(outputs.moe_metrics),
         mtp_metrics=dict(outputs.mtp_metrics),
     )
@@ -270,6 +213,14 @@ def agree_on_status(failed: bool, status_group: dist.ProcessGroup) -> list[int]:
     return [ranks[i] for i in torch.nonzero(flags).flatten().tolist()]
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Waits for the step's queued CUDA work, so that an asynchronous CUDA error (a
+    faulting kernel, a failed NCCL collective) raises on this rank before it reports
+    success to the status all-reduce. A no-op on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
     """Runs one forward step on this rank and agrees on its outcome with every rank.
 
@@ -290,6 +241,7 @@ def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> S
     result = None
     try:
         result = _local_results(model, batch, groups, cfg)
+        wait_for_device(cfg.device)
     except Exception as e:  # reported to every rank through the status all-reduce
         logger.exception("rank %d: step failed", dist.get_rank())
         error = e
@@ -304,34 +256,35 @@ def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> S
     return result
 
 
-def packed_to_flat(
-    packed: torch.Tensor, cu_seqlens_padded: torch.Tensor, lengths: np.ndarray, fill: float
-) -> np.ndarray:
-    """Moves rolled-target results from packed order to the batch's flat token layout.
+@dataclasses.dataclass(frozen=True)
+class PredictionIndex:
+    """The packed -> flat index of a step's per-token results, built once per step.
 
-    Position ``p`` of a padded segment holds the prediction of token ``p + 1``;
-    in the output, entry ``t`` of a sequence holds the prediction of token
-    ``t`` and entry 0 holds ``fill``.
+    Position ``p`` of a padded segment holds the prediction of token ``p + 1``; in
+    the output, entry ``t`` of a sequence holds the prediction of token ``t`` and
+    entry 0 (no prediction) holds a fill value.
 
-    Args:
-        packed: ``[T_padded, F]`` per-token results in packed order.
-        cu_seqlens_padded: int64 ``[B+1]`` padded boundaries.
-        lengths: int64 ``[B]`` real lengths (>= 1).
-        fill: value of entry 0 of each sequence.
-
-    Returns:
-        float64 ``[T, F]`` with ``T = lengths.sum()``.
+    Attributes:
+        source: int64 ``[T]`` packed position that predicts each token of the batch
+            (meaningless at the first entries, which are filled).
+        first: int64 ``[B]`` flat index of each sequence's entry 0.
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    seg_starts = cu_seqlens_padded[:-1].numpy().astype(np.int64)
-    out_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    preds = lengths - 1  # predictions per sequence
-    seq = np.repeat(np.arange(len(lengths)), preds)
-    within = np.arange(int(preds.sum())) - np.repeat(np.cumsum(preds) - preds, preds)
-    out = np.full((total, packed.shape[1]), fill, dtype=np.float64)
-    out[out_starts[seq] + 1 + within] = packed.numpy()[seg_starts[seq] + within]
-    return out
+
+    source: np.ndarray
+    first: np.ndarray
+
+    @classmethod
+    def build(cls, token_positions: torch.Tensor, lengths: np.ndarray) -> PredictionIndex:
+        """From the packed position of every token and the batch's lengths."""
+        return cls(source=token_positions.numpy() - 1, first=layout.offsets(lengths)[:-1])
+
+    def to_flat(self, packed: torch.Tensor | None, fill: float) -> np.ndarray | None:
+        """``[T_padded, ...]`` packed results -> ``[T, ...]`` flat (same dtype), or None."""
+        if packed is None:
+            return None
+        flat = packed.numpy()[self.source]
+        flat[self.first] = fill
+        return flat
 
 
 def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
@@ -339,38 +292,21 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
 
     Args:
         batch: the batch of the step.
-        result: this rank's :class:`StepResult` (``packed`` set when anything was scored).
+        result: the output rank's :class:`StepResult`.
 
     Returns:
         The output in the batch's flat token layout (``weights_version`` left empty).
     """
-    k = batch.top_k
-    logprobs = top_ids = top_lps = None
-    col = 0
-    if _wants_logprobs(batch):
-        logprobs = packed_to_flat(
-            result.packed[:, :1], result.cu_seqlens_padded, batch.lengths, 0.0
-        )[:, 0].astype(np.float32)
-        col = 1
-    if k > 0:
-        top_ids = packed_to_flat(
-            result.packed[:, col : col + k], result.cu_seqlens_padded, batch.lengths, -1.0
-        ).astype(np.int64)
-        top_lps = packed_to_flat(
-            result.packed[:, col + k : col + 2 * k], result.cu_seqlens_padded, batch.lengths, 0.0
-        ).astype(np.float32)
-    if logprobs is not None:
-        losses, num_loss_tokens = compute_losses(
-            batch.losses, logprobs, batch.lengths, batch.loss_mask
-        )
-    else:
-        losses, num_loss_tokens = compute_losses(
-            (), np.zeros(batch.num_tokens), batch.lengths, batch.loss_mask
-        )
+    index = PredictionIndex.build(result.token_positions, batch.lengths)
+    logprobs = index.to_flat(result.logprobs, 0.0)
+    scored = logprobs if logprobs is not None else np.zeros(batch.num_tokens)
+    losses, num_loss_tokens = compute_losses(
+        batch.losses if logprobs is not None else (), scored, batch.lengths, batch.loss_mask
+    )
     return ScoreOutput(
         logprobs=logprobs if batch.want_logprobs else None,
-        top_k_ids=top_ids,
-        top_k_logprobs=top_lps,
+        top_k_ids=index.to_flat(result.top_k_ids, -1),
+        top_k_logprobs=index.to_flat(result.top_k_logprobs, 0.0),
         losses=losses,
         num_loss_tokens=num_loss_tokens,
         moe_metrics=result.moe_metrics if batch.want_moe_metrics else {},

@@ -11,7 +11,8 @@ Attention backends:
 * ``"torch"``: Megatron's local layer spec with
   :class:`megascore.model.attention.TorchCoreAttention` as core attention.
   Runs anywhere, including the CPU (with ``megascore.model.cpu_compat``).
-* ``"auto"``: ``"te"`` when available, else ``"torch"``.
+* ``"auto"``: ``"te"`` when TE is available, the device is CUDA and the dtype is
+  bfloat16 / float16 (TE has no float32 THD attention), else ``"torch"``.
 """
 
 from __future__ import annotations
@@ -56,24 +57,52 @@ HAVE_TE = bool(_MCORE_HAVE_TE)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _te_error() -> str:
+    """Why TransformerEngine does not import (Megatron's ``HAVE_TE`` hides the reason)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or TE not finding CUDA libraries
+        return f"{type(e).__name__}: {e}"
+    return "megatron.core.extensions.transformer_engine.HAVE_TE is False"
+
+
 def resolve_attention_backend(engine_cfg: EngineConfig, device: torch.device) -> str:
-    """Picks the attention backend.
+    """Picks the attention backend (the start-up check of ``--attention-backend``).
+
+    ``"auto"`` is ``"te"`` only where TransformerEngine can run the packed (THD)
+    attention: TE importable (``HAVE_TE``), a CUDA device and a bfloat16 / float16
+    model (TE's fused and flash attention have no float32 kernel; its float32 path
+    refuses THD up to TE 2.10 and context parallelism in every version). Otherwise
+    ``"torch"``. An explicit ``"te"`` that cannot run fails here, at start-up, rather
+    than at the first request.
 
     Args:
-        engine_cfg: requested backend ("auto", "te" or "torch").
+        engine_cfg: requested backend ("auto", "te" or "torch") and dtype.
         device: the model's device.
 
     Returns:
         "te" or "torch".
 
     Raises:
-        ValueError: "te" requested without TransformerEngine or CUDA.
+        ValueError: "te" requested without TransformerEngine, without CUDA or in float32.
     """
-    te_ok = HAVE_TE and device.type == "cuda"
-    if engine_cfg.attention_backend == "te" and not te_ok:
-        raise ValueError("attention_backend 'te' needs TransformerEngine and a CUDA device")
+    half = engine_cfg.dtype in ("bfloat16", "float16")
     if engine_cfg.attention_backend == "auto":
-        return "te" if te_ok else "torch"
+        if device.type == "cuda" and half and not HAVE_TE:
+            logger.warning("TransformerEngine is not importable (%s): torch attention", _te_error())
+        return "te" if HAVE_TE and device.type == "cuda" and half else "torch"
+    if engine_cfg.attention_backend == "te":
+        if not HAVE_TE:
+            raise ValueError(
+                f"attention_backend 'te': TransformerEngine is not importable ({_te_error()}; "
+                "it comes with the NGC PyTorch image); use --attention-backend torch"
+            )
+        if device.type != "cuda":
+            raise ValueError(f"attention_backend 'te' needs a CUDA device, not {device}")
+        if not half:
+            raise ValueError(
+                f"attention_backend 'te' needs dtype bfloat16 or float16, not {engine_cfg.dtype}"
+            )
     return engine_cfg.attention_backend
 
 

@@ -30,7 +30,7 @@ LENGTHS = [13, 1, 6, 2, 9, 20]
 
 
 def run(work: Path, out: Path, family: str, layout: str) -> None:
-    from megascore.checkpoint.loader import resolve_model
+    from megascore.checkpoint import resolve_model
     from megascore.config import EngineConfig
     from megascore.distributed import gather_cp_shards
     from megascore.engine.forward import forward_packed
@@ -52,7 +52,7 @@ def run(work: Path, out: Path, family: str, layout: str) -> None:
         model = build_model(cfg, engine_cfg, pgs)
         load(model)
         gen = torch.Generator().manual_seed(11)
-        ids = torch.randint(0, cfg.vocab_size, (len(LENGTHS), max(LENGTHS)), generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (sum(LENGTHS),), generator=gen)  # flat
         packed = pack_sequences(
             ids,
             torch.tensor(LENGTHS),

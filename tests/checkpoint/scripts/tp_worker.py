@@ -4,8 +4,8 @@
 ``mg_tp1_<family>/`` (Megatron checkpoints saved at TP=1 by the test). Phases:
 
 * TP=2 (expert TP=2): load each HF checkpoint (every family), score; save ``mg_tp2_<family>``;
-  load ``mg_tp1_<family>`` and score; hot-reload ``hf_llama_b`` into the llama model
-  via ``reload_weights`` and score.
+  load ``mg_tp1_<family>`` and score; load ``hf_llama_b`` through the engine's load
+  path (``load_served_model`` with the llama architecture expected) and score.
 * TP=1, EP=2: the same for the MoE families (experts split 2 + 2).
 * DistributedEngine at TP=2 serving ``hf:hf_llama``: score, LoadWeights
   ``megatron:mg_tp1_llama_b`` (RELOAD on both ranks), a refused reload (other
@@ -41,8 +41,9 @@ def _record(out: Path, case: str, fn) -> None:
 
 
 def _phase(work: Path, out: Path, tag: str, engine_cfg, families: list[str]) -> None:
-    from megascore.checkpoint.loader import reload_weights, resolve_model
+    from megascore.checkpoint import resolve_model
     from megascore.checkpoint.megatron_ckpt import save_checkpoint
+    from megascore.engine.served_model import load_served_model
     from megascore.model.build import build_model
     from megascore.model.parallel import destroy_parallel, initialize_parallel
 
@@ -69,9 +70,9 @@ def _phase(work: Path, out: Path, tag: str, engine_cfg, families: list[str]) -> 
         _record(out, f"mg_tp1_to_{tag}_{family}", from_megatron)
         if family == "llama":
 
-            def reloaded(model=model, cfg=cfg):
-                reload_weights(model, cfg, f"hf:{work / 'hf_llama_b'}")
-                return megatron_logprobs(model, ids, pgs.tp)
+            def reloaded(cfg=cfg):
+                new = load_served_model(f"hf:{work / 'hf_llama_b'}", engine_cfg, pgs, expected=cfg)
+                return megatron_logprobs(new.model, ids, pgs.tp)
 
             _record(out, f"reload_{tag}_llama", reloaded)
     destroy_parallel()

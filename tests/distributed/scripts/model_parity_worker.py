@@ -42,8 +42,9 @@ LENGTHS = [13, 1, 6, 2, 9]
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat ids ``[T]`` of the sequences concatenated, and their lengths."""
     gen = torch.Generator().manual_seed(11)
-    ids = torch.randint(1, 512, (len(LENGTHS), max(LENGTHS)), generator=gen)
+    ids = torch.randint(1, 512, (sum(LENGTHS),), generator=gen)
     return ids, torch.tensor(LENGTHS)
 
 

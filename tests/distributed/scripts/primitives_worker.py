@@ -91,8 +91,8 @@ def broadcast_from_nonzero_source(rank, groups):
 
 @check
 def gather_cp_shards_matches_single_process_packing(rank, groups):
-    ids = torch.arange(1, 29).reshape(4, 7)
     lengths = [5, 0, 3, 7]
+    ids = torch.arange(1, 16)  # [T], the sequences concatenated
     kwargs = {"pad_individual_seqs_to_multiple_of": 4, "pad_packed_seq_to": 24}
     full = pack_sequences(ids, lengths, **kwargs)
     mine = pack_sequences(ids, lengths, cp_rank=rank, cp_size=2, **kwargs)

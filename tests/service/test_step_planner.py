@@ -1,4 +1,4 @@
-"""Pure planning / slicing: first-fit decreasing, merging, output slicing and reassembly."""
+"""Step planning (first-fit decreasing, merging) and the response codec, on the fake engine."""
 
 from __future__ import annotations
 
@@ -7,16 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megascore.layout import concat_outputs, select_sequences
 from megascore.types import ScoreBatch
 from megascore.v1 import scoring_pb2 as pb
-from megascore_server.convert import (
-    build_response,
-    concat_outputs,
-    count_loss_tokens,
-    select_sequences,
-    token_index,
-)
-from megascore_server.microbatch import fill_step, merge_batches, padded_lengths
+from megascore_server.convert import build_response
+from megascore_server.step_planner import fill_step, merge_batches
 from tests.service.fake_engine import compute
 
 
@@ -59,11 +54,6 @@ def test_fill_step_head_first_and_errors():
         fill_step([np.array([11])], 10)
 
 
-def test_padded_lengths():
-    np.testing.assert_array_equal(padded_lengths(np.array([1, 4, 5]), 4), [4, 4, 8])
-    np.testing.assert_array_equal(padded_lengths(np.array([1, 4, 5]), 1), [1, 4, 5])
-
-
 def make_batch(seqs, *, top_k=0, losses=(), temperature=1.0, mask=None, logprobs=True):
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
     return ScoreBatch(
@@ -74,15 +64,6 @@ def make_batch(seqs, *, top_k=0, losses=(), temperature=1.0, mask=None, logprobs
         top_k=top_k,
         losses=losses,
         want_logprobs=logprobs,
-    )
-
-
-def test_token_index_slice_and_gather():
-    lengths = np.array([2, 3, 1, 4])
-    offsets = np.array([0, 2, 5, 6, 10])
-    assert token_index(offsets, lengths, np.array([1, 2])) == slice(2, 6)
-    np.testing.assert_array_equal(
-        token_index(offsets, lengths, np.array([3, 0])), [6, 7, 8, 9, 0, 1]
     )
 
 
@@ -122,12 +103,11 @@ def test_merge_select_concat_round_trip():
     assert set(joined.losses) == {"nll"}
 
 
-def test_count_loss_tokens_and_response_fields():
+def test_response_encodes_the_output_as_it_is():
     batch = make_batch([[1, 2, 3], [4, 5]], mask=[[1, 0, 0], [1, 1]], top_k=1, losses=("nll",))
-    np.testing.assert_array_equal(count_loss_tokens(batch), [0, 1])
     out = compute(batch)
-    out.num_loss_tokens = None  # the server derives it from the mask
+    out.num_loss_tokens = np.array([7, 9])  # the codec encodes, it does not recompute
     response = build_response("r", batch, out, pb.Timings(num_steps=1))
     assert response.top_k == 1 and list(response.sequence_losses) == ["nll"]
-    assert np.frombuffer(response.num_loss_tokens.data, "<i8").tolist() == [0, 1]
+    assert np.frombuffer(response.num_loss_tokens.data, "<i8").tolist() == [7, 9]
     assert not response.moe_metrics and not response.mtp_metrics

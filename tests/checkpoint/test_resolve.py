@@ -1,4 +1,4 @@
-"""Model strings, metadata and weights versions (no model is built here)."""
+"""Model strings (the one grammar), metadata and weights versions (no model is built here)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from megascore.checkpoint.loader import (
+from megascore.checkpoint import (
+    ModelSpec,
     check_same_architecture,
     parse_model_string,
     read_model_config,
@@ -20,14 +21,27 @@ from megascore.errors import CheckpointError
 from megascore.model.config import builtin_model
 
 
-def test_parse_model_string():
-    assert parse_model_string("tiny") == ("builtin", "tiny")
-    assert parse_model_string("hf:/a/b") == ("hf", "/a/b")
-    assert parse_model_string("megatron:rel/dir") == ("megatron", "rel/dir")
-    with pytest.raises(CheckpointError, match="use a built-in name"):
-        parse_model_string("llama-7b")
-    with pytest.raises(CheckpointError, match="missing directory"):
-        parse_model_string("hf:")
+def test_parse_model_string_is_the_one_grammar():
+    assert parse_model_string("tiny") == ModelSpec("builtin", "tiny")
+    assert parse_model_string("tiny@7") == ModelSpec("builtin", "tiny", seed=7)
+    assert parse_model_string("builtin:tiny-moe@-3") == ModelSpec("builtin", "tiny-moe", seed=-3)
+    assert parse_model_string("hf:/ckpt/llama-3/") == ModelSpec(
+        "hf", "llama-3", path="/ckpt/llama-3/"
+    )
+    assert parse_model_string("megatron:rel/dir") == ModelSpec("megatron", "dir", path="rel/dir")
+    for bad, match in (
+        ("llama-7b", "use a built-in name"),
+        ("builtin:nope@1", "use a built-in name"),
+        ("tiny@x", "seed after '@' must be an integer"),
+        ("hf:", "missing directory after 'hf:'"),
+        ("megatron:", "missing directory after 'megatron:'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            parse_model_string(bad)
+    with pytest.raises(ValueError, match="use a built-in name"):
+        resolve_model("llama-7b")  # every entry point speaks the same grammar
+    with pytest.raises(ValueError, match="seed after"):
+        read_model_config("tiny@x")
 
 
 def test_builtin_resolves_without_loader():
@@ -39,8 +53,12 @@ def test_builtin_resolves_without_loader():
         "builtin",
         "tiny",
         "",
-        "tiny-seed5",
+        "builtin:tiny@5",
     )
+    # The seed in the string wins over the default one; without either, the config's.
+    assert resolve_model("tiny@7", seed=5).metadata.weights_version == "builtin:tiny@7"
+    default = builtin_model("tiny").seed
+    assert resolve_model("builtin:tiny").model_config.seed == default
 
 
 def test_hf_metadata_tokenizer_and_version(hf_dirs, tmp_path):

@@ -1,9 +1,11 @@
 """Model strings -> (ModelConfig, weight loader, metadata).
 
-A model string names what a replica serves:
+A model string names what a replica serves (:func:`parse_model_string`, the one
+grammar of megascore):
 
-* ``tiny``, ``tiny-moe``, ``bench`` ...: a built-in config with seeded random
-  weights (``build_model`` initialises them; nothing to load);
+* ``NAME`` / ``NAME@SEED`` / ``builtin:NAME[@SEED]``: a built-in config
+  (``tiny``, ``tiny-moe``, ``bench`` ...) with random weights drawn from ``SEED``
+  (``build_model`` initialises them; nothing to load);
 * ``hf:DIR``: a Hugging Face checkpoint (``config.json`` + safetensors);
 * ``megatron:DIR``: a Megatron-Core distributed checkpoint with ``megascore.json``
   (see :mod:`megascore.checkpoint.megatron_ckpt`).
@@ -15,14 +17,23 @@ A model string names what a replica serves:
 so rank 0 can describe a model before building it. The returned ``load_weights``
 runs on every rank after ``build_model`` and loads that rank's shards; it checks
 the whole checkpoint against the model before overwriting any parameter.
+
+Every loader (megascore's HF recipes, megatron-bridge's mappings, Megatron
+checkpoints) must write every parameter of the model exactly once:
+:func:`check_every_parameter_written` fails the load, naming the parameters, when
+one would keep its random initial value or be written twice. ``hf:`` checkpoints go
+through megatron-bridge's ``AutoBridge`` only where it applies
+(:mod:`megascore.checkpoint.hf_bridge`), else megascore's own reader.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -50,7 +61,7 @@ class CheckpointMetadata:
         name: built-in name, or the checkpoint directory's name.
         checkpoint_path: absolute checkpoint directory ("" for built-ins).
         weights_version: identifies the weights: the ``megascore.json`` label, else a
-            hash of the weight files' names, sizes and mtimes; ``<name>-seed<seed>``
+            hash of the weight files' names, sizes and mtimes; ``builtin:NAME@SEED``
             for built-ins.
         has_tokenizer: a tokenizer file sits beside the weights.
         checkpoint_dtype: dtype the weights are stored in ("" when unknown).
@@ -74,27 +85,50 @@ class ResolvedModel(NamedTuple):
     metadata: CheckpointMetadata
 
 
-def parse_model_string(model: str) -> tuple[str, str]:
-    """Splits a model string into ``(kind, argument)``.
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A parsed model string.
+
+    Attributes:
+        kind: "builtin", "hf" or "megatron".
+        name: built-in name, or the checkpoint directory's name.
+        seed: weight seed of a built-in (``@SEED``), None for the default.
+        path: checkpoint directory as given ("" for built-ins).
+    """
+
+    kind: str
+    name: str
+    seed: int | None = None
+    path: str = ""
+
+
+def parse_model_string(model: str) -> ModelSpec:
+    """Parses ``NAME``, ``NAME@SEED``, ``builtin:NAME[@SEED]``, ``hf:DIR`` or ``megatron:DIR``.
+
+    Args:
+        model: the model string.
 
     Returns:
-        ``("builtin", name)``, ``("hf", DIR)`` or ``("megatron", DIR)``.
+        The :class:`ModelSpec`.
 
     Raises:
-        CheckpointError: unknown prefix or built-in name, or an empty directory.
+        ValueError: an empty directory, an unknown built-in name or a non-integer seed.
     """
     for kind in ("hf", "megatron"):
         if model.startswith(kind + ":"):
             path = model[len(kind) + 1 :]
             if not path:
-                raise CheckpointError(f"model {model!r}: missing directory after '{kind}:'")
-            return kind, path
-    if model in BUILTIN_MODELS:
-        return "builtin", model
-    raise CheckpointError(
-        f"unknown model {model!r}: use a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
-        "hf:DIR or megatron:DIR"
-    )
+                raise ValueError(f"model {model!r}: missing directory after '{kind}:'")
+            return ModelSpec(kind, os.path.basename(os.path.normpath(path)), path=path)
+    name, _, seed = model.removeprefix("builtin:").partition("@")
+    if name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"unknown model {model!r}: use a built-in name "
+            f"({', '.join(sorted(BUILTIN_MODELS))}, optionally NAME@SEED), hf:DIR or megatron:DIR"
+        )
+    if seed and not seed.lstrip("-").isdigit():
+        raise ValueError(f"model {model!r}: the seed after '@' must be an integer")
+    return ModelSpec("builtin", name, int(seed) if seed else None)
 
 
 def _directory(path: str, model: str) -> Path:
@@ -139,9 +173,13 @@ def _resolve_hf(directory: Path) -> ResolvedModel:
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
 
     def load_weights(model) -> None:
+        from megascore.checkpoint import hf_bridge
         from megascore.checkpoint.hf_weights import load_hf_weights
 
-        load_hf_weights(model, model_cfg, directory)
+        if hf_bridge.choose_hf_loader(model, directory) == "bridge":
+            hf_bridge.load_with_bridge(model, directory)
+        else:  # megascore's recipes: every architecture hf_config accepts
+            load_hf_weights(model, model_cfg, directory)
 
     meta = CheckpointMetadata(
         "hf", directory.name, str(directory), version, _has_tokenizer(directory), dtype
@@ -173,26 +211,27 @@ def resolve_model(model: str, *, seed: int | None = None) -> ResolvedModel:
     """Resolves a model string without reading any weights.
 
     Args:
-        model: ``tiny``/``tiny-moe``/``bench``, ``hf:DIR`` or ``megatron:DIR``.
-        seed: overrides a built-in model's seed (EngineConfig.seed).
+        model: a model string (:func:`parse_model_string`).
+        seed: the weight seed of a built-in without ``@SEED`` (``EngineConfig.seed``);
+            unset, the built-in config's own seed.
 
     Returns:
         ``(model_config, load_weights, metadata)``.
 
     Raises:
-        CheckpointError: unknown model, missing/corrupt config or weight files, or
-            an unsupported architecture.
+        ValueError: a malformed model string.
+        CheckpointError: a missing directory, missing/corrupt config or weight files,
+            or an unsupported architecture.
     """
-    kind, arg = parse_model_string(model)
-    if kind == "builtin":
-        cfg = builtin_model(arg)
-        if seed is not None:
-            cfg = dataclasses.replace(cfg, seed=seed)
-        return ResolvedModel(
-            cfg, None, CheckpointMetadata("builtin", arg, "", f"{arg}-seed{cfg.seed}")
-        )
-    directory = _directory(arg, model)
-    resolved = _resolve_hf(directory) if kind == "hf" else _resolve_megatron(directory)
+    spec = parse_model_string(model)
+    if spec.kind == "builtin":
+        cfg = builtin_model(spec.name)
+        chosen = next(s for s in (spec.seed, seed, cfg.seed) if s is not None)
+        cfg = dataclasses.replace(cfg, seed=chosen)
+        version = f"builtin:{spec.name}@{chosen}"
+        return ResolvedModel(cfg, None, CheckpointMetadata("builtin", spec.name, "", version))
+    directory = _directory(spec.path, model)
+    resolved = _resolve_hf(directory) if spec.kind == "hf" else _resolve_megatron(directory)
     logger.info(
         "resolved %s: %s, weights version %s",
         model,
@@ -209,14 +248,15 @@ def read_model_config(model: str) -> ModelConfig:
     no weight file is opened. Built-in names give their config.
 
     Raises:
-        CheckpointError: unknown model, missing directory, missing / corrupt config,
-            or an unsupported architecture.
+        ValueError: a malformed model string.
+        CheckpointError: missing directory, missing / corrupt config, or an
+            unsupported architecture.
     """
-    kind, arg = parse_model_string(model)
-    if kind == "builtin":
-        return builtin_model(arg)
-    directory = _directory(arg, model)
-    if kind == "hf":
+    spec = parse_model_string(model)
+    if spec.kind == "builtin":
+        return builtin_model(spec.name)
+    directory = _directory(spec.path, model)
+    if spec.kind == "hf":
         return hf_config_to_model_config(read_hf_config(directory))
     from megascore.checkpoint import megatron_ckpt
 
@@ -235,11 +275,52 @@ def architecture_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
     return out
 
 
+def model_tensor_names(model) -> list[str]:
+    """Names of the tensors a loader must write: the model's ``state_dict`` entries
+    (parameters and persistent buffers) except the layers' ``_extra_state``."""
+    return [n for n in model.state_dict(keep_vars=True) if not n.endswith("_extra_state")]
+
+
+def check_every_parameter_written(
+    expected: Iterable[str], written: Iterable[str], source: str
+) -> None:
+    """Raises unless a load writes every expected tensor exactly once.
+
+    Run before the load overwrites anything, on what the loader plans to write (a
+    recipe per parameter, the bridge's conversion tasks, the checkpoint's tensors).
+
+    Args:
+        expected: names the model needs (:func:`model_tensor_names`).
+        written: one name per write the loader makes (repeats mean repeated writes).
+        source: the checkpoint, for the message.
+
+    Raises:
+        CheckpointError: naming every parameter no mapping writes (it would keep its
+            random initial value), written more than once, or not in the model.
+    """
+    expected = list(expected)
+    counts = collections.Counter()
+    for name in written:  # a dict (recipes) counts by key, not by value
+        counts[name] += 1
+    problems = []
+    missing = [n for n in expected if not counts[n]]
+    if missing:
+        problems.append(f"{len(missing)} parameters written by no mapping: {missing}")
+    twice = sorted(n for n, c in counts.items() if c > 1)
+    if twice:
+        problems.append(f"parameters written more than once: {twice}")
+    unknown = sorted(set(counts) - set(expected))
+    if unknown:
+        problems.append(f"written names the model does not have: {unknown}")
+    if problems:
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
+
+
 def check_same_architecture(new: ModelConfig, current: ModelConfig, source: str = "") -> None:
     """Raises unless ``new`` computes the same function shape as ``current`` (hot reload).
 
-    The one architecture check of megascore (engine reloads, :func:`reload_weights`,
-    Megatron checkpoint loads). Ignores only the seed, init std and family label
+    The one architecture check of megascore (engine reloads, Megatron checkpoint
+    loads). Ignores only the seed, init std and family label
     (:data:`NON_ARCHITECTURE_FIELDS`).
 
     Raises:
@@ -249,32 +330,6 @@ def check_same_architecture(new: ModelConfig, current: ModelConfig, source: str 
     if diff:
         where = f"{source}: " if source else ""
         raise CheckpointError(f"{where}architecture differs from the served model: {diff}")
-
-
-def reload_weights(model, current: ModelConfig, spec: str) -> CheckpointMetadata:
-    """Loads new weights (``hf:DIR`` / ``megatron:DIR``) into a running model.
-
-    Run on every rank of the replica with the same arguments. The new checkpoint
-    must have the same architecture; it is validated entirely before any
-    parameter changes, so on error the old weights keep serving.
-
-    Args:
-        model: the built (possibly wrapped) GPTModel of this rank.
-        current: the architecture the model was built from.
-        spec: the model string to load.
-
-    Returns:
-        The new checkpoint's metadata.
-
-    Raises:
-        CheckpointError: bad string, different architecture, or a bad checkpoint.
-    """
-    if parse_model_string(spec)[0] == "builtin":
-        raise CheckpointError(f"LoadWeights needs hf:DIR or megatron:DIR, got {spec!r}")
-    check_same_architecture(read_model_config(spec), current, spec)  # before any weight file
-    resolved = resolve_model(spec)
-    resolved.load_weights(model)
-    return resolved.metadata
 
 
 def torch_dtype(name: str):

@@ -1,4 +1,4 @@
-"""Request planning: options, splitting under the message limit, decoding and merging.
+"""Splitting a call's batch into requests under the message limit, and merging the answers.
 
 A call's batch is cut, in order, into consecutive runs of sequences whose request
 *and* response both fit the message limit (the channel's, or the server's
@@ -17,18 +17,29 @@ would have reported for metrics that are per-token averages.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import uuid
 
 import numpy as np
 
-from megascore.errors import MegascoreError
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array, encode_array
-from megascore_client.errors import InvalidInputError, malformed_response
-from megascore_client.inputs import Batch
+from megascore_client.errors import InvalidInputError, ScoringError, malformed_response
+from megascore_client.inputs import Batch, make_batch
 from megascore_client.results import ScoreResult, Timings
+
+__all__ = [
+    "Part",
+    "ScoreOptions",
+    "build_parts",
+    "decode_part",
+    "merge",
+    "new_request_id",
+    "plan",
+    "prepare",
+]
 
 METRIC_GROUPS = ("moe", "mtp")
 _RESERVE_BYTES = 8192
@@ -73,15 +84,34 @@ class ScoreOptions:
 
 @dataclasses.dataclass
 class Part:
-    """One gRPC request of a call and what is needed to decode its response."""
+    """One gRPC request of a call and what is needed to decode its response.
+
+    Attributes:
+        request: the encoded request.
+        lengths: int64 ``[n]`` lengths of its sequences.
+        options: the call's options.
+        start: index in the call's batch of its first sequence (the server's sequence
+            indices in an error about this request are relative to it).
+    """
 
     request: pb.ScoreRequest
     lengths: np.ndarray
     options: ScoreOptions
+    start: int = 0
 
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
+
+    @contextlib.contextmanager
+    def located(self):
+        """Marks a ``ScoringError`` raised inside with the part's ``start`` (its
+        ``sequence_offset``), so that ``sequence_index`` counts in the call's batch."""
+        try:
+            yield
+        except ScoringError as exc:
+            exc.sequence_offset = self.start
+            raise
 
 
 def new_request_id() -> str:
@@ -170,18 +200,63 @@ def build_parts(
         )
         if sub.loss_mask is not None:
             request.loss_mask.CopyFrom(encode_array(sub.loss_mask))
-        parts.append(Part(request=request, lengths=sub.lengths, options=options))
+        parts.append(Part(request=request, lengths=sub.lengths, options=options, start=start))
     return parts
 
 
+def prepare(
+    sequences,
+    options: ScoreOptions,
+    *,
+    loss_mask=None,
+    lengths=None,
+    request_id: str | None = None,
+    max_message_bytes: int,
+    max_request_tokens: int | None = None,
+) -> tuple[list[Part], str]:
+    """Checks a call's arguments and cuts its batch into requests (``score`` and the
+    streams' ``submit``).
+
+    Args:
+        sequences, loss_mask, lengths: as for ``ScoringClient.score``.
+        options: what to compute.
+        request_id: the call's id (None = a new one).
+        max_message_bytes: the message size limit (see :func:`plan`).
+        max_request_tokens: the server's per-request token limit (None = none).
+
+    Returns:
+        The parts, in order, and the call's request id.
+
+    Raises:
+        InvalidInputError: the input is rejected.
+    """
+    batch = make_batch(sequences, loss_mask=loss_mask, lengths=lengths)
+    rid = request_id or new_request_id()
+    parts = build_parts(
+        batch,
+        options,
+        rid,
+        max_message_bytes=max_message_bytes,
+        max_request_tokens=max_request_tokens,
+    )
+    return parts, rid
+
+
+_ITEMSIZE = {pb.DTYPE_INT64: 8, pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
+
+
 def _decode(array: pb.Array, field: str, dtype: int, count: int) -> np.ndarray:
-    try:
-        values = decode_array(array, field, allowed=(dtype,))
-    except MegascoreError as exc:
-        raise malformed_response(exc.reason) from None
-    if values.shape[0] != count:
-        raise malformed_response(f"{field} has {values.shape[0]} values, expected {count}")
-    return values.copy()
+    """Decodes a response array after checking it is exactly ``count`` values of
+    ``dtype`` (the response contract), so that the codec has nothing left to refuse."""
+    if array.dtype != dtype:
+        got = pb.Dtype.Name(array.dtype) if array.dtype in pb.Dtype.values() else array.dtype
+        raise malformed_response(f"{field} has dtype {got}, expected {pb.Dtype.Name(dtype)}")
+    if len(array.data) != count * _ITEMSIZE[dtype]:
+        raise malformed_response(
+            f"{field} has {len(array.data)} bytes, expected {count} values "
+            f"({count * _ITEMSIZE[dtype]} bytes)"
+        )
+    return decode_array(array, field, allowed=(dtype,)).copy()
 
 
 def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:

@@ -8,7 +8,8 @@ request larger than the budget is therefore spread over several steps, and
 small requests fill the room its long sequences leave.
 
 The budget counts *padded* tokens (each sequence rounded up to the engine's
-per-sequence pad multiple), which is what the engine allocates.
+per-sequence pad multiple, :func:`megascore.layout.padded_lengths`), which is
+what the engine allocates. Planning works on domain types only (no protobuf).
 """
 
 from __future__ import annotations
@@ -17,18 +18,10 @@ import logging
 
 import numpy as np
 
+from megascore.layout import offsets, ranges, token_index
 from megascore.types import ScoreBatch
-from megascore_server.convert import token_index
 
 logger = logging.getLogger(__name__)
-
-
-def padded_lengths(lengths: np.ndarray, multiple: int) -> np.ndarray:
-    """Each length rounded up to ``multiple`` (int64)."""
-    lengths = lengths.astype(np.int64, copy=False)
-    if multiple == 1:
-        return lengths
-    return -(-lengths // multiple) * multiple
 
 
 def fill_step(candidates: list[np.ndarray], budget: int) -> list[np.ndarray]:
@@ -51,7 +44,7 @@ def fill_step(candidates: list[np.ndarray], budget: int) -> list[np.ndarray]:
     sizes = np.array([c.size for c in candidates], dtype=np.int64)
     lens = np.concatenate(candidates)
     owner = np.repeat(np.arange(len(candidates)), sizes)
-    pos = np.arange(lens.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    pos = ranges(np.zeros(sizes.size, dtype=np.int64), sizes)  # position inside its request
     taken = np.zeros(lens.size, dtype=bool)
     taken[0] = True
     # Longest first; the stable sort keeps older requests first among equal lengths.
@@ -62,7 +55,7 @@ def fill_step(candidates: list[np.ndarray], budget: int) -> list[np.ndarray]:
         eligible = order[~taken[order] & (lens[order] <= room)]
         if eligible.size == 0:
             break
-        cumulative = np.cumsum(lens[eligible])
+        cumulative = offsets(lens[eligible])[1:]
         k = int(np.searchsorted(cumulative, room, side="right"))
         taken[eligible[:k]] = True
         room -= int(cumulative[k - 1])
@@ -89,7 +82,7 @@ def merge_batches(
     ids, lengths, masks, temps = [], [], [], []
     any_mask = any(b.loss_mask is not None for b, _ in pieces)
     for batch, idx in pieces:
-        tokens = token_index(batch.offsets(), batch.lengths, idx)
+        tokens = token_index(batch.lengths, idx)
         ids.append(batch.token_ids[tokens])
         lens = batch.lengths[idx]
         lengths.append(lens)

@@ -1,6 +1,12 @@
-"""Reliability tests reuse the session's shared servers of ``tests/e2e`` (same processes).
+"""Server fixtures shared by ``tests/e2e`` and ``tests/reliability`` (a pytest plugin
+registered once in ``tests/conftest.py``).
 
-Tests that kill, stop or signal a server start their own (:class:`ServeProcess`).
+``shared_tp1`` / ``shared_tp2``: the session's shared ``megascore serve`` processes
+(``--nproc 1``, and ``--nproc 2 --tensor-model-parallel-size 2``) on the built-in
+``tiny`` model (CPU, seed 1234) with a Prometheus endpoint, started on first use and
+stopped with SIGTERM at the end of the session, which must exit 0 and leave no
+process behind (:class:`tests.e2e.serve.SharedServers`). Tests that kill, stop or
+signal a server start their own with ``serve``.
 """
 
 from __future__ import annotations

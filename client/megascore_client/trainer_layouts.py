@@ -1,0 +1,152 @@
+"""Trainer-shaped batches: padded ``[B, S]`` tensors in, padded logprobs out.
+
+RL trainers hold rollouts as padded tensors, not lists of sequences. A
+:class:`PaddedLayout` records where each row's real tokens sit, so that the client
+scores only those (one sequence per non-empty row, padding never sent) and puts the
+logprobs back in the trainer's layout:
+
+* NeMo-RL (:func:`nemo_rl_layout`): right-padded ``input_ids [B, S]`` and
+  ``input_lengths [B]``; the result is ``[B, S]`` with entry ``[b, t]`` =
+  ``log p(input_ids[b, t] | input_ids[b, :t])`` for ``1 <= t < input_lengths[b]``, 0.0
+  at ``t = 0`` and past the length (NeMo-RL's ``get_logprobs`` convention).
+* verl (:func:`verl_layout`): ``input_ids [B, P + R]`` = left-padded prompts
+  followed by right-padded ``responses [B, R]``, and ``attention_mask [B, P + R]`` (1
+  on real tokens); the result is ``[B, R]`` with entry ``[b, j]`` = ``log p(responses[b,
+  j] | the real tokens before it)`` where the response is real, 0.0 on response padding
+  (the ``log_probs`` of verl's ``compute_log_prob``, which trainers multiply by the
+  ``response_mask`` = ``attention_mask[:, -R:]``).
+
+Inputs are numpy arrays or anything array-like; torch is never imported unless the
+input is a torch tensor, and then the result is a float32 torch tensor on its device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from megascore_client.errors import InvalidInputError
+from megascore_client.inputs import as_numpy
+
+__all__ = ["PaddedLayout", "nemo_rl_layout", "verl_layout"]
+
+
+def _is_torch(value) -> bool:
+    return type(value).__module__.split(".")[0] == "torch"
+
+
+def _ints(value, name: str, ndim: int) -> np.ndarray:
+    array = as_numpy(value)
+    if array.ndim != ndim:
+        raise InvalidInputError(f"{name}: expected {ndim} dimensions, got shape {array.shape}")
+    if array.dtype.kind not in "iub":
+        raise InvalidInputError(f"{name}: expected integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedLayout:
+    """Where the real tokens of a padded ``[B, S]`` batch are.
+
+    Attributes:
+        shape: ``(B, S)`` of the trainer's tensor.
+        rows: int64 ``[N]``: the rows scored: those with a real token in the ``keep``
+            columns (a verl row with an empty response is not sent).
+        columns: per scored row, int64 column indices of its real tokens, in order.
+        sequences: per scored row, its real tokens (what is sent).
+        keep: the columns of the result (``slice(None)`` = all ``S``; verl: the last R).
+        torch_like: the input whose type and device the result takes (None = numpy).
+    """
+
+    shape: tuple[int, int]
+    rows: np.ndarray
+    columns: list[np.ndarray]
+    sequences: list[np.ndarray]
+    keep: slice = slice(None)
+    torch_like: object = None
+
+    @classmethod
+    def from_mask(
+        cls, ids: np.ndarray, mask: np.ndarray, keep: slice = slice(None), torch_like=None
+    ) -> PaddedLayout:
+        """The layout of ``ids [B, S]`` whose real tokens are where ``mask`` is set; the
+        rows scored are those with a real token in the ``keep`` columns."""
+        rows = np.flatnonzero(mask[:, keep].any(axis=1))
+        columns = [np.flatnonzero(mask[b]) for b in rows]
+        sequences = [ids[b, c] for b, c in zip(rows, columns, strict=True)]
+        return cls(ids.shape, rows, columns, sequences, keep, torch_like)
+
+    def logprobs(self, scored: list[np.ndarray] | None):
+        """Puts the logprobs of the scored sequences (``ScoreResult.logprobs``, in the
+        order of :attr:`sequences`; None when there were none) back in the layout.
+
+        Returns:
+            float32 ``[B, S]`` (or ``[B, R]`` with ``keep``), 0.0 where nothing was
+            scored and at each sequence's first token; a torch tensor on the input's
+            device when the input was one.
+        """
+        out = np.zeros(self.shape, dtype=np.float32)
+        for b, cols, values in zip(self.rows, self.columns, scored or (), strict=True):
+            out[b, cols] = values
+        out = np.ascontiguousarray(out[:, self.keep])
+        if self.torch_like is None:
+            return out
+        import torch  # the input is a torch tensor: torch is already loaded
+
+        return torch.from_numpy(out).to(self.torch_like.device)
+
+
+def nemo_rl_layout(input_ids, input_lengths) -> PaddedLayout:
+    """The layout of NeMo-RL's right-padded ``input_ids [B, S]`` + ``input_lengths [B]``.
+
+    Raises:
+        InvalidInputError: not 2-D integer ids, lengths of another size, or a length
+            outside ``[0, S]`` (named by row).
+    """
+    ids = _ints(input_ids, "input_ids", 2)
+    lengths = _ints(input_lengths, "input_lengths", 1)
+    batch, width = ids.shape
+    if lengths.shape[0] != batch:
+        raise InvalidInputError(f"input_lengths: {lengths.shape[0]} entries for {batch} rows")
+    bad = np.flatnonzero((lengths < 0) | (lengths > width))
+    if bad.size:
+        b = int(bad[0])
+        raise InvalidInputError(f"input_lengths[{b}] = {lengths[b]} is outside [0, {width}]")
+    mask = np.arange(width)[None, :] < lengths[:, None]
+    return PaddedLayout.from_mask(ids, mask, torch_like=input_ids if _is_torch(input_ids) else None)
+
+
+def verl_layout(input_ids, attention_mask, responses) -> PaddedLayout:
+    """The layout of verl's ``input_ids [B, P+R]`` / ``attention_mask [B, P+R]`` /
+    ``responses [B, R]``, keeping the last R columns (the response slots).
+
+    Raises:
+        InvalidInputError: shapes that do not match, a mask that is not 0/1, or
+            ``input_ids[:, -R:]`` that is not ``responses`` (named by row).
+    """
+    ids = _ints(input_ids, "input_ids", 2)
+    mask = _ints(attention_mask, "attention_mask", 2)
+    resp = _ints(responses, "responses", 2)
+    batch, width = ids.shape
+    if mask.shape != ids.shape:
+        raise InvalidInputError(f"attention_mask: shape {mask.shape} != input_ids {ids.shape}")
+    if resp.shape[0] != batch or resp.shape[1] > width:
+        raise InvalidInputError(
+            f"responses: shape {resp.shape} does not fit input_ids {ids.shape} ([B, R], R <= S)"
+        )
+    if not np.isin(mask, (0, 1)).all():
+        raise InvalidInputError("attention_mask: values must be 0/1")
+    prompt = width - resp.shape[1]
+    differs = np.flatnonzero((ids[:, prompt:] != resp).any(axis=1))
+    if differs.size:
+        raise InvalidInputError(
+            f"responses[{int(differs[0])}] differs from input_ids[{int(differs[0])}, -R:] "
+            "(input_ids must be the prompt followed by the response)"
+        )
+    return PaddedLayout.from_mask(
+        ids,
+        mask.astype(bool),
+        keep=slice(prompt, width),
+        torch_like=input_ids if _is_torch(input_ids) else None,
+    )

@@ -1,0 +1,129 @@
+"""megatron-bridge's ``AutoBridge`` as the loader of ``hf:`` checkpoints, where it applies.
+
+megatron-bridge is opt-in (``pip install --no-deps megatron-bridge`` plus the
+``bridge`` extra, docs/deploy.md) and imported lazily, on the first HF load that
+could use it. :func:`choose_hf_loader` takes it only when all of these hold:
+
+* ``MEGASCORE_HF_LOADER`` is not ``native``;
+* the model uses the TransformerEngine layer spec (the parameter names the bridge's
+  mappings know; the ``torch`` backend's names differ);
+* ``megatron.bridge`` imports (it needs TransformerEngine, hence CUDA); why it does
+  not is logged once;
+* ``AutoBridge.can_handle(DIR)``: it has a bridge for the checkpoint's architecture
+  (it has none for Mixtral).
+
+Otherwise megascore's own reader (``megascore.checkpoint.hf_weights``, every family
+``hf_config`` accepts) loads the checkpoint. ``MEGASCORE_HF_LOADER=bridge`` turns a
+missing condition into an error instead of the fallback.
+
+Before the bridge writes anything, its conversion tasks
+(``AutoBridge.get_conversion_tasks``: one per parameter it will fill) must cover
+every parameter of the model exactly once
+(:func:`megascore.checkpoint.resolve.check_every_parameter_written`): the bridge
+itself only logs the parameters it has no mapping for, which would keep their
+random initial values.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+from megascore.checkpoint.hf_config import read_hf_config
+from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
+from megascore.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+LOADER_ENV = "MEGASCORE_HF_LOADER"
+LOADERS = ("auto", "native", "bridge")
+
+
+@functools.cache
+def import_auto_bridge() -> tuple[type | None, str]:
+    """``(AutoBridge, "")``, or ``(None, why megatron.bridge does not import)`` (logged once)."""
+    try:
+        from megatron.bridge import AutoBridge
+    except Exception as e:  # noqa: BLE001 - ImportError, or TE failing to find CUDA libraries
+        why = f"{type(e).__name__}: {e}"
+        absent = isinstance(e, ModuleNotFoundError) and e.name in ("megatron.bridge", "megatron")
+        # Installed but broken (a missing dependency, TE without CUDA) deserves a warning.
+        logger.log(
+            logging.INFO if absent else logging.WARNING,
+            "megatron-bridge is not usable (%s); hf: checkpoints use megascore's reader",
+            why,
+        )
+        return None, why
+    return AutoBridge, ""
+
+
+def have_bridge() -> bool:
+    """Whether megatron-bridge imports here (``HAVE_BRIDGE``)."""
+    return import_auto_bridge()[0] is not None
+
+
+def _unwrap(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def _why_not_bridge(model, directory: Path) -> str | None:
+    """None when the bridge can load ``directory`` into ``model``, else the reason."""
+    backend = getattr(_unwrap(model), "megascore_attention_backend", None)
+    if backend != "te":
+        return f"attention backend {backend!r} (the bridge maps TransformerEngine-spec names)"
+    auto_bridge, why = import_auto_bridge()
+    if auto_bridge is None:
+        return f"megatron-bridge does not import ({why})"
+    if not auto_bridge.can_handle(str(directory)):
+        architectures = read_hf_config(directory).get("architectures")
+        return f"megatron-bridge has no bridge for {architectures}"
+    return None
+
+
+def choose_hf_loader(model, directory: str | Path) -> str:
+    """Which loader fills ``model`` from the HF checkpoint ``directory`` (module docstring).
+
+    Returns:
+        "bridge" or "native".
+
+    Raises:
+        CheckpointError: ``MEGASCORE_HF_LOADER`` is unknown, or is ``bridge`` where the
+            bridge cannot load this checkpoint into this model.
+    """
+    mode = os.environ.get(LOADER_ENV, "auto")
+    if mode not in LOADERS:
+        raise CheckpointError(f"{LOADER_ENV} must be one of {LOADERS}, got {mode!r}")
+    if mode == "native":
+        return "native"
+    why = _why_not_bridge(model, Path(directory))
+    if why is None:
+        return "bridge"
+    if mode == "bridge":
+        raise CheckpointError(f"{directory}: {LOADER_ENV}=bridge, but {why}")
+    logger.info("%s: megascore's HF reader: %s", directory, why)
+    return "native"
+
+
+def load_with_bridge(model, directory: str | Path) -> None:
+    """Loads ``directory`` with ``AutoBridge`` after checking its mappings cover the model.
+
+    Raises:
+        CheckpointError: a parameter the bridge would not write, or would write twice
+            (checked before anything is written).
+    """
+    auto_bridge, why = import_auto_bridge()
+    if auto_bridge is None:
+        raise CheckpointError(f"{directory}: megatron-bridge does not import ({why})")
+    module = _unwrap(model)
+    bridge = auto_bridge.from_hf_pretrained(str(directory))
+    # One task per parameter the bridge fills; tasks of other pipeline stages have no weight.
+    tasks = bridge.get_conversion_tasks([module])
+    written = [t.param_name for t in tasks if t is not None and t.param_weight is not None]
+    source = f"{directory} (megatron-bridge)"
+    check_every_parameter_written(model_tensor_names(module), written, source)
+    bridge.load_hf_weights([module])
+    logger.info("loaded %s with megatron-bridge AutoBridge (%d tensors)", directory, len(written))

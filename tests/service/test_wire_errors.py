@@ -1,0 +1,168 @@
+"""Bytes that do not parse, and huge strings: INVALID_ARGUMENT with a short message.
+
+Raw bytes go through generic channel methods (no serializer), so the server sees
+exactly what a hostile client sends. The server keeps serving afterwards, and the
+log has no traceback and at most one line about unparseable requests.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from megascore.v1 import scoring_pb2 as pb
+from megascore_server.status import MAX_MESSAGE_CHARS, status_for
+from megascore_server.validation import MAX_ID_CHARS
+from tests.service.fake_engine import FakeEngine
+from tests.service.harness import Req, ServerThread, check_response
+
+GARBAGE = (b"\xff\xff\xff", b"`", b"\xb9", b"\x0a\x05ab", b"\x12\x80\x80\x80\x80\x10")
+LONG = 20_000
+METHODS = {  # method -> its request message type
+    "/megascore.v1.Scorer/Score": "megascore.v1.ScoreRequest",
+    "/megascore.v1.Scorer/GetModelInfo": "megascore.v1.GetModelInfoRequest",
+    "/megascore.v1.Scorer/LoadWeights": "megascore.v1.LoadWeightsRequest",
+    "/grpc.health.v1.Health/Check": "grpc.health.v1.HealthCheckRequest",
+}
+STREAM = "/megascore.v1.Scorer/ScoreStream"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerThread(FakeEngine(), max_batch_wait_ms=1)
+    yield srv
+    srv.stop()
+
+
+def _unary(server, method: str, payload: bytes) -> grpc.RpcError:
+    call = server.channel().unary_unary(method)  # no serializers: raw bytes
+    with pytest.raises(grpc.RpcError) as info:
+        call(payload, timeout=10)
+    return info.value
+
+
+def _assert_serving(server) -> None:
+    req = Req([[1, 2, 3], [4]], request_id="after")
+    check_response(server.stub().Score(req.proto(), timeout=10), req)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_garbage_bytes_are_invalid_argument_on_every_rpc(server, method, caplog):
+    caplog.set_level(logging.INFO)
+    for payload in GARBAGE:
+        error = _unary(server, method, payload)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (payload, error.details())
+        assert error.details().startswith(f"request does not parse as {METHODS[method]}: ")
+        assert f"({len(payload)} bytes)" in error.details()
+    assert "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len([r for r in caplog.records if "does not parse" in r.getMessage()]) <= 1
+    _assert_serving(server)
+
+
+def test_garbage_mid_stream_ends_the_stream_invalid_argument(server, caplog):
+    caplog.set_level(logging.INFO)
+    good = [Req([[1, 2]], request_id=f"s{i}") for i in range(2)]
+    payloads = [req.proto().SerializeToString() for req in good] + [b"\xff\xff\xff"]
+    payloads.append(good[0].proto().SerializeToString())  # never answered
+    call = server.channel().stream_stream(STREAM)
+    responses = call(iter(payloads), timeout=10)
+    got = []
+    with pytest.raises(grpc.RpcError) as info:
+        for raw in responses:
+            got.append(pb.ScoreResponse.FromString(raw))
+    assert [r.request_id for r in got] == ["s0", "s1"]
+    for response, req in zip(got, good, strict=True):
+        check_response(response, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(
+        "request does not parse as megascore.v1.ScoreRequest: stream message 2: "
+    )
+    assert "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    _assert_serving(server)
+
+
+def test_garbage_first_stream_message(server):
+    call = server.channel().stream_stream(STREAM)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(iter([b"\xb9"]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream message 0" in info.value.details()
+
+
+def _short_invalid(error: grpc.RpcError, *names: str) -> None:
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert len(error.details()) < 512, len(error.details())
+    for name in names:
+        assert name in error.details()
+    assert f"({LONG} characters)" in error.details()
+
+
+def _score(server, request: pb.ScoreRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub().Score(request, timeout=10)
+    return info.value
+
+
+def test_long_request_id_is_refused_with_a_short_message(server):
+    request = Req([[1, 2]], request_id="R" * LONG).proto()
+    _short_invalid(_score(server, request), "request_id", f"more than {MAX_ID_CHARS}")
+    request.lengths.data = b"\x01"  # also malformed: still a short message
+    _short_invalid(_score(server, request), "request_id")
+    stream = server.stub().ScoreStream(iter([Req([[1]]).proto(), request]), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    _short_invalid(info.value, "request_id", "(stream message 1)")
+
+
+def test_long_loss_name_is_refused_with_a_short_message(server):
+    request = Req([[1, 2]], losses=("nll", "L" * LONG)).proto()
+    _short_invalid(_score(server, request), "options.losses[1]", "unknown loss")
+
+
+@pytest.mark.parametrize("field", ["model", "weights_version"])
+def test_long_load_weights_strings_are_refused(server, field):
+    fields = {"model": "builtin:tiny@1", "weights_version": "v1", field: "M" * LONG}
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub().LoadWeights(pb.LoadWeightsRequest(**fields), timeout=10)
+    _short_invalid(info.value, f"{field}: {LONG} characters")
+    _assert_serving(server)
+
+
+def test_long_health_service_name_is_answered(server):
+    request = health_pb2.HealthCheckRequest(service="S" * LONG).SerializeToString()
+    error = _unary(server, "/grpc.health.v1.Health/Check", request)
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_every_status_message_is_capped():
+    from megascore.errors import CheckpointError
+
+    code, message = status_for(CheckpointError("x" * 100_000), "id")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    full = len("request_id=id: ") + 100_000
+    assert len(message) <= MAX_MESSAGE_CHARS + 40 and f"({full} characters)" in message
+
+
+def test_garbage_on_reflection_stream(server):
+    call = server.channel().stream_stream(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(iter([b"\xff\xff\xff"]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(
+        "request does not parse as grpc.reflection.v1alpha.ServerReflectionRequest: "
+    )
+
+
+def test_garbage_is_counted_as_invalid_argument(server):
+    counter = server.handles.metrics.requests.labels(rpc="Score", code="INVALID_ARGUMENT")
+    before = counter._value.get()
+    for payload in GARBAGE:
+        _unary(server, "/megascore.v1.Scorer/Score", payload)
+    assert counter._value.get() - before == len(GARBAGE)
