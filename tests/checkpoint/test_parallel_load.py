@@ -18,7 +18,12 @@ from megascore.checkpoint import resolve_model
 from megascore.checkpoint.megatron_ckpt import save_checkpoint
 from megascore.config import EngineConfig
 from megascore.model.build import build_model
-from tests.checkpoint.scripts.ckpt_common import FAMILIES, megatron_logprobs, token_batch
+from tests.checkpoint.scripts.ckpt_common import (
+    FAMILIES,
+    MOE_FAMILIES,
+    megatron_logprobs,
+    token_batch,
+)
 from tests.torchrun import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "tp_worker.py"
@@ -57,7 +62,7 @@ def _result(outcome, case: str, rank: int) -> np.ndarray:
     return np.load(path)
 
 
-CASES = [("tp2", f) for f in FAMILIES] + [("ep2", "mixtral")]
+CASES = [("tp2", f) for f in FAMILIES] + [("ep2", f) for f in MOE_FAMILIES]
 
 
 @pytest.mark.parametrize(("layout", "family"), CASES)

@@ -24,7 +24,6 @@ leave no process behind.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -38,13 +37,12 @@ from megascore.checkpoint import resolve_model
 from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
 from tests.checkpoint.scripts.ckpt_common import VOCAB, make_hf_model
 from tests.e2e.serve import ServeProcess
+from tests.e2e.server_pool import ServerPool, ServerSpec, module_plan
 
 pytestmark = pytest.mark.timeout(1200)  # first test waits for the servers' start-up
 
 ATOL = 1e-4  # fp32 Megatron vs fp32 transformers, compared in float64
 TOP_K = 4
-START_TIMEOUT_S = 600.0  # several servers importing torch + megatron at once on 2 cores
-MAX_LIVE_RANKS = 5  # server ranks alive at once (~1 GB each)
 RPC_TIMEOUT_S = 120.0
 
 # Server configurations: name -> (checkpoint, tensor-parallel size).
@@ -161,103 +159,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
 # ------------------------------------------------------------------------ servers
 
 
-class ServerPool:
-    """``megascore serve`` processes by configuration name, started ahead of their tests.
-
-    ``plan`` lists the configuration of every selected, not skipped test of the
-    module in run order. Servers start in that order, several at once (a start is
-    mostly single-threaded imports, so starts overlap well) while at most
-    :data:`MAX_LIVE_RANKS` ranks are alive; a server stops (SIGTERM, in the
-    background) after the last test that uses it. :meth:`close` checks that every
-    server exited 0 and left no process behind.
-    """
-
-    def __init__(self, log_dir: Path, checkpoints: dict[str, Checkpoint], plan: list[str]):
-        self.log_dir = log_dir
-        self.checkpoints = checkpoints
-        self.plan = list(plan)
-        self.servers: dict[str, ServeProcess] = {}
-        self.ready: set[str] = set()
-        self.stopping: dict[str, concurrent.futures.Future] = {}
-        self._stopper = concurrent.futures.ThreadPoolExecutor(len(SERVERS))
-
-    def _start(self, name: str) -> None:
-        ckpt, tp = SERVERS[name]
-        args = ["--model", self.checkpoints[ckpt].spec, "--grace-s", "5"]
-        if tp > 1:
-            args += ["--nproc", str(tp), "--tp", str(tp)]
-        # MASTER_PORT=0: a single-process server's TCPStore binds a port of its own choice.
-        # Otherwise ``ensure_dist_env`` picks a free port at start and binds it only after
-        # the imports (~1 min on busy cores), and another server of this module can take
-        # it meanwhile (seen: EADDRINUSE). TP=2 launchers set their own MASTER_PORT.
-        self.servers[name] = ServeProcess(
-            self.log_dir / f"{name}.log", *args, env={"MASTER_PORT": "0"}
-        )
-
-    def _start_ahead(self) -> None:
-        live = sum(SERVERS[n][1] for n in self.servers if n not in self.stopping)
-        for name in dict.fromkeys(self.plan):
-            if name in self.servers:
-                continue
-            if live + SERVERS[name][1] > MAX_LIVE_RANKS:
-                break
-            self._start(name)
-            live += SERVERS[name][1]
-
-    def get(self, name: str) -> ServeProcess:
-        assert name not in self.stopping, f"{name} was already stopped"
-        if name not in self.servers:
-            self._start(name)
-        self._start_ahead()
-        server = self.servers[name]
-        if name not in self.ready:
-            server.wait_serving(timeout=START_TIMEOUT_S)
-            self.ready.add(name)
-        assert server.running(), f"{name} exited {server.proc.returncode}:\n{server.output()}"
-        return server
-
-    def done(self, name: str) -> None:
-        """One test of ``name`` finished; the last one stops the server."""
-        if name in self.plan:
-            self.plan.remove(name)
-        if name not in self.plan and name in self.servers and name not in self.stopping:
-            self.stopping[name] = self._stopper.submit(self._stop, self.servers[name])
-            self._start_ahead()
-
-    @staticmethod
-    def _stop(server: ServeProcess) -> tuple[int | None, list[int]]:
-        try:
-            code = server.terminate(timeout=90) if server.running() else server.proc.returncode
-            return code, server.leftovers()
-        finally:
-            server.close()
-
-    def close(self) -> None:
-        for name, server in self.servers.items():
-            if name not in self.stopping:
-                self.stopping[name] = self._stopper.submit(self._stop, server)
-        self._stopper.shutdown(wait=True)
-        for name, future in self.stopping.items():
-            code, left = future.result()
-            assert code == 0, f"{name} exited {code}:\n{self.servers[name].output()}"
-            assert not left, f"{name} left processes {left}"
-
-
-def _plan(request) -> list[str]:
-    """The ``config`` of each selected, not skipped test of this module, in run order."""
-    plan = []
-    for item in request.session.items:
-        if item.module is not request.module or item.get_closest_marker("skip"):
-            continue
-        callspec = getattr(item, "callspec", None)
-        if callspec and "config" in callspec.params:
-            plan.append(callspec.params["config"])
-    return plan
-
-
 @pytest.fixture(scope="module")
 def pool(request, checkpoints, tmp_path_factory):
-    servers = ServerPool(tmp_path_factory.mktemp("serve-ckpt"), checkpoints, _plan(request))
+    specs = {
+        name: ServerSpec(checkpoints[ckpt].spec, tp, ("--tp", str(tp)) if tp > 1 else ())
+        for name, (ckpt, tp) in SERVERS.items()
+    }
+    servers = ServerPool(tmp_path_factory.mktemp("serve-ckpt"), specs, module_plan(request))
     try:
         yield servers
     finally:

@@ -189,8 +189,10 @@ def test_backend_resolution_on_cpu():
 
 
 def _reference_metrics(model, ids, lens, packed, n_moe_layers):
-    """Training-mode Megatron forward read straight from the trackers."""
+    """Training-mode Megatron forward read straight from the trackers (pads masked with
+    Megatron's ``padding_mask``)."""
     total = packed.input_ids.shape[1]
+    padding_mask = torch.ones(1, total, dtype=torch.bool)
     labels = torch.zeros(1, total, dtype=torch.long)
     loss_mask = torch.zeros(1, total)
     positions = torch.zeros(1, total, dtype=torch.long)
@@ -201,6 +203,7 @@ def _reference_metrics(model, ids, lens, packed, n_moe_layers):
         positions[0, start:end] = torch.arange(end - start)
         labels[0, start : start + length - 1] = ids[b, 1:length]
         loss_mask[0, start : start + length - 1] = 1.0
+        padding_mask[0, start : start + length] = False
     get_moe_metrics_tracker().clear()
     MTPLossLoggingHelper.clean_metrics_in_tracker()
     model.train()
@@ -213,6 +216,7 @@ def _reference_metrics(model, ids, lens, packed, n_moe_layers):
                 labels=labels,
                 loss_mask=loss_mask,
                 packed_seq_params=packed.packed_seq_params,
+                padding_mask=padding_mask,
             )
     finally:
         model.eval()
@@ -256,6 +260,13 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
         got = {**out.moe_metrics, **out.mtp_metrics}[name]
         assert got == pytest.approx(value, rel=1e-6, abs=1e-7), name
     assert out.mtp_metrics["mtp_1_loss"] > 0 and out.moe_metrics["z_loss"] > 0
+    # pads are masked out of the statistics: the unpadded packing reports the same metrics
+    unpadded = forward_packed(
+        model, pack_rows(ids, lens), want_moe_metrics=True, want_mtp_metrics=True
+    )
+    for name, value in {**unpadded.moe_metrics, **unpadded.mtp_metrics}.items():
+        got = {**out.moe_metrics, **out.mtp_metrics}[name]
+        assert got == pytest.approx(value, rel=1e-6, abs=1e-7), name
 
 
 def test_metrics_requested_from_dense_model_raise(pgs):

@@ -1,7 +1,8 @@
 """HF safetensors -> Megatron-Core GPTModel parameters, sharded for this rank.
 
-For every entry of the model's ``state_dict`` a *recipe* says which HF tensors
-it comes from and how this rank's shard is cut out of them:
+For every entry of the model's ``state_dict`` a *recipe* (from
+``megascore.checkpoint.hf_names``) says which HF tensors it comes from and how this
+rank's shard is cut out of them:
 
 * ``linear_qkv`` is fused per query group: for each of the rank's groups the
   group's query heads, then its key head, then its value head
@@ -11,6 +12,9 @@ it comes from and how this rank's shard is cut out of them:
 * Row-parallel weights (``linear_proj``, ``linear_fc2``) split their input dim.
 * The embedding and output layer split the vocabulary; rows past the checkpoint
   vocabulary (Megatron vocab padding) are zero.
+* Multi-latent attention, router expert biases, shared experts and MTP layers: see
+  ``hf_names`` and docs/checkpoints.md. The MTP layers' copies of the embedding and
+  output layer must equal the main ones (checked on this rank's rows while staging).
 * Experts: rank e of the expert-parallel group holds experts
   ``[e * E/ep, (e+1) * E/ep)``; inside an expert the expert-TP group splits as above.
 
@@ -29,16 +33,8 @@ from pathlib import Path
 
 import torch
 
-from megascore.checkpoint.recipes import (
-    QKV,
-    GatedFC1,
-    ParallelRanks,
-    Recipe,
-    Replicated,
-    Split,
-    Src,
-    VocabRows,
-)
+from megascore.checkpoint.hf_names import ParamMapper, mtp_copies
+from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.errors import CheckpointError
@@ -47,10 +43,6 @@ from megascore.model.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-_SEQ_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
-_TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)")
-
 
 @dataclasses.dataclass
 class HFLoadPlan:
@@ -61,6 +53,9 @@ class HFLoadPlan:
     """Megatron state-dict name -> recipe producing this rank's tensor."""
     unused: list[str]
     """HF tensors no recipe reads."""
+    copies: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(MTP layer copy, main tensor) pairs that must be equal: Megatron's MTP layers use
+    the main model's embedding and output layer."""
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -74,95 +69,6 @@ def _layer_offset(model: torch.nn.Module) -> int:
     if layers is None or len(layers) == 0:
         return 0
     return int(getattr(layers[0], "layer_number", 1)) - 1
-
-
-class _Mapper:
-    """Maps Megatron parameter names to recipes over HF tensor names."""
-
-    def __init__(self, cfg: ModelConfig, reader: SafetensorsDir, ranks: ParallelRanks):
-        self.cfg, self.reader, self.ranks = cfg, reader, ranks
-        self.fused_experts = any(n.endswith("mlp.experts.gate_up_proj") for n in reader.names())
-
-    def __call__(self, name: str, layer_offset: int) -> Recipe:
-        cfg, r = self.cfg, self.ranks
-        h, v = cfg.hidden_size, cfg.vocab_size
-        if name == "embedding.word_embeddings.weight":
-            return VocabRows(Src("model.embed_tokens.weight", (v, h)), r.tp_rank, r.tp_size)
-        if name == "output_layer.weight":
-            # tied embeddings: a last pipeline stage holds its own copy of the embedding
-            tied = cfg.share_embeddings_and_output_weights
-            head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-            return VocabRows(Src(head, (v, h)), r.tp_rank, r.tp_size)
-        if name == "decoder.final_layernorm.weight":
-            return Replicated(Src("model.norm.weight", (h,)))
-        m = _LAYER.fullmatch(name)
-        if m:
-            recipe = self._layer(int(m.group(1)) + layer_offset, m.group(2))
-            if recipe is not None:
-                return recipe
-        raise CheckpointError(f"no HF source known for Megatron parameter {name!r}")
-
-    def _layer(self, i: int, rest: str) -> Recipe | None:
-        cfg, r = self.cfg, self.ranks
-        h, d = cfg.hidden_size, cfg.kv_channels
-        nh, ng = cfg.num_attention_heads, cfg.num_query_groups
-        p = f"model.layers.{i}."
-        if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
-            return Replicated(Src(p + "input_layernorm.weight", (h,)))
-        if rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
-            return Replicated(Src(p + "post_attention_layernorm.weight", (h,)))
-        if rest.startswith("self_attention.linear_qkv."):
-            kind = rest.rsplit(".", 1)[1]
-            tail = (h,) if kind == "weight" else ()
-            srcs = [
-                Src(f"{p}self_attn.{x}_proj.{kind}", (n * d, *tail))
-                for x, n in (("q", nh), ("k", ng), ("v", ng))
-            ]
-            return QKV(*srcs, groups=ng, heads=nh, head_dim=d, rank=r.tp_rank, size=r.tp_size)
-        if rest == "self_attention.linear_proj.weight":
-            return Split(Src(p + "self_attn.o_proj.weight", (h, nh * d)), 1, r.tp_rank, r.tp_size)
-        if rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
-            qk = rest.split(".")[1][0]  # "q" or "k"
-            return Replicated(Src(f"{p}self_attn.{qk}_norm.weight", (d,)))
-        f = cfg.ffn_hidden_size
-        if rest == "mlp.linear_fc1.weight":
-            gate = Src(p + "mlp.gate_proj.weight", (f, h))
-            up = Src(p + "mlp.up_proj.weight", (f, h))
-            return GatedFC1(gate, up, r.tp_rank, r.tp_size)
-        if rest == "mlp.linear_fc2.weight":
-            return Split(Src(p + "mlp.down_proj.weight", (h, f)), 1, r.tp_rank, r.tp_size)
-        if rest == "mlp.router.weight":
-            router = "mlp.gate.weight" if self.fused_experts else "block_sparse_moe.gate.weight"
-            router = p + router
-            return Replicated(Src(router, (cfg.num_moe_experts, h)))
-        m = _SEQ_EXPERT.fullmatch(rest)
-        if m:
-            return self._expert(p, int(m.group(1)), m.group(2))
-        m = _TE_EXPERT.fullmatch(rest)
-        if m:
-            return self._expert(p, int(m.group(2)), m.group(1))
-        return None
-
-    def _expert(self, p: str, local: int, which: str) -> Recipe:
-        cfg, r = self.cfg, self.ranks
-        num = cfg.num_moe_experts or 0
-        if num % r.ep_size:
-            raise CheckpointError(f"{num} experts do not split over expert parallel {r.ep_size}")
-        e = r.ep_rank * (num // r.ep_size) + local
-        h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
-        if self.fused_experts:  # transformers >= 5 layout: [E, 2F, H] and [E, H, F]
-            if which == "linear_fc1":
-                name = p + "mlp.experts.gate_up_proj"
-                gate = Src(name, (f, h), lead=(e,), row0=0, full=(num, 2 * f, h))
-                up = Src(name, (f, h), lead=(e,), row0=f, full=(num, 2 * f, h))
-                return GatedFC1(gate, up, r.etp_rank, r.etp_size)
-            src = Src(p + "mlp.experts.down_proj", (h, f), lead=(e,), full=(num, h, f))
-            return Split(src, 1, r.etp_rank, r.etp_size)
-        q = f"{p}block_sparse_moe.experts.{e}."
-        if which == "linear_fc1":
-            gate, up = Src(q + "w1.weight", (f, h)), Src(q + "w3.weight", (f, h))
-            return GatedFC1(gate, up, r.etp_rank, r.etp_size)
-        return Split(Src(q + "w2.weight", (h, f)), 1, r.etp_rank, r.etp_size)
 
 
 def plan_hf_load(
@@ -193,7 +99,7 @@ def plan_hf_load(
             f"vocab mismatch: {embed} has {reader.shape(embed)[0]} rows but the model "
             f"vocab_size is {model_cfg.vocab_size}"
         )
-    mapper = _Mapper(model_cfg, reader, ranks)
+    mapper = ParamMapper(model_cfg, reader, ranks)
     offset = _layer_offset(model)
     recipes: dict[str, Recipe] = {}
     used: set[str] = set()
@@ -202,7 +108,16 @@ def plan_hf_load(
             continue
         recipe = mapper(name, offset)
         recipe.fit(tuple(tensor.shape))
-        recipe.validate(reader, name)
+        try:
+            recipe.validate(reader, name)
+        except CheckpointError as e:
+            if name.startswith("mtp.") and "missing tensor" in str(e):
+                raise CheckpointError(
+                    f"{e}: config.json declares {model_cfg.mtp_num_layers} MTP layer(s) "
+                    f"(num_nextn_predict_layers) stored as model.layers.{model_cfg.num_layers}+; "
+                    "checkpoints saved by transformers drop them"
+                ) from None
+            raise
         if tuple(tensor.shape) != recipe.local_shape():
             raise CheckpointError(
                 f"Megatron parameter {name!r} has shape {tuple(tensor.shape)} on this rank but "
@@ -210,6 +125,8 @@ def plan_hf_load(
             )
         recipes[name] = recipe
         used.update(recipe.sources())
+    copies = mtp_copies(model_cfg, reader)
+    used.update(copy for copy, _ in copies)
     unused = [n for n in reader.names() if n not in used and not _IGNORED_HF.match(n)]
     if model_cfg.share_embeddings_and_output_weights:
         unused = [n for n in unused if n != "lm_head.weight"]
@@ -217,13 +134,29 @@ def plan_hf_load(
         logger.warning(
             "%s: %d HF tensors unused, e.g. %s", reader.directory, len(unused), unused[:5]
         )
-    return HFLoadPlan(reader.directory, recipes, unused)
+    return HFLoadPlan(reader.directory, recipes, unused, copies)
+
+
+def _check_copies(plan: HFLoadPlan, reader: SafetensorsDir, ranks: ParallelRanks) -> None:
+    """Checks this rank's share of rows of every MTP copy against the main tensor."""
+    for copy, main in plan.copies:
+        rows = reader.shape(main)[0]
+        per = -(-rows // ranks.tp_size)
+        start, stop = ranks.tp_rank * per, min(rows, (ranks.tp_rank + 1) * per)
+        index = (slice(start, stop),)
+        if stop > start and not torch.equal(reader.read(copy, index), reader.read(main, index)):
+            raise CheckpointError(
+                f"{reader.directory}: {copy!r} differs from {main!r}; Megatron's MTP layers "
+                "use the main model's embedding and output layer, so a checkpoint whose MTP "
+                "copies differ cannot be served"
+            )
 
 
 def stage_hf_weights(
     plan: HFLoadPlan, reader: SafetensorsDir, model: torch.nn.Module
 ) -> dict[str, torch.Tensor]:
     """Reads this rank's shards into host tensors in the parameters' dtypes."""
+    _check_copies(plan, reader, ParallelRanks.from_model(_unwrap(model)))
     targets = _unwrap(model).state_dict(keep_vars=True)
     staged = {}
     for name, recipe in plan.recipes.items():

@@ -236,3 +236,24 @@ class GatedFC1(Recipe):
         g = gate.rows(reader, self.start, self.stop)
         u = up.rows(reader, self.start, self.stop).to(g.dtype)
         return torch.cat([g, u], dim=0)
+
+
+class RowsOrReplicated(Recipe):
+    """A linear layer that a backend builds either column-parallel (this rank's rows) or
+    replicated (TransformerEngine's ``duplicated`` MLA down-projections): the model's
+    local shape decides (see :meth:`fit`)."""
+
+    def __init__(self, src: Src, rank: int, size: int):
+        self.srcs, self.rank, self.size = (src,), rank, size
+        self.start, self.stop = 0, src.shape[0]
+
+    def fit(self, target_shape):
+        super().fit(target_shape)
+        if tuple(target_shape) != self.srcs[0].shape:
+            self.start, self.stop = _split(self.srcs[0].shape[0], self.rank, self.size, "rows")
+
+    def local_shape(self):
+        return (self.stop - self.start, *self.srcs[0].shape[1:])
+
+    def read(self, reader):
+        return self.srcs[0].rows(reader, self.start, self.stop)

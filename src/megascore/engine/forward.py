@@ -28,11 +28,13 @@ restores the routers' running buffers and returns the model to eval mode. The
 hidden states are identical in both modes (dropout is off, MoE is dropless).
 Semantics are Megatron's, including where they depend on the layout:
 
-* no ``padding_mask`` is passed (Megatron's default): pad tokens of the packed
-  layout are routed and count in the aux losses, as in a trainer using the same
-  packing; the per-sequence pad multiple therefore matters for MoE metrics;
-* an MTP loss is the mean over the DP x CP ranks of each rank's own masked mean;
-  acceptance rates sum the counts (percent, as Megatron logs them);
+* Megatron's ``padding_mask`` marks the pad positions of the packed layout, so the
+  routers leave pads out of the aux-loss and z-loss statistics (MTP layers too:
+  ``megascore.model.mtp``): MoE metrics do not depend on the per-sequence pad multiple,
+  hence not on the TP / CP layout either;
+* an MTP loss is the token-weighted mean over the DP x CP ranks (each rank's masked
+  mean weighted by its share of the target tokens: equal to CP = 1); acceptance rates
+  sum the counts (percent, as Megatron logs them);
 * with DP > 1 every metric is averaged over the DP ranks (their batches);
 * Megatron's MTP loss (``process_mtp_loss``) computes each MTP layer's full
   ``[T_local, V / tp]`` logits: a metrics forward of an MTP model is the one
@@ -52,7 +54,10 @@ from collections.abc import Callable
 
 import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_logging import (
+    destroy_moe_metrics_tracker,
+    get_moe_metrics_tracker,
+)
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -230,6 +235,14 @@ def packed_labels_and_mask(packed: PackedSequences, cp_rank: int, cp_size: int):
     return labels, (pos + 1 < length)[idx][None].float()
 
 
+def packed_padding_mask(packed: PackedSequences, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Megatron's MoE ``padding_mask`` for this CP shard: bool ``[1, T_local]``, True at the
+    pad positions of each padded segment (position >= the sequence's real length)."""
+    pos, length = _position_and_length(packed)
+    idx = cp_shard_indices(packed.cu_seqlens_padded.to("cpu"), cp_rank, cp_size)
+    return (pos >= length)[idx][None]
+
+
 class _ScalarCollector:
     """Minimal ``SummaryWriter`` stand-in that keeps the scalars Megatron logs."""
 
@@ -256,11 +269,18 @@ def _mtp_skipped(model):
 
 @contextlib.contextmanager
 def _training_forward(model):
-    """Training mode with grad enabled; restores eval mode and the routers' buffers."""
+    """Training mode with grad enabled; restores eval mode and the routers' buffers.
+
+    The routers' expert-bias token counts (``local_tokens_per_expert``, a training-only
+    buffer restored afterwards anyway) are not accumulated: Megatron-Core 0.19 fails to
+    broadcast a padding mask against the routing map there.
+    """
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     saved = [{k: b.clone() for k, b in r.named_buffers(recurse=False)} for r in routers]
+    bias_updates = [r.enable_expert_bias for r in routers]
     for router in routers:
         router.reset_global_aux_loss_tracker()  # this batch is one "global batch"
+        router.enable_expert_bias = False  # routing still adds expert_bias (the buffer)
     was_training = model.training
     model.train()
     try:
@@ -269,6 +289,8 @@ def _training_forward(model):
     finally:
         model.train(was_training)
         with torch.no_grad():
+            for router, enabled in zip(routers, bias_updates, strict=True):
+                router.enable_expert_bias = enabled
             for router, bufs in zip(routers, saved, strict=True):
                 for name, value in bufs.items():
                     getattr(router, name).copy_(value)
@@ -294,8 +316,51 @@ def _head_processor(*, hidden_states, output_layer, output_weight, scale_logits,
     )
 
 
-def _read_moe_metrics(model, names: list[str], loss_scale: float) -> dict[str, float]:
+def router_token_counts(model, packed: PackedSequences, cp_rank: int, cp_size: int):
+    """Real tokens the router of each MoE-capable layer sees on this rank.
+
+    Decoder layers see this rank's share of the real tokens (its CP shard; with sequence
+    parallelism its TP slice of that); MTP layer k sees the positions whose token k ahead
+    is real (``position + k < length``).
+
+    Returns:
+        float32 ``[num_layers + mtp_num_layers]``.
+    """
     cfg = model.config
+    pos, length = _position_and_length(packed)
+    idx = cp_shard_indices(packed.cu_seqlens_padded.to("cpu"), cp_rank, cp_size)
+    pos, length = pos[idx], length[idx]
+    tp = model.pg_collection.tp
+    if cfg.sequence_parallel and tp.size() > 1:  # contiguous T_local / tp rows per TP rank
+        per = pos.numel() // tp.size()
+        rows = slice(tp.rank() * per, (tp.rank() + 1) * per)
+        pos, length = pos[rows], length[rows]
+    counts = [float((pos < length).sum())] * cfg.num_layers
+    counts += [float((pos + k < length).sum()) for k in range(1, (cfg.mtp_num_layers or 0) + 1)]
+    return torch.tensor(counts)
+
+
+def _token_weight_z_loss(model, counts: torch.Tensor) -> None:
+    """Megatron averages each rank's per-layer z-loss (a mean over its own real tokens) over
+    the TP x DP x CP ranks; pads masked out leave the ranks different numbers of tokens, so
+    weight each rank's mean by its share of them: the result is the mean over all tokens."""
+    entry = get_moe_metrics_tracker().metrics.get("z_loss")
+    router = next((m for m in model.modules() if isinstance(m, TopKRouter)), None)
+    if entry is None or router is None or router.tp_dp_cp_group.size() == 1:
+        return
+    group = router.tp_dp_cp_group
+    counts = counts.to(entry.values.device)
+    total = counts.clone()
+    torch.distributed.all_reduce(total, group=group)
+    entry.values.mul_(counts * group.size() / total.clamp(min=1))
+
+
+def _read_moe_metrics(
+    model, names: list[str], counts: torch.Tensor, loss_scale: float
+) -> dict[str, float]:
+    cfg = model.config
+    if "z_loss" in names:
+        _token_weight_z_loss(model, counts)
     writer = _ScalarCollector()
     get_moe_metrics_tracker().report(
         loss_scale=loss_scale,
@@ -317,9 +382,16 @@ def _read_mtp_metrics(model, loss_scale: float) -> dict[str, float]:
     # stages too) and sets the same reduction group on every rank, so all of them join
     # the same all-reduces. Only the last pipeline stage holds the MTP layers.
     zero = torch.zeros((), device=next(model.parameters()).device)
-    MTPLossLoggingHelper.save_metrics_to_tracker(
-        zero, zero, zero, 0, n, avg_group=model.pg_collection.dp_cp
-    )
+    group = model.pg_collection.dp_cp
+    MTPLossLoggingHelper.save_metrics_to_tracker(zero, zero, zero, 0, n, avg_group=group)
+    # Megatron averages the ranks' own means; weight each by its share of the target
+    # tokens (``total_values``: this rank's counted positions) so the mean is over tokens.
+    tracker = MTPLossLoggingHelper.tracker
+    if group.size() > 1:
+        counts = tracker["total_values"].clone()
+        torch.distributed.all_reduce(counts, group=group)
+        share = tracker["total_values"] * group.size() / counts.clamp(min=1)
+        tracker["loss_values"].mul_(share)
     writer = _ScalarCollector()
     MTPLossLoggingHelper.track_mtp_metrics(loss_scale, 0, writer)
     out = {}
@@ -330,8 +402,11 @@ def _read_mtp_metrics(model, loss_scale: float) -> dict[str, float]:
 
 
 def _clear_trackers() -> None:
-    get_moe_metrics_tracker().clear()
-    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    """Fresh trackers: Megatron's keep their per-layer tensors, sized for the first model
+    that recorded, so a later model with more layers (another checkpoint in the same
+    process) would index past them."""
+    destroy_moe_metrics_tracker()
+    MTPLossLoggingHelper.tracker.clear()
 
 
 def check_metrics_request(cfg, want_moe_metrics: bool, want_mtp_metrics: bool) -> None:
@@ -342,16 +417,11 @@ def check_metrics_request(cfg, want_moe_metrics: bool, want_mtp_metrics: bool) -
         raise ValueError("MTP metrics requested from a model without MTP layers")
 
 
-def wants_mtp_labels(model, want_moe_metrics: bool, want_mtp_metrics: bool) -> bool:
-    """A metrics forward of an MTP model runs the MTP block, which needs labels."""
-    return (want_moe_metrics or want_mtp_metrics) and bool(model.config.mtp_num_layers)
-
-
 def model_inputs(
     model,
     packed: PackedSequences,
     *,
-    with_mtp_labels: bool = False,
+    metrics_forward: bool = False,
     loss_mask_packed_local: torch.Tensor | None = None,
 ) -> dict:
     """Keyword arguments of ``model(...)`` for this rank's shard of a packed batch.
@@ -362,7 +432,9 @@ def model_inputs(
     Args:
         model: the GPTModel.
         packed: the batch, packed for this rank's CP rank.
-        with_mtp_labels: add MTP ``labels`` and ``loss_mask`` (a metrics forward).
+        metrics_forward: a forward that records MoE / MTP metrics: MoE models get
+            Megatron's ``padding_mask`` (pads stay out of the router statistics), MTP
+            models the MTP ``labels`` and ``loss_mask``.
         loss_mask_packed_local: ``[1, T_local]`` Megatron-style loss mask for the MTP
             metrics, CP-sharded; None: every target that is a real token of its sequence.
 
@@ -387,7 +459,10 @@ def model_inputs(
         ),
         output_processor=_head_processor,
     )
-    if with_mtp_labels:
+    cfg = model.config
+    if metrics_forward and cfg.num_moe_experts:
+        kwargs.update(padding_mask=packed_padding_mask(packed, cp_rank, cp_size).to(device))
+    if metrics_forward and cfg.mtp_num_layers:
         labels, loss_mask = packed_labels_and_mask(packed, cp_rank, cp_size)
         if loss_mask_packed_local is not None:
             loss_mask = loss_mask_packed_local.reshape(1, -1).float()
@@ -405,12 +480,12 @@ class ForwardMetrics:
 
 @contextlib.contextmanager
 def scoring_forward(
-    model, *, want_moe_metrics: bool, want_mtp_metrics: bool, num_microbatches: int = 1
+    model, packed: list[PackedSequences], *, want_moe_metrics: bool, want_mtp_metrics: bool
 ):
     """The mode every scoring forward of one step runs in (see the module docstring).
 
     Without metrics: eval mode, no grad, MTP skipped. With metrics: one training-mode
-    pass with grad enabled over the step's ``num_microbatches`` forwards, then the
+    pass with grad enabled over the step's forwards (one per microbatch), then the
     trackers are read as Megatron's ``training.py`` reads them (loss scale
     ``1 / num_microbatches``: the mean over microbatches), cleared, and the routers'
     buffers restored. Collective when metrics are requested (every rank, all stages).
@@ -419,7 +494,8 @@ def scoring_forward(
         model: the GPTModel of this rank.
         want_moe_metrics: compute the MoE aux-loss metrics (MoE models only).
         want_mtp_metrics: compute the MTP metrics (MTP models only).
-        num_microbatches: forwards of the step run inside the block.
+        packed: the step's microbatches, one forward each inside the block (their real
+            tokens weight each rank's z-loss).
 
     Yields:
         A :class:`ForwardMetrics`, filled when the block exits without error.
@@ -438,10 +514,14 @@ def scoring_forward(
     try:
         with _training_forward(model):
             yield metrics
+        scale = 1.0 / len(packed)
         if moe_names:
-            metrics.moe = _read_moe_metrics(model, moe_names, 1.0 / num_microbatches)
+            cp = model.pg_collection.cp
+            cp_rank, cp_size = (cp.rank(), cp.size()) if cp.size() > 1 else (0, 1)
+            counts = sum(router_token_counts(model, p, cp_rank, cp_size) for p in packed)
+            metrics.moe = _read_moe_metrics(model, moe_names, counts, scale)
         if want_mtp_metrics:
-            metrics.mtp = _read_mtp_metrics(model, 1.0 / num_microbatches)
+            metrics.mtp = _read_mtp_metrics(model, scale)
     finally:
         _clear_trackers()
 
@@ -482,11 +562,11 @@ def forward_packed(
     kwargs = model_inputs(
         model,
         packed,
-        with_mtp_labels=wants_mtp_labels(model, want_moe_metrics, want_mtp_metrics),
+        metrics_forward=want_moe_metrics or want_mtp_metrics,
         loss_mask_packed_local=loss_mask_packed_local,
     )
     with scoring_forward(
-        model, want_moe_metrics=want_moe_metrics, want_mtp_metrics=want_mtp_metrics
+        model, [packed], want_moe_metrics=want_moe_metrics, want_mtp_metrics=want_mtp_metrics
     ) as metrics:
         head = model(**kwargs)
     return ModelOutputs(head=head, moe_metrics=metrics.moe, mtp_metrics=metrics.mtp)

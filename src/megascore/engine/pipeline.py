@@ -168,7 +168,8 @@ class ScoreSpec:
         global_valid_tokens: scored tokens of the whole step (loss normaliser, >= 1).
         num_microbatches: microbatches of the step.
         gather: this rank's CP group gathers the per-token results (the output side).
-        mtp_labels: the forward passes MTP labels (a metrics forward of an MTP model).
+        metrics_forward: the forwards record MoE / MTP metrics
+            (:func:`megascore.engine.forward.model_inputs`).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
     """
 
@@ -179,7 +180,7 @@ class ScoreSpec:
     global_valid_tokens: int
     num_microbatches: int
     gather: bool
-    mtp_labels: bool
+    metrics_forward: bool
     lm_head_dtype: str = "model"
 
 
@@ -236,7 +237,10 @@ def forward_step(data_iterator, model, *, spec: ScoreSpec):
     """
     mb = next(data_iterator)
     kwargs = model_inputs(
-        model, mb.packed, with_mtp_labels=spec.mtp_labels, loss_mask_packed_local=mb.mtp_loss_mask
+        model,
+        mb.packed,
+        metrics_forward=spec.metrics_forward,
+        loss_mask_packed_local=mb.mtp_loss_mask,
     )
     output = model(**kwargs)
     pgs = model.pg_collection

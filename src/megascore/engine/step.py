@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from megascore import layout
 from megascore.distributed import collective_device
-from megascore.engine.forward import mtp_metric_names, scoring_forward, wants_mtp_labels
+from megascore.engine.forward import mtp_metric_names, scoring_forward
 from megascore.engine.losses import compute_losses
 from megascore.engine.pipeline import (
     ScoreSpec,
@@ -170,14 +170,14 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         global_valid_tokens=max(1, int(target_mask.sum())),
         num_microbatches=len(microbatches),
         gather=last_stage and cfg.result_rank in dist.get_process_group_ranks(groups.cp),
-        mtp_labels=wants_mtp_labels(model, want_moe, want_mtp),
+        metrics_forward=want_moe or want_mtp,
         lm_head_dtype=cfg.lm_head_dtype,
     )
     with scoring_forward(
         model,
+        [mb.packed for mb in microbatches],
         want_moe_metrics=want_moe,
         want_mtp_metrics=want_mtp,
-        num_microbatches=len(microbatches),
     ) as metrics:
         store = run_schedule(model, microbatches, spec)
     positions = torch.cat(

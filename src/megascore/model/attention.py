@@ -33,7 +33,6 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
 
 from megascore.packing import cp_shard_indices
 
@@ -131,6 +130,10 @@ class TorchCoreAttention(MegatronModule):
         attention_type: "self" (kept for the spec interface).
         attention_dropout: dropout probability; None = ``config.attention_dropout``.
         softmax_scale: None = ``1 / sqrt(head_dim)``.
+        k_channels: query/key head dim (None = ``config.kv_channels``); multi-latent
+            attention passes its own (no-RoPE + RoPE dims).
+        v_channels: value head dim (None = the key's). MLA's values may be narrower than
+            its keys; Megatron pads them to the key dim for THD input and trims after.
         cp_comm_type: ignored (this module always all-gathers K/V).
         pg_collection: process groups; ``tp`` and ``cp`` are used. Required.
     """
@@ -143,6 +146,8 @@ class TorchCoreAttention(MegatronModule):
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ):
@@ -159,10 +164,7 @@ class TorchCoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.tp_group = pg_collection.tp
         self.cp_group = pg_collection.cp
-        tp_size = self.tp_group.size()
-        self.num_heads = divide(config.num_attention_heads, tp_size)
-        self.num_groups = divide(config.num_query_groups, tp_size)
-        self.head_dim = config.kv_channels
+        self.head_dim = k_channels if k_channels is not None else config.kv_channels
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         )
@@ -193,10 +195,11 @@ class TorchCoreAttention(MegatronModule):
         return gather_from_sequence_parallel_region(x, True, group=self.cp_group)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan):
-        """Runs every bucket. q: [t, heads, dim], k/v: [t_k, groups, dim] -> [t, heads, dim]."""
-        out = torch.zeros_like(q)
+        """Runs every bucket. q/k: [t(_k), heads/groups, dim], v: [t_k, groups, v_dim]
+        -> [t, heads, v_dim]."""
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # [t, heads, v_dim]
         dropout_p = self.dropout_p if self.training else 0.0
-        gqa = self.num_groups != self.num_heads
+        gqa = k.shape[1] != q.shape[1]
         for bucket in plan.buckets:
             n, q_len = bucket.q_index.shape
             k_len = bucket.k_index.shape[1]

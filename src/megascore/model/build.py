@@ -33,12 +33,14 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megascore.config import EngineConfig
 from megascore.model import cpu_compat
 from megascore.model.attention import TorchCoreAttention
 from megascore.model.config import ModelConfig
+from megascore.model.mla import local_mla_layer_spec
+from megascore.model.mtp import padding_aware_mtp_spec
 from megascore.model.parallel import pipeline_layer_split, resolve_device
 from megascore.model.weights import initialize_weights
 
@@ -165,6 +167,10 @@ def make_transformer_config(
             moe_z_loss_coeff=model_cfg.moe_z_loss_coeff,
             moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
             moe_layer_freq=model_cfg.moe_layer_freq,
+            moe_router_enable_expert_bias=model_cfg.moe_router_enable_expert_bias,
+            moe_router_num_groups=model_cfg.moe_router_num_groups,
+            moe_router_group_topk=model_cfg.moe_router_group_topk,
+            moe_router_topk_scaling_factor=model_cfg.moe_router_topk_scaling_factor,
             moe_expert_capacity_factor=None,
             moe_token_dispatcher_type="allgather",
         )
@@ -180,6 +186,8 @@ def make_transformer_config(
         if not model_cfg.is_moe:
             overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
         kwargs.update(overrides)
+    if model_cfg.multi_latent_attention:
+        return MLATransformerConfig(**kwargs, **_mla_fields(model_cfg))
     return TransformerConfig(**kwargs)
 
 
@@ -198,6 +206,28 @@ def _pipeline_kwargs(num_layers: int, pp: int) -> dict:
             num_layers_in_first_pipeline_stage=split[0], num_layers_in_last_pipeline_stage=split[1]
         )
     return kwargs
+
+
+def _mla_fields(model_cfg: ModelConfig) -> dict:
+    """``MLATransformerConfig`` fields of a multi-latent-attention model. MLA's q/kv
+    down-projection norms are Megatron's ``q_layernorm`` / ``kv_layernorm`` (qk_layernorm);
+    MLA owns its rotary embedding (``rotary_*`` fields; GPTModel builds none)."""
+    return dict(
+        q_lora_rank=model_cfg.q_lora_rank,
+        kv_lora_rank=model_cfg.kv_lora_rank,
+        qk_head_dim=model_cfg.qk_head_dim,
+        qk_pos_emb_head_dim=model_cfg.qk_pos_emb_head_dim,
+        v_head_dim=model_cfg.v_head_dim,
+        rope_type=model_cfg.rope_type,
+        rotary_base=model_cfg.rotary_base,
+        rotary_percent=model_cfg.rotary_percent,
+        rotary_scaling_factor=model_cfg.rotary_scaling_factor,
+        original_max_position_embeddings=model_cfg.original_max_position_embeddings,
+        beta_fast=model_cfg.beta_fast,
+        beta_slow=model_cfg.beta_slow,
+        mscale=model_cfg.mscale,
+        mscale_all_dim=model_cfg.mscale_all_dim,
+    )
 
 
 class TorchNorm:
@@ -275,11 +305,16 @@ def make_layer_specs(
         config, use_transformer_engine=use_te, normalization=config.normalization
     )
     if not use_te:
-        layers = [_with_core_attention(s, TorchCoreAttention) for s in block.layer_specs]
+        layers = [
+            local_mla_layer_spec(_with_core_attention(s, TorchCoreAttention))
+            for s in block.layer_specs
+        ]
         block = _replace_norms(dataclasses.replace(block, layer_specs=layers), TorchNorm)
     mtp = None
     if config.mtp_num_layers:
-        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=use_te)
+        mtp = padding_aware_mtp_spec(
+            get_gpt_mtp_block_spec(config, block, use_transformer_engine=use_te)
+        )
         if not use_te:
             mtp = _replace_norms(mtp, TorchNorm)
     return block, mtp

@@ -44,6 +44,26 @@ class ModelConfig:
     """Llama-3.1-style RoPE frequency scaling."""
     rope_scaling_factor: float = 8.0
     share_embeddings_and_output_weights: bool = False
+    # --- multi-latent attention (DeepSeek-V3; Megatron's MLATransformerConfig) ---
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    """Query down-projection rank (None: one full query projection)."""
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    """Per-head query/key dim without RoPE (HF ``qk_nope_head_dim``)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head query/key dim with RoPE (HF ``qk_rope_head_dim``)."""
+    v_head_dim: int = 128
+    rope_type: str = "rope"
+    """MLA RoPE: "rope" or "yarn" (YaRN frequency interpolation)."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN ``factor``."""
+    original_max_position_embeddings: int = 4096
+    """YaRN pre-training context length."""
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     # --- MoE ---
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
@@ -57,6 +77,16 @@ class ModelConfig:
     moe_z_loss_coeff: float | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int | list[int] = 1
+    """1: every layer is MoE; a list of 0/1 per layer (0: dense MLP of ffn_hidden_size)."""
+    moe_router_enable_expert_bias: bool = False
+    """Routing bias added to the scores for the top-k choice only (DeepSeek-V3's
+    ``e_score_correction_bias``)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: expert groups (HF ``n_group``)."""
+    moe_router_group_topk: int | None = None
+    """Groups chosen per token (HF ``topk_group``)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Factor on the routing probabilities (HF ``routed_scaling_factor``)."""
     # --- MTP ---
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1
@@ -87,6 +117,13 @@ class ModelConfig:
             raise ValueError(f"activation must be silu or gelu, got {self.activation}")
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError("moe_router_score_function must be softmax or sigmoid")
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(f"rope_type must be rope or yarn, got {self.rope_type}")
+        if isinstance(self.moe_layer_freq, list) and len(self.moe_layer_freq) != self.num_layers:
+            raise ValueError(
+                f"moe_layer_freq lists {len(self.moe_layer_freq)} layers, the model has "
+                f"{self.num_layers}"
+            )
         if self.vocab_size <= 0 or self.num_layers <= 0:
             raise ValueError("vocab_size and num_layers must be positive")
 

@@ -25,6 +25,11 @@ code (layers, mappings, router, dispatcher, MTP):
   around the schedule would do the same but taxes every op of the forward: +46 %
   on a tiny model.) The p2p sends work on gloo as they are (gloo has no
   coalescing: ``batch_isend_irecv`` issues the isend / irecv one by one).
+* ``get_pos_emb_on_this_cp_rank`` (RoPE tables of an unpacked sequence under context
+  parallelism) builds its index tensor in pinned memory and copies it to CUDA; YaRN's
+  rotary embedding (multi-latent attention) calls it once at construction to fill its
+  cache. :func:`apply` points the modules that imported it at
+  :func:`_cpu_pos_emb_on_this_cp_rank`, the same selection on the tensor's own device.
 * The alltoall token dispatcher and shared-expert overlap create CUDA streams:
   :func:`transformer_config_overrides` selects the ``allgather`` dispatcher and
   turns overlap and fused kernels off.
@@ -79,6 +84,19 @@ def _cpu_zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
     return _TORCH_ZEROS(*args, **kwargs)
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` without the CUDA copy: the chunks
+    ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` along ``seq_dim``."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    pos_emb = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+
 def is_applied() -> bool:
     """Whether :func:`apply` has run in this process."""
     return _APPLIED
@@ -103,11 +121,19 @@ def apply() -> None:
         torch.cuda.synchronize = _cpu_synchronize
         torch.Tensor.cuda = _cpu_tensor_cuda
         torch.zeros = _cpu_zeros
+        from megatron.core.models.common.embeddings import (
+            rope_utils,
+            rotary_pos_embedding,
+            yarn_rotary_pos_embedding,
+        )
+
+        for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+            module.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
         _APPLIED = True
         logger.info(
             "megatron CPU compatibility applied: torch.cuda.current_device -> cpu, "
             "torch.cuda.synchronize -> no-op, Tensor.cuda() -> the tensor itself, "
-            'torch.zeros(device="cuda") -> cpu'
+            'torch.zeros(device="cuda") -> cpu, get_pos_emb_on_this_cp_rank on the CPU'
         )
 
 

@@ -24,7 +24,43 @@ COMMON = dict(
     vocab_size=VOCAB,
     max_position_embeddings=512,
 )
-FAMILIES = ("llama", "qwen2", "mistral", "mixtral")
+# "deepseek_v3-qfull": deepseek_v3 without the query down-projection and without YaRN;
+# "qwen3_moe-softmax": top-k of the softmax over all experts, not renormalised, every
+# second layer MoE (decoder_sparse_step)
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "mixtral",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_moe-softmax",
+    "deepseek_v3",
+    "deepseek_v3-qfull",
+    "glm4_moe",
+)
+MOE_FAMILIES = (
+    "mixtral",
+    "qwen3_moe",
+    "qwen3_moe-softmax",
+    "deepseek_v3",
+    "deepseek_v3-qfull",
+    "glm4_moe",
+)
+MTP_FAMILIES = ("deepseek_v3", "deepseek_v3-qfull", "glm4_moe")
+# Shared by deepseek_v3 and glm4_moe: sigmoid router with correction bias, a dense first
+# layer, a shared expert, a scaling factor, one MTP layer after the 3 decoder layers.
+SIGMOID_MOE = dict(
+    num_hidden_layers=3,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    routed_scaling_factor=1.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+)
 
 
 def hf_config(family: str):
@@ -40,7 +76,79 @@ def hf_config(family: str):
     if family == "mixtral":
         cfg = dict(COMMON, intermediate_size=32)
         return transformers.MixtralConfig(**cfg, num_local_experts=4, num_experts_per_tok=2)
+    if family == "qwen3":  # QK-norm, no bias, head_dim != hidden / heads
+        return transformers.Qwen3Config(**COMMON, head_dim=32)
+    if family.startswith("qwen3_moe"):  # layer 0 dense (mlp_only_layers), renormalised top-k
+        cfg = dict(COMMON, num_hidden_layers=3)
+        softmax = family == "qwen3_moe-softmax"
+        return transformers.Qwen3MoeConfig(
+            **cfg,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[] if softmax else [0],
+            decoder_sparse_step=2 if softmax else 1,
+            norm_topk_prob=not softmax,
+        )
+    if family.startswith("deepseek_v3"):  # MLA (v_head_dim != qk dim), 2 expert groups
+        cfg = dict(COMMON, **SIGMOID_MOE, num_key_value_heads=4)
+        qfull = family == "deepseek_v3-qfull"
+        return transformers.DeepseekV3Config(
+            **cfg,
+            q_lora_rank=None if qfull else 32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_group=2,
+            topk_group=1,
+            rope_parameters=dict(rope_type="default", rope_theta=5000.0) if qfull else YARN,
+        )
+    if family == "glm4_moe":  # partial rotary, QKV bias, QK-norm
+        return transformers.Glm4MoeConfig(
+            **dict(COMMON, **SIGMOID_MOE),
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_group=1,
+            topk_group=1,
+        )
     raise ValueError(family)
+
+
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=128,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
+
+
+def _rescale(named, gen) -> None:
+    """Draws every tensor again: norms ~ 1 + 0.2 N, biases ~ 0.5 N (router correction
+    biases 0.1 N), matrices ~ N * scale / sqrt(fan_in)."""
+    with torch.no_grad():
+        for name, p in named:
+            noise = torch.randn(p.shape, generator=gen)
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.1 * noise)
+            elif p.dim() == 1:  # biases
+                p.copy_(0.5 * noise)
+            else:
+                scale = 1.0 if "embed" in name else 2.0
+                p.copy_(noise * scale / p.shape[-1] ** 0.5)
+
+
+def _named_tensors(module):
+    """Parameters plus the router correction-bias buffers."""
+    buffers = [(n, b) for n, b in module.named_buffers() if "e_score_correction_bias" in n]
+    return [*module.named_parameters(), *buffers]
 
 
 def make_hf_model(family: str, seed: int = 0):
@@ -49,18 +157,79 @@ def make_hf_model(family: str, seed: int = 0):
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(family))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if p.dim() == 1 and "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif p.dim() == 1:  # biases
-                p.copy_(0.5 * noise)
-            else:
-                scale = 1.0 if "embed" in name else 2.0
-                p.copy_(noise * scale / p.shape[-1] ** 0.5)
+    _rescale(_named_tensors(model), torch.Generator().manual_seed(seed))
     return model.eval()
+
+
+def make_mtp_layers(model, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random MTP layers for a tiny deepseek_v3 / glm4_moe model, named as DeepSeek-V3
+    stores them after the last decoder layer (transformers builds and saves none):
+    ``model.layers.{L+i}.`` + a decoder layer's tensors, ``enorm``, ``hnorm``,
+    ``eh_proj`` ``[H, 2H]``, ``shared_head.norm``, and copies of the embedding
+    (``embed_tokens``) and output layer (``shared_head.head``)."""
+    cfg = model.config
+    layer_cls = type(model.model.layers[-1])
+    gen = torch.Generator().manual_seed(100 + seed)
+    h = cfg.hidden_size
+    out = {}
+    for i in range(cfg.num_nextn_predict_layers):
+        p = f"model.layers.{cfg.num_hidden_layers + i}."
+        layer = layer_cls(cfg, cfg.num_hidden_layers + i)
+        own = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h)}
+        own = {n: torch.empty(shape) for n, shape in own.items()}
+        own["shared_head.norm.weight"] = torch.empty(h)
+        named = [*_named_tensors(layer), *own.items()]
+        _rescale(named, gen)
+        out.update({p + n: t.detach().clone() for n, t in _hub_layout(named)})
+        out[p + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+        out[p + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    return out
+
+
+def _hub_layout(named):
+    """transformers >= 5 keeps experts stacked in memory (``experts.gate_up_proj``
+    ``[E, 2F, H]``, ``experts.down_proj`` ``[E, H, F]``); checkpoints store them per expert."""
+    for name, t in named:
+        if name.endswith("experts.gate_up_proj"):
+            base, f = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", t[e, :f]
+                yield f"{base}{e}.up_proj.weight", t[e, f:]
+        elif name.endswith("experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.down_proj.weight", t[e]
+        else:
+            yield name, t
+
+
+def save_hf_model(model, family: str, directory: Path, seed: int = 0, **save_kwargs) -> None:
+    """``save_pretrained`` plus, for MTP families, the MTP layers in ``mtp.safetensors``
+    (added to the shard index)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model.save_pretrained(directory, **save_kwargs)
+    if family not in MTP_FAMILIES:
+        return
+    directory = Path(directory)
+    tensors = make_mtp_layers(model, seed)
+    save_file(tensors, str(directory / "mtp.safetensors"), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+    else:
+        data = {"metadata": {}, "weight_map": dict.fromkeys(_names(directory), "model.safetensors")}
+    data["weight_map"].update(dict.fromkeys(tensors, "mtp.safetensors"))
+    index.write_text(json.dumps(data))
+
+
+def _names(directory: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
 
 
 def token_batch(seed: int = 0, batch: int = 3) -> torch.Tensor:
@@ -81,7 +250,7 @@ def write_hf_checkpoint(family: str, directory: Path, seed: int = 0, **save_kwar
     """Saves a tiny HF model to ``directory``; returns its reference logprobs on
     ``token_batch()`` (also stored as ``directory/reference.npy``)."""
     model = make_hf_model(family, seed)
-    model.save_pretrained(directory, **save_kwargs)
+    save_hf_model(model, family, directory, seed, **save_kwargs)
     ref = hf_logprobs(model, token_batch())
     np.save(Path(directory) / "reference.npy", ref)
     return ref

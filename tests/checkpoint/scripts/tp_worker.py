@@ -3,10 +3,10 @@
 ``WORK`` holds ``hf_<family>/`` (HF checkpoints with ``reference.npy``) and
 ``mg_tp1_<family>/`` (Megatron checkpoints saved at TP=1 by the test). Phases:
 
-* TP=2 (expert TP=2): load each HF checkpoint, score; save ``mg_tp2_<family>``;
+* TP=2 (expert TP=2): load each HF checkpoint (every family), score; save ``mg_tp2_<family>``;
   load ``mg_tp1_<family>`` and score; load ``hf_llama_b`` through the engine's load
   path (``load_served_model`` with the llama architecture expected) and score.
-* TP=1, EP=2: the same for mixtral (experts split 2 + 2).
+* TP=1, EP=2: the same for the MoE families (experts split 2 + 2).
 * DistributedEngine at TP=2 serving ``hf:hf_llama``: score, LoadWeights
   ``megatron:mg_tp1_llama_b`` (RELOAD on both ranks), a refused reload (other
   architecture) that keeps the weights, and a reload back to ``hf_llama``.
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_common import megatron_logprobs, token_batch  # noqa: E402
+from ckpt_common import FAMILIES, MOE_FAMILIES, megatron_logprobs, token_batch  # noqa: E402
 
 
 def _record(out: Path, case: str, fn) -> None:
@@ -124,9 +124,9 @@ def main() -> None:
     from megascore.config import EngineConfig
 
     tp2 = EngineConfig(device="cpu", tensor_model_parallel_size=2)
-    _phase(work, out, "tp2", tp2, ["llama", "qwen2", "mistral", "mixtral"])
+    _phase(work, out, "tp2", tp2, list(FAMILIES))
     ep2 = EngineConfig(device="cpu", expert_model_parallel_size=2)
-    _phase(work, out, "ep2", ep2, ["mixtral"])
+    _phase(work, out, "ep2", ep2, list(MOE_FAMILIES))
     _engine_phase(work, out)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,101 @@
+"""torchrun worker (2 gloo ranks) for tests/checkpoint/test_family_metrics.py.
+
+``WORK/hf_<family>/`` holds a tiny MoE checkpoint per family. For every family and
+layout the worker loads the checkpoint, runs ``forward_packed`` with the MoE and MTP
+metrics on one batch packed with the layout's per-sequence pad multiple, and rank r
+writes ``OUT/<family>.<layout>.rank<r>.npz`` (target logprobs of the real tokens and
+the metrics) or ``.error``.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# layout -> (tp, cp, ep, sequence_parallel, per-sequence pad multiple); world size 2
+# (tp = cp = ep = 1: two data-parallel ranks scoring the same batch)
+LAYOUTS = {
+    "ref": (1, 1, 1, False, 1),
+    "ref_pad4": (1, 1, 1, False, 4),
+    "cp2": (1, 2, 1, False, 4),
+    "tp2_sp": (2, 1, 1, True, 4),
+    "ep2": (1, 1, 2, False, 1),
+}
+LENGTHS = [13, 1, 6, 2, 9, 20]
+
+
+def run(work: Path, out: Path, family: str, layout: str) -> None:
+    from megascore.checkpoint import resolve_model
+    from megascore.config import EngineConfig
+    from megascore.distributed import gather_cp_shards
+    from megascore.engine.forward import forward_packed
+    from megascore.model.build import build_model
+    from megascore.model.parallel import destroy_parallel, initialize_parallel
+    from megascore.packing import pack_sequences
+
+    tp, cp, ep, sp, pad = LAYOUTS[layout]
+    engine_cfg = EngineConfig(
+        device="cpu",
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=sp,
+    )
+    pgs = initialize_parallel(engine_cfg)
+    try:
+        cfg, load, _ = resolve_model(f"hf:{work / f'hf_{family}'}")
+        model = build_model(cfg, engine_cfg, pgs)
+        load(model)
+        gen = torch.Generator().manual_seed(11)
+        ids = torch.randint(0, cfg.vocab_size, (sum(LENGTHS),), generator=gen)  # flat
+        packed = pack_sequences(
+            ids,
+            torch.tensor(LENGTHS),
+            pad_individual_seqs_to_multiple_of=pad,
+            cp_rank=pgs.cp.rank(),
+            cp_size=cp,
+        )
+        res = forward_packed(model, packed, want_moe_metrics=True, want_mtp_metrics=cfg.has_mtp)
+        logits = res.head.logits(0, res.head.num_tokens)  # [T_local, V / tp]
+        if tp > 1:
+            shards = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(shards, logits.contiguous(), group=pgs.tp)
+            logits = torch.cat(shards, dim=-1)
+        full = gather_cp_shards(logits[None], packed.cu_seqlens_padded, pgs.cp)[0]  # [T, V]
+        starts = packed.cu_seqlens_padded.tolist()
+        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, LENGTHS, strict=False)])
+        lp = torch.log_softmax(full[rows].double(), -1)
+        metrics = {
+            f"metric.{k}": np.float64(v) for k, v in {**res.moe_metrics, **res.mtp_metrics}.items()
+        }
+        path = out / f"{family}.{layout}.rank{dist.get_rank()}.npz"
+        np.savez(path, logprobs=lp.numpy(), **metrics)
+    finally:
+        destroy_parallel()
+
+
+def main() -> int:
+    work, out, families = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")
+    dist.init_process_group("gloo")
+    failed = False
+    for family in families:
+        for layout in LAYOUTS:
+            try:
+                run(work, out, family, layout)
+            except Exception:  # report and go on: the other layouts still run in step
+                failed = True
+                err = out / f"{family}.{layout}.rank{dist.get_rank()}.error"
+                err.write_text(traceback.format_exc())
+                traceback.print_exc()
+            dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

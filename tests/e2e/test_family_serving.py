@@ -1,0 +1,140 @@
+"""Issue 12 through the real server and client: qwen3, qwen3_moe, deepseek_v3 and glm4_moe
+checkpoints served by ``megascore serve --model hf:DIR``.
+
+For every family a tiny random transformers model (``tests.checkpoint.scripts.ckpt_common``:
+QK-norm; dense-first MoE layers; MLA with a query LoRA, ``v_head_dim`` != key dim and
+YaRN; sigmoid routers with correction bias, expert groups, scaling factor and a shared
+expert; partial rotary with QKV bias; deepseek_v3 / glm4_moe with a random MTP layer
+stored after the decoder) is saved and served at TP=1, TP=2 and, for the MoE families,
+EP=2. Logprobs and top-k returned through :class:`ScoringClient` equal transformers'
+forward on the same weights (max |delta| <= 1e-4, fp32); the served ``mtp_1_loss`` and
+``mtp_1_acceptance_rate`` equal the plain-PyTorch MTP reference of
+``tests/checkpoint/test_mtp.py`` at every layout (<= 1e-5), and the MoE metrics of one
+family agree across its layouts (<= 1e-5).
+
+Eleven servers, each started ahead of its test and stopped after it (:class:`ServerPool`,
+at most 5 ranks alive); each must exit 0 on SIGTERM and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megascore.checkpoint import resolve_model
+from megascore_client import ScoringClient
+from tests.checkpoint.scripts.ckpt_common import (
+    MOE_FAMILIES,
+    MTP_FAMILIES,
+    make_hf_model,
+    save_hf_model,
+)
+from tests.checkpoint.test_mtp import MTPReference
+from tests.e2e.server_pool import ServerPool, ServerSpec, module_plan
+from tests.e2e.test_checkpoint_serving import PARITY_SEQS, TOP_K, hf_reference, max_error
+
+pytestmark = pytest.mark.timeout(1500)  # the first test waits for the servers' start-up
+
+ATOL = 1e-4  # fp32 Megatron vs fp32 transformers, compared in float64
+MTP_TOL = 1e-5
+LAYOUT_TOL = 1e-5
+RPC_TIMEOUT_S = 120.0
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe")
+LAYOUTS = {"tp1": (1, ()), "tp2": (2, ("--tp", "2")), "ep2": (2, ("--ep", "2"))}
+CONFIGS = [
+    f"{family}-{layout}"
+    for family in FAMILIES
+    for layout in LAYOUTS
+    if layout != "ep2" or family in MOE_FAMILIES
+]
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    directory: Path
+    model: object
+    version: str
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for family in FAMILIES:
+        directory = root / family
+        model = make_hf_model(family, seed=0)
+        save_hf_model(model, family, directory)
+        version = resolve_model(f"hf:{directory}").metadata.weights_version
+        out[family] = Checkpoint(directory.resolve(), model, version)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool(request, checkpoints, tmp_path_factory):
+    specs = {}
+    for config in CONFIGS:
+        family, layout = config.split("-")
+        nproc, flags = LAYOUTS[layout]
+        specs[config] = ServerSpec(f"hf:{checkpoints[family].directory}", nproc, flags)
+    servers = ServerPool(tmp_path_factory.mktemp("serve-families"), specs, module_plan(request))
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture
+def server(pool, config):
+    yield pool.get(config)
+    pool.done(config)
+
+
+METRICS: dict[str, dict[str, dict[str, float]]] = {}
+"""family -> layout -> the served MoE metrics (filled by the parity tests)."""
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_family_scores_match_transformers(server, config, checkpoints):
+    family, layout = config.split("-")
+    ckpt = checkpoints[family]
+    refs = hf_reference(ckpt.model, PARITY_SEQS)
+    assert min(r.logprobs.std() for r in refs if r.logprobs.size > 4) > 0.5, "flat reference"
+    metrics = tuple(
+        m for m, on in (("moe", family in MOE_FAMILIES), ("mtp", family in MTP_FAMILIES)) if on
+    )
+    with ScoringClient(server.target, timeout=RPC_TIMEOUT_S, retries=None) as client:
+        info = client.model_info()
+        result = client.score(PARITY_SEQS, top_k=TOP_K, metrics=metrics)
+    assert info.architecture == family and result.weights_version == ckpt.version
+    assert info.parallel.world_size == LAYOUTS[layout][0]
+
+    err = max_error(result, PARITY_SEQS, refs)
+    assert err <= ATOL, f"{config}: max |delta logprob| {err:.3e}"
+    for i, (seq, ref) in enumerate(zip(PARITY_SEQS, refs, strict=True)):
+        vals = result.top_k_logprobs[i].astype(np.float64)
+        assert vals.shape == (len(seq), TOP_K)
+        np.testing.assert_allclose(vals[1:], ref.top_k, rtol=0, atol=ATOL)
+
+    if family in MOE_FAMILIES:
+        assert result.moe_metrics and all(np.isfinite(v) for v in result.moe_metrics.values())
+        METRICS.setdefault(family, {})[layout] = dict(result.moe_metrics)
+    if family in MTP_FAMILIES:
+        loss, rate = MTPReference(ckpt.directory).metrics(PARITY_SEQS)
+        got = result.mtp_metrics
+        assert abs(got["mtp_1_loss"] - loss) <= MTP_TOL * max(1.0, loss), (config, got, loss)
+        assert abs(got["mtp_1_acceptance_rate"] - rate) <= 1e-4, (config, got, rate)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f in MOE_FAMILIES])
+def test_moe_metrics_equal_across_layouts(family):
+    layouts = METRICS.get(family, {})
+    if set(layouts) != {"tp1", "tp2", "ep2"}:
+        pytest.fail(f"{family}: parity tests recorded layouts {sorted(layouts)} only")
+    base = layouts["tp1"]
+    for layout, values in layouts.items():
+        assert set(values) == set(base)
+        for name, value in values.items():
+            assert abs(value - base[name]) <= LAYOUT_TOL, (family, layout, name, value, base)
