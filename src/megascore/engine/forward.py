@@ -340,27 +340,58 @@ def router_token_counts(model, packed: PackedSequences, cp_rank: int, cp_size: i
     return torch.tensor(counts)
 
 
-def _token_weight_z_loss(model, counts: torch.Tensor) -> None:
+def _z_loss_values() -> torch.Tensor | None:
+    entry = get_moe_metrics_tracker().metrics.get("z_loss")
+    return None if entry is None else entry.values
+
+
+def _token_weight_z_loss(model, packed: PackedSequences, before: torch.Tensor | None) -> None:
     """Megatron averages each rank's per-layer z-loss (a mean over its own real tokens) over
     the TP x DP x CP ranks; pads masked out leave the ranks different numbers of tokens, so
-    weight each rank's mean by its share of them: the result is the mean over all tokens."""
-    entry = get_moe_metrics_tracker().metrics.get("z_loss")
+    weight this forward's contribution (the tracker's values minus ``before``) by the
+    rank's share of them: the result is the mean over all the forward's real tokens."""
+    values = _z_loss_values()
     router = next((m for m in model.modules() if isinstance(m, TopKRouter)), None)
-    if entry is None or router is None or router.tp_dp_cp_group.size() == 1:
+    if values is None or router is None or router.tp_dp_cp_group.size() == 1:
         return
     group = router.tp_dp_cp_group
-    counts = counts.to(entry.values.device)
+    cp = model.pg_collection.cp
+    cp_rank, cp_size = (cp.rank(), cp.size()) if cp.size() > 1 else (0, 1)
+    counts = router_token_counts(model, packed, cp_rank, cp_size).to(values.device)
     total = counts.clone()
     torch.distributed.all_reduce(total, group=group)
-    entry.values.mul_(counts * group.size() / total.clamp(min=1))
+    base = torch.zeros_like(values) if before is None else before
+    values.copy_(base + (values - base) * (counts * group.size() / total.clamp(min=1)))
 
 
-def _read_moe_metrics(
-    model, names: list[str], counts: torch.Tensor, loss_scale: float
-) -> dict[str, float]:
+def forward_microbatch(
+    model,
+    packed: PackedSequences,
+    *,
+    metrics_forward: bool = False,
+    loss_mask_packed_local: torch.Tensor | None = None,
+):
+    """``model(**model_inputs(...))`` for one packed microbatch, in the step's mode
+    (:func:`scoring_forward`); a metrics forward's z-loss is token-weighted over the ranks
+    (:func:`_token_weight_z_loss`). Returns what the model returns (the
+    :class:`OutputHead` on the last stage, the hidden states elsewhere)."""
+    kwargs = model_inputs(
+        model,
+        packed,
+        metrics_forward=metrics_forward,
+        loss_mask_packed_local=loss_mask_packed_local,
+    )
+    weigh = metrics_forward and bool(model.config.num_moe_experts)
+    before = _z_loss_values() if weigh else None
+    before = None if before is None else before.clone()
+    output = model(**kwargs)
+    if weigh:
+        _token_weight_z_loss(model, packed, before)
+    return output
+
+
+def _read_moe_metrics(model, names: list[str], loss_scale: float) -> dict[str, float]:
     cfg = model.config
-    if "z_loss" in names:
-        _token_weight_z_loss(model, counts)
     writer = _ScalarCollector()
     get_moe_metrics_tracker().report(
         loss_scale=loss_scale,
@@ -461,7 +492,14 @@ def model_inputs(
     )
     cfg = model.config
     if metrics_forward and cfg.num_moe_experts:
-        kwargs.update(padding_mask=packed_padding_mask(packed, cp_rank, cp_size).to(device))
+        padding_mask = packed_padding_mask(packed, cp_rank, cp_size)  # [1, T_local]
+        tp = model.pg_collection.tp
+        if cfg.sequence_parallel and not model.pre_process and tp.size() > 1:
+            # GPTModel scatters the mask to the sequence-parallel region only on the first
+            # pipeline stage; later stages get this rank's contiguous slice from here.
+            per = padding_mask.shape[1] // tp.size()
+            padding_mask = padding_mask[:, tp.rank() * per : (tp.rank() + 1) * per]
+        kwargs.update(padding_mask=padding_mask.to(device))
     if metrics_forward and cfg.mtp_num_layers:
         labels, loss_mask = packed_labels_and_mask(packed, cp_rank, cp_size)
         if loss_mask_packed_local is not None:
@@ -480,7 +518,7 @@ class ForwardMetrics:
 
 @contextlib.contextmanager
 def scoring_forward(
-    model, packed: list[PackedSequences], *, want_moe_metrics: bool, want_mtp_metrics: bool
+    model, *, want_moe_metrics: bool, want_mtp_metrics: bool, num_microbatches: int = 1
 ):
     """The mode every scoring forward of one step runs in (see the module docstring).
 
@@ -494,8 +532,8 @@ def scoring_forward(
         model: the GPTModel of this rank.
         want_moe_metrics: compute the MoE aux-loss metrics (MoE models only).
         want_mtp_metrics: compute the MTP metrics (MTP models only).
-        packed: the step's microbatches, one forward each inside the block (their real
-            tokens weight each rank's z-loss).
+        num_microbatches: forwards of the step run inside the block
+            (:func:`forward_microbatch`).
 
     Yields:
         A :class:`ForwardMetrics`, filled when the block exits without error.
@@ -514,12 +552,9 @@ def scoring_forward(
     try:
         with _training_forward(model):
             yield metrics
-        scale = 1.0 / len(packed)
+        scale = 1.0 / num_microbatches
         if moe_names:
-            cp = model.pg_collection.cp
-            cp_rank, cp_size = (cp.rank(), cp.size()) if cp.size() > 1 else (0, 1)
-            counts = sum(router_token_counts(model, p, cp_rank, cp_size) for p in packed)
-            metrics.moe = _read_moe_metrics(model, moe_names, counts, scale)
+            metrics.moe = _read_moe_metrics(model, moe_names, scale)
         if want_mtp_metrics:
             metrics.mtp = _read_mtp_metrics(model, scale)
     finally:
@@ -559,14 +594,13 @@ def forward_packed(
             metrics at TP > 1 also need sequence parallelism: the engine refuses such
             requests up front, :meth:`megascore.config.EngineConfig.metrics_supported`.)
     """
-    kwargs = model_inputs(
-        model,
-        packed,
-        metrics_forward=want_moe_metrics or want_mtp_metrics,
-        loss_mask_packed_local=loss_mask_packed_local,
-    )
     with scoring_forward(
-        model, [packed], want_moe_metrics=want_moe_metrics, want_mtp_metrics=want_mtp_metrics
+        model, want_moe_metrics=want_moe_metrics, want_mtp_metrics=want_mtp_metrics
     ) as metrics:
-        head = model(**kwargs)
+        head = forward_microbatch(
+            model,
+            packed,
+            metrics_forward=want_moe_metrics or want_mtp_metrics,
+            loss_mask_packed_local=loss_mask_packed_local,
+        )
     return ModelOutputs(head=head, moe_metrics=metrics.moe, mtp_metrics=metrics.mtp)

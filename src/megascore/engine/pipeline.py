@@ -39,7 +39,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megascore import layout
 from megascore.distributed import gather_cp_shards
-from megascore.engine.forward import model_inputs
+from megascore.engine.forward import forward_microbatch
 from megascore.engine.logprobs import Float32Logits, score_tokens
 from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
 
@@ -236,13 +236,12 @@ def forward_step(data_iterator, model, *, spec: ScoreSpec):
         scores.
     """
     mb = next(data_iterator)
-    kwargs = model_inputs(
+    output = forward_microbatch(
         model,
         mb.packed,
         metrics_forward=spec.metrics_forward,
         loss_mask_packed_local=mb.mtp_loss_mask,
     )
-    output = model(**kwargs)
     pgs = model.pg_collection
     return output, functools.partial(_score_microbatch, mb, spec, pgs.tp, pgs.cp)
 

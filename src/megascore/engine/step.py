@@ -175,9 +175,9 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
     )
     with scoring_forward(
         model,
-        [mb.packed for mb in microbatches],
         want_moe_metrics=want_moe,
         want_mtp_metrics=want_mtp,
+        num_microbatches=len(microbatches),
     ) as metrics:
         store = run_schedule(model, microbatches, spec)
     positions = torch.cat(

@@ -76,7 +76,7 @@ def check_raise_in_forward(rank: int, timing: dict) -> None:
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    _run(rank, "forward_packed", oom, "step failed on ranks", timing, "raise_in_forward")
+    _run(rank, "run_schedule", oom, "step failed on ranks", timing, "raise_in_forward")
 
 
 def main(out_dir: Path) -> None:
