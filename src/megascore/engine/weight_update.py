@@ -1,0 +1,279 @@
+"""Weight pushes on every rank: stage this rank's shards of pushed tensors, swap on commit.
+
+A push (``UpdateWeights``) arrives on rank 0 one full tensor at a time; rank 0
+broadcasts each one (``protocol.Command.WEIGHTS_TENSOR``) and every rank cuts
+its own shard out of it right away, with the recipes the checkpoint loaders use:
+
+* HF names: :mod:`megascore.checkpoint.hf_weights` maps every Megatron parameter
+  to the HF tensors it is made of (fused QKV per query group, ``[gate; up]`` per
+  TP rank, vocab-parallel rows, this EP rank's experts). A full HF tensor is kept
+  only until every parameter that reads it has its shard (q, k and v arrive one
+  after the other), then dropped.
+* Megatron names (the unsharded local-spec model, experts by global index): the
+  shard is cut as Megatron shards (:func:`megascore.model.weights.shard_full_tensor`).
+
+Nothing touches the served parameters before the commit: the shards wait in
+:class:`WeightStaging` (host memory, the parameters' dtype) while forward steps
+keep running on the old weights. On WEIGHTS_COMMIT every rank checks that it can
+commit (every parameter staged unless the push is partial; no half-sent fused
+group; no staging error), the ranks agree (``step.agree_on_status``), and only
+then does each copy its shards in, between two engine steps. Rank 0 checks names,
+shapes and dtypes against :func:`weight_targets` before anything is broadcast.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from megascore.checkpoint.hf_weights import _layer_offset, _Mapper, _unwrap, copy_into_model
+from megascore.checkpoint.recipes import ParallelRanks, Recipe
+from megascore.errors import CheckpointError
+from megascore.model.config import ModelConfig
+from megascore.model.weights import canonical_name, full_shape, shard_full_tensor, shard_layout
+from megascore.types import (
+    LAYOUT_COMMON,
+    LAYOUT_FUSED,
+    LAYOUT_PER_EXPERT,
+    WEIGHT_NAMES_HF,
+    WEIGHT_NAMES_MEGATRON,
+    WeightTarget,
+)
+
+logger = logging.getLogger(__name__)
+
+_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's state-dict entries a push replaces (TE's ``_extra_state`` excluded)."""
+    state = _unwrap(model).state_dict(keep_vars=True)
+    return {name: t for name, t in state.items() if not name.endswith("_extra_state")}
+
+
+def _hf_recipes(
+    model: torch.nn.Module, config: ModelConfig, ranks: ParallelRanks, fused: bool
+) -> dict[str, Recipe]:
+    """Megatron parameter -> recipe over HF names, for the rank at ``ranks``."""
+    mapper = _Mapper(config, _NoFiles(), ranks)
+    mapper.fused_experts = fused
+    offset = _layer_offset(_unwrap(model))
+    recipes = {}
+    for name, param in _parameters(model).items():
+        recipe = mapper(name, offset)
+        recipe.fit(tuple(param.shape))
+        if recipe.local_shape() != tuple(param.shape):
+            raise CheckpointError(
+                f"{name}: this rank's shard of {recipe.sources()} has shape "
+                f"{recipe.local_shape()}, the parameter {tuple(param.shape)}"
+            )
+        recipes[name] = recipe
+    return recipes
+
+
+def _hf_layouts(config: ModelConfig) -> tuple[int, ...]:
+    return (LAYOUT_PER_EXPERT, LAYOUT_FUSED) if config.is_moe else (LAYOUT_PER_EXPERT,)
+
+
+class _NoFiles:
+    """What ``_Mapper`` reads from a checkpoint before any tensor: its names (none here;
+    the expert layout is set explicitly)."""
+
+    def names(self) -> list[str]:
+        return []
+
+
+class _Pushed:
+    """The reader interface recipes cut shards through, over the pushed full tensors."""
+
+    directory = "the pushed weights"
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensors[name][index]
+
+
+def _megatron_layout(model: torch.nn.Module, config: ModelConfig, pg_collection):
+    """canonical name -> (local name, partition dim, stride, rank, size, full shape), for
+    every EP rank: ``{ep_rank: {...}}``."""
+    ep = pg_collection.ep
+    ep_size = 1 if ep is None else ep.size()
+    num_local = (config.num_moe_experts or 0) // ep_size
+    out = {}
+    for ep_rank in range(ep_size):
+        table = {}
+        for name, param in _parameters(model).items():
+            canon = canonical_name(name, ep_rank=ep_rank, num_local_experts=num_local)
+            dim, stride, rank, size = shard_layout(
+                name, param, pg_collection, config.gated_linear_unit
+            )
+            table[canon] = (
+                name,
+                dim,
+                stride,
+                rank,
+                size,
+                tuple(full_shape(param.shape, dim, size)),
+            )
+        out[ep_rank] = table
+    return out
+
+
+def weight_targets(
+    model: torch.nn.Module, config: ModelConfig, pg_collection, names: int
+) -> dict[str, WeightTarget]:
+    """Every tensor name a push may carry, with its full shape (all EP ranks' experts).
+
+    Args:
+        model: this rank's model (the shapes of every rank follow from it).
+        config: its architecture.
+        pg_collection: its process groups.
+        names: ``WEIGHT_NAMES_HF`` or ``WEIGHT_NAMES_MEGATRON``.
+
+    Returns:
+        name -> :class:`WeightTarget`. For HF names of an MoE model, both expert
+        layouts (per expert, fused) are listed, each name with its layout.
+    """
+    if names == WEIGHT_NAMES_MEGATRON:
+        tables = _megatron_layout(model, config, pg_collection)
+        return {
+            canon: WeightTarget(entry[5])
+            for table in tables.values()
+            for canon, entry in table.items()
+        }
+    if names != WEIGHT_NAMES_HF:
+        raise ValueError(f"unknown weight name format {names}")
+    ranks = ParallelRanks.from_model(_unwrap(model))
+    found: dict[str, tuple[tuple[int, ...], set[int]]] = {}
+    for layout in _hf_layouts(config):
+        for ep_rank in range(ranks.ep_size):
+            at = ParallelRanks(ranks.tp_rank, ranks.tp_size, ep_rank, ranks.ep_size, 0, 1)
+            for recipe in _hf_recipes(model, config, at, layout == LAYOUT_FUSED).values():
+                for src in recipe.srcs:
+                    found.setdefault(src.name, (tuple(src.full or src.shape), set()))[1].add(layout)
+    every = set(_hf_layouts(config))
+    targets = {
+        name: WeightTarget(shape, LAYOUT_COMMON if layouts == every else layouts.pop())
+        for name, (shape, layouts) in found.items()
+    }
+    if config.share_embeddings_and_output_weights and "lm_head.weight" not in targets:
+        embed = targets["model.embed_tokens.weight"]
+        targets["lm_head.weight"] = WeightTarget(embed.shape, ignored=True)
+    return targets
+
+
+def is_ignored_hf_name(name: str) -> bool:
+    """HF buffers a push may carry that no parameter is made of (rotary ``inv_freq``)."""
+    return _IGNORED_HF.fullmatch(name) is not None
+
+
+class WeightStaging:
+    """One rank's side of an open push: the staged shards, then the swap.
+
+    Args:
+        model: this rank's model (its parameters are replaced on :meth:`apply`).
+        config: its architecture.
+        pg_collection: its process groups.
+        names: ``WEIGHT_NAMES_HF`` or ``WEIGHT_NAMES_MEGATRON``.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, pg_collection, names: int):
+        self.model, self.config, self.names = model, config, names
+        self.params = _parameters(model)
+        self.staged: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, torch.Tensor] = {}  # HF tensors some shard still waits for
+        self.error: str | None = None
+        self.num_tensors = 0
+        self._recipes: dict[int, dict[str, Recipe]] = {}
+        self._consumers: dict[int, dict[str, list[str]]] = {}
+        self._megatron = None
+        self._layout = LAYOUT_COMMON  # the HF expert layout, once a tensor told it
+        if names == WEIGHT_NAMES_MEGATRON:
+            ep = pg_collection.ep
+            ep_rank = 0 if ep is None else ep.rank()
+            self._megatron = _megatron_layout(model, config, pg_collection)[ep_rank]
+        elif names != WEIGHT_NAMES_HF:
+            raise ValueError(f"unknown weight name format {names}")
+
+    def add(self, name: str, tensor: torch.Tensor, layout: int) -> None:
+        """Stages this rank's shards of the full tensor ``name`` (if it needs any).
+
+        A failure is recorded (reported by :meth:`problem` at commit time, when the
+        ranks agree), never raised: the ranks must stay in step.
+        """
+        if self.error is not None:
+            return
+        self.num_tensors += 1
+        try:
+            if self._megatron is not None:
+                self._add_megatron(name, tensor)
+            else:
+                self._add_hf(name, tensor, layout)
+        except Exception as e:  # noqa: BLE001 - reported to every rank at the commit
+            logger.exception("staging %r failed", name)
+            self.error = f"staging {name!r} failed: {type(e).__name__}: {e}"
+
+    def _add_megatron(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self._megatron.get(name)
+        if entry is None:
+            return  # another EP rank's expert
+        local, dim, stride, rank, size, _ = entry
+        shard = shard_full_tensor(tensor, dim, stride, rank, size)
+        self.staged[local] = shard.to(self.params[local].dtype)
+
+    def _plan(self, layout: int) -> tuple[dict[str, Recipe], dict[str, list[str]]]:
+        layout = LAYOUT_PER_EXPERT if layout == LAYOUT_COMMON else layout  # same recipes
+        if layout not in self._recipes:
+            ranks = ParallelRanks.from_model(_unwrap(self.model))
+            recipes = _hf_recipes(self.model, self.config, ranks, layout == LAYOUT_FUSED)
+            consumers: dict[str, list[str]] = {}
+            for param, recipe in recipes.items():
+                for src in recipe.sources():
+                    consumers.setdefault(src, []).append(param)
+            self._recipes[layout], self._consumers[layout] = recipes, consumers
+        return self._recipes[layout], self._consumers[layout]
+
+    def _add_hf(self, name: str, tensor: torch.Tensor, layout: int) -> None:
+        if layout != LAYOUT_COMMON:
+            self._layout = layout
+        recipes, consumers = self._plan(layout)
+        params = consumers.get(name)
+        if not params:
+            return  # another EP rank's expert, a tied lm_head, a rotary buffer
+        self.pending[name] = tensor
+        reader = _Pushed(self.pending)
+        for param in params:
+            recipe = recipes[param]
+            if param not in self.staged and all(s in self.pending for s in recipe.sources()):
+                # copy: a view would keep the whole pushed tensor alive
+                shard = recipe.read(reader).to(self.params[param].dtype, copy=True)
+                self.staged[param] = shard
+        for src in list(self.pending):
+            if all(p in self.staged for p in consumers[src]):
+                del self.pending[src]
+
+    def problem(self, partial: bool) -> str | None:
+        """Why this rank cannot commit, or None."""
+        if self.error is not None:
+            return self.error
+        if self.pending:
+            recipes, consumers = self._plan(self._layout)
+            waiting = sorted(self.pending)
+            fused = {s for n in waiting for p in consumers[n] for s in recipes[p].sources()}
+            return (
+                f"tensors {waiting} were sent without the tensors fused with them on the "
+                f"server: {sorted(fused - set(waiting))}"
+            )
+        missing = [p for p in self.params if p not in self.staged]
+        if missing and not partial:
+            return f"{len(missing)} of {len(self.params)} parameters not sent, e.g. {missing[:3]}"
+        return None
+
+    def apply(self) -> int:
+        """Copies the staged shards into the model; returns how many parameters changed."""
+        copy_into_model(self.model, self.staged)
+        return len(self.staged)
