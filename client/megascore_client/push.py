@@ -242,3 +242,60 @@ def finish(response_or_error, counters: dict, start: float) -> PushResult:
     if isinstance(response_or_error, Exception):
         raise response_or_error
     return PushResult.from_proto(response_or_error, time.perf_counter() - start)
+
+
+class ProgressBar:
+    """``progress`` callback drawing ``[####....]  45%  123.4/274.0 MB  56.7 MB/s`` on a
+    terminal stream (one line, redrawn at most every ``interval`` seconds)."""
+
+    def __init__(self, total: int, stream, interval: float = 0.2, width: int = 30):
+        self.total, self.stream, self.interval, self.width = max(total, 1), stream, interval, width
+        self.start = time.perf_counter()
+        self._drawn = 0.0
+
+    def __call__(self, sent: int, name: str) -> None:
+        now = time.perf_counter()
+        if now - self._drawn < self.interval and sent < self.total:
+            return
+        self._drawn = now
+        frac = min(sent / self.total, 1.0)
+        rate = sent / max(now - self.start, 1e-9)
+        bar = "#" * int(frac * self.width)
+        self.stream.write(
+            f"\r[{bar:<{self.width}}] {frac:4.0%}  {sent / 1e6:.1f}/{self.total / 1e6:.1f} MB"
+            f"  {rate / 1e6:.1f} MB/s  {name[-40:]:<40}"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def run_cli(args, client) -> int:
+    """``megascore push-weights PATH``: pushes a safetensors file / directory's tensors."""
+    import sys
+
+    bar = None if args.no_progress else ProgressBar(total_bytes(args.path), sys.stderr)
+    try:
+        result = client.push_weights(
+            read_safetensors(args.path),
+            version=args.weights_version,
+            names=args.names,
+            partial=args.partial,
+            progress=bar,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    print(json.dumps(dataclasses.asdict(result)))
+    return 0
+
+
+def add_cli_arguments(parser) -> None:
+    """Arguments of ``megascore push-weights``."""
+    parser.add_argument("path", help="a .safetensors file or a directory of them (client side)")
+    parser.add_argument("--weights-version", default="", help="version label ('' = generated)")
+    parser.add_argument("--names", choices=sorted(_NAMES), default="hf", help="tensor names")
+    parser.add_argument("--partial", action="store_true", help="update only the tensors sent")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
