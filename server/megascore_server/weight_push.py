@@ -193,7 +193,8 @@ class WeightPusher:
                 "another UpdateWeights is in progress on this server; retry when it ends"
             )
         self._busy = True
-        opened = done = False
+        opened = settled = False  # settled: the engine no longer holds this push's tensors
+        release = True
         try:
             start = time.monotonic()
             iterator = aiter(requests)
@@ -210,20 +211,24 @@ class WeightPusher:
             session.check_complete(commit.partial)
             stream_ms = (time.monotonic() - start) * 1e3
             version = commit.weights_version or new_weights_version()
+            settled = True  # the commit drops the staged tensors on every rank, ok or not
             new, previous, info = await batcher.swap_weights(
                 lambda e: e.commit_weights(version, commit.partial)
             )
-            done = True  # the engine dropped its push, committed or not
             swap_ms = (time.monotonic() - start) * 1e3 - stream_ms
-        except BaseException:
-            done = done or not opened
-            raise
-        finally:
-            if done:
-                self._busy = False
-            else:  # free the next push only after every rank dropped this one
+        except asyncio.CancelledError:
+            if opened and not settled:  # the next push may start once every rank dropped it
+                release = False
                 aborting = asyncio.ensure_future(self._abort(batcher))
                 aborting.add_done_callback(lambda _: setattr(self, "_busy", False))
+            raise
+        except BaseException:
+            if opened and not settled:  # dropped before the error is answered: a retry works
+                await self._abort(batcher)
+            raise
+        finally:
+            if release:
+                self._busy = False
         logger.info(
             "weights %r -> %r pushed: %d tensors, %d bytes in %.0f ms (+%.0f ms swap)",
             previous,

@@ -58,9 +58,8 @@ def reference(model, sequences=SEQS) -> list[np.ndarray]:
 
 
 def max_error(result, refs) -> float:
-    return max(
-        float(np.abs(lp[1:].astype(np.float64) - ref).max()) for lp, ref in zip(result.logprobs, refs)
-    )
+    pairs = zip(result.logprobs, refs, strict=True)
+    return max(float(np.abs(lp[1:].astype(np.float64) - ref).max()) for lp, ref in pairs)
 
 
 def train_step(model, optimizer, step: int) -> None:
