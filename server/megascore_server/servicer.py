@@ -209,7 +209,6 @@ class ScorerServicer(pb_grpc.ScorerServicer):
                 f"still serving weights {previous!r}"
             ) from exc
 
-
     async def UpdateWeights(self, request_iterator, context):
         """Stages pushed weights on every rank, then swaps them in (``weight_push``)."""
         async with self._gate.call():

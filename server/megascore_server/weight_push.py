@@ -59,8 +59,17 @@ class _Tensor:
     def __init__(self, name: str, shape: tuple[int, ...], dtype: int, layout: int):
         self.name, self.shape, self.dtype, self.layout = name, shape, dtype, layout
         self.total = math.prod(shape) * _DTYPES[dtype][1]
-        self.data = bytearray(self.total)
+        self.data: bytes | bytearray = b""  # one chunk's bytes as they came, else assembled
         self.received = 0
+
+    def put(self, data: bytes) -> None:
+        if self.received == 0 and len(data) == self.total:
+            self.data = data  # the whole tensor in one message: no copy
+        else:
+            if not self.data:
+                self.data = bytearray(self.total)
+            self.data[self.received : self.received + len(data)] = data
+        self.received += len(data)
 
     @property
     def complete(self) -> bool:
@@ -112,8 +121,7 @@ class PushSession:
                 f"{where}: more than the {current.total} bytes of shape {list(shape)} "
                 f"in {pb.Dtype.Name(current.dtype)}"
             )
-        current.data[current.received : current.received + len(data)] = data
-        current.received += len(data)
+        current.put(data)
         self.num_bytes += len(data)
         if not current.complete:
             self._open = current

@@ -57,6 +57,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -397,7 +398,9 @@ class DistributedEngine:
         self._require_driver("stage_weight")
         torch_dtype = getattr(torch, dtype)
         if len(data):
-            tensor = torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
+            with warnings.catch_warnings():  # read-only bytes: only read (shards are copies)
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                tensor = torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
         else:
             tensor = torch.empty(shape, dtype=torch_dtype)
         message = protocol.WeightsMessage(name=name, tensor=tensor, layout=layout)
