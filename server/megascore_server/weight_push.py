@@ -275,7 +275,7 @@ class WeightPusher:
                     await staging
                 staging = asyncio.ensure_future(batcher.run_on_engine(_stage_call(tensor)))
             raise ConflictError(
-                f"the stream ended after {index} messages without a commit; "
+                f"the stream ended after {index + 1} messages without a commit; "
                 "nothing changed (the old weights keep serving)"
             )
         finally:

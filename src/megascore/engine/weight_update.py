@@ -73,6 +73,13 @@ def _hf_recipes(
     return recipes
 
 
+def _own(shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``shard`` in ``dtype``, copied unless it already spans its whole storage (a view
+    of a part, e.g. one TP rank's columns, would keep the whole pushed tensor alive)."""
+    whole = shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
+    return shard.to(dtype, copy=not whole)
+
+
 def _hf_layouts(config: ModelConfig) -> tuple[int, ...]:
     return (LAYOUT_PER_EXPERT, LAYOUT_FUSED) if config.is_moe else (LAYOUT_PER_EXPERT,)
 
@@ -249,9 +256,7 @@ class WeightStaging:
         for param in params:
             recipe = recipes[param]
             if param not in self.staged and all(s in self.pending for s in recipe.sources()):
-                # copy: a view would keep the whole pushed tensor alive
-                shard = recipe.read(reader).to(self.params[param].dtype, copy=True)
-                self.staged[param] = shard
+                self.staged[param] = _own(recipe.read(reader), self.params[param].dtype)
         for src in list(self.pending):
             if all(p in self.staged for p in consumers[src]):
                 del self.pending[src]
