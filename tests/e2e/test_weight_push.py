@@ -6,7 +6,10 @@
   trainer's initial save (``hf:DIR``). After every push the server's logprobs equal
   the trainer model's own forward (max |delta| <= 1e-4, float64 comparison) and
   ``weights_version`` advances to the pushed label, at TP=1, TP=2 (llama) and
-  EP=2 (mixtral, fused expert tensors as transformers >= 5 names them).
+  EP=2 (mixtral, fused expert tensors as transformers >= 5 names them). The same
+  with Megatron names (the state dict of a one-rank local-spec GPTModel loaded here
+  from the trainer's save) into the TP=2 and EP=2 servers; an async push without a
+  version gets a generated one.
 * Faults on the TP=2 server, while a thread scores without pause: a wrong name, a
   wrong shape, a push missing tensors (INVALID_ARGUMENT naming the tensors), a
   stream cut off mid-way (cancelled), a second push while one is open (ABORTED) —
@@ -130,6 +133,51 @@ def test_pushes_after_training_steps_match_the_trainer(servers, name):
             assert max_error(result, new_refs) <= ATOL, (step, max_error(result, new_refs))
             assert max_error(result, old_refs) > 100 * ATOL  # the step changed the logprobs
             versions.append(label)
+
+
+@pytest.fixture(scope="module")
+def megatron_state():
+    """megatron_state(hf_dir) -> the Megatron state dict of a one-rank local-spec GPTModel
+    built in this process and loaded from ``hf_dir`` (the canonical, unsharded names)."""
+    import torch.distributed as dist
+
+    from megascore.checkpoint import resolve_model
+    from megascore.config import EngineConfig
+    from megascore.model.build import build_model
+    from megascore.model.parallel import destroy_parallel, initialize_parallel
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    pgs = initialize_parallel(EngineConfig())
+
+    def build(hf_dir):
+        config, load, _ = resolve_model(f"hf:{hf_dir}")
+        model = build_model(config, EngineConfig(device="cpu"), pgs)
+        load(model)
+        return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+    yield build
+    destroy_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["llama-tp2", "mixtral-ep2"])
+def test_megatron_names_push(servers, name, megatron_state, tmp_path):
+    family = SERVERS[name][0]
+    trainer = make_hf_model(family, 5)
+    trainer.save_pretrained(tmp_path)
+    state = megatron_state(tmp_path)
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in state
+    if family == "mixtral":  # every expert by its global index
+        assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in state
+    with ScoringClient(servers[name].target, timeout=120) as client:
+        pushed = client.push_weights(state.items(), names="megatron", version=f"{name}-mcore")
+        assert pushed.num_tensors == len(state)
+        result = client.score(SEQS)
+    assert result.weights_version == f"{name}-mcore"
+    assert max_error(result, reference(trainer)) <= ATOL
 
 
 def test_async_push_generates_a_version(servers):
