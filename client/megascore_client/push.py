@@ -23,6 +23,22 @@ import numpy as np
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client.errors import InvalidInputError
 
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "PUSH_TIMEOUT_S",
+    "ProgressBar",
+    "PushResult",
+    "RawTensor",
+    "add_cli_arguments",
+    "chunk_size",
+    "finish",
+    "push_requests",
+    "read_safetensors",
+    "run_cli",
+    "to_raw",
+    "total_bytes",
+]
+
 PUSH_TIMEOUT_S = 1800.0
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 _CHUNK_HEADROOM = 64 * 1024  # name, shape and framing around a chunk's bytes
