@@ -1,6 +1,6 @@
 """Weight push (``UpdateWeights``) vs ``LoadWeights`` vs the loopback gRPC ceiling, one run.
 
-``python bench/weight_push.py [--reps 3]`` writes its section of ``bench/RESULTS.md``
+``python bench/weight_push.py [--reps 5]`` writes its section of ``bench/RESULTS.md``
 (between the ``weight_push.py`` markers; ``run_all.py`` keeps it).
 
 The ``bench`` architecture (95.5M parameters) as a ``transformers`` LlamaForCausalLM
@@ -237,7 +237,7 @@ def write_section(path: Path, section: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--sink", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -6,7 +6,7 @@ against the targets the engine listed at ``begin`` (name, full shape, float
 dtype, byte offsets, one expert layout) and reassembles each tensor; each
 complete tensor goes to the engine thread (``DynamicBatcher.run_on_engine``),
 where every rank stages its shard while the batcher keeps scoring on the old
-weights (one tensor stages while the next one arrives). The commit is a batcher
+weights (tensors stage while the next ones arrive). The commit is a batcher
 barrier (``DynamicBatcher.swap_weights``). Anything else — a bad chunk, a
 stream that ends without commit or is cancelled, a rank that cannot commit —
 drops the staged tensors on every rank and leaves the old weights serving.
@@ -19,6 +19,7 @@ One push at a time per server: a second one is refused with
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import time
@@ -45,6 +46,9 @@ _DTYPES = {  # proto Dtype -> (engine dtype name, element bytes)
     pb.DTYPE_FLOAT64: ("float64", 8),
 }
 _NAMES = {pb.WEIGHT_NAMES_HF: WEIGHT_NAMES_HF, pb.WEIGHT_NAMES_MEGATRON: WEIGHT_NAMES_MEGATRON}
+STAGING_BYTES = 256 * 1024 * 1024
+"""Tensor bytes received and waiting for the engine thread to stage them, at most (one
+tensor of any size may always wait)."""
 _LAYOUT_NAMES = {1: "per-expert (block_sparse_moe.experts.E.*)", 2: "fused (mlp.experts.*)"}
 
 
@@ -257,33 +261,36 @@ class WeightPusher:
         return response, info
 
     async def _stage_all(self, iterator, session: PushSession, batcher: DynamicBatcher):
-        """Reads chunks up to the commit, staging each complete tensor (one in flight)."""
-        staging: asyncio.Future | None = None
+        """Reads chunks up to the commit, staging each complete tensor on the engine thread
+        while the next ones arrive (at most ``STAGING_BYTES`` of tensors waiting there)."""
+        staging: collections.deque[tuple[asyncio.Future, int]] = collections.deque()
         index = 0
         try:
             async for message in iterator:
                 index += 1
                 kind = message.WhichOneof("step")
                 if kind == "commit":
+                    while staging:
+                        await staging[0][0]
+                        staging.popleft()
                     return message.commit
                 if kind != "chunk":
                     raise InvalidRequestError(f"message {index}: {kind} inside a push")
                 tensor = session.add(message.chunk, index)
                 if tensor is None:
                     continue
-                if staging is not None:
-                    await staging
-                staging = asyncio.ensure_future(batcher.run_on_engine(_stage_call(tensor)))
+                while staging and sum(n for _, n in staging) + tensor.total > STAGING_BYTES:
+                    await staging[0][0]
+                    staging.popleft()
+                future = asyncio.ensure_future(batcher.run_on_engine(_stage_call(tensor)))
+                staging.append((future, tensor.total))
             raise ConflictError(
                 f"the stream ended after {index + 1} messages without a commit; "
                 "nothing changed (the old weights keep serving)"
             )
-        finally:
-            if staging is not None:
-                if staging.done() or not asyncio.current_task().cancelling():
-                    await staging
-                else:
-                    staging.add_done_callback(_retrieve)
+        finally:  # on an error: the abort, queued after these on the engine thread, follows
+            for future, _ in staging:
+                future.add_done_callback(_retrieve)
 
     @staticmethod
     async def _abort(batcher: DynamicBatcher) -> None:

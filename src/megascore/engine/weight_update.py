@@ -14,7 +14,8 @@ its own shard out of it right away, with the recipes the checkpoint loaders use:
 
 Nothing touches the served parameters before the commit: the shards wait in
 :class:`WeightStaging` (host memory, the parameters' dtype) while forward steps
-keep running on the old weights. On WEIGHTS_COMMIT every rank checks that it can
+keep running on the old weights; on the commit a CPU parameter takes its staged
+tensor as is, a GPU one has it copied in. On WEIGHTS_COMMIT every rank checks that it can
 commit (every parameter staged unless the push is partial; no half-sent fused
 group; no staging error), the ranks agree (``step.agree_on_status``), and only
 then does each copy its shards in, between two engine steps. Rank 0 checks names,
@@ -28,7 +29,7 @@ import re
 
 import torch
 
-from megascore.checkpoint.hf_weights import _layer_offset, _Mapper, _unwrap, copy_into_model
+from megascore.checkpoint.hf_weights import _layer_offset, _Mapper, _unwrap
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
@@ -73,11 +74,22 @@ def _hf_recipes(
     return recipes
 
 
-def _own(shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``shard`` in ``dtype``, copied unless it already spans its whole storage (a view
-    of a part, e.g. one TP rank's columns, would keep the whole pushed tensor alive)."""
-    whole = shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
-    return shard.to(dtype, copy=not whole)
+def _own(shard: torch.Tensor, param: torch.Tensor, pushed: set[int]) -> torch.Tensor:
+    """``shard`` as it is staged for ``param``: in its dtype, contiguous.
+
+    A CPU parameter takes the staged tensor itself at the commit (:meth:`WeightStaging.apply`),
+    so the shard must own its memory: a view of a pushed tensor (whose storage is in
+    ``pushed``; it may be the read-only bytes of a message) is copied, a tensor the recipe
+    built (a concatenation, padded rows) is not. Elsewhere the commit copies the shard to
+    the device, and only a view of part of a pushed tensor is copied now (it would keep
+    the whole tensor alive).
+    """
+    storage = shard.untyped_storage()
+    if param.device.type == "cpu":
+        copy = storage.data_ptr() in pushed
+    else:
+        copy = storage.nbytes() != shard.numel() * shard.element_size()
+    return shard.to(param.dtype, copy=copy).contiguous()
 
 
 def _hf_layouts(config: ModelConfig) -> tuple[int, ...]:
@@ -229,8 +241,8 @@ class WeightStaging:
         if entry is None:
             return  # another EP rank's expert
         local, dim, stride, rank, size, _ = entry
-        shard = shard_full_tensor(tensor, dim, stride, rank, size)
-        self.staged[local] = shard.to(self.params[local].dtype)
+        shard = shard_full_tensor(tensor, dim, stride, rank, size)  # a new tensor
+        self.staged[local] = shard.to(self.params[local].dtype).contiguous()
 
     def _plan(self, layout: int) -> tuple[dict[str, Recipe], dict[str, list[str]]]:
         layout = LAYOUT_PER_EXPERT if layout == LAYOUT_COMMON else layout  # same recipes
@@ -256,7 +268,8 @@ class WeightStaging:
         for param in params:
             recipe = recipes[param]
             if param not in self.staged and all(s in self.pending for s in recipe.sources()):
-                self.staged[param] = _own(recipe.read(reader), self.params[param].dtype)
+                pushed = {t.untyped_storage().data_ptr() for t in self.pending.values()}
+                self.staged[param] = _own(recipe.read(reader), self.params[param], pushed)
         for src in list(self.pending):
             if all(p in self.staged for p in consumers[src]):
                 del self.pending[src]
@@ -279,6 +292,17 @@ class WeightStaging:
         return None
 
     def apply(self) -> int:
-        """Copies the staged shards into the model; returns how many parameters changed."""
-        copy_into_model(self.model, self.staged)
+        """Puts the staged shards into the model; returns how many parameters changed.
+
+        A CPU parameter takes its staged tensor as its data (no copy: the swap between two
+        steps is quick, and the old values are freed); others are copied into (to the
+        device).
+        """
+        with torch.no_grad():
+            for name, value in self.staged.items():
+                param = self.params[name]
+                if param.device.type == "cpu" and value.shape == param.shape:
+                    param.data = value
+                else:
+                    param.copy_(value)
         return len(self.staged)
