@@ -155,6 +155,7 @@ def measure(reps: int, workdir: Path) -> dict:
                     f"rep {rep} {dtype}: push {pushed.bytes_per_s / 1e6:.0f} MB/s, "
                     f"sink {sunk.bytes_per_s / 1e6:.0f} MB/s, load {res['load'][dtype][-1]:.2f} s"
                 )
+        res["load_end"] = common.machine_info("cpu")["load average"]
         res["num_parameters"] = sum(t.numel() for t in states["fp32"].values())
         res["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     finally:
@@ -182,7 +183,8 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
         "## Weight push (UpdateWeights)",
         "",
         f"Written by `python bench/weight_push.py --reps {reps}` in {elapsed / 60:.1f} min "
-        f"({machine['date']}, load average {machine['load average']} at the start); "
+        f"({machine['date']}, load average {machine['load average']} at the start, "
+        f"{res['load_end']} at the end); "
         "rerun it to update this section.",
         "",
         f"* model `bench` as a transformers LlamaForCausalLM: {res['num_parameters'] / 1e6:.1f}M "
@@ -217,8 +219,10 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
     lines += [
         "",
         f"{met} of 2 targets met. Of a push, the swap (waiting for the queue, then every "
-        f"rank copying its staged shards in) took {swap:.0f} ms (fp32, median); the rest is "
-        "the stream, with each tensor staged on the engine thread while the next arrives.",
+        f"rank putting its staged shards in) took {swap:.0f} ms (fp32, median); the rest is "
+        "the stream, the tensors staged on the engine thread while the next ones arrive. "
+        "Both sides of each ratio ran back to back; the load average (machine table above "
+        "and here) says how busy the shared machine was.",
         END,
     ]
     return "\n".join(lines) + "\n"
