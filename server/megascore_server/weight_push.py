@@ -36,6 +36,8 @@ from megascore.types import (
 )
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.batcher import DynamicBatcher
+from megascore_server.status import quoted
+from megascore_server.validation import MAX_ID_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class PushSession:
                 does not have, a tensor sent twice, or chunks out of order.
         """
         name, shape = chunk.name, tuple(chunk.shape)
-        where = f"message {index}, tensor {name!r}"
+        where = f"message {index}, tensor {quoted(name)}"
         current = self._open
         if current is not None and name != current.name:
             raise InvalidRequestError(
@@ -221,6 +223,11 @@ class WeightPusher:
             session = PushSession(targets, names)
             commit = await self._stage_all(iterator, session, batcher)
             session.check_complete(commit.partial)
+            if len(commit.weights_version) > MAX_ID_CHARS:
+                raise InvalidRequestError(
+                    f"commit.weights_version: {len(commit.weights_version)} characters, more "
+                    f"than {MAX_ID_CHARS} ({quoted(commit.weights_version)})"
+                )
             stream_ms = (time.monotonic() - start) * 1e3
             version = commit.weights_version or new_weights_version()
             settled = True  # the commit drops the staged tensors on every rank, ok or not

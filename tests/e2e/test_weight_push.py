@@ -136,20 +136,12 @@ def test_pushes_after_training_steps_match_the_trainer(servers, name):
 
 
 @pytest.fixture(scope="module")
-def megatron_state():
+def megatron_state(pgs):
     """megatron_state(hf_dir) -> the Megatron state dict of a one-rank local-spec GPTModel
     built in this process and loaded from ``hf_dir`` (the canonical, unsharded names)."""
-    import torch.distributed as dist
-
     from megascore.checkpoint import resolve_model
     from megascore.config import EngineConfig
     from megascore.model.build import build_model
-    from megascore.model.parallel import destroy_parallel, initialize_parallel
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    pgs = initialize_parallel(EngineConfig())
 
     def build(hf_dir):
         config, load, _ = resolve_model(f"hf:{hf_dir}")
@@ -157,10 +149,7 @@ def megatron_state():
         load(model)
         return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
-    yield build
-    destroy_parallel()
-    if created:
-        dist.destroy_process_group()
+    return build
 
 
 @pytest.mark.parametrize("name", ["llama-tp2", "mixtral-ep2"])

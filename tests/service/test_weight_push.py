@@ -203,6 +203,16 @@ BAD_STREAMS = {  # name -> (messages, code, substrings of the message)
         "INVALID_ARGUMENT",
         ["2 tensors of the model were not sent", "'embed'", "'experts.0.w1'", "partial"],
     ),
+    "long name": (
+        [begin(), chunk("x" * 5000, (5,), NORM), commit()],
+        "INVALID_ARGUMENT",
+        ["tensor 'xxxx", "(5000 characters)", "not a tensor"],
+    ),
+    "long version": (
+        [*full_push()[:-1], commit("v" * 300)],
+        "INVALID_ARGUMENT",
+        ["commit.weights_version: 300 characters, more than 256"],
+    ),
     "begin twice": ([begin(), begin()], "INVALID_ARGUMENT", ["message 1: begin inside a push"]),
     "no commit": (
         [begin(), chunk("norm", (5,), NORM)],
