@@ -22,6 +22,7 @@ import asyncio
 import collections
 import logging
 import math
+import re
 import time
 import uuid
 
@@ -51,6 +52,7 @@ _NAMES = {pb.WEIGHT_NAMES_HF: WEIGHT_NAMES_HF, pb.WEIGHT_NAMES_MEGATRON: WEIGHT_
 STAGING_BYTES = 256 * 1024 * 1024
 """Tensor bytes received and waiting for the engine thread to stage them, at most (one
 tensor of any size may always wait)."""
+_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq")  # buffers of older transformers
 _LAYOUT_NAMES = {1: "per-expert (block_sparse_moe.experts.E.*)", 2: "fused (mlp.experts.*)"}
 
 
@@ -62,8 +64,9 @@ def new_weights_version() -> str:
 class _Tensor:
     """A tensor being reassembled from its chunks."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: int, layout: int):
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: int, layout: int, ignored: bool):
         self.name, self.shape, self.dtype, self.layout = name, shape, dtype, layout
+        self.ignored = ignored  # received and checked, not staged
         self.total = math.prod(shape) * _DTYPES[dtype][1]
         self.data: bytes | bytearray = b""  # one chunk's bytes as they came, else assembled
         self.received = 0
@@ -138,6 +141,8 @@ class PushSession:
 
     def _start(self, name: str, shape: tuple[int, ...], dtype: int, where: str) -> _Tensor:
         target = self.targets.get(name)
+        if target is None and self.names == "HF" and _IGNORED_HF.fullmatch(name):
+            target = WeightTarget(shape, ignored=True)
         if not name or target is None:
             raise InvalidRequestError(
                 f"{where}: not a tensor of the served model ({self.names} names)"
@@ -159,7 +164,7 @@ class PushSession:
                     f"sent {_LAYOUT_NAMES[self.layout]} ones"
                 )
             self.layout = target.layout
-        return _Tensor(name, shape, dtype, target.layout)
+        return _Tensor(name, shape, dtype, target.layout, target.ignored)
 
     def check_complete(self, partial: bool) -> None:
         """Raises InvalidRequestError when a tensor is half sent, or, unless ``partial``,
@@ -284,7 +289,7 @@ class WeightPusher:
                 if kind != "chunk":
                     raise InvalidRequestError(f"message {index}: {kind} inside a push")
                 tensor = session.add(message.chunk, index)
-                if tensor is None:
+                if tensor is None or tensor.ignored:
                     continue
                 while staging and sum(n for _, n in staging) + tensor.total > STAGING_BYTES:
                     await staging[0][0]

@@ -104,6 +104,7 @@ def full_push(version="v1"):
         chunk("embed", (4, 3), EMBED[20:], offset=20),
         chunk("norm", (5,), NORM),
         chunk("lm_head", (4, 3), EMBED),
+        chunk("model.layers.0.self_attn.rotary_emb.inv_freq", (8,), f32(8)),
         chunk("experts.0.w1", (2, 2), f32(2, 2)),
         commit(version),
     ]
@@ -129,12 +130,13 @@ def test_a_push_stages_exact_bytes_and_swaps_its_version(server):
     response = push(server, full_push("v1"))
     assert isinstance(response, pb.UpdateWeightsResponse), response
     assert (response.weights_version, response.previous_weights_version) == ("v1", "v0")
-    assert response.num_tensors == 4 and response.num_bytes == 48 + 20 + 48 + 16
+    assert response.num_tensors == 5 and response.num_bytes == 48 + 20 + 48 + 32 + 16
     assert response.stream_ms >= 0 and response.swap_ms >= 0
     engine = server.engine
     assert engine.staged["embed"] == ("float32", (4, 3), EMBED, 0)
     assert engine.staged["norm"] == ("float32", (5,), NORM, 0)
     assert engine.staged["experts.0.w1"][3] == LAYOUT_PER_EXPERT
+    assert set(engine.staged) == {"embed", "norm", "experts.0.w1"}  # ignored: not staged
     assert engine.events[-1] == ("commit", "v1", False) and engine.aborts == 0
     assert score_version(server) == "v1"
     assert server.stub().GetModelInfo(pb.GetModelInfoRequest()).weights_version == "v1"

@@ -25,7 +25,6 @@ shapes and dtypes against :func:`weight_targets` before anything is broadcast.
 from __future__ import annotations
 
 import logging
-import re
 
 import torch
 
@@ -44,8 +43,6 @@ from megascore.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -185,11 +182,6 @@ def weight_targets(
     return targets
 
 
-def is_ignored_hf_name(name: str) -> bool:
-    """HF buffers a push may carry that no parameter is made of (rotary ``inv_freq``)."""
-    return _IGNORED_HF.fullmatch(name) is not None
-
-
 class WeightStaging:
     """One rank's side of an open push: the staged shards, then the swap.
 
@@ -201,12 +193,11 @@ class WeightStaging:
     """
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, pg_collection, names: int):
-        self.model, self.config, self.names = model, config, names
+        self.model, self.config = model, config
         self.params = _parameters(model)
         self.staged: dict[str, torch.Tensor] = {}
         self.pending: dict[str, torch.Tensor] = {}  # HF tensors some shard still waits for
         self.error: str | None = None
-        self.num_tensors = 0
         self._recipes: dict[int, dict[str, Recipe]] = {}
         self._consumers: dict[int, dict[str, list[str]]] = {}
         self._megatron = None
@@ -226,7 +217,6 @@ class WeightStaging:
         """
         if self.error is not None:
             return
-        self.num_tensors += 1
         try:
             if self._megatron is not None:
                 self._add_megatron(name, tensor)
