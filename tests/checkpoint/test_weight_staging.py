@@ -1,0 +1,92 @@
+"""Weight-push staging on one rank (``megascore.engine.weight_update``) for every family.
+
+The push targets are exactly what ``transformers`` itself has: the names and shapes of
+``model.state_dict()`` of each supported family (llama, qwen2 with QKV bias and tied
+embeddings, mistral with its own head_dim, mixtral with transformers' fused experts),
+the tied ``lm_head.weight`` marked ignored; for Megatron names, the state dict of the
+one-rank local-spec model. Pushing another checkpoint's tensors (in the order
+transformers lists them) and committing gives every parameter bit for bit the value the
+HF loader gives from that checkpoint's files; pushing a one-rank model's own Megatron
+state does the same. A push that leaves a fused partner out (q without k, v) or misses
+tensors says so at the commit and changes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megascore.checkpoint import resolve_model
+from megascore.engine.weight_update import WeightStaging, weight_targets
+from megascore.types import LAYOUT_COMMON, LAYOUT_FUSED, WEIGHT_NAMES_HF, WEIGHT_NAMES_MEGATRON
+from tests.checkpoint.scripts.ckpt_common import FAMILIES, make_hf_model
+
+
+def _loaded(build, directory):
+    config, load, _ = resolve_model(f"hf:{directory}")
+    model = build(config)
+    load(model)
+    return model, config
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_push_equals_loading_the_same_weights(family, build, pgs, hf_dirs, tmp_path):
+    served, config = _loaded(build, hf_dirs[family])
+    trainer = make_hf_model(family, seed=3)
+    state = trainer.state_dict()
+    targets = weight_targets(served, config, pgs, WEIGHT_NAMES_HF)
+    used = {n: t for n, t in targets.items() if t.layout in (LAYOUT_COMMON, LAYOUT_FUSED)}
+    assert set(used) == set(state), set(used) ^ set(state)
+    assert all(used[n].shape == tuple(t.shape) for n, t in state.items())
+    tied = config.share_embeddings_and_output_weights
+    assert [n for n, t in targets.items() if t.ignored] == (["lm_head.weight"] if tied else [])
+
+    layout = {n: t.layout for n, t in targets.items()}
+    staging = WeightStaging(served, config, pgs, WEIGHT_NAMES_HF)
+    for name, tensor in state.items():
+        if not targets[name].ignored:
+            staging.add(name, tensor, layout[name])
+    assert staging.problem(partial=False) is None
+    assert staging.apply() == len(_params(served))
+
+    trainer.save_pretrained(tmp_path)
+    expected, _ = _loaded(build, tmp_path)
+    got, want = _params(served), _params(expected)
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_megatron_push_and_refused_pushes(build, pgs, hf_dirs):
+    served, config = _loaded(build, hf_dirs["mixtral"])
+    before = _params(served)
+    source, _ = _loaded(build, hf_dirs["mixtral"])
+    with torch.no_grad():
+        for p in source.parameters():
+            p.mul_(1.5)
+    state = _params(source)
+    targets = weight_targets(served, config, pgs, WEIGHT_NAMES_MEGATRON)
+    assert {n: t.shape for n, t in targets.items()} == {n: tuple(t.shape) for n, t in state.items()}
+
+    staging = WeightStaging(served, config, pgs, WEIGHT_NAMES_MEGATRON)
+    names = list(state)
+    for name in names[:3]:
+        staging.add(name, state[name], LAYOUT_COMMON)
+    assert "parameters not sent" in staging.problem(partial=False)
+    assert staging.problem(partial=True) is None
+    for name in names[3:]:
+        staging.add(name, state[name], LAYOUT_COMMON)
+    assert staging.problem(partial=False) is None
+    assert all(torch.equal(before[n], p) for n, p in _params(served).items())  # not yet
+    staging.apply()
+    assert all(torch.equal(state[n], p) for n, p in _params(served).items())
+
+    hf = WeightStaging(served, config, pgs, WEIGHT_NAMES_HF)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    hf.add(q, make_hf_model("mixtral", 4).state_dict()[q], LAYOUT_COMMON)
+    problem = hf.problem(partial=True)
+    assert q in problem and "k_proj" in problem and "v_proj" in problem, problem
