@@ -7,7 +7,8 @@ the tied ``lm_head.weight`` marked ignored; for Megatron names, the state dict o
 one-rank local-spec model. Pushing another checkpoint's tensors (in the order
 transformers lists them) and committing gives every parameter bit for bit the value the
 HF loader gives from that checkpoint's files; pushing a one-rank model's own Megatron
-state does the same. A push that leaves a fused partner out (q without k, v) or misses
+state does the same. Mixtral's per-expert names (transformers 4) stage the same shards
+as the fused ones. A push that leaves a fused partner out (q without k, v) or misses
 tensors says so at the commit and changes nothing.
 """
 
@@ -18,7 +19,13 @@ import torch
 
 from megascore.checkpoint import resolve_model
 from megascore.engine.weight_update import WeightStaging, weight_targets
-from megascore.types import LAYOUT_COMMON, LAYOUT_FUSED, WEIGHT_NAMES_HF, WEIGHT_NAMES_MEGATRON
+from megascore.types import (
+    LAYOUT_COMMON,
+    LAYOUT_FUSED,
+    LAYOUT_PER_EXPERT,
+    WEIGHT_NAMES_HF,
+    WEIGHT_NAMES_MEGATRON,
+)
 from tests.checkpoint.scripts.ckpt_common import FAMILIES, make_hf_model
 
 
@@ -90,3 +97,42 @@ def test_megatron_push_and_refused_pushes(build, pgs, hf_dirs):
     hf.add(q, make_hf_model("mixtral", 4).state_dict()[q], LAYOUT_COMMON)
     problem = hf.problem(partial=True)
     assert q in problem and "k_proj" in problem and "v_proj" in problem, problem
+
+
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers >= 5 Mixtral tensors renamed to the per-expert layout of transformers 4
+    (``block_sparse_moe.experts.E.w1/w3/w2``, ``block_sparse_moe.gate``)."""
+    out = {}
+    for name, t in state.items():
+        prefix, _, leaf = name.partition(".mlp.")
+        if leaf == "gate.weight":
+            out[f"{prefix}.block_sparse_moe.gate.weight"] = t
+        elif leaf == "experts.gate_up_proj":  # [E, 2F, H] = [gate; up] per expert
+            f = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.block_sparse_moe.experts.{e}.w1.weight"] = t[e, :f]
+                out[f"{prefix}.block_sparse_moe.experts.{e}.w3.weight"] = t[e, f:]
+        elif leaf == "experts.down_proj":  # [E, H, F]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.block_sparse_moe.experts.{e}.w2.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def test_mixtral_per_expert_names_stage_like_fused_ones(build, pgs, hf_dirs):
+    served, config = _loaded(build, hf_dirs["mixtral"])
+    fused = make_hf_model("mixtral", seed=6).state_dict()
+    targets = weight_targets(served, config, pgs, WEIGHT_NAMES_HF)
+    per_expert = _per_expert(fused)
+    used = {n for n, t in targets.items() if t.layout in (LAYOUT_COMMON, LAYOUT_PER_EXPERT)}
+    assert used == set(per_expert)
+    results = []
+    for state in (fused, per_expert):
+        staging = WeightStaging(served, config, pgs, WEIGHT_NAMES_HF)
+        for name, tensor in state.items():
+            staging.add(name, tensor, targets[name].layout)
+        assert staging.problem(partial=False) is None
+        results.append(staging.staged)
+    assert set(results[0]) == set(results[1]) == set(_params(served))
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])

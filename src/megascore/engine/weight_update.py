@@ -55,8 +55,7 @@ def _hf_recipes(
     model: torch.nn.Module, config: ModelConfig, ranks: ParallelRanks, fused: bool
 ) -> dict[str, Recipe]:
     """Megatron parameter -> recipe over HF names, for the rank at ``ranks``."""
-    mapper = _Mapper(config, _NoFiles(), ranks)
-    mapper.fused_experts = fused
+    mapper = _Mapper(config, _LayoutNames(fused), ranks)
     offset = _layer_offset(_unwrap(model))
     recipes = {}
     for name, param in _parameters(model).items():
@@ -93,12 +92,19 @@ def _hf_layouts(config: ModelConfig) -> tuple[int, ...]:
     return (LAYOUT_PER_EXPERT, LAYOUT_FUSED) if config.is_moe else (LAYOUT_PER_EXPERT,)
 
 
-class _NoFiles:
-    """What ``_Mapper`` reads from a checkpoint before any tensor: its names (none here;
-    the expert layout is set explicitly)."""
+class _LayoutNames:
+    """What the HF name mapper asks of a checkpoint before reading it, answered for one
+    expert layout: its names (fused expert tensors or not) and whether Mixtral's
+    per-expert names are in it."""
+
+    def __init__(self, fused: bool):
+        self.fused = fused
 
     def names(self) -> list[str]:
-        return []
+        return ["model.layers.0.mlp.experts.gate_up_proj"] if self.fused else []
+
+    def __contains__(self, name: str) -> bool:
+        return not self.fused and "block_sparse_moe." in name
 
 
 class _Pushed:
