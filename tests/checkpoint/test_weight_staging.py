@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megascore.checkpoint import resolve_model
-from megascore.engine.weight_update import WeightStaging, weight_targets
+from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
 from megascore.types import (
     LAYOUT_COMMON,
     LAYOUT_FUSED,
@@ -36,6 +36,12 @@ def _loaded(build, directory):
     return model, config
 
 
+def _targets(model, config, pgs, names):
+    """Every rank's push targets (one rank here), as rank 0 checks a push against them."""
+    local = weight_targets(model, config, pgs, names)
+    return gather_targets(local, torch.distributed.group.WORLD, config, names)
+
+
 def _params(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
@@ -45,7 +51,7 @@ def test_hf_push_equals_loading_the_same_weights(family, build, pgs, hf_dirs, tm
     served, config = _loaded(build, hf_dirs[family])
     trainer = make_hf_model(family, seed=3)
     state = trainer.state_dict()
-    targets = weight_targets(served, config, pgs, WEIGHT_NAMES_HF)
+    targets = _targets(served, config, pgs, WEIGHT_NAMES_HF)
     used = {n: t for n, t in targets.items() if t.layout in (LAYOUT_COMMON, LAYOUT_FUSED)}
     assert set(used) == set(state), set(used) ^ set(state)
     assert all(used[n].shape == tuple(t.shape) for n, t in state.items())
@@ -76,7 +82,7 @@ def test_megatron_push_and_refused_pushes(build, pgs, hf_dirs):
         for p in source.parameters():
             p.mul_(1.5)
     state = _params(source)
-    targets = weight_targets(served, config, pgs, WEIGHT_NAMES_MEGATRON)
+    targets = _targets(served, config, pgs, WEIGHT_NAMES_MEGATRON)
     assert {n: t.shape for n, t in targets.items()} == {n: tuple(t.shape) for n, t in state.items()}
 
     staging = WeightStaging(served, config, pgs, WEIGHT_NAMES_MEGATRON)
@@ -123,7 +129,7 @@ def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_mixtral_per_expert_names_stage_like_fused_ones(build, pgs, hf_dirs):
     served, config = _loaded(build, hf_dirs["mixtral"])
     fused = make_hf_model("mixtral", seed=6).state_dict()
-    targets = weight_targets(served, config, pgs, WEIGHT_NAMES_HF)
+    targets = _targets(served, config, pgs, WEIGHT_NAMES_HF)
     per_expert = _per_expert(fused)
     used = {n for n, t in targets.items() if t.layout in (LAYOUT_COMMON, LAYOUT_PER_EXPERT)}
     assert used == set(per_expert)

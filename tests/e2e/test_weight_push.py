@@ -5,11 +5,11 @@
   ``ScoringClient.push_weights`` into a ``megascore serve`` that started from the
   trainer's initial save (``hf:DIR``). After every push the server's logprobs equal
   the trainer model's own forward (max |delta| <= 1e-4, float64 comparison) and
-  ``weights_version`` advances to the pushed label, at TP=1, TP=2 (llama) and
+  ``weights_version`` advances to the pushed label, at TP=1, TP=2 and PP=2 (llama) and
   EP=2 (mixtral, fused expert tensors as transformers >= 5 names them). The same
   with Megatron names (the state dict of a one-rank local-spec GPTModel loaded here
-  from the trainer's save) into the TP=2 and EP=2 servers; an async push without a
-  version gets a generated one.
+  from the trainer's save) into the TP=2, EP=2 and PP=2 servers; an async push
+  without a version gets a generated one.
 * Faults on the TP=2 server, while a thread scores without pause: a wrong name, a
   wrong shape, a push missing tensors (INVALID_ARGUMENT naming the tensors), a
   stream cut off mid-way (cancelled), a second push while one is open (ABORTED) —
@@ -17,7 +17,7 @@
   completes and a partial push replaces one tensor. No scoring call fails, and
   each response matches the reference of the version it reports.
 
-Three servers (5 ranks) start at once and are shared by every test here.
+Four servers (7 ranks) start at once and are shared by every test here.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ SERVERS = {  # name -> (family, extra serve flags)
     "llama-tp1": ("llama", ()),
     "llama-tp2": ("llama", ("--nproc", "2", "--tp", "2")),
     "mixtral-ep2": ("mixtral", ("--nproc", "2", "--ep", "2")),
+    "llama-pp2": ("llama", ("--nproc", "2", "--pp", "2")),
 }
 _RNG = np.random.default_rng(14)
 SEQS = [_RNG.integers(0, VOCAB, n).tolist() for n in (5, 17, 32)]
@@ -152,7 +153,7 @@ def megatron_state(pgs):
     return build
 
 
-@pytest.mark.parametrize("name", ["llama-tp2", "mixtral-ep2"])
+@pytest.mark.parametrize("name", ["llama-tp2", "mixtral-ep2", "llama-pp2"])
 def test_megatron_names_push(servers, name, megatron_state, tmp_path):
     family = SERVERS[name][0]
     trainer = make_hf_model(family, 5)

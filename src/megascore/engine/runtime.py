@@ -69,7 +69,7 @@ from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.losses import loss_names
 from megascore.engine.served_model import LoadedModel, load_served_model
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status, finish_step, run_step
-from megascore.engine.weight_update import WeightStaging, weight_targets
+from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
 from megascore.errors import (
     LOAD_FAILURES,
     CheckpointError,
@@ -388,10 +388,9 @@ class DistributedEngine:
     def begin_weight_update(self, names: int) -> dict[str, WeightTarget]:
         """Opens a push on every rank (dropping an unfinished one); returns its targets."""
         self._require_driver("begin_weight_update")
-        targets = weight_targets(self.loaded.model, self.loaded.config, self.pg_collection, names)
-        self._send_weights(protocol.Command.WEIGHTS_BEGIN, protocol.WeightsMessage(names=names))
-        self._on_weights(protocol.Command.WEIGHTS_BEGIN, protocol.WeightsMessage(names=names))
-        return targets
+        message = protocol.WeightsMessage(names=names)
+        self._send_weights(protocol.Command.WEIGHTS_BEGIN, message)
+        return self._on_weights(protocol.Command.WEIGHTS_BEGIN, message)
 
     def stage_weight(self, name, dtype, shape, data, layout) -> None:
         """Broadcasts one full tensor of the open push; every rank stages its shards."""
@@ -431,12 +430,24 @@ class DistributedEngine:
             raise self._mark_broken(f"broadcasting {command.name} failed: {e}") from e
 
     def _on_weights(self, command, message) -> None:
-        """Every rank: one WEIGHTS_* message (the commit is collective)."""
+        """Every rank: one WEIGHTS_* message (BEGIN and COMMIT are collective); BEGIN
+        returns every rank's targets."""
         if command == protocol.Command.WEIGHTS_BEGIN:
-            loaded = self.loaded
-            self._push = WeightStaging(
-                loaded.model, loaded.config, self.pg_collection, message.names
-            )
+            loaded, local = self.loaded, None
+            try:
+                self._push = WeightStaging(
+                    loaded.model, loaded.config, self.pg_collection, message.names
+                )
+                local = weight_targets(
+                    loaded.model, loaded.config, self.pg_collection, message.names
+                )
+            except Exception:  # noqa: BLE001 - every rank learns it through the gather
+                logger.exception("rank %d: listing the push's tensors failed", self.rank)
+                self._push = None
+            try:
+                return gather_targets(local, self.groups.status, loaded.config, message.names)
+            except RuntimeError as e:
+                raise self._mark_broken(f"weight push begin all-gather failed: {e}") from e
         elif command == protocol.Command.WEIGHTS_ABORT:
             self._push = None
         elif self._push is None:

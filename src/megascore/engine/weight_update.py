@@ -12,27 +12,38 @@ its own shard out of it right away, with the recipes the checkpoint loaders use:
 * Megatron names (the unsharded local-spec model, experts by global index): the
   shard is cut as Megatron shards (:func:`megascore.model.weights.shard_full_tensor`).
 
+Rank 0 checks names, shapes and dtypes before anything is broadcast, against what every
+rank listed at WEIGHTS_BEGIN (:func:`weight_targets`, joined by :func:`gather_targets`:
+each pipeline stage and EP rank knows only its own layers and experts).
+
 Nothing touches the served parameters before the commit: the shards wait in
 :class:`WeightStaging` (host memory, the parameters' dtype) while forward steps
-keep running on the old weights; on the commit a CPU parameter takes its staged
-tensor as is, a GPU one has it copied in. On WEIGHTS_COMMIT every rank checks that it can
+keep running on the old weights. On WEIGHTS_COMMIT every rank checks that it can
 commit (every parameter staged unless the push is partial; no half-sent fused
 group; no staging error), the ranks agree (``step.agree_on_status``), and only
-then does each copy its shards in, between two engine steps. Rank 0 checks names,
-shapes and dtypes against :func:`weight_targets` before anything is broadcast.
+then does each put its shards in, between two engine steps: a CPU parameter takes
+its staged tensor as is, a GPU one has it copied in.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 import torch
+import torch.distributed as dist
 
 from megascore.checkpoint.hf_weights import _layer_offset, _Mapper, _unwrap
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
-from megascore.model.weights import canonical_name, full_shape, shard_full_tensor, shard_layout
+from megascore.model.weights import (
+    canonical_name,
+    decoder_layer_offset,
+    full_shape,
+    shard_full_tensor,
+    shard_layout,
+)
 from megascore.types import (
     LAYOUT_COMMON,
     LAYOUT_FUSED,
@@ -119,39 +130,37 @@ class _Pushed:
         return self.tensors[name][index]
 
 
-def _megatron_layout(model: torch.nn.Module, config: ModelConfig, pg_collection):
-    """canonical name -> (local name, partition dim, stride, rank, size, full shape), for
-    every EP rank: ``{ep_rank: {...}}``."""
+def _megatron_layout(model: torch.nn.Module, config: ModelConfig, pg_collection) -> dict:
+    """This rank's parameters by canonical name (the unsharded single-stage local-spec
+    model: global layer and expert indices): ``(local name, partition dim, stride, rank,
+    size, full shape)``."""
     ep = pg_collection.ep
-    ep_size = 1 if ep is None else ep.size()
+    ep_size, ep_rank = (1, 0) if ep is None else (ep.size(), ep.rank())
     num_local = (config.num_moe_experts or 0) // ep_size
-    out = {}
-    for ep_rank in range(ep_size):
-        table = {}
-        for name, param in _parameters(model).items():
-            canon = canonical_name(name, ep_rank=ep_rank, num_local_experts=num_local)
-            dim, stride, rank, size = shard_layout(
-                name, param, pg_collection, config.gated_linear_unit
-            )
-            table[canon] = (
-                name,
-                dim,
-                stride,
-                rank,
-                size,
-                tuple(full_shape(param.shape, dim, size)),
-            )
-        out[ep_rank] = table
-    return out
+    offset = decoder_layer_offset(_unwrap(model))
+    tied = getattr(_unwrap(model), "share_embeddings_and_output_weights", False)
+    table = {}
+    for name, param in _parameters(model).items():
+        canon = canonical_name(
+            name,
+            ep_rank=ep_rank,
+            num_local_experts=num_local,
+            layer_offset=offset,
+            tied_output=tied,
+        )
+        dim, stride, rank, size = shard_layout(name, param, pg_collection, config.gated_linear_unit)
+        table[canon] = (name, dim, stride, rank, size, tuple(full_shape(param.shape, dim, size)))
+    return table
 
 
 def weight_targets(
     model: torch.nn.Module, config: ModelConfig, pg_collection, names: int
 ) -> dict[str, WeightTarget]:
-    """Every tensor name a push may carry, with its full shape (all EP ranks' experts).
+    """The tensor names a push may carry that this rank's parameters are made of, with
+    their full shapes (:func:`gather_targets` joins every rank's).
 
     Args:
-        model: this rank's model (the shapes of every rank follow from it).
+        model: this rank's model.
         config: its architecture.
         pg_collection: its process groups.
         names: ``WEIGHT_NAMES_HF`` or ``WEIGHT_NAMES_MEGATRON``.
@@ -161,31 +170,65 @@ def weight_targets(
         layouts (per expert, fused) are listed, each name with its layout.
     """
     if names == WEIGHT_NAMES_MEGATRON:
-        tables = _megatron_layout(model, config, pg_collection)
         return {
-            canon: WeightTarget(entry[5])
-            for table in tables.values()
-            for canon, entry in table.items()
+            c: WeightTarget(e[5]) for c, e in _megatron_layout(model, config, pg_collection).items()
         }
     if names != WEIGHT_NAMES_HF:
         raise ValueError(f"unknown weight name format {names}")
     ranks = ParallelRanks.from_model(_unwrap(model))
     found: dict[str, tuple[tuple[int, ...], set[int]]] = {}
     for layout in _hf_layouts(config):
-        for ep_rank in range(ranks.ep_size):
-            at = ParallelRanks(ranks.tp_rank, ranks.tp_size, ep_rank, ranks.ep_size, 0, 1)
-            for recipe in _hf_recipes(model, config, at, layout == LAYOUT_FUSED).values():
-                for src in recipe.srcs:
-                    found.setdefault(src.name, (tuple(src.full or src.shape), set()))[1].add(layout)
+        for recipe in _hf_recipes(model, config, ranks, layout == LAYOUT_FUSED).values():
+            for src in recipe.srcs:
+                found.setdefault(src.name, (tuple(src.full or src.shape), set()))[1].add(layout)
     every = set(_hf_layouts(config))
-    targets = {
+    return {
         name: WeightTarget(shape, LAYOUT_COMMON if layouts == every else layouts.pop())
         for name, (shape, layouts) in found.items()
     }
-    if config.share_embeddings_and_output_weights and "lm_head.weight" not in targets:
-        embed = targets["model.embed_tokens.weight"]
-        targets["lm_head.weight"] = WeightTarget(embed.shape, ignored=True)
-    return targets
+
+
+def gather_targets(
+    local: dict[str, WeightTarget] | None, group, config: ModelConfig, names: int
+) -> dict[str, WeightTarget]:
+    """Every rank's :func:`weight_targets` joined (collective over ``group``; every rank
+    gets the union). Sent as UTF-8 JSON of names and shapes, never pickled.
+
+    Args:
+        local: this rank's targets, or None when it could not list them.
+        group: every rank of the replica (gloo).
+        config: the served architecture (a tied ``lm_head.weight`` is accepted, ignored).
+        names: the push's name format.
+
+    Raises:
+        CheckpointError: on every rank, when some rank could not list its targets.
+    """
+    rows = None if local is None else [[n, t.shape, t.layout, t.ignored] for n, t in local.items()]
+    payload = torch.frombuffer(bytearray(json.dumps(rows).encode()), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    union: dict[str, WeightTarget] = {}
+    failed = []
+    for rank, (part, n) in enumerate(zip(parts, sizes, strict=True)):
+        rows = json.loads(part[: int(n.item())].numpy().tobytes())
+        if rows is None:
+            failed.append(rank)
+            continue
+        for name, shape, layout, ignored in rows:
+            union[name] = WeightTarget(tuple(shape), layout, ignored)
+    if failed:
+        raise CheckpointError(f"ranks {failed} could not list the tensors of a weight push")
+    tied = config.share_embeddings_and_output_weights
+    if names == WEIGHT_NAMES_HF and tied and "lm_head.weight" not in union:
+        embed = union["model.embed_tokens.weight"]
+        union["lm_head.weight"] = WeightTarget(embed.shape, ignored=True)
+    return union
 
 
 class WeightStaging:
@@ -209,9 +252,7 @@ class WeightStaging:
         self._megatron = None
         self._layout = LAYOUT_COMMON  # the HF expert layout, once a tensor told it
         if names == WEIGHT_NAMES_MEGATRON:
-            ep = pg_collection.ep
-            ep_rank = 0 if ep is None else ep.rank()
-            self._megatron = _megatron_layout(model, config, pg_collection)[ep_rank]
+            self._megatron = _megatron_layout(model, config, pg_collection)
         elif names != WEIGHT_NAMES_HF:
             raise ValueError(f"unknown weight name format {names}")
 
@@ -235,7 +276,7 @@ class WeightStaging:
     def _add_megatron(self, name: str, tensor: torch.Tensor) -> None:
         entry = self._megatron.get(name)
         if entry is None:
-            return  # another EP rank's expert
+            return  # another rank's (stage, expert)
         local, dim, stride, rank, size, _ = entry
         shard = shard_full_tensor(tensor, dim, stride, rank, size)  # a new tensor
         self.staged[local] = shard.to(self.params[local].dtype).contiguous()
