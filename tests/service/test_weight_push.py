@@ -7,7 +7,7 @@ message not ``begin``, no name format, an unknown name, a wrong shape, a non-flo
 dtype, a gap in the offsets, a tensor left half-sent, one sent twice or overfull,
 both expert layouts in one push, tensors missing without ``partial``, a stream that
 ends without commit (ABORTED), a second push while one is open (ABORTED), a commit
-that some rank refuses (FAILED_PRECONDITION). A good push stages each tensor's exact
+that some rank refuses (FAILED_PRECONDITION), bytes that do not parse mid-stream. A good push stages each tensor's exact
 bytes (one chunk or several) and swaps in its version, which the next Score reports.
 """
 
@@ -268,3 +268,16 @@ def test_a_commit_refused_by_a_rank_keeps_the_old_version(server):
     assert score_version(server) == "v0"
     server.engine.refuse_commit = False
     assert push(server, full_push("v10")).weights_version == "v10"
+
+
+def test_garbage_mid_push_is_invalid_argument_and_drops_the_push(server):
+    payloads = [begin().SerializeToString(), chunk("norm", (5,), NORM).SerializeToString()]
+    payloads.append(b"\xff\xff\xff")
+    call = server.channel().stream_unary("/megascore.v1.Scorer/UpdateWeights")
+    with pytest.raises(grpc.RpcError) as info:
+        call(iter(payloads), timeout=10)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    details = info.value.details()
+    assert "does not parse as megascore.v1.UpdateWeightsRequest" in details, details
+    assert "stream message 2" in details, details
+    assert server.engine.aborts == 1 and score_version(server) == "v0"
