@@ -457,6 +457,8 @@ class DistributedEngine:
         else:
             push, self._push = self._push, None
             problem = push.problem(message.partial)
+            if push.model is not self.loaded.model:  # a LoadWeights swapped the model meanwhile
+                problem = "the served model was reloaded (LoadWeights) during the push: push again"
             try:
                 failed = agree_on_status(problem is not None, self.groups.status)
             except RuntimeError as e:
