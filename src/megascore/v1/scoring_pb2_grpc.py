@@ -109,7 +109,8 @@ class ScorerServicer:
         missing ones when a non-partial push does not cover the model); ABORTED
         when another UpdateWeights is in progress, or when the stream ends
         without a commit; CANCELLED / DEADLINE_EXCEEDED when the client breaks it
-        off; FAILED_PRECONDITION when some rank failed to stage.
+        off; FAILED_PRECONDITION when some rank failed to stage, or a LoadWeights
+        replaced the model while the push was open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
