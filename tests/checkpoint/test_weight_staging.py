@@ -26,7 +26,7 @@ from megascore.types import (
     WEIGHT_NAMES_HF,
     WEIGHT_NAMES_MEGATRON,
 )
-from tests.checkpoint.scripts.ckpt_common import FAMILIES, make_hf_model
+from tests.checkpoint.scripts.ckpt_common import FAMILIES, MTP_FAMILIES, make_hf_model
 
 
 def _loaded(build, directory):
@@ -46,7 +46,7 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MTP_FAMILIES])
 def test_hf_push_equals_loading_the_same_weights(family, build, pgs, hf_dirs, tmp_path):
     served, config = _loaded(build, hf_dirs[family])
     trainer = make_hf_model(family, seed=3)
@@ -142,3 +142,30 @@ def test_mixtral_per_expert_names_stage_like_fused_ones(build, pgs, hf_dirs):
         results.append(staging.staged)
     assert set(results[0]) == set(results[1]) == set(_params(served))
     assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
+
+
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_mtp_layers_are_pushed_or_the_push_is_partial(family, build, pgs, hf_dirs):
+    """transformers has no MTP layers: its tensors are every target but the MTP layers'
+    (HF layers num_layers and up); a full push without them is refused naming the MTP
+    parameters, a partial one keeps them."""
+    served, config = _loaded(build, hf_dirs[family])
+    before = _params(served)
+    state = make_hf_model(family, seed=3).state_dict()
+    targets = _targets(served, config, pgs, WEIGHT_NAMES_HF)
+    mtp = tuple(f"model.layers.{config.num_layers + i}." for i in range(config.mtp_num_layers))
+    used = {n for n, t in targets.items() if t.layout in (LAYOUT_COMMON, LAYOUT_FUSED)}
+    assert used - set(state) == {n for n in used if n.startswith(mtp)} != set()
+    assert set(state) <= used
+    staging = WeightStaging(served, config, pgs, WEIGHT_NAMES_HF)
+    for name, tensor in state.items():
+        if not targets[name].ignored:
+            staging.add(name, tensor, targets[name].layout)
+    assert "mtp.layers.0." in staging.problem(partial=False)
+    assert staging.problem(partial=True) is None
+    staging.apply()
+    after = _params(served)
+    assert all(torch.equal(after[n], before[n]) for n in after if n.startswith("mtp."))
+    assert not torch.equal(
+        after["decoder.final_layernorm.weight"], before["decoder.final_layernorm.weight"]
+    )

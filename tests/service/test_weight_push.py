@@ -7,8 +7,9 @@ message not ``begin``, no name format, an unknown name, a wrong shape, a non-flo
 dtype, a gap in the offsets, a tensor left half-sent, one sent twice or overfull,
 both expert layouts in one push, tensors missing without ``partial``, a stream that
 ends without commit (ABORTED), a second push while one is open (ABORTED), a commit
-that some rank refuses (FAILED_PRECONDITION), bytes that do not parse mid-stream. A good push stages each tensor's exact
-bytes (one chunk or several) and swaps in its version, which the next Score reports.
+that some rank refuses (FAILED_PRECONDITION), bytes that do not parse mid-stream. A
+good push stages each tensor's exact bytes (one chunk or several) and swaps in its
+version, which the next Score reports.
 """
 
 from __future__ import annotations

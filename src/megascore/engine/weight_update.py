@@ -4,7 +4,7 @@ A push (``UpdateWeights``) arrives on rank 0 one full tensor at a time; rank 0
 broadcasts each one (``protocol.Command.WEIGHTS_TENSOR``) and every rank cuts
 its own shard out of it right away, with the recipes the checkpoint loaders use:
 
-* HF names: :mod:`megascore.checkpoint.hf_weights` maps every Megatron parameter
+* HF names: :mod:`megascore.checkpoint.hf_names` maps every Megatron parameter
   to the HF tensors it is made of (fused QKV per query group, ``[gate; up]`` per
   TP rank, vocab-parallel rows, this EP rank's experts). A full HF tensor is kept
   only until every parameter that reads it has its shard (q, k and v arrive one
@@ -33,7 +33,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from megascore.checkpoint.hf_weights import _layer_offset, _Mapper, _unwrap
+from megascore.checkpoint.hf_names import ParamMapper
+from megascore.checkpoint.hf_weights import _layer_offset, _unwrap
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
@@ -66,7 +67,7 @@ def _hf_recipes(
     model: torch.nn.Module, config: ModelConfig, ranks: ParallelRanks, fused: bool
 ) -> dict[str, Recipe]:
     """Megatron parameter -> recipe over HF names, for the rank at ``ranks``."""
-    mapper = _Mapper(config, _LayoutNames(fused), ranks)
+    mapper = ParamMapper(config, _LayoutNames(fused), ranks)
     offset = _layer_offset(_unwrap(model))
     recipes = {}
     for name, param in _parameters(model).items():
