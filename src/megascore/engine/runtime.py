@@ -392,7 +392,9 @@ class DistributedEngine:
         self._send_weights(protocol.Command.WEIGHTS_BEGIN, message)
         return self._on_weights(protocol.Command.WEIGHTS_BEGIN, message)
 
-    def stage_weight(self, name, dtype, shape, data, layout) -> None:
+    def stage_weight(
+        self, name: str, dtype: str, shape: tuple[int, ...], data: bytes, layout: int
+    ) -> None:
         """Broadcasts one full tensor of the open push; every rank stages its shards."""
         self._require_driver("stage_weight")
         torch_dtype = getattr(torch, dtype)
@@ -429,7 +431,7 @@ class DistributedEngine:
         except (RuntimeError, OSError) as e:
             raise self._mark_broken(f"broadcasting {command.name} failed: {e}") from e
 
-    def _on_weights(self, command, message) -> None:
+    def _on_weights(self, command, message) -> dict[str, WeightTarget] | None:
         """Every rank: one WEIGHTS_* message (BEGIN and COMMIT are collective); BEGIN
         returns every rank's targets."""
         if command == protocol.Command.WEIGHTS_BEGIN:
