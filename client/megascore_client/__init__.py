@@ -17,6 +17,7 @@ from megascore_client.aio import AsyncScoringClient
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, RetryPolicy, TlsConfig
 from megascore_client.client import ScoringClient
 from megascore_client.errors import InvalidInputError, ScoringError
+from megascore_client.push import PushResult, RawTensor, read_safetensors
 from megascore_client.results import (
     HealthStatus,
     LoadWeightsResult,
@@ -37,6 +38,8 @@ __all__ = [
     "LoadWeightsResult",
     "ModelInfo",
     "ParallelLayout",
+    "PushResult",
+    "RawTensor",
     "RetryPolicy",
     "ScoreOptions",
     "ScoreResult",
@@ -45,5 +48,6 @@ __all__ = [
     "ScoringError",
     "Timings",
     "TlsConfig",
+    "read_safetensors",
     "__version__",
 ]

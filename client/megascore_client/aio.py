@@ -14,6 +14,7 @@ from megascore_client.client import (
     _finish,
 )
 from megascore_client.errors import ScoringError, closed_error
+from megascore_client.push import PUSH_TIMEOUT_S, PushResult, chunk_size, finish, push_requests
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, ScoreOptions, decode_part
 from megascore_client.stream import AsyncScoreStream
@@ -169,6 +170,39 @@ class AsyncScoringClient(ClientBase):
         deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
         msg = await self.transport.call(self.transport.stub.LoadWeights, request, deadline)
         return LoadWeightsResult.from_proto(msg)
+
+    async def push_weights(
+        self,
+        named_tensors,
+        *,
+        version: str = "",
+        names: str = "hf",
+        partial: bool = False,
+        chunk_bytes: int | None = None,
+        progress=None,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """Streams new weights into the server and swaps them in (see
+        ``ScoringClient.push_weights``; the tensors are encoded on the event loop)."""
+        counters: dict = {}
+        requests = push_requests(
+            named_tensors,
+            names=names,
+            version=version,
+            partial=partial,
+            chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
+            progress=progress,
+            counters=counters,
+        )
+        start = time.perf_counter()
+        deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
+        try:
+            response = await self.transport.call(
+                self.transport.stub.UpdateWeights, requests, deadline
+            )
+        except ScoringError as exc:
+            response = exc
+        return finish(response, counters, start)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """Runs the ``grpc.health.v1`` check (see ``ScoringClient.health``)."""

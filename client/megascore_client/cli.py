@@ -7,6 +7,7 @@ Subcommands::
     megascore info                            model info as JSON
     megascore health                          exit 0 when SERVING
     megascore load-weights MODEL              hot-swap weights
+    megascore push-weights PATH               stream safetensors from here (progress bar)
 
 Connection flags (all but ``serve``): ``--target`` (default ``$MEGASCORE_TARGET`` or
 127.0.0.1:50051), ``--token`` (default ``$MEGASCORE_TOKEN``), ``--tls``,
@@ -29,7 +30,7 @@ import sys
 from importlib.metadata import entry_points
 
 from megascore import __version__
-from megascore_client import score_jsonl
+from megascore_client import push, score_jsonl
 from megascore_client.channel import TlsConfig
 from megascore_client.client import ScoringClient
 from megascore_client.errors import ScoringError
@@ -183,7 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--weights-version", default="", help="version label")
     load.set_defaults(func=_cmd_load_weights)
 
-    for name in ("score", "info", "health", "load-weights"):
+    push_cmd = sub.add_parser("push-weights", help="stream weights from files here into the server")
+    push.add_cli_arguments(push_cmd)
+    push_cmd.set_defaults(func=push.run_cli)
+
+    for name in ("score", "info", "health", "load-weights", "push-weights"):
         _add_connection_args(sub.choices[name])
         sub.choices[name].set_defaults(subparser=sub.choices[name])
     return parser

@@ -14,6 +14,7 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore_client import health as health_codec
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, TlsConfig
 from megascore_client.errors import ScoringError, closed_error
+from megascore_client.push import PUSH_TIMEOUT_S, PushResult, chunk_size, finish, push_requests
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, ScoreOptions, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
@@ -384,6 +385,58 @@ class ScoringClient(ClientBase):
         deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
         msg = self.transport.call(self.transport.stub.LoadWeights, request, deadline)
         return LoadWeightsResult.from_proto(msg)
+
+    def push_weights(
+        self,
+        named_tensors,
+        *,
+        version: str = "",
+        names: str = "hf",
+        partial: bool = False,
+        chunk_bytes: int | None = None,
+        progress=None,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """Streams new weights into the server (``UpdateWeights``), then swaps them in.
+
+        Args:
+            named_tensors: iterable of ``(name, tensor)``: numpy arrays, torch tensors
+                (bf16 kept) or :class:`~megascore_client.push.RawTensor`, full (unsharded)
+                float tensors; consumed once, lazily (a generator keeps one in memory).
+            version: label of the new weights ("" = the server generates one).
+            names: "hf" (transformers names) or "megatron" (see docs/client.md).
+            partial: update only the tensors sent (otherwise all must be sent).
+            chunk_bytes: tensor bytes per message (default 8 MiB, under the message limit).
+            progress: ``progress(bytes_sent, tensor_name)`` after each chunk.
+            timeout: deadline of the whole push in seconds (default 1800).
+
+        Returns:
+            A :class:`~megascore_client.push.PushResult` (version, bytes, seconds, bytes/s).
+
+        Raises:
+            InvalidInputError: a tensor that cannot be pushed (the server keeps its weights).
+            ScoringError: refused by the server, old weights kept: INVALID_ARGUMENT (a
+                name / shape / dtype the model does not have, tensors missing), ABORTED
+                (another push in progress), ... Never re-sent.
+        """
+        counters: dict = {}
+        requests = push_requests(
+            named_tensors,
+            names=names,
+            version=version,
+            partial=partial,
+            chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
+            progress=progress,
+            counters=counters,
+        )
+        start = time.perf_counter()
+        deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
+        future = self.transport.start(self.transport.stub.UpdateWeights, requests, deadline)
+        try:
+            response = self.transport.result(future)
+        except ScoringError as exc:
+            response = exc
+        return finish(response, counters, start)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """Runs the ``grpc.health.v1`` check ("" = the whole server).

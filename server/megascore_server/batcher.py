@@ -20,8 +20,11 @@ interleave. Scheduling:
   (weights = real tokens of each step).
 * Cancelled or expired requests are dropped from pending work; a step that
   already holds them runs on and their results are discarded.
-* :meth:`DynamicBatcher.load_weights` is a barrier: requests accepted before
-  it finish on the old weights, later ones wait and run on the new ones.
+* :meth:`DynamicBatcher.load_weights` (and any :meth:`~DynamicBatcher.swap_weights`,
+  e.g. a weight push's commit) is a barrier: requests accepted before it finish
+  on the old weights, later ones wait and run on the new ones.
+  :meth:`~DynamicBatcher.run_on_engine` slips other engine work (a push's
+  staging) between two steps without waiting for the queue.
 * :class:`WorkerLostError` from the engine is fatal: every pending and later
   request fails with UNAVAILABLE and ``on_fatal`` is called.
 * :class:`InvalidRequestError` from a step (the engine's ``ScoreBatch.check``
@@ -164,17 +167,46 @@ class DynamicBatcher:
             Whatever ``engine.load_weights`` raises (old weights stay in place);
             :class:`UnavailableError` when shutting down or the engine was lost.
         """
+        return await self.swap_weights(lambda engine: engine.load_weights(model, weights_version))
+
+    async def swap_weights(self, swap: Callable[[Engine], str]) -> tuple[str, str, ModelInfo]:
+        """Runs ``swap(engine)`` (which changes the weights and returns their new version)
+        between steps, after every request already accepted; later requests wait for it.
+
+        Returns:
+            ``(new_version, previous_version, engine.info() after the swap)``.
+
+        Raises:
+            Whatever ``swap`` raises (the engine keeps its old weights);
+            :class:`UnavailableError` when shutting down or the engine was lost.
+        """
         self._check_open()
         previous = self.weights_version
 
-        def load() -> tuple[str, ModelInfo]:
-            version = self._engine.load_weights(model, weights_version)
+        def run() -> tuple[str, ModelInfo]:
+            version = swap(self._engine)
             return str(version), self._engine.info()
 
-        barrier = Barrier(load, asyncio.get_running_loop().create_future())
+        barrier = Barrier(run, asyncio.get_running_loop().create_future())
         self._enqueue(barrier)
         new_version, info = await barrier.future
         return new_version, previous, info
+
+    async def run_on_engine(self, fn: Callable[[Engine], object]) -> object:
+        """Runs ``fn(engine)`` on the engine thread between two steps, without waiting for
+        the queued requests (a weight push stages its tensors so while scoring goes on).
+
+        Raises:
+            Whatever ``fn`` raises; :class:`UnavailableError` when shutting down or the
+            engine was lost (a :class:`WorkerLostError` from ``fn`` is fatal, as in a step).
+        """
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, fn, self._engine)
+        except WorkerLostError as exc:
+            self._fatal(exc)
+            raise
 
     @property
     def queue_depth(self) -> int:

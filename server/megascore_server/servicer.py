@@ -25,6 +25,7 @@ from megascore_server.convert import build_response, model_info_to_proto
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE, CallGate
 from megascore_server.status import clip, quoted, request_label
 from megascore_server.validation import RequestLimits, validate_load_request, validate_request
+from megascore_server.weight_push import WeightPusher
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         self._batcher: DynamicBatcher | None = None
         self._limits: RequestLimits | None = None
         self._info: ModelInfo | None = None
+        self._pusher = WeightPusher()
 
     def attach(self, batcher: DynamicBatcher, limits: RequestLimits, info: ModelInfo) -> None:
         """Serves the engine behind ``batcher`` (its limits and model description)."""
@@ -206,6 +208,14 @@ class ScorerServicer(pb_grpc.ScorerServicer):
                 f"loading {model} failed ({type(exc).__name__}: {clip(str(exc))}); "
                 f"still serving weights {previous!r}"
             ) from exc
+
+    async def UpdateWeights(self, request_iterator, context):
+        """Stages pushed weights on every rank, then swaps them in (``weight_push``)."""
+        async with self._gate.call():
+            self._gate.check(serving=False)
+            response, info = await self._pusher.push(request_iterator, self._batcher)
+        self._info = info
+        return response
 
 
 def _cancel_queued(queue: asyncio.Queue) -> None:

@@ -32,6 +32,7 @@ import grpc
 
 from megascore.errors import (
     CheckpointError,
+    ConflictError,
     InvalidRequestError,
     ResourceExhaustedError,
     UnauthenticatedError,
@@ -50,6 +51,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),  # includes WorkerLostError
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ConflictError, grpc.StatusCode.ABORTED),
 )
 
 INTERNAL_MESSAGE = "internal error (see the server log)"

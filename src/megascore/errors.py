@@ -31,6 +31,11 @@ class WorkerLostError(UnavailableError):
     """A worker rank died or timed out in a collective; the replica must restart."""
 
 
+class ConflictError(MegascoreError):
+    """Another operation holds what the request needs, e.g. a second concurrent weight
+    push (-> ABORTED: retry once the other finished)."""
+
+
 class CheckpointError(MegascoreError):
     """A checkpoint is missing, corrupt or does not match the model (names the tensor)."""
 

@@ -185,6 +185,34 @@ class ModelInfo:
     mtp_metric_names: tuple[str, ...] = ()
 
 
+WEIGHT_NAMES_HF = 1
+"""Weight push names: Hugging Face names of the served family (``megascore.v1.WeightNames``)."""
+WEIGHT_NAMES_MEGATRON = 2
+"""Weight push names: Megatron state-dict names of the unsharded local-spec model."""
+
+LAYOUT_COMMON = 0
+"""A pushed tensor name every HF layout of the family shares."""
+LAYOUT_PER_EXPERT = 1
+"""HF MoE experts one tensor per expert (``block_sparse_moe.experts.E.w1.weight``)."""
+LAYOUT_FUSED = 2
+"""HF MoE experts stacked (transformers >= 5: ``mlp.experts.gate_up_proj``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightTarget:
+    """A tensor name a weight push may carry.
+
+    Attributes:
+        shape: its full (unsharded) shape.
+        layout: ``LAYOUT_*``: a push uses one non-common layout only.
+        ignored: accepted and dropped (tied ``lm_head.weight``, rotary ``inv_freq``).
+    """
+
+    shape: tuple[int, ...]
+    layout: int = LAYOUT_COMMON
+    ignored: bool = False
+
+
 class Engine(Protocol):
     """What the server needs from a scoring engine.
 
@@ -206,6 +234,28 @@ class Engine(Protocol):
     def load_weights(self, model: str, weights_version: str) -> str:
         """Loads new weights; returns the new weights version. Raises on failure,
         leaving the old weights in place."""
+        ...
+
+    def begin_weight_update(self, names: int) -> dict[str, WeightTarget]:
+        """Opens a weight push (``WEIGHT_NAMES_*``); returns every name it may carry.
+        Discards what an unfinished earlier push staged."""
+        ...
+
+    def stage_weight(
+        self, name: str, dtype: str, shape: tuple[int, ...], data: bytearray, layout: int
+    ) -> None:
+        """Stages one full tensor (raw bytes of ``dtype``) of the open push on every rank;
+        the served weights do not change. ``name`` and ``shape`` were checked against
+        :meth:`begin_weight_update`'s targets by the caller."""
+        ...
+
+    def commit_weights(self, weights_version: str, partial: bool) -> str:
+        """Swaps the staged tensors in on every rank at once; returns the new version.
+        Raises (old weights kept everywhere) when some rank cannot."""
+        ...
+
+    def abort_weight_update(self) -> None:
+        """Drops the open push's staged tensors on every rank."""
         ...
 
     def shutdown(self) -> None: ...

@@ -22,6 +22,7 @@ CHECKS = (
     "broadcast_from_nonzero_source",
     "gather_cp_shards_matches_single_process_packing",
     "protocol_round_trip",
+    "weights_protocol_round_trip",
 )
 NPROC = 2
 

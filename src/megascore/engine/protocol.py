@@ -18,7 +18,13 @@ slot  name              meaning
 6     flags             FORWARD: bitmask of ``FLAG_*``
 7     losses            FORWARD: bit ``i`` = ``sorted(loss_names)[i]``
 8     path_bytes        RELOAD: UTF-8 length of the checkpoint path
-9     version_bytes     RELOAD: UTF-8 length of the weights version
+9     version_bytes     RELOAD, WEIGHTS_COMMIT: UTF-8 length of the weights version
+10    name_bytes        WEIGHTS_TENSOR: UTF-8 length of the tensor name
+11    dtype             WEIGHTS_TENSOR: index in ``WEIGHT_DTYPES``
+12    ndim              WEIGHTS_TENSOR: number of dimensions
+13    data_bytes        WEIGHTS_TENSOR: byte size of the tensor
+14    names / layout    WEIGHTS_BEGIN: name format; WEIGHTS_TENSOR: layout code
+15    weights_flags     WEIGHTS_COMMIT: bitmask of ``WEIGHTS_FLAG_*``
 ====  ================  =====================================================
 
 Payloads, in order, after the header:
@@ -29,6 +35,14 @@ Payloads, in order, after the header:
 * RELOAD: uint8 ``[path_bytes + version_bytes]``, the two UTF-8 strings
   (nothing when both are empty).
 * SHUTDOWN: nothing.
+* WEIGHTS_BEGIN / WEIGHTS_ABORT: nothing.
+* WEIGHTS_TENSOR: int64 ``[ndim]`` shape (when ndim > 0); uint8 ``[name_bytes]``
+  name; uint8 ``[data_bytes]`` the tensor's raw bytes (viewed as ``dtype``).
+* WEIGHTS_COMMIT: uint8 ``[version_bytes]`` (nothing when empty).
+
+The WEIGHTS_* messages are one weight push (``megascore.engine.weight_update``):
+BEGIN, any number of TENSOR, then COMMIT or ABORT; forward steps may come in
+between (they run on the old weights).
 
 Rank 0 checks the batch (:meth:`~megascore.types.ScoreBatch.check`) before its
 first broadcast, so a bad batch raises there and the workers never see a
@@ -66,12 +80,22 @@ _H_FLAGS = 6
 _H_LOSSES = 7
 _H_PATH_BYTES = 8
 _H_VERSION_BYTES = 9
+_H_NAME_BYTES = 10
+_H_DTYPE = 11
+_H_NDIM = 12
+_H_DATA_BYTES = 13
+_H_LAYOUT = 14
+_H_WEIGHTS_FLAGS = 15
 
 FLAG_WANT_LOGPROBS = 1 << 0
 FLAG_WANT_MOE = 1 << 1
 FLAG_WANT_MTP = 1 << 2
 FLAG_HAS_LOSS_MASK = 1 << 3
 FLAG_HAS_TEMPERATURE = 1 << 4
+WEIGHTS_FLAG_PARTIAL = 1 << 0
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""Element types of a WEIGHTS_TENSOR payload, by header code."""
 
 
 class Command(enum.IntEnum):
@@ -80,6 +104,18 @@ class Command(enum.IntEnum):
     FORWARD = 1
     SHUTDOWN = 2
     RELOAD = 3
+    WEIGHTS_BEGIN = 4
+    WEIGHTS_TENSOR = 5
+    WEIGHTS_COMMIT = 6
+    WEIGHTS_ABORT = 7
+
+
+WEIGHT_COMMANDS = (
+    Command.WEIGHTS_BEGIN,
+    Command.WEIGHTS_TENSOR,
+    Command.WEIGHTS_COMMIT,
+    Command.WEIGHTS_ABORT,
+)
 
 
 class ProtocolError(RuntimeError):
@@ -92,12 +128,34 @@ class Extra(NamedTuple):
     Attributes:
         step: the step id rank 0 sent.
         path: RELOAD: checkpoint path ("" otherwise).
-        version: RELOAD: weights version ("" otherwise).
+        version: RELOAD, WEIGHTS_COMMIT: weights version ("" otherwise).
+        weights: WEIGHTS_*: the message (None otherwise).
     """
 
     step: int
     path: str = ""
     version: str = ""
+    weights: WeightsMessage | None = None
+
+
+class WeightsMessage(NamedTuple):
+    """One WEIGHTS_* message (rank 0 sends it with :func:`send_weights`).
+
+    Attributes:
+        names: WEIGHTS_BEGIN: name format code (``megascore.engine.weight_update``).
+        name: WEIGHTS_TENSOR: tensor name.
+        tensor: WEIGHTS_TENSOR: the full tensor (host, one of ``WEIGHT_DTYPES``).
+        layout: WEIGHTS_TENSOR: layout code of the name (``weight_update``).
+        version: WEIGHTS_COMMIT: the new weights version.
+        partial: WEIGHTS_COMMIT: only the tensors sent are replaced.
+    """
+
+    names: int = 0
+    name: str = ""
+    tensor: torch.Tensor | None = None
+    layout: int = 0
+    version: str = ""
+    partial: bool = False
 
 
 class Received(NamedTuple):
@@ -236,6 +294,96 @@ def send_command(
         _bcast(torch.from_numpy(payload).to(device), src, group)
 
 
+def send_weights(
+    command: Command,
+    message: WeightsMessage,
+    group: dist.ProcessGroup,
+    src: int,
+    *,
+    device: torch.device | str,
+    step: int = 0,
+) -> None:
+    """Rank ``src``: broadcasts one WEIGHTS_* message.
+
+    Args:
+        command: one of ``WEIGHT_COMMANDS``.
+        message: its fields (those of other commands are ignored).
+        group: the group of ranks that run the model (required).
+        src: global rank of the sender (this rank).
+        device: where the collective's tensors live.
+        step: step id for the workers' logs.
+
+    Raises:
+        ValueError: another command, or a tensor of a dtype not in ``WEIGHT_DTYPES``
+            (before any collective).
+    """
+    command = Command(command)
+    if command not in WEIGHT_COMMANDS:
+        raise ValueError(f"send {command.name} with send_batch / send_command")
+    slots: dict[int, int] = {}
+    payloads: list[torch.Tensor] = []
+    if command == Command.WEIGHTS_BEGIN:
+        slots[_H_LAYOUT] = message.names
+    elif command == Command.WEIGHTS_TENSOR:
+        tensor = message.tensor.contiguous()
+        if tensor.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"tensor {message.name!r}: dtype {tensor.dtype} cannot be sent")
+        name = message.name.encode("utf-8")
+        data = tensor.reshape(-1).view(torch.uint8)
+        slots.update(
+            {
+                _H_NAME_BYTES: len(name),
+                _H_DTYPE: WEIGHT_DTYPES.index(tensor.dtype),
+                _H_NDIM: tensor.dim(),
+                _H_DATA_BYTES: data.numel(),
+                _H_LAYOUT: message.layout,
+            }
+        )
+        if tensor.dim():
+            payloads.append(torch.tensor(tensor.shape, dtype=torch.int64))
+        payloads += [torch.frombuffer(bytearray(name), dtype=torch.uint8), data]
+    elif command == Command.WEIGHTS_COMMIT:
+        version = message.version.encode("utf-8")
+        slots[_H_VERSION_BYTES] = len(version)
+        slots[_H_WEIGHTS_FLAGS] = WEIGHTS_FLAG_PARTIAL if message.partial else 0
+        if version:
+            payloads.append(torch.frombuffer(bytearray(version), dtype=torch.uint8))
+    _bcast(_header(command, step, slots).to(device), src, group)
+    for payload in payloads:
+        _bcast(payload.to(device), src, group)
+
+
+def _recv_weights(command: Command, h: list[int], src, group, device) -> WeightsMessage:
+    """Workers: the payload of a WEIGHTS_* message whose header is ``h``."""
+    if command == Command.WEIGHTS_BEGIN:
+        return WeightsMessage(names=h[_H_LAYOUT])
+    if command == Command.WEIGHTS_ABORT:
+        return WeightsMessage()
+    if command == Command.WEIGHTS_COMMIT:
+        version = b""
+        if h[_H_VERSION_BYTES]:
+            payload = torch.empty(h[_H_VERSION_BYTES], dtype=torch.uint8, device=device)
+            _bcast(payload, src, group)
+            version = payload.cpu().numpy().tobytes()
+        partial = bool(h[_H_WEIGHTS_FLAGS] & WEIGHTS_FLAG_PARTIAL)
+        return WeightsMessage(version=version.decode("utf-8"), partial=partial)
+    if not 0 <= h[_H_DTYPE] < len(WEIGHT_DTYPES):
+        raise ProtocolError(f"unknown weight dtype code {h[_H_DTYPE]}")
+    shape: list[int] = []
+    if h[_H_NDIM]:
+        dims = torch.empty(h[_H_NDIM], dtype=torch.int64, device=device)
+        _bcast(dims, src, group)
+        shape = dims.cpu().tolist()
+    name = torch.empty(h[_H_NAME_BYTES], dtype=torch.uint8, device=device)
+    _bcast(name, src, group)
+    data = torch.empty(h[_H_DATA_BYTES], dtype=torch.uint8, device=device)
+    _bcast(data, src, group)
+    tensor = data.cpu().view(WEIGHT_DTYPES[h[_H_DTYPE]]).reshape(shape)
+    return WeightsMessage(
+        name=name.cpu().numpy().tobytes().decode("utf-8"), tensor=tensor, layout=h[_H_LAYOUT]
+    )
+
+
 def recv_command(
     group: dist.ProcessGroup,
     src: int,
@@ -268,11 +416,14 @@ def recv_command(
         command = Command(h[_H_COMMAND])
     except ValueError as e:
         raise ProtocolError(f"unknown command {h[_H_COMMAND]}") from e
-    if min(h[_H_NUM_TOKENS], h[_H_NUM_SEQUENCES], h[_H_PATH_BYTES], h[_H_VERSION_BYTES]) < 0:
+    if min(h[_H_NUM_TOKENS], h[_H_NUM_SEQUENCES], *h[_H_PATH_BYTES : _H_DATA_BYTES + 1]) < 0:
         raise ProtocolError(f"negative size in header {h}")
     extra = Extra(step=h[_H_STEP])
     if command == Command.SHUTDOWN:
         return Received(command, None, extra)
+    if command in WEIGHT_COMMANDS:
+        weights = _recv_weights(command, h, src, group, device)
+        return Received(command, None, extra._replace(version=weights.version, weights=weights))
     if command == Command.RELOAD:
         n_path, n_version = h[_H_PATH_BYTES], h[_H_VERSION_BYTES]
         raw = b""

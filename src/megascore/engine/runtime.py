@@ -57,6 +57,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,7 @@ from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.losses import loss_names
 from megascore.engine.served_model import LoadedModel, load_served_model
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status, finish_step, run_step
+from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
 from megascore.errors import (
     LOAD_FAILURES,
     CheckpointError,
@@ -75,7 +77,14 @@ from megascore.errors import (
     WorkerLostError,
 )
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
-from megascore.types import BatchLimits, ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
+from megascore.types import (
+    BatchLimits,
+    ModelInfo,
+    ParallelLayout,
+    ScoreBatch,
+    ScoreOutput,
+    WeightTarget,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +182,7 @@ class DistributedEngine:
             metrics_supported=engine_cfg.metrics_supported(is_moe),
         )
         self._step = 0
+        self._push: WeightStaging | None = None  # the open weight push's staged shards
         self._broken: str | None = None
         self._closed = False
         self._owns_default_group = False
@@ -373,6 +383,100 @@ class DistributedEngine:
         self._reload(model, version)
         return self.loaded.weights_version
 
+    # ---- weight pushes (megascore.engine.weight_update; rank 0) -------------------------------
+
+    def begin_weight_update(self, names: int) -> dict[str, WeightTarget]:
+        """Opens a push on every rank (dropping an unfinished one); returns its targets."""
+        self._require_driver("begin_weight_update")
+        message = protocol.WeightsMessage(names=names)
+        self._send_weights(protocol.Command.WEIGHTS_BEGIN, message)
+        return self._on_weights(protocol.Command.WEIGHTS_BEGIN, message)
+
+    def stage_weight(
+        self, name: str, dtype: str, shape: tuple[int, ...], data: bytes, layout: int
+    ) -> None:
+        """Broadcasts one full tensor of the open push; every rank stages its shards."""
+        self._require_driver("stage_weight")
+        torch_dtype = getattr(torch, dtype)
+        if len(data):
+            with warnings.catch_warnings():  # read-only bytes: only read (shards are copies)
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                tensor = torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
+        else:
+            tensor = torch.empty(shape, dtype=torch_dtype)
+        message = protocol.WeightsMessage(name=name, tensor=tensor, layout=layout)
+        self._send_weights(protocol.Command.WEIGHTS_TENSOR, message)
+        self._on_weights(protocol.Command.WEIGHTS_TENSOR, message)
+
+    def commit_weights(self, weights_version: str, partial: bool) -> str:
+        """Swaps the staged shards in on every rank, or raises CheckpointError (old kept)."""
+        self._require_driver("commit_weights")
+        message = protocol.WeightsMessage(version=weights_version, partial=partial)
+        self._send_weights(protocol.Command.WEIGHTS_COMMIT, message)
+        self._on_weights(protocol.Command.WEIGHTS_COMMIT, message)
+        return self.loaded.weights_version
+
+    def abort_weight_update(self) -> None:
+        """Drops the open push's staged shards on every rank."""
+        self._require_driver("abort_weight_update")
+        self._send_weights(protocol.Command.WEIGHTS_ABORT, protocol.WeightsMessage())
+        self._on_weights(protocol.Command.WEIGHTS_ABORT, protocol.WeightsMessage())
+
+    def _send_weights(self, command, message) -> None:
+        if self._broken is not None:
+            raise WorkerLostError(f"replica is broken: {self._broken}")
+        self._step += 1
+        try:
+            protocol.send_weights(command, message, self.command_group, _SRC, device="cpu")
+        except (RuntimeError, OSError) as e:
+            raise self._mark_broken(f"broadcasting {command.name} failed: {e}") from e
+
+    def _on_weights(self, command, message) -> dict[str, WeightTarget] | None:
+        """Every rank: one WEIGHTS_* message (BEGIN and COMMIT are collective); BEGIN
+        returns every rank's targets."""
+        if command == protocol.Command.WEIGHTS_BEGIN:
+            loaded, local = self.loaded, None
+            try:
+                self._push = WeightStaging(
+                    loaded.model, loaded.config, self.pg_collection, message.names
+                )
+                local = weight_targets(
+                    loaded.model, loaded.config, self.pg_collection, message.names
+                )
+            except Exception:  # noqa: BLE001 - every rank learns it through the gather
+                logger.exception("rank %d: listing the push's tensors failed", self.rank)
+                self._push = None
+            try:
+                return gather_targets(local, self.groups.status, loaded.config, message.names)
+            except RuntimeError as e:
+                raise self._mark_broken(f"weight push begin all-gather failed: {e}") from e
+        elif command == protocol.Command.WEIGHTS_ABORT:
+            self._push = None
+        elif self._push is None:
+            raise self._mark_broken(f"{command.name} without an open weight push")
+        elif command == protocol.Command.WEIGHTS_TENSOR:
+            self._push.add(message.name, message.tensor, message.layout)
+        else:
+            push, self._push = self._push, None
+            problem = push.problem(message.partial)
+            if push.model is not self.loaded.model:  # a LoadWeights swapped the model meanwhile
+                problem = "the served model was reloaded (LoadWeights) during the push: push again"
+            try:
+                failed = agree_on_status(problem is not None, self.groups.status)
+            except RuntimeError as e:
+                raise self._mark_broken(f"weight commit status all-reduce failed: {e}") from e
+            if failed:
+                reason = problem if problem is not None else "see the log of those ranks"
+                raise CheckpointError(f"weight push failed on ranks {failed}: {reason}")
+            changed = push.apply()
+            self.loaded.weights_version = message.version
+            logger.info(
+                "rank %d: %d pushed parameters swapped in; now serving %s",
+                self.rank,
+                changed,
+                message.version,
+            )
+
     def shutdown(self) -> None:
         """Tears down the replica's state on this rank.
 
@@ -415,6 +519,14 @@ class DistributedEngine:
                 logger.info("rank %d: SHUTDOWN", self.rank)
                 self._teardown()
                 return
+            if command in protocol.WEIGHT_COMMANDS:
+                try:
+                    self._on_weights(command, extra.weights)
+                except CheckpointError as e:
+                    logger.warning(
+                        "rank %d: weight push refused, old weights kept: %s", self.rank, e
+                    )
+                continue
             if command == protocol.Command.RELOAD:
                 try:
                     self._reload(extra.path, extra.version)

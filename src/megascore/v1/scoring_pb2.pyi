@@ -15,12 +15,25 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[Dtype]
     DTYPE_FLOAT64: _ClassVar[Dtype]
     DTYPE_UINT8: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+
+class WeightNames(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHT_NAMES_UNSPECIFIED: _ClassVar[WeightNames]
+    WEIGHT_NAMES_HF: _ClassVar[WeightNames]
+    WEIGHT_NAMES_MEGATRON: _ClassVar[WeightNames]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_INT32: Dtype
 DTYPE_INT64: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT64: Dtype
 DTYPE_UINT8: Dtype
+DTYPE_BFLOAT16: Dtype
+DTYPE_FLOAT16: Dtype
+WEIGHT_NAMES_UNSPECIFIED: WeightNames
+WEIGHT_NAMES_HF: WeightNames
+WEIGHT_NAMES_MEGATRON: WeightNames
 
 class Array(_message.Message):
     __slots__ = ("dtype", "data")
@@ -196,3 +209,55 @@ class LoadWeightsResponse(_message.Message):
     previous_weights_version: str
     load_ms: float
     def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., load_ms: _Optional[float] = ...) -> None: ...
+
+class UpdateWeightsBegin(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: WeightNames
+    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "shape", "data", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: Array
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[Array, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsCommit(_message.Message):
+    __slots__ = ("weights_version", "partial")
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    weights_version: str
+    partial: bool
+    def __init__(self, weights_version: _Optional[str] = ..., partial: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("begin", "chunk", "commit")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    begin: UpdateWeightsBegin
+    chunk: TensorChunk
+    commit: UpdateWeightsCommit
+    def __init__(self, begin: _Optional[_Union[UpdateWeightsBegin, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[UpdateWeightsCommit, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("weights_version", "previous_weights_version", "num_tensors", "num_bytes", "stream_ms", "swap_ms")
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_MS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_MS_FIELD_NUMBER: _ClassVar[int]
+    weights_version: str
+    previous_weights_version: str
+    num_tensors: int
+    num_bytes: int
+    stream_ms: float
+    swap_ms: float
+    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stream_ms: _Optional[float] = ..., swap_ms: _Optional[float] = ...) -> None: ...

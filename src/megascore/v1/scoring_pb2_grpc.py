@@ -55,6 +55,11 @@ class ScorerStub:
                 request_serializer=megascore_dot_v1_dot_scoring__pb2.LoadWeightsRequest.SerializeToString,
                 response_deserializer=megascore_dot_v1_dot_scoring__pb2.LoadWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.stream_unary(
+                '/megascore.v1.Scorer/UpdateWeights',
+                request_serializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class ScorerServicer:
@@ -91,6 +96,26 @@ class ScorerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request_iterator, context):
+        """Streams new weights (same architecture) from a trainer into the running
+        server, without a filesystem: one `begin`, the tensors as `chunk`s, one
+        `commit`. Every rank stages its own TP / EP shard of each tensor while
+        scoring goes on with the old weights; on the commit the ranks swap all
+        staged tensors at once, between engine steps: requests accepted before the
+        swap finish on the old weights, later ones run on the new. On any error
+        nothing changes (the old weights keep serving under their version):
+        INVALID_ARGUMENT for a malformed stream or a tensor whose name, shape or
+        dtype does not fit the model (the message names the tensor, and the
+        missing ones when a non-partial push does not cover the model); ABORTED
+        when another UpdateWeights is in progress, or when the stream ends
+        without a commit; CANCELLED / DEADLINE_EXCEEDED when the client breaks it
+        off; FAILED_PRECONDITION when some rank failed to stage, or a LoadWeights
+        replaced the model while the push was open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ScorerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +138,11 @@ def add_ScorerServicer_to_server(servicer, server):
                     servicer.LoadWeights,
                     request_deserializer=megascore_dot_v1_dot_scoring__pb2.LoadWeightsRequest.FromString,
                     response_serializer=megascore_dot_v1_dot_scoring__pb2.LoadWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +254,33 @@ class Scorer:
             '/megascore.v1.Scorer/LoadWeights',
             megascore_dot_v1_dot_scoring__pb2.LoadWeightsRequest.SerializeToString,
             megascore_dot_v1_dot_scoring__pb2.LoadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/megascore.v1.Scorer/UpdateWeights',
+            megascore_dot_v1_dot_scoring__pb2.UpdateWeightsRequest.SerializeToString,
+            megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 
 from megascore.distributed import broadcast_tensor, gather_cp_shards
-from megascore.engine.protocol import Command, recv_command, send_batch, send_command
+from megascore.engine.protocol import (
+    Command,
+    WeightsMessage,
+    recv_command,
+    send_batch,
+    send_command,
+    send_weights,
+)
 from megascore.packing import pack_sequences
 from megascore.types import ScoreBatch
 
@@ -188,8 +195,45 @@ def protocol_round_trip(rank, groups):
     _assert_same_batch(received[1].batch, _minimal_batch())
     command, batch, extra = received[2]
     assert batch is None and (extra.path, extra.version) == (path, version), extra
-    assert received[3].batch is None and received[3].extra[1:] == ("", "")
+    assert received[3].batch is None and received[3].extra[1:3] == ("", "")
     assert received[4].batch is None and received[4].extra.path == ""
+
+
+@check
+def weights_protocol_round_trip(rank, groups):
+    """A weight push's messages: tensors (bf16 bits, 0-d, empty) arrive as sent."""
+    group = groups["pair"]
+    bf16 = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16) / 7
+    tensors = [("model.embed_tokens.weight", bf16, 2), ("s", torch.tensor(2.5), 0)]
+    tensors.append(("empty", torch.empty(0, 3, dtype=torch.float16), 1))
+    W = WeightsMessage
+    if rank == 0:
+        expect_value_error(
+            lambda: send_weights(Command.RELOAD, W(), group, 0, device=CPU), "send_batch"
+        )
+        bad = W(name="ids", tensor=torch.arange(3))
+        expect_value_error(
+            lambda: send_weights(Command.WEIGHTS_TENSOR, bad, group, 0, device=CPU), "int64"
+        )
+        send_weights(Command.WEIGHTS_BEGIN, W(names=2), group, 0, device=CPU, step=1)
+        for name, tensor, layout in tensors:
+            message = W(name=name, tensor=tensor, layout=layout)
+            send_weights(Command.WEIGHTS_TENSOR, message, group, 0, device=CPU, step=2)
+        commit = W(version="v ✓", partial=True)
+        send_weights(Command.WEIGHTS_COMMIT, commit, group, 0, device=CPU, step=3)
+        send_weights(Command.WEIGHTS_ABORT, W(), group, 0, device=CPU, step=4)
+        return
+    got = [recv_command(group, 0, LOSS_REGISTRY, device=CPU) for _ in range(len(tensors) + 3)]
+    expected = [Command.WEIGHTS_BEGIN, *[Command.WEIGHTS_TENSOR] * len(tensors)]
+    assert [m.command for m in got] == [*expected, Command.WEIGHTS_COMMIT, Command.WEIGHTS_ABORT]
+    assert all(m.batch is None for m in got) and got[0].extra.weights.names == 2
+    for m, (name, tensor, layout) in zip(got[1:], tensors, strict=False):
+        w = m.extra.weights
+        assert (w.name, w.layout, w.tensor.dtype) == (name, layout, tensor.dtype), w
+        assert w.tensor.shape == tensor.shape and torch.equal(w.tensor, tensor), w
+    commit = got[-2].extra
+    assert commit.version == commit.weights.version == "v ✓" and commit.weights.partial
+    assert got[-1].extra.weights == W() and got[-1].extra.step == 4
 
 
 def main() -> int:

@@ -1,0 +1,317 @@
+"""Weight pushes (``UpdateWeights``): a trainer's named tensors into a running server.
+
+``client.push_weights(named_tensors, version=...)`` streams ``(name, tensor)``
+pairs as ``begin``, chunks under the message limit, ``commit``. A tensor is a
+numpy array, a torch tensor (torch is never imported here: a torch tensor is
+recognised by its type's module, so torch stays optional; bf16 travels as its raw
+2 bytes, numpy having no bf16), or a :class:`RawTensor` (raw bytes + dtype name,
+e.g. straight from a safetensors file: :func:`read_safetensors`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from megascore.v1 import scoring_pb2 as pb
+from megascore_client.errors import InvalidInputError
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "PUSH_TIMEOUT_S",
+    "ProgressBar",
+    "PushResult",
+    "RawTensor",
+    "add_cli_arguments",
+    "chunk_size",
+    "finish",
+    "push_requests",
+    "read_safetensors",
+    "run_cli",
+    "to_raw",
+    "total_bytes",
+]
+
+PUSH_TIMEOUT_S = 1800.0
+DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+_CHUNK_HEADROOM = 64 * 1024  # name, shape and framing around a chunk's bytes
+_DTYPES = {  # dtype name -> (proto Dtype, element bytes)
+    "float32": (pb.DTYPE_FLOAT32, 4),
+    "bfloat16": (pb.DTYPE_BFLOAT16, 2),
+    "float16": (pb.DTYPE_FLOAT16, 2),
+    "float64": (pb.DTYPE_FLOAT64, 8),
+}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_NAMES = {"hf": pb.WEIGHT_NAMES_HF, "megatron": pb.WEIGHT_NAMES_MEGATRON}
+
+Progress = Callable[[int, str], None]
+"""``progress(bytes_sent_so_far, tensor_name)``, called after each chunk is handed to gRPC."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RawTensor:
+    """A tensor as raw little-endian C-order bytes.
+
+    Attributes:
+        dtype: "float32", "bfloat16", "float16" or "float64".
+        shape: its shape.
+        data: ``prod(shape) x element size`` bytes (any buffer: bytes, memoryview, mmap).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: object
+
+
+@dataclasses.dataclass
+class PushResult:
+    """Outcome of a successful ``push_weights``.
+
+    Attributes:
+        weights_version: the version now serving.
+        previous_weights_version: the version served before.
+        num_tensors: tensors sent.
+        num_bytes: tensor bytes sent.
+        seconds: wall time of the call, client side (stream and swap).
+        bytes_per_s: ``num_bytes / seconds``.
+        server_stream_ms: the server's time from the first message to the commit.
+        server_swap_ms: the server's time for the swap.
+    """
+
+    weights_version: str
+    previous_weights_version: str
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    bytes_per_s: float
+    server_stream_ms: float
+    server_swap_ms: float
+
+    @classmethod
+    def from_proto(cls, msg: pb.UpdateWeightsResponse, seconds: float) -> PushResult:
+        return cls(
+            msg.weights_version,
+            msg.previous_weights_version,
+            msg.num_tensors,
+            msg.num_bytes,
+            seconds,
+            msg.num_bytes / seconds if seconds > 0 else 0.0,
+            msg.stream_ms,
+            msg.swap_ms,
+        )
+
+
+def to_raw(name: str, tensor) -> RawTensor:
+    """A numpy array, torch tensor or :class:`RawTensor` as raw bytes (no float conversion).
+
+    Raises:
+        InvalidInputError: another dtype, naming the tensor.
+    """
+    if isinstance(tensor, RawTensor):
+        raw = tensor
+    elif type(tensor).__module__.split(".")[0] == "torch":
+        raw = _torch_raw(tensor)
+    else:
+        arr = np.ascontiguousarray(tensor)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        raw = RawTensor(arr.dtype.name, arr.shape, arr.reshape(-1).view(np.uint8).data)
+    if raw.dtype not in _DTYPES:
+        raise InvalidInputError(
+            f"tensor {name!r}: dtype {raw.dtype} cannot be pushed (one of {sorted(_DTYPES)})"
+        )
+    size = math.prod(raw.shape) * _DTYPES[raw.dtype][1]
+    if memoryview(raw.data).nbytes != size:
+        raise InvalidInputError(
+            f"tensor {name!r}: {memoryview(raw.data).nbytes} bytes for shape {list(raw.shape)}"
+            f" in {raw.dtype} ({size} expected)"
+        )
+    return raw
+
+
+def _torch_raw(tensor) -> RawTensor:
+    """A torch tensor's bytes; torch is already imported (the tensor exists)."""
+    import torch
+
+    t = tensor.detach().to("cpu").contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    flat = t.reshape(-1)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        data = flat.view(torch.int16).numpy().view(np.uint8).data
+    else:
+        data = flat.numpy().view(np.uint8).data
+    return RawTensor(dtype, tuple(t.shape), data)
+
+
+def push_requests(
+    named_tensors: Iterable[tuple[str, object]],
+    *,
+    names: str,
+    version: str,
+    partial: bool,
+    chunk_bytes: int,
+    progress: Progress | None,
+    counters: dict,
+) -> Iterator[pb.UpdateWeightsRequest]:
+    """The messages of one push (``counters`` gets ``tensors`` and ``bytes`` sent).
+
+    An exception while producing them (a tensor that cannot be pushed, the caller's
+    iterable failing) ends the stream without a commit, so that the server drops what
+    it staged, and is stored in ``counters["error"]`` for the caller to raise.
+    """
+    try:
+        yield from _requests(
+            named_tensors, names, version, partial, chunk_bytes, progress, counters
+        )
+    except Exception as exc:  # noqa: BLE001 - raised by the caller after the call ends
+        counters["error"] = exc
+
+
+def _requests(named_tensors, names, version, partial, chunk_bytes, progress, counters):
+    if names not in _NAMES:
+        raise InvalidInputError(f"names must be one of {sorted(_NAMES)}, got {names!r}")
+    yield pb.UpdateWeightsRequest(begin=pb.UpdateWeightsBegin(names=_NAMES[names]))
+    sent = 0
+    for name, tensor in named_tensors:
+        raw = to_raw(name, tensor)
+        view = memoryview(raw.data).cast("B")
+        dtype = _DTYPES[raw.dtype][0]
+        offset = 0
+        while True:
+            piece = view[offset : offset + chunk_bytes]
+            chunk = pb.TensorChunk(
+                name=name,
+                shape=raw.shape,
+                data=pb.Array(dtype=dtype, data=piece.tobytes()),
+                offset=offset,
+            )
+            yield pb.UpdateWeightsRequest(chunk=chunk)
+            offset += len(piece)
+            sent += len(piece)
+            if progress is not None:
+                progress(sent, name)
+            if offset >= len(view):
+                break
+        counters["tensors"] = counters.get("tensors", 0) + 1
+        counters["bytes"] = sent
+    commit = pb.UpdateWeightsCommit(weights_version=version, partial=partial)
+    yield pb.UpdateWeightsRequest(commit=commit)
+
+
+def chunk_size(chunk_bytes: int | None, message_limit: int) -> int:
+    """Bytes of tensor data per message: ``chunk_bytes`` or the default, under the limit."""
+    limit = max(1, message_limit - _CHUNK_HEADROOM)
+    return max(1, min(chunk_bytes or DEFAULT_CHUNK_BYTES, limit))
+
+
+def read_safetensors(path: str | Path) -> Iterator[tuple[str, RawTensor]]:
+    """``(name, RawTensor)`` of every float tensor in a ``.safetensors`` file or a directory
+    of them (sorted by file name), read straight from the file (no torch, bf16 kept)."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise InvalidInputError(f"{path}: no .safetensors file")
+    for file in files:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            base = 8 + size
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+                if dtype is None:
+                    raise InvalidInputError(f"{file}: tensor {name!r} has dtype {meta['dtype']}")
+                start, stop = meta["data_offsets"]
+                f.seek(base + start)
+                yield name, RawTensor(dtype, tuple(meta["shape"]), f.read(stop - start))
+
+
+def total_bytes(path: str | Path) -> int:
+    """Tensor bytes of a safetensors file or directory (for a progress bar)."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(
+            m["data_offsets"][1] - m["data_offsets"][0]
+            for n, m in header.items()
+            if n != "__metadata__"
+        )
+    return total
+
+
+def finish(response_or_error, counters: dict, start: float) -> PushResult:
+    """The call's result, or the error to raise: the requests' own error first."""
+    if "error" in counters:
+        raise counters["error"]
+    if isinstance(response_or_error, Exception):
+        raise response_or_error
+    return PushResult.from_proto(response_or_error, time.perf_counter() - start)
+
+
+class ProgressBar:
+    """``progress`` callback drawing ``[####....]  45%  123.4/274.0 MB  56.7 MB/s`` on a
+    terminal stream (one line, redrawn at most every ``interval`` seconds)."""
+
+    def __init__(self, total: int, stream, interval: float = 0.2, width: int = 30):
+        self.total, self.stream, self.interval, self.width = max(total, 1), stream, interval, width
+        self.start = time.perf_counter()
+        self._drawn = 0.0
+
+    def __call__(self, sent: int, name: str) -> None:
+        now = time.perf_counter()
+        if now - self._drawn < self.interval and sent < self.total:
+            return
+        self._drawn = now
+        frac = min(sent / self.total, 1.0)
+        rate = sent / max(now - self.start, 1e-9)
+        bar = "#" * int(frac * self.width)
+        self.stream.write(
+            f"\r[{bar:<{self.width}}] {frac:4.0%}  {sent / 1e6:.1f}/{self.total / 1e6:.1f} MB"
+            f"  {rate / 1e6:.1f} MB/s  {name[-40:]:<40}"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def run_cli(args, client) -> int:
+    """``megascore push-weights PATH``: pushes a safetensors file / directory's tensors."""
+    import sys
+
+    bar = None if args.no_progress else ProgressBar(total_bytes(args.path), sys.stderr)
+    try:
+        result = client.push_weights(
+            read_safetensors(args.path),
+            version=args.weights_version,
+            names=args.names,
+            partial=args.partial,
+            progress=bar,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    print(json.dumps(dataclasses.asdict(result)))
+    return 0
+
+
+def add_cli_arguments(parser) -> None:
+    """Arguments of ``megascore push-weights``."""
+    parser.add_argument("path", help="a .safetensors file or a directory of them (client side)")
+    parser.add_argument("--weights-version", default="", help="version label ('' = generated)")
+    parser.add_argument("--names", choices=sorted(_NAMES), default="hf", help="tensor names")
+    parser.add_argument("--partial", action="store_true", help="update only the tensors sent")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

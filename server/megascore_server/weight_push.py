@@ -1,0 +1,322 @@
+"""``UpdateWeights``: a client stream of named tensors, staged on every rank, swapped at once.
+
+Torch-free. The stream is ``begin``, the tensors as ``chunk``s, then ``commit``
+(``protos/megascore/v1/scoring.proto``). :class:`PushSession` checks every chunk
+against the targets the engine listed at ``begin`` (name, full shape, float
+dtype, byte offsets, one expert layout) and reassembles each tensor; each
+complete tensor goes to the engine thread (``DynamicBatcher.run_on_engine``),
+where every rank stages its shard while the batcher keeps scoring on the old
+weights (tensors stage while the next ones arrive). The commit is a batcher
+barrier (``DynamicBatcher.swap_weights``). Anything else — a bad chunk, a
+stream that ends without commit or is cancelled, a rank that cannot commit —
+drops the staged tensors on every rank and leaves the old weights serving.
+
+One push at a time per server: a second one is refused with
+:class:`~megascore.errors.ConflictError` (ABORTED) until the first has ended
+(and its staged tensors were dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import re
+import time
+import uuid
+
+from megascore.errors import ConflictError, InvalidRequestError
+from megascore.types import (
+    LAYOUT_COMMON,
+    LAYOUT_PER_EXPERT,
+    WEIGHT_NAMES_HF,
+    WEIGHT_NAMES_MEGATRON,
+    ModelInfo,
+    WeightTarget,
+)
+from megascore.v1 import scoring_pb2 as pb
+from megascore_server.batcher import DynamicBatcher
+from megascore_server.status import quoted
+from megascore_server.validation import MAX_ID_CHARS
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {  # proto Dtype -> (engine dtype name, element bytes)
+    pb.DTYPE_FLOAT32: ("float32", 4),
+    pb.DTYPE_BFLOAT16: ("bfloat16", 2),
+    pb.DTYPE_FLOAT16: ("float16", 2),
+    pb.DTYPE_FLOAT64: ("float64", 8),
+}
+_NAMES = {pb.WEIGHT_NAMES_HF: WEIGHT_NAMES_HF, pb.WEIGHT_NAMES_MEGATRON: WEIGHT_NAMES_MEGATRON}
+STAGING_BYTES = 256 * 1024 * 1024
+"""Tensor bytes received and waiting for the engine thread to stage them, at most (one
+tensor of any size may always wait)."""
+_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq")  # buffers of older transformers
+_LAYOUT_NAMES = {1: "per-expert (block_sparse_moe.experts.E.*)", 2: "fused (mlp.experts.*)"}
+
+
+def new_weights_version() -> str:
+    """A generated version label: ``push-`` + 12 hex digits."""
+    return "push-" + uuid.uuid4().hex[:12]
+
+
+class _Tensor:
+    """A tensor being reassembled from its chunks."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: int, layout: int, ignored: bool):
+        self.name, self.shape, self.dtype, self.layout = name, shape, dtype, layout
+        self.ignored = ignored  # received and checked, not staged
+        self.total = math.prod(shape) * _DTYPES[dtype][1]
+        self.data: bytes | bytearray = b""  # one chunk's bytes as they came, else assembled
+        self.received = 0
+
+    def put(self, data: bytes) -> None:
+        if self.received == 0 and len(data) == self.total:
+            self.data = data  # the whole tensor in one message: no copy
+        else:
+            if not self.data:
+                self.data = bytearray(self.total)
+            self.data[self.received : self.received + len(data)] = data
+        self.received += len(data)
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.total
+
+
+class PushSession:
+    """Checks and reassembles the chunks of one push (rank 0, no engine calls).
+
+    Args:
+        targets: every tensor name the push may carry (``Engine.begin_weight_update``).
+        names: the name format, for messages.
+    """
+
+    def __init__(self, targets: dict[str, WeightTarget], names: int):
+        self.targets = targets
+        self.names = "HF" if names == WEIGHT_NAMES_HF else "Megatron"
+        self.received: set[str] = set()
+        self.layout = LAYOUT_COMMON  # the expert layout, once a tensor fixed it
+        self.num_bytes = 0
+        self._open: _Tensor | None = None
+
+    def add(self, chunk: pb.TensorChunk, index: int) -> _Tensor | None:
+        """Adds one chunk (message ``index`` of the stream); returns the tensor it completes.
+
+        Raises:
+            InvalidRequestError: naming the tensor, for a name / shape / dtype the model
+                does not have, a tensor sent twice, or chunks out of order.
+        """
+        name, shape = chunk.name, tuple(chunk.shape)
+        where = f"message {index}, tensor {quoted(name)}"
+        current = self._open
+        if current is not None and name != current.name:
+            raise InvalidRequestError(
+                f"{where}: tensor {current.name!r} got {current.received} of its "
+                f"{current.total} bytes before the next tensor began"
+            )
+        if current is None:
+            current = self._start(name, shape, chunk.data.dtype, where)
+        elif shape != current.shape or chunk.data.dtype != current.dtype:
+            raise InvalidRequestError(f"{where}: shape or dtype changed between its chunks")
+        data = chunk.data.data
+        if chunk.offset != current.received:
+            raise InvalidRequestError(
+                f"{where}: chunk offset {chunk.offset}, expected {current.received}"
+            )
+        if current.received + len(data) > current.total:
+            raise InvalidRequestError(
+                f"{where}: more than the {current.total} bytes of shape {list(shape)} "
+                f"in {pb.Dtype.Name(current.dtype)}"
+            )
+        current.put(data)
+        self.num_bytes += len(data)
+        if not current.complete:
+            self._open = current
+            return None
+        self._open = None
+        self.received.add(name)
+        return current
+
+    def _start(self, name: str, shape: tuple[int, ...], dtype: int, where: str) -> _Tensor:
+        target = self.targets.get(name)
+        if target is None and self.names == "HF" and _IGNORED_HF.fullmatch(name):
+            target = WeightTarget(shape, ignored=True)
+        if not name or target is None:
+            raise InvalidRequestError(
+                f"{where}: not a tensor of the served model ({self.names} names)"
+            )
+        if name in self.received:
+            raise InvalidRequestError(f"{where}: sent twice in one push")
+        if shape != target.shape:
+            raise InvalidRequestError(
+                f"{where}: shape {list(shape)}, the served model's is {list(target.shape)}"
+            )
+        if dtype not in _DTYPES:
+            got = pb.Dtype.Name(dtype) if dtype in pb.Dtype.values() else dtype
+            allowed = ", ".join(pb.Dtype.Name(d) for d in _DTYPES)
+            raise InvalidRequestError(f"{where}: dtype {got} not accepted ({allowed})")
+        if target.layout != LAYOUT_COMMON:
+            if self.layout not in (LAYOUT_COMMON, target.layout):
+                raise InvalidRequestError(
+                    f"{where}: a {_LAYOUT_NAMES[target.layout]} expert tensor in a push that "
+                    f"sent {_LAYOUT_NAMES[self.layout]} ones"
+                )
+            self.layout = target.layout
+        return _Tensor(name, shape, dtype, target.layout, target.ignored)
+
+    def check_complete(self, partial: bool) -> None:
+        """Raises InvalidRequestError when a tensor is half sent, or, unless ``partial``,
+        when some tensor of the model was not sent (naming them)."""
+        if self._open is not None:
+            raise InvalidRequestError(
+                f"commit: tensor {self._open.name!r} got {self._open.received} of its "
+                f"{self._open.total} bytes"
+            )
+        if partial:
+            return
+        layout = LAYOUT_PER_EXPERT if self.layout == LAYOUT_COMMON else self.layout
+        missing = sorted(
+            name
+            for name, target in self.targets.items()
+            if not target.ignored
+            and target.layout in (LAYOUT_COMMON, layout)
+            and name not in self.received
+        )
+        if missing:
+            raise InvalidRequestError(
+                f"commit: {len(missing)} tensors of the model were not sent, e.g. "
+                f"{missing[:4]}; set commit.partial to update only those sent"
+            )
+
+
+class WeightPusher:
+    """Runs UpdateWeights streams against the batcher's engine, one at a time."""
+
+    def __init__(self):
+        self._busy = False
+
+    async def push(
+        self, requests, batcher: DynamicBatcher
+    ) -> tuple[pb.UpdateWeightsResponse, ModelInfo]:
+        """Consumes one UpdateWeights stream; returns the response and the model info after.
+
+        Raises:
+            ConflictError: another push is in progress, or the stream ended without commit.
+            InvalidRequestError: a malformed stream or a tensor that does not fit.
+            CheckpointError: some rank could not commit (nothing changed).
+        """
+        if self._busy:
+            raise ConflictError(
+                "another UpdateWeights is in progress on this server; retry when it ends"
+            )
+        self._busy = True
+        opened = settled = False  # settled: the engine no longer holds this push's tensors
+        release = True
+        try:
+            start = time.monotonic()
+            iterator = aiter(requests)
+            first = await anext(iterator, None)
+            if first is None or first.WhichOneof("step") != "begin":
+                raise InvalidRequestError("message 0: an UpdateWeights stream starts with begin")
+            names = _NAMES.get(first.begin.names)
+            if names is None:
+                raise InvalidRequestError("begin.names: WEIGHT_NAMES_HF or WEIGHT_NAMES_MEGATRON")
+            opened = True
+            targets = await batcher.run_on_engine(lambda e: e.begin_weight_update(names))
+            session = PushSession(targets, names)
+            commit = await self._stage_all(iterator, session, batcher)
+            session.check_complete(commit.partial)
+            if len(commit.weights_version) > MAX_ID_CHARS:
+                raise InvalidRequestError(
+                    f"commit.weights_version: {len(commit.weights_version)} characters, more "
+                    f"than {MAX_ID_CHARS} ({quoted(commit.weights_version)})"
+                )
+            stream_ms = (time.monotonic() - start) * 1e3
+            version = commit.weights_version or new_weights_version()
+            settled = True  # the commit drops the staged tensors on every rank, ok or not
+            new, previous, info = await batcher.swap_weights(
+                lambda e: e.commit_weights(version, commit.partial)
+            )
+            swap_ms = (time.monotonic() - start) * 1e3 - stream_ms
+        except asyncio.CancelledError:
+            if opened and not settled:  # the next push may start once every rank dropped it
+                release = False
+                aborting = asyncio.ensure_future(self._abort(batcher))
+                aborting.add_done_callback(lambda _: setattr(self, "_busy", False))
+            raise
+        except BaseException:
+            if opened and not settled:  # dropped before the error is answered: a retry works
+                await self._abort(batcher)
+            raise
+        finally:
+            if release:
+                self._busy = False
+        logger.info(
+            "weights %r -> %r pushed: %d tensors, %d bytes in %.0f ms (+%.0f ms swap)",
+            previous,
+            new,
+            len(session.received),
+            session.num_bytes,
+            stream_ms,
+            swap_ms,
+        )
+        response = pb.UpdateWeightsResponse(
+            weights_version=new,
+            previous_weights_version=previous,
+            num_tensors=len(session.received),
+            num_bytes=session.num_bytes,
+            stream_ms=stream_ms,
+            swap_ms=swap_ms,
+        )
+        return response, info
+
+    async def _stage_all(self, iterator, session: PushSession, batcher: DynamicBatcher):
+        """Reads chunks up to the commit, staging each complete tensor on the engine thread
+        while the next ones arrive (at most ``STAGING_BYTES`` of tensors waiting there)."""
+        staging: collections.deque[tuple[asyncio.Future, int]] = collections.deque()
+        index = 0
+        try:
+            async for message in iterator:
+                index += 1
+                kind = message.WhichOneof("step")
+                if kind == "commit":
+                    while staging:
+                        await staging[0][0]
+                        staging.popleft()
+                    return message.commit
+                if kind != "chunk":
+                    raise InvalidRequestError(f"message {index}: {kind} inside a push")
+                tensor = session.add(message.chunk, index)
+                if tensor is None or tensor.ignored:
+                    continue
+                while staging and sum(n for _, n in staging) + tensor.total > STAGING_BYTES:
+                    await staging[0][0]
+                    staging.popleft()
+                future = asyncio.ensure_future(batcher.run_on_engine(_stage_call(tensor)))
+                staging.append((future, tensor.total))
+            raise ConflictError(
+                f"the stream ended after {index + 1} messages without a commit; "
+                "nothing changed (the old weights keep serving)"
+            )
+        finally:  # on an error: the abort, queued after these on the engine thread, follows
+            for future, _ in staging:
+                future.add_done_callback(_retrieve)
+
+    @staticmethod
+    async def _abort(batcher: DynamicBatcher) -> None:
+        try:
+            await batcher.run_on_engine(lambda e: e.abort_weight_update())
+        except Exception as exc:  # noqa: BLE001 - the batcher reports a lost engine itself
+            logger.warning("dropping an unfinished weight push failed: %s", exc)
+
+
+def _stage_call(tensor: _Tensor):
+    dtype = _DTYPES[tensor.dtype][0]
+    return lambda e: e.stage_weight(tensor.name, dtype, tensor.shape, tensor.data, tensor.layout)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
