@@ -12,24 +12,39 @@ step) on the built-in tiny model:
 
 Under ``torchrun`` (PP=2 on 2 ranks, ``-m megascore_server.main``): the same numbers,
 and a SIGTERM drains both stages.
+
+The other layouts, one ``--nproc 4`` server each (:class:`ServerPool`: started ahead,
+stopped with SIGTERM after their test, exit 0, no process left), 3 microbatches per
+step, the sample cases (top-k, a loss mask, temperatures; several split into 2-3
+microbatches):
+
+* PP=2 x CP=2 on ``tiny`` and PP=4 on ``tiny-deep`` (5 layers: 2 + 1 + 1 + 1) equal
+  the engine built in this process at PP=1 (logprobs, top-k, losses <= 1e-5);
+* PP=2 x EP=2 on ``tiny-moe`` (MTP on the last stage), MoE and MTP metrics requested,
+  equals a ``--nproc 1`` server with the same ``--pipeline-microbatches`` (metrics are
+  Megatron's mean over microbatches): logprobs, top-k, losses and every metric <= 1e-5.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
 
 import pytest
 
+from megascore.engine.pipeline import split_microbatches
 from megascore_client import ScoringClient, ScoringError
 from tests.e2e.reference import (
+    ATOL,
+    WEIGHTS,
     assert_result_matches_output,
-    assert_top_k_close,
+    assert_results_equal,
     engine_outputs,
-    split,
 )
 from tests.e2e.serve import assert_not_serving
+from tests.e2e.server_pool import ServerPool, ServerSpec, module_plan
 
 PP2_TP2 = (
     "--model",
@@ -47,6 +62,34 @@ PP2_TP2 = (
     "--grace-s",
     "5",
 )
+MICROBATCHES = 3
+STEP = ("--pipeline-microbatches", str(MICROBATCHES))
+# layout -> (model, pp, cp, ep, one-rank reference: an in-process engine model or a server)
+LAYOUTS = {
+    "pp2_ep2": ("tiny-moe", 2, 1, 2, "moe_ref"),
+    "pp2_cp2": ("tiny", 2, 2, 1, "tiny"),
+    "pp4": ("tiny-deep", 4, 1, 1, "tiny-deep"),
+}
+SERVERS = {
+    **{
+        name: ServerSpec(model, 4, ("--pp", str(pp), "--cp", str(cp), "--ep", str(ep), *STEP))
+        for name, (model, pp, cp, ep, _) in LAYOUTS.items()
+    },
+    "moe_ref": ServerSpec("tiny-moe", 1, STEP),
+}
+METRICS = ("moe", "mtp")
+MOE_METRICS = {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"}
+MTP_METRICS = {"mtp_1_loss", "mtp_1_acceptance_rate"}
+
+
+def assert_matches_engine(result, case, out) -> None:
+    """:func:`assert_result_matches_output` for any model: the same weights, the same numbers."""
+    assert result.weights_version == out.weights_version
+    assert_result_matches_output(
+        dataclasses.replace(result, weights_version=WEIGHTS),
+        case,
+        dataclasses.replace(out, weights_version=WEIGHTS),
+    )
 
 
 @pytest.mark.timeout(600)
@@ -70,12 +113,7 @@ def test_pp2_tp2_server(serve, cases, engine_reference):
         want = engine_outputs([case.batch()], model="builtin:tiny@7")[0]
         got = case.score(client)
         assert got.weights_version == "builtin:tiny@7"
-        lengths = [len(s) for s in case.sequences]
-        for i, lp in enumerate(split(want.logprobs, lengths)):
-            assert abs(got.logprobs[i] - lp).max() <= 1e-5
-        ids, lps = split(want.top_k_ids, lengths), split(want.top_k_logprobs, lengths)
-        for i in range(len(lengths)):
-            assert_top_k_close(got.top_k_ids[i], got.top_k_logprobs[i], ids[i], lps[i], 1e-5)
+        assert_matches_engine(got, case, want)
 
         # rank 2 is rank 0's peer on the last stage; stopped, it never takes the next step
         ranks = server.rank_pids()
@@ -106,3 +144,76 @@ def test_pp2_under_torchrun_drains_both_stages(serve, cases, engine_reference):
     assert "rank 1: SHUTDOWN received, exiting" in log, log
     assert code in (0, 1, -signal.SIGTERM), (code, log)
     assert not server.leftovers(), "processes left behind"
+
+
+def metrics_of(reference: str, case) -> dict:
+    """The MoE layout asks for its metrics, except on a batch of length-1 sequences only: it
+    has no MTP position, and Megatron's aux losses of the MTP layer's router are then 0 / 0
+    (NaN, also at one rank)."""
+    wanted = reference == "moe_ref" and max(map(len, case.sequences)) > 1
+    return {"metrics": METRICS} if wanted else {}
+
+
+@pytest.fixture(scope="module")
+def pool(request, tmp_path_factory):
+    plan = module_plan(request)
+    if "pp2_ep2" in plan:  # its reference starts with it (4 + 1 ranks)
+        plan.insert(plan.index("pp2_ep2") + 1, "moe_ref")
+    servers = ServerPool(tmp_path_factory.mktemp("serve-pipeline"), SERVERS, plan)
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture
+def server(pool, config):
+    yield pool.get(config)
+    pool.done(config)
+
+
+def test_sample_cases_split_into_microbatches(cases):
+    counts = [
+        len(split_microbatches(case.batch().lengths, pad, MICROBATCHES)[0])
+        for case in cases
+        for pad in (1, 4)  # EP / PP alone; CP=2 pads each sequence to 2 x cp
+    ]
+    assert max(counts) == MICROBATCHES and 2 in counts, counts
+    assert any(c.top_k for c in cases) and any(c.loss_mask for c in cases)
+    assert {c.temperature for c in cases} != {1.0}
+
+
+@pytest.mark.timeout(900)  # waits for the start-up of four ranks (and the reference)
+@pytest.mark.parametrize("config", LAYOUTS)
+def test_pipeline_layout_matches_one_rank(server, config, pool, cases, engine_reference):
+    model, pp, cp, ep, reference = LAYOUTS[config]
+    with ScoringClient(server.target, timeout=120, retries=None) as client:
+        parallel = client.model_info().parallel
+        results = [case.score(client, **metrics_of(reference, case)) for case in cases]
+    assert parallel.world_size == 4 and parallel.pipeline_model_parallel_size == pp
+    assert parallel.context_parallel_size == cp and parallel.expert_model_parallel_size == ep
+
+    if reference == "moe_ref":
+        with ScoringClient(pool.get(reference).target, timeout=120, retries=None) as client:
+            refs = [case.score(client, **metrics_of(reference, case)) for case in cases]
+        pool.done(reference)
+        for case, got, ref in zip(cases, results, refs, strict=True):
+            assert got.weights_version == ref.weights_version == "builtin:tiny-moe@1234"
+            assert_results_equal(got, ref, atol=ATOL)
+            if not metrics_of(reference, case):
+                continue
+            assert set(ref.moe_metrics) == set(got.moe_metrics) == MOE_METRICS, got.moe_metrics
+            assert set(ref.mtp_metrics) == set(got.mtp_metrics) == MTP_METRICS, got.mtp_metrics
+            assert ref.moe_metrics["load_balancing_loss"] > 0, ref.moe_metrics
+            for name, value in {**ref.moe_metrics, **ref.mtp_metrics}.items():
+                got_value = {**got.moe_metrics, **got.mtp_metrics}[name]
+                assert abs(got_value - value) <= ATOL, (case, name, got_value, value)
+        return
+    outs = (
+        engine_reference
+        if reference == "tiny"
+        else engine_outputs([case.batch() for case in cases], model=reference)
+    )
+    for case, got, out in zip(cases, results, outs, strict=True):
+        assert got.weights_version == f"builtin:{model}@1234"
+        assert_matches_engine(got, case, out)
