@@ -315,3 +315,17 @@ def test_loss_mask_override_reaches_mtp(pgs):
     assert none.mtp_metrics == {"mtp_1_loss": 0.0, "mtp_1_acceptance_rate": 0.0}
     default = forward_packed(model, packed, want_mtp_metrics=True)
     assert default.mtp_metrics["mtp_1_loss"] > 0
+
+
+def test_moe_metrics_of_length_one_sequences_are_finite(pgs):
+    """No position of a length-1 sequence has a next token: the MTP layer's router sees
+    no real token and contributes 0 (not 0 / 0) to the mean over layers."""
+    model = _build(pgs, builtin_model("tiny-moe"))
+    single = forward_packed(
+        model, pack_rows(*_batch([1, 1], 512, seed=3)), want_moe_metrics=True
+    ).moe_metrics
+    assert all(math.isfinite(v) for v in single.values()), single
+    longer = forward_packed(
+        model, pack_rows(*_batch([1, 4], 512, seed=3)), want_moe_metrics=True
+    ).moe_metrics
+    assert all(math.isfinite(v) for v in longer.values()) and longer != single

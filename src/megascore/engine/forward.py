@@ -392,6 +392,10 @@ def forward_microbatch(
 
 def _read_moe_metrics(model, names: list[str], loss_scale: float) -> dict[str, float]:
     cfg = model.config
+    # A router that saw no real token (an MTP layer of a step whose sequences all have
+    # length 1: no position has a next token) records 0 / 0; it contributes 0 instead.
+    for entry in get_moe_metrics_tracker().metrics.values():
+        torch.nan_to_num_(entry.values, nan=0.0)
     writer = _ScalarCollector()
     get_moe_metrics_tracker().report(
         loss_scale=loss_scale,
