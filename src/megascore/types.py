@@ -17,6 +17,76 @@ from megascore.errors import InvalidRequestError
 
 
 @dataclasses.dataclass(frozen=True)
+class RoutingShape:
+    """What a MoE routing array of the served model looks like (``megascore.engine.routing``).
+
+    A routing holds, for every token, for every MoE layer of the decoder in order, the
+    ``topk`` expert ids the router chose: integer ``[T, num_moe_layers, topk]``.
+
+    Attributes:
+        num_moe_layers: MoE layers of the decoder (``L``).
+        topk: experts per token and layer (``k``).
+        num_experts: routed experts; ids are in ``[0, num_experts)``.
+    """
+
+    num_moe_layers: int
+    topk: int
+    num_experts: int
+
+    def check(self, routing: np.ndarray, lengths: np.ndarray, field: str = "routing") -> None:
+        """Checks a routing given for sequences of ``lengths``.
+
+        Args:
+            routing: ``[T, L, k]`` expert ids in the flat token layout.
+            lengths: int64 ``[B]`` sequence lengths (``T = lengths.sum()``).
+            field: the name used in messages.
+
+        Raises:
+            InvalidRequestError: naming ``field`` (and the first offending sequence):
+                another shape, non-integer values, ids outside ``[0, num_experts)``, or
+                an expert twice in one token's layer.
+        """
+        bounds = layout.offsets(lengths)
+        want = (int(bounds[-1]), self.num_moe_layers, self.topk)
+        if np.shape(routing) != want:
+            raise InvalidRequestError(
+                f"{field}: shape must be [num_tokens, num_moe_layers, topk] = {list(want)}, "
+                f"got {list(np.shape(routing))}"
+            )
+        if not np.issubdtype(routing.dtype, np.integer):
+            raise InvalidRequestError(f"{field}: expert ids must be integers, got {routing.dtype}")
+        bad = np.flatnonzero(((routing < 0) | (routing >= self.num_experts)).any(axis=(1, 2)))
+        if bad.size:
+            raise InvalidRequestError(
+                f"{field}: sequence {layout.sequence_at(bounds, int(bad[0]))}: expert ids "
+                f"must be in [0, {self.num_experts})"
+            )
+        ordered = np.sort(routing, axis=-1)
+        dup = np.flatnonzero((ordered[..., 1:] == ordered[..., :-1]).any(axis=(1, 2)))
+        if dup.size:
+            raise InvalidRequestError(
+                f"{field}: sequence {layout.sequence_at(bounds, int(dup[0]))}: the {self.topk} "
+                "expert ids of a token in one layer must be distinct"
+            )
+
+
+def check_routing_request(batch: ScoreBatch, routing: RoutingShape | None) -> None:
+    """Checks a batch's ``want_routing`` / ``routing`` against the model's routing shape.
+
+    Raises:
+        InvalidRequestError: routing asked of a model without MoE routing (naming the
+            field), or a routing that does not fit (:meth:`RoutingShape.check`).
+    """
+    if not batch.want_routing and batch.routing is None:
+        return
+    field = "routing" if batch.routing is not None else "options.return_routing"
+    if routing is None:
+        raise InvalidRequestError(f"{field}: the served model has no MoE layers to route")
+    if batch.routing is not None:
+        routing.check(np.asarray(batch.routing), np.asarray(batch.lengths))
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchLimits:
     """What an engine accepts in one batch (:meth:`ScoreBatch.check`).
 
@@ -27,6 +97,7 @@ class BatchLimits:
         loss_names: the losses the engine computes.
         metrics_supported: whether MoE / MTP metrics can be computed in this layout
             (:meth:`megascore.config.EngineConfig.metrics_supported`).
+        routing: the model's MoE routing shape; None for a model without MoE layers.
     """
 
     vocab_size: int
@@ -34,6 +105,7 @@ class BatchLimits:
     max_top_k: int
     loss_names: tuple[str, ...]
     metrics_supported: bool = True
+    routing: RoutingShape | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +123,9 @@ class ScoreBatch:
         want_logprobs: whether per-token logprobs are needed in the output.
         want_moe_metrics: whether to compute MoE router metrics.
         want_mtp_metrics: whether to compute MTP metrics.
+        want_routing: whether to return the MoE routing (``ScoreOutput.routing``).
+        routing: integer ``[T, num_moe_layers, topk]`` expert ids to replay instead of
+            routing (:class:`RoutingShape`, ``megascore.engine.routing``), or None to route.
     """
 
     token_ids: np.ndarray
@@ -62,6 +137,8 @@ class ScoreBatch:
     want_logprobs: bool = True
     want_moe_metrics: bool = False
     want_mtp_metrics: bool = False
+    want_routing: bool = False
+    routing: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +203,7 @@ class ScoreBatch:
                 "MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel, which the "
                 "engine config disables (leave it unset to turn it on)"
             )
+        check_routing_request(self, limits.routing)
 
 
 @dataclasses.dataclass
@@ -142,6 +220,9 @@ class ScoreOutput:
             (:func:`megascore.layout.count_loss_tokens`); every engine sets it.
         moe_metrics: MoE metric name -> value for this forward.
         mtp_metrics: MTP metric name -> value for this forward.
+        routing: int32 ``[T, num_moe_layers, topk]``: per token, per MoE layer of the
+            decoder, the expert ids used (the replayed ones when the batch gave them),
+            or None when not requested.
         weights_version: version of the weights that produced these numbers.
     """
 
@@ -152,6 +233,7 @@ class ScoreOutput:
     num_loss_tokens: np.ndarray | None = None
     moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    routing: np.ndarray | None = None
     weights_version: str = ""
 
 
@@ -183,6 +265,8 @@ class ModelInfo:
     loss_names: tuple[str, ...] = ("nll",)
     moe_metric_names: tuple[str, ...] = ()
     mtp_metric_names: tuple[str, ...] = ()
+    routing: RoutingShape | None = None
+    """The MoE routing shape (None: no MoE layers, routing cannot be asked for)."""
 
 
 WEIGHT_NAMES_HF = 1

@@ -14,8 +14,10 @@ path (``forward_step_arbitrary_loss`` / its loss post-processors):
   never shorter than the step's longest sequence (that would pad every other
   microbatch up to it), so a step may use fewer microbatches than configured.
 * :func:`forward_step`: called by the schedule with the data iterator and the
-  model; runs the model on the next microbatch and returns the output with a
-  loss closure. On the last stage the output is the model's
+  model; runs the model on the next microbatch (around it, the MoE routers take the
+  microbatch's routes to replay or give back the ones they chose,
+  :mod:`megascore.engine.routing`) and returns the output with a loss closure. On
+  the last stage the output is the model's
   :class:`~megascore.engine.forward.OutputHead`, and the closure computes the
   logprobs / top-k chunk by chunk over the TP group, gathers the CP shards and
   returns a loss normalised by the step's global valid token count
@@ -41,6 +43,7 @@ from megascore import layout
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import forward_microbatch
 from megascore.engine.logprobs import Float32Logits, score_tokens
+from megascore.engine.routing import recorded_routes, set_replay_targets
 from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,10 @@ class Microbatch:
             scored token (the request's loss mask, Megatron's alignment).
         mtp_loss_mask: ``[1, T_local]`` the same mask for MTP when the request has one,
             else None (Megatron's default mask).
+        replay_routes: int64 ``[n, L_stage, k]`` MoE routes this stage's routers replay
+            (:func:`megascore.engine.routing.local_replay_targets`), or None.
+        recorded_routes: set by the forward step when the step records the routing:
+            int64 ``[n, L_stage, k]`` (None on a stage without MoE layers).
     """
 
     packed: PackedSequences
@@ -96,6 +103,8 @@ class Microbatch:
     temperature: torch.Tensor | None
     loss_mask: torch.Tensor
     mtp_loss_mask: torch.Tensor | None
+    replay_routes: torch.Tensor | None = None
+    recorded_routes: torch.Tensor | None = None
 
 
 def build_microbatch(
@@ -171,6 +180,7 @@ class ScoreSpec:
         metrics_forward: the forwards record MoE / MTP metrics
             (:func:`megascore.engine.forward.model_inputs`).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
+        record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
     """
 
     want_logprobs: bool
@@ -182,6 +192,7 @@ class ScoreSpec:
     gather: bool
     metrics_forward: bool
     lm_head_dtype: str = "model"
+    record_routes: bool = False
 
 
 def _score_microbatch(
@@ -236,12 +247,16 @@ def forward_step(data_iterator, model, *, spec: ScoreSpec):
         scores.
     """
     mb = next(data_iterator)
+    if mb.replay_routes is not None:
+        set_replay_targets(model, mb.replay_routes)
     output = forward_microbatch(
         model,
         mb.packed,
         metrics_forward=spec.metrics_forward,
         loss_mask_packed_local=mb.mtp_loss_mask,
     )
+    if spec.record_routes:
+        mb.recorded_routes = recorded_routes(model)
     pgs = model.pg_collection
     return output, functools.partial(_score_microbatch, mb, spec, pgs.tp, pgs.cp)
 

@@ -17,8 +17,10 @@ slot  name              meaning
 5     top_k             FORWARD: alternatives per token
 6     flags             FORWARD: bitmask of ``FLAG_*``
 7     losses            FORWARD: bit ``i`` = ``sorted(loss_names)[i]``
-8     path_bytes        RELOAD: UTF-8 length of the checkpoint path
-9     version_bytes     RELOAD, WEIGHTS_COMMIT: UTF-8 length of the weights version
+8     path_bytes        RELOAD: UTF-8 length of the checkpoint path;
+                        FORWARD with ``FLAG_HAS_ROUTING``: routing layers ``L``
+9     version_bytes     RELOAD, WEIGHTS_COMMIT: UTF-8 length of the weights version;
+                        FORWARD with ``FLAG_HAS_ROUTING``: routing top-k ``k``
 10    name_bytes        WEIGHTS_TENSOR: UTF-8 length of the tensor name
 11    dtype             WEIGHTS_TENSOR: index in ``WEIGHT_DTYPES``
 12    ndim              WEIGHTS_TENSOR: number of dimensions
@@ -31,7 +33,8 @@ Payloads, in order, after the header:
 
 * FORWARD: int64 ``[T + B]`` (token ids, then lengths); uint8 ``[T]`` loss
   mask if ``FLAG_HAS_LOSS_MASK``; float32 ``[B]`` temperatures if
-  ``FLAG_HAS_TEMPERATURE``.
+  ``FLAG_HAS_TEMPERATURE``; int32 ``[T * L * k]`` expert ids to replay (the
+  ``[T, L, k]`` routing in C order) if ``FLAG_HAS_ROUTING``.
 * RELOAD: uint8 ``[path_bytes + version_bytes]``, the two UTF-8 strings
   (nothing when both are empty).
 * SHUTDOWN: nothing.
@@ -86,12 +89,16 @@ _H_NDIM = 12
 _H_DATA_BYTES = 13
 _H_LAYOUT = 14
 _H_WEIGHTS_FLAGS = 15
+_H_ROUTING_LAYERS = _H_PATH_BYTES  # FORWARD's use of the RELOAD slots
+_H_ROUTING_TOPK = _H_VERSION_BYTES
 
 FLAG_WANT_LOGPROBS = 1 << 0
 FLAG_WANT_MOE = 1 << 1
 FLAG_WANT_MTP = 1 << 2
 FLAG_HAS_LOSS_MASK = 1 << 3
 FLAG_HAS_TEMPERATURE = 1 << 4
+FLAG_WANT_ROUTING = 1 << 5
+FLAG_HAS_ROUTING = 1 << 6
 WEIGHTS_FLAG_PARTIAL = 1 << 0
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -226,7 +233,10 @@ def send_batch(
         | (FLAG_WANT_MTP if batch.want_mtp_metrics else 0)
         | (FLAG_HAS_LOSS_MASK if batch.loss_mask is not None else 0)
         | (FLAG_HAS_TEMPERATURE if batch.temperature is not None else 0)
+        | (FLAG_WANT_ROUTING if batch.want_routing else 0)
+        | (FLAG_HAS_ROUTING if batch.routing is not None else 0)
     )
+    _, layers, topk = np.shape(batch.routing) if batch.routing is not None else (0, 0, 0)
     header = _header(
         Command.FORWARD,
         step,
@@ -236,6 +246,8 @@ def send_batch(
             _H_TOP_K: batch.top_k,
             _H_FLAGS: flags,
             _H_LOSSES: losses,
+            _H_ROUTING_LAYERS: layers,
+            _H_ROUTING_TOPK: topk,
         },
     )
     # ids_and_lengths: [T + B], token ids then lengths, one collective for both.
@@ -250,6 +262,9 @@ def send_batch(
     if batch.temperature is not None:
         temps = np.array(batch.temperature, dtype=np.float32)
         _bcast(torch.from_numpy(temps).to(device), src, group)
+    if batch.routing is not None:
+        routes = np.ascontiguousarray(batch.routing, dtype=np.int32).reshape(-1)
+        _bcast(torch.from_numpy(routes).to(device), src, group)
     logger.debug("step %d: sent FORWARD T=%d B=%d", step, batch.num_tokens, batch.num_sequences)
 
 
@@ -449,6 +464,12 @@ def recv_command(
         temps = torch.empty(num_sequences, dtype=torch.float32, device=device)
         _bcast(temps, src, group)
         temperature = temps.cpu().numpy()
+    routing = None
+    if flags & FLAG_HAS_ROUTING:
+        shape = (num_tokens, h[_H_ROUTING_LAYERS], h[_H_ROUTING_TOPK])
+        routes = torch.empty(num_tokens * shape[1] * shape[2], dtype=torch.int32, device=device)
+        _bcast(routes, src, group)
+        routing = routes.cpu().numpy().reshape(shape)
     batch = ScoreBatch(
         token_ids=ids_and_lengths_np[:num_tokens],
         lengths=ids_and_lengths_np[num_tokens:],
@@ -459,6 +480,8 @@ def recv_command(
         want_logprobs=bool(flags & FLAG_WANT_LOGPROBS),
         want_moe_metrics=bool(flags & FLAG_WANT_MOE),
         want_mtp_metrics=bool(flags & FLAG_WANT_MTP),
+        want_routing=bool(flags & FLAG_WANT_ROUTING),
+        routing=routing,
     )
     logger.debug("step %d: received FORWARD T=%d B=%d", extra.step, num_tokens, num_sequences)
     return Received(command, batch, extra)

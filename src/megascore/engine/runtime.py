@@ -67,6 +67,7 @@ from megascore.config import EngineConfig
 from megascore.engine import protocol
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.losses import loss_names
+from megascore.engine.routing import routing_shape
 from megascore.engine.served_model import LoadedModel, load_served_model
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status, finish_step, run_step
 from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
@@ -180,6 +181,7 @@ class DistributedEngine:
             max_top_k=engine_cfg.max_top_k,
             loss_names=loss_names(),
             metrics_supported=engine_cfg.metrics_supported(is_moe),
+            routing=routing_shape(loaded.model),
         )
         self._step = 0
         self._push: WeightStaging | None = None  # the open weight push's staged shards
@@ -296,6 +298,7 @@ class DistributedEngine:
             loss_names=loss_names(),
             moe_metric_names=tuple(moe_metric_names(cfg)),
             mtp_metric_names=tuple(mtp_metric_names(cfg)),
+            routing=self.limits.routing,
         )
 
     def check(self, batch: ScoreBatch) -> None:

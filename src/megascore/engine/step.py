@@ -8,7 +8,9 @@ Every rank of the replica runs :func:`run_step` with the same
    next-token targets rolled inside each padded segment on the *full* packed axis
    and then CP-sharded like the inputs;
 2. run them through Megatron's forward-only schedule
-   (:func:`megascore.engine.pipeline.run_schedule`): on the last pipeline stage
+   (:func:`megascore.engine.pipeline.run_schedule`), the MoE routers recording or
+   replaying routes when the batch asks (:mod:`megascore.engine.routing`; recorded
+   routes are gathered to the output rank after the schedule): on the last pipeline stage
    each microbatch's output head (final hidden states + output layer) gives the
    logprobs / top-k over the TP group (:func:`megascore.engine.logprobs.score_tokens`),
    chunk by chunk: the head computes the vocab-parallel logits of ``chunk_tokens``
@@ -46,6 +48,12 @@ from megascore.engine.pipeline import (
     build_microbatch,
     run_schedule,
     split_microbatches,
+)
+from megascore.engine.routing import (
+    gather_routes,
+    local_replay_targets,
+    routing_replay,
+    stage_moe_layers,
 )
 from megascore.errors import WorkerLostError
 from megascore.types import ScoreBatch, ScoreOutput
@@ -121,6 +129,9 @@ class StepResult:
             losses; set where the results are, else None).
         moe_metrics: MoE metric name -> value of this forward (every rank).
         mtp_metrics: MTP metric name -> value of this forward (where the results are).
+        routing: int64 ``[T_padded, L, k]`` MoE routes recorded at each position (not
+            shifted: position ``p`` holds its own token's route), on the output rank
+            when the batch asks to record them; None elsewhere.
     """
 
     logprobs: torch.Tensor | None
@@ -130,6 +141,7 @@ class StepResult:
     loss: float | None
     moe_metrics: dict[str, float]
     mtp_metrics: dict[str, float]
+    routing: torch.Tensor | None = None
 
 
 def _wants_logprobs(batch: ScoreBatch) -> bool:
@@ -158,6 +170,19 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         )
         for a, b in ranges
     ]
+    sequence_parallel = bool(model.config.sequence_parallel)
+    if batch.routing is not None:  # each microbatch replays its tokens' routes
+        layers = stage_moe_layers(model.config, groups.pp.rank())
+        for mb, (a, b) in zip(microbatches, ranges, strict=True):
+            mb.replay_routes = local_replay_targets(
+                batch.routing[offsets[a] : offsets[b]],
+                mb.packed,
+                layers,
+                tp_group=groups.tp,
+                sequence_parallel=sequence_parallel,
+                device=cfg.device,
+            )
+    record = batch.want_routing and batch.routing is None  # a replayed routing is known
     # Metrics of a model without MoE / MTP layers are empty, not an error.
     want_moe = batch.want_moe_metrics and bool(model.config.num_moe_experts)
     want_mtp = batch.want_mtp_metrics and bool(model.config.mtp_num_layers)
@@ -172,13 +197,17 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         gather=last_stage and cfg.result_rank in dist.get_process_group_ranks(groups.cp),
         metrics_forward=want_moe or want_mtp,
         lm_head_dtype=cfg.lm_head_dtype,
+        record_routes=record,
     )
-    with scoring_forward(
-        model,
-        want_moe_metrics=want_moe,
-        want_mtp_metrics=want_mtp,
-        num_microbatches=len(microbatches),
-    ) as metrics:
+    with (
+        routing_replay(model, record=record, replay=batch.routing is not None),
+        scoring_forward(
+            model,
+            want_moe_metrics=want_moe,
+            want_mtp_metrics=want_mtp,
+            num_microbatches=len(microbatches),
+        ) as metrics,
+    ):
         store = run_schedule(model, microbatches, spec)
     positions = torch.cat(
         [mb.packed.token_positions + i * pad_to for i, mb in enumerate(microbatches)]
@@ -192,6 +221,18 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         moe_metrics=dict(metrics.moe),
         mtp_metrics=dict(metrics.mtp),
     )
+    if record:  # [M * pad_to, L, k] on the output rank
+        result.routing = gather_routes(
+            [mb.recorded_routes for mb in microbatches],
+            [mb.packed for mb in microbatches],
+            model.config.moe_router_topk,
+            tp_group=groups.tp,
+            cp_group=groups.cp,
+            pp_group=groups.pp,
+            sequence_parallel=sequence_parallel,
+            config=model.config,
+            output_rank=cfg.output_rank,
+        )
     if spec.gather:
         for name in ("logprobs", "top_k_ids", "top_k_logprobs"):
             parts = [out[name] for out in store]
@@ -354,6 +395,11 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
     losses, num_loss_tokens = compute_losses(
         batch.losses if logprobs is not None else (), scored, batch.lengths, batch.loss_mask
     )
+    routing = None
+    if batch.want_routing and batch.routing is not None:
+        routing = np.asarray(batch.routing, dtype=np.int32)
+    elif batch.want_routing:
+        routing = result.routing.numpy()[result.token_positions.numpy()].astype(np.int32)
     return ScoreOutput(
         logprobs=logprobs if batch.want_logprobs else None,
         top_k_ids=index.to_flat(result.top_k_ids, -1),
@@ -362,4 +408,5 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         num_loss_tokens=num_loss_tokens,
         moe_metrics=result.moe_metrics if batch.want_moe_metrics else {},
         mtp_metrics=result.mtp_metrics if batch.want_mtp_metrics else {},
+        routing=routing,
     )

@@ -112,7 +112,8 @@ def make_transformer_config(
     """Maps the model and engine configs onto Megatron's ``TransformerConfig``.
 
     Dropout is off, MoE is dropless (no capacity factor: a token's result never
-    depends on the rest of the batch), weights are initialised by megascore.
+    depends on the rest of the batch) with routing replay enabled, weights are
+    initialised by megascore.
     Sequence parallelism follows ``engine_cfg.sequence_parallel_for`` (on by default
     for a MoE model with TP > 1).
 
@@ -173,6 +174,9 @@ def make_transformer_config(
             moe_router_topk_scaling_factor=model_cfg.moe_router_topk_scaling_factor,
             moe_expert_capacity_factor=None,
             moe_token_dispatcher_type="allgather",
+            # Every router gets a RouterReplay (megascore.engine.routing); idle unless a
+            # request records or replays routes.
+            moe_enable_routing_replay=True,
         )
     if model_cfg.has_mtp:
         kwargs.update(

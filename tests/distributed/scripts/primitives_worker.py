@@ -131,6 +131,8 @@ def _full_batch() -> ScoreBatch:
         want_logprobs=False,
         want_moe_metrics=True,
         want_mtp_metrics=True,
+        want_routing=True,
+        routing=np.arange(8 * 3 * 2, dtype=np.int16).reshape(8, 3, 2) % 7,
     )
 
 
@@ -151,8 +153,13 @@ def _assert_same_batch(got: ScoreBatch, want: ScoreBatch) -> None:
     else:
         assert got.temperature.dtype == np.float32
         assert np.array_equal(got.temperature, want.temperature)
+    if want.routing is None:
+        assert got.routing is None
+    else:
+        assert got.routing.dtype == np.int32 and np.array_equal(got.routing, want.routing)
     assert got.losses == tuple(sorted(want.losses)), got.losses
-    for name in ("top_k", "want_logprobs", "want_moe_metrics", "want_mtp_metrics"):
+    fields = ("top_k", "want_logprobs", "want_moe_metrics", "want_mtp_metrics", "want_routing")
+    for name in fields:
         assert getattr(got, name) == getattr(want, name), name
 
 
