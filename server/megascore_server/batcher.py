@@ -14,6 +14,9 @@ interleave. Scheduling:
 * Requests with different options share a step: per-sequence temperature,
   the step's top_k is the largest and each request gets its own k columns,
   losses are the union, logprobs are computed when any request wants them.
+* A request that replays a MoE routing shares steps only with other such requests
+  (Megatron replays the routing of a whole forward); a request asking for the
+  routing shares steps with any other.
 * A request asking for MoE or MTP metrics never shares a step: its metrics
   are those of forwards over its own sequences only. Spread over several
   steps, each metric is the token-weighted mean of the steps' values
@@ -274,7 +277,7 @@ class DynamicBatcher:
         for item in self._queue:
             if isinstance(item, Barrier) or tokens >= _WINDOW_BUDGETS * self.budget:
                 break
-            if not item.solo:
+            if not item.solo and item.replays == head.replays:
                 window.append(item)
                 tokens += item.remaining_tokens
         return window

@@ -61,6 +61,10 @@ def build_response(
         response.moe_metrics.update(output.moe_metrics)
     if batch.want_mtp_metrics:
         response.mtp_metrics.update(output.mtp_metrics)
+    if batch.want_routing:
+        routing = np.asarray(output.routing, dtype=np.int32)  # [T, L, k]
+        response.routing.CopyFrom(encode_array(routing))
+        response.routing_num_moe_layers, response.routing_topk = routing.shape[1:]
     return response
 
 

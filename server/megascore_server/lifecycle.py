@@ -95,6 +95,7 @@ def resolve_limits(info: ModelInfo, config: GrpcServerConfig, pad_multiple: int)
         max_request_tokens=config.max_request_tokens,
         max_top_k=int(info.max_top_k),
         loss_names=frozenset(info.loss_names),
+        routing=info.routing,
     )
 
 

@@ -43,7 +43,9 @@ class PendingRequest:
     """One validated request inside the batcher.
 
     ``solo`` requests (MoE / MTP metrics) never share a step; their metrics are
-    the token-weighted mean over the steps that scored them.
+    the token-weighted mean over the steps that scored them. Requests that replay a
+    MoE routing (``replays``) share steps only with each other: a step replays the
+    routing of all its tokens or of none.
     """
 
     request_id: str
@@ -87,6 +89,10 @@ class PendingRequest:
     @property
     def solo(self) -> bool:
         return self.batch.want_moe_metrics or self.batch.want_mtp_metrics
+
+    @property
+    def replays(self) -> bool:
+        return self.batch.routing is not None
 
     def dropped(self, now: float) -> bool:
         """Cancelled by its caller, answered already, or past its deadline."""
@@ -139,6 +145,7 @@ class PendingRequest:
             top_k=batch.top_k,
             losses=batch.losses,
             want_logprobs=batch.want_logprobs,
+            want_routing=batch.want_routing,
         )
         self.parts.append((idx, part))
         if self.solo:

@@ -77,9 +77,13 @@ def merge_batches(
 
     Returns:
         The merged batch: per-sequence temperatures, the largest top_k of the
-        pieces, the union of their losses and logprobs when any piece wants them.
+        pieces, the union of their losses, logprobs and routing when any piece wants
+        them, and the pieces' routings to replay (all pieces replay or none does).
     """
-    ids, lengths, masks, temps = [], [], [], []
+    replays = {b.routing is not None for b, _ in pieces}
+    if len(replays) > 1:
+        raise ValueError("a step replays the routing of all its pieces or of none")
+    ids, lengths, masks, temps, routes = [], [], [], [], []
     any_mask = any(b.loss_mask is not None for b, _ in pieces)
     for batch, idx in pieces:
         tokens = token_index(batch.lengths, idx)
@@ -87,6 +91,8 @@ def merge_batches(
         lens = batch.lengths[idx]
         lengths.append(lens)
         temps.append(batch.temperatures()[idx])
+        if batch.routing is not None:
+            routes.append(batch.routing[tokens])
         if any_mask:
             if batch.loss_mask is None:
                 masks.append(np.ones(int(lens.sum()), dtype=np.uint8))
@@ -105,4 +111,6 @@ def merge_batches(
         want_logprobs=any(b.want_logprobs for b, _ in pieces),
         want_moe_metrics=want_moe_metrics,
         want_mtp_metrics=want_mtp_metrics,
+        want_routing=any(b.want_routing for b, _ in pieces),
+        routing=np.concatenate(routes) if routes else None,
     )

@@ -16,7 +16,7 @@ import numpy as np
 
 from megascore import layout
 from megascore.errors import InvalidRequestError, ResourceExhaustedError
-from megascore.types import ScoreBatch
+from megascore.types import RoutingShape, ScoreBatch, check_routing_request
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array
 from megascore_server.status import quoted
@@ -42,6 +42,8 @@ class RequestLimits:
     max_request_tokens: int
     max_top_k: int
     loss_names: frozenset[str]
+    routing: RoutingShape | None = None
+    """The model's MoE routing shape; None: no MoE layers (routing is refused)."""
 
 
 def _locate(offsets: np.ndarray, position: int) -> tuple[int, int]:
@@ -167,7 +169,19 @@ def validate_options(options: pb.ScoreOptions, limits: RequestLimits) -> dict:
         "want_logprobs": bool(options.return_logprobs),
         "want_moe_metrics": bool(options.return_moe_metrics),
         "want_mtp_metrics": bool(options.return_mtp_metrics),
+        "want_routing": bool(options.return_routing),
     }
+
+
+def decode_routing(request: pb.ScoreRequest, num_tokens: int, shape: RoutingShape | None):
+    """The request's routing to replay as ``[T, L, k]`` (flat when its size does not fit:
+    :func:`~megascore.types.check_routing_request` then names the shape), or None."""
+    if not request.HasField("routing"):
+        return None
+    routing = decode_array(request.routing, "routing", _INT_DTYPES)
+    if shape is not None and routing.size == num_tokens * shape.num_moe_layers * shape.topk:
+        routing = routing.reshape(num_tokens, shape.num_moe_layers, shape.topk)
+    return routing
 
 
 def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBatch:
@@ -206,9 +220,19 @@ def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBa
         raw = decode_array(request.loss_mask, "loss_mask", _MASK_DTYPES)
         mask = validate_loss_mask(raw, offsets)
     temperature = np.full(lengths.size, options.pop("temperature"), dtype=np.float32)
-    return ScoreBatch(
-        token_ids=ids, lengths=lengths, loss_mask=mask, temperature=temperature, **options
+    routing = decode_routing(request, ids.size, limits.routing)
+    batch = ScoreBatch(
+        token_ids=ids,
+        lengths=lengths,
+        loss_mask=mask,
+        temperature=temperature,
+        routing=routing,
+        **options,
     )
+    check_routing_request(batch, limits.routing)  # names the field and the sequence
+    if routing is not None:
+        batch = dataclasses.replace(batch, routing=routing.astype(np.int32, copy=False))
+    return batch
 
 
 def validate_load_request(request: pb.LoadWeightsRequest) -> None:

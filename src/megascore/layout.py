@@ -117,6 +117,7 @@ def select_sequences(
     top_k: int,
     losses: tuple[str, ...],
     want_logprobs: bool,
+    want_routing: bool = False,
 ) -> ScoreOutput:
     """Cuts sequences ``seq_idx`` of a step's output, trimmed to one request's options.
 
@@ -127,6 +128,7 @@ def select_sequences(
         top_k: the request's k (<= the step's k); top-k columns are sliced to it.
         losses: the request's loss names (a subset of the step's).
         want_logprobs: whether to keep per-token logprobs.
+        want_routing: whether to keep the per-token MoE routing.
 
     Returns:
         The output of those sequences only; MoE / MTP metrics are not copied.
@@ -138,6 +140,7 @@ def select_sequences(
         top_k_logprobs=output.top_k_logprobs[tokens, :top_k] if top_k > 0 else None,
         losses={name: output.losses[name][seq_idx] for name in losses},
         num_loss_tokens=output.num_loss_tokens[seq_idx],
+        routing=output.routing[tokens] if want_routing else None,
         weights_version=output.weights_version,
     )
 
@@ -172,5 +175,6 @@ def concat_outputs(parts: list[tuple[np.ndarray, ScoreOutput]], lengths: np.ndar
         top_k_logprobs=join([o.top_k_logprobs for o in outs], tokens),
         losses={k: join([o.losses[k] for o in outs], inverse) for k in outs[0].losses},
         num_loss_tokens=join([o.num_loss_tokens for o in outs], inverse),
+        routing=join([o.routing for o in outs], tokens),
         weights_version=outs[-1].weights_version,
     )

@@ -5,7 +5,10 @@ token of the *same* sequence and that sequence's temperature, so a request's
 results do not depend on which other requests shared its engine step: tests
 compute the expected response from the request alone (:func:`compute`) and
 compare. Batch-level MoE / MTP metrics are token means over the step, so their
-token-weighted mean over several steps equals the mean over the request.
+token-weighted mean over several steps equals the mean over the request. A fake
+MoE engine (``routing=RoutingShape(...)``) routes token ``x`` of every layer ``l`` to
+experts ``(x + l + j) % E``, j < k, and adds ``0.001 * sum(route)`` to the logprob of
+the token after it, so a replayed routing shows in the logprobs.
 
 The engine can be slowed down (``delay_s``), held at a gate (``gate``), made to
 fail one step or every step, or to raise :class:`WorkerLostError`. Like the real
@@ -22,7 +25,14 @@ import time
 import numpy as np
 
 from megascore.errors import CheckpointError, InvalidRequestError, WorkerLostError
-from megascore.types import BatchLimits, ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
+from megascore.types import (
+    BatchLimits,
+    ModelInfo,
+    ParallelLayout,
+    RoutingShape,
+    ScoreBatch,
+    ScoreOutput,
+)
 
 VOCAB = 1000
 MAX_LEN = 512
@@ -36,7 +46,16 @@ def _first_positions(lengths: np.ndarray) -> np.ndarray:
     return starts
 
 
-def compute(batch: ScoreBatch, weights_version: str = "v0") -> ScoreOutput:
+def fake_routing(ids: np.ndarray, shape: RoutingShape) -> np.ndarray:
+    """int32 ``[T, L, k]`` routes of the fake MoE engine (see module docstring)."""
+    layers = np.arange(shape.num_moe_layers)[None, :, None]
+    slots = np.arange(shape.topk)[None, None, :]
+    return ((ids[:, None, None] + layers + slots) % shape.num_experts).astype(np.int32)
+
+
+def compute(
+    batch: ScoreBatch, weights_version: str = "v0", routing: RoutingShape | None = None
+) -> ScoreOutput:
     """The fake forward: deterministic outputs for ``batch`` (see module docstring)."""
     ids = batch.token_ids.astype(np.int64)
     starts = _first_positions(batch.lengths)
@@ -45,9 +64,17 @@ def compute(batch: ScoreBatch, weights_version: str = "v0") -> ScoreOutput:
     temp = np.repeat(batch.temperatures().astype(np.float32), batch.lengths)
     salt = np.float32(sum(map(ord, weights_version)) % 50)  # other weights, other values
     raw = (((ids * 7 + prev * 3) % 101) + 1).astype(np.float32) / np.float32(10) + salt / 100
+    routes = None
+    if routing is not None:
+        routes = batch.routing if batch.routing is not None else fake_routing(ids, routing)
+        prev_route = np.roll(routes.reshape(ids.size, -1).sum(axis=1), 1)
+        prev_route[starts] = 0
+        raw += np.float32(0.001) * prev_route.astype(np.float32)
     logprobs = -(raw / temp)
     logprobs[starts] = 0.0
     out = ScoreOutput(logprobs=logprobs.astype(np.float32), weights_version=weights_version)
+    if batch.want_routing:
+        out.routing = np.asarray(routes, dtype=np.int32)
     if batch.top_k:
         j = np.arange(batch.top_k, dtype=np.int64)
         out.top_k_ids = (ids[:, None] * 5 + j[None, :] * 11) % VOCAB
@@ -94,15 +121,27 @@ class FakeEngine:
         events: ``("step", n_seqs)`` / ``("load", version)`` in execution order.
     """
 
-    def __init__(self, *, max_len: int = MAX_LEN, version: str = "v0", delay_s: float = 0.0):
+    def __init__(
+        self,
+        *,
+        max_len: int = MAX_LEN,
+        version: str = "v0",
+        delay_s: float = 0.0,
+        routing: RoutingShape | None = None,
+    ):
         self.max_len = max_len
+        self.routing = routing
         self.version = version
         self.delay_s = delay_s
         self.gate: threading.Event | None = None
         self.fail_next: BaseException | None = None
         self.fail_always: BaseException | None = None
         self.limits = BatchLimits(
-            vocab_size=VOCAB, max_length=max_len, max_top_k=MAX_TOP_K, loss_names=LOSS_NAMES
+            vocab_size=VOCAB,
+            max_length=max_len,
+            max_top_k=MAX_TOP_K,
+            loss_names=LOSS_NAMES,
+            routing=routing,
         )
         self.refused: list[ScoreBatch] = []
         self.steps: list[tuple[ScoreBatch, str]] = []
@@ -128,6 +167,7 @@ class FakeEngine:
             loss_names=LOSS_NAMES,
             moe_metric_names=("load_balancing_loss", "z_loss"),
             mtp_metric_names=("mtp_1_loss", "mtp_1_acceptance_rate"),
+            routing=self.routing,
         )
 
     def check(self, batch: ScoreBatch) -> None:
@@ -152,7 +192,7 @@ class FakeEngine:
             raise
         self.steps.append((batch, self.version))
         self.events.append(("step", batch.num_sequences))
-        return compute(batch, self.version)
+        return compute(batch, self.version, self.routing)
 
     def load_weights(self, model: str, weights_version: str) -> str:
         if not model.startswith(("hf:", "megatron:", "builtin:")):

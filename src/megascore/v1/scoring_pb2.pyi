@@ -44,34 +44,38 @@ class Array(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ScoreOptions(_message.Message):
-    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature")
+    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing")
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
     RETURN_MOE_METRICS_FIELD_NUMBER: _ClassVar[int]
     RETURN_MTP_METRICS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTING_FIELD_NUMBER: _ClassVar[int]
     return_logprobs: bool
     top_k: int
     losses: _containers.RepeatedScalarFieldContainer[str]
     return_moe_metrics: bool
     return_mtp_metrics: bool
     temperature: float
-    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ...) -> None: ...
+    return_routing: bool
+    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ..., return_routing: _Optional[bool] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options")
+    __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: Array
     lengths: Array
     loss_mask: Array
     options: ScoreOptions
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., options: _Optional[_Union[ScoreOptions, _Mapping]] = ...) -> None: ...
+    routing: Array
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., options: _Optional[_Union[ScoreOptions, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "total_ms", "num_steps")
@@ -86,7 +90,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings")
+    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings", "routing", "routing_num_moe_layers", "routing_topk")
     class SequenceLossesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +124,9 @@ class ScoreResponse(_message.Message):
     MTP_METRICS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_TOPK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lengths: Array
     token_logprobs: Array
@@ -132,7 +139,10 @@ class ScoreResponse(_message.Message):
     mtp_metrics: _containers.ScalarMap[str, float]
     weights_version: str
     timings: Timings
-    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    routing: Array
+    routing_num_moe_layers: int
+    routing_topk: int
+    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., routing_num_moe_layers: _Optional[int] = ..., routing_topk: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
