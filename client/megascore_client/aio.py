@@ -89,6 +89,8 @@ class AsyncScoringClient(ClientBase):
         losses=("nll",),
         metrics=(),
         return_logprobs: bool = True,
+        return_routing: bool = False,
+        routing=None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -100,10 +102,11 @@ class AsyncScoringClient(ClientBase):
             losses=losses,
             metrics=metrics,
             return_logprobs=return_logprobs,
+            return_routing=return_routing,
         )
         parts, rid = self._prepare(
             sequences, options, await self.request_token_limit(),
-            loss_mask=loss_mask, lengths=lengths, request_id=request_id,
+            loss_mask=loss_mask, lengths=lengths, routing=routing, request_id=request_id,
         )  # fmt: skip
         return _finish(await self._send(parts, timeout), rid, start)
 

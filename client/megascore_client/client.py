@@ -237,6 +237,8 @@ class ScoringClient(ClientBase):
         losses=("nll",),
         metrics=(),
         return_logprobs: bool = True,
+        return_routing: bool = False,
+        routing=None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -254,6 +256,12 @@ class ScoringClient(ClientBase):
             losses: per-sequence losses to compute ("nll" = summed masked NLL).
             metrics: metric groups to return: any of "moe", "mtp".
             return_logprobs: whether to return per-token logprobs.
+            return_routing: whether to return the MoE routing (``ScoreResult.routing``:
+                per sequence, per token, the experts of every MoE layer). MoE models only.
+            routing: a MoE routing to replay instead of routing, one integer
+                ``[L_i, num_moe_layers, topk]`` array per sequence (a
+                ``ScoreResult.routing``): the forward uses these experts (Megatron's
+                RouterReplay), e.g. the rollout engine's routes. MoE models only.
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -272,10 +280,11 @@ class ScoringClient(ClientBase):
             losses=losses,
             metrics=metrics,
             return_logprobs=return_logprobs,
+            return_routing=return_routing,
         )
         parts, rid = self._prepare(
             sequences, options, self.request_token_limit(),
-            loss_mask=loss_mask, lengths=lengths, request_id=request_id,
+            loss_mask=loss_mask, lengths=lengths, routing=routing, request_id=request_id,
         )  # fmt: skip
         return _finish(self._send(parts, timeout), rid, start)
 

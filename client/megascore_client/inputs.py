@@ -8,7 +8,9 @@ Accepted batches:
 * a 2-D array-like ``[B, W]``, optionally with ``lengths`` (``[B]``): row i is then its
   first ``lengths[i]`` entries (right padding is dropped).
 
-Loss masks take the same forms (a 2-D mask is cut to the sequence lengths).
+Loss masks take the same forms (a 2-D mask is cut to the sequence lengths). A MoE
+routing to replay is given per sequence, as ``ScoreResult.routing`` holds it: a list
+with one integer ``[L_i, num_moe_layers, topk]`` array-like per sequence.
 """
 
 from __future__ import annotations
@@ -62,11 +64,18 @@ class Batch:
         token_ids: int32 (when every id fits) or int64 ``[T]``, sequences concatenated.
         lengths: int64 ``[B]``, all >= 1.
         loss_mask: uint8 ``[T]`` of 0/1, or None (all ones).
+        routing: int32 ``[T, num_moe_layers, topk]`` MoE routing to replay, or None.
     """
 
     token_ids: np.ndarray
     lengths: np.ndarray
     loss_mask: np.ndarray | None = None
+    routing: np.ndarray | None = None
+
+    @property
+    def routing_values_per_token(self) -> int:
+        """``num_moe_layers * topk`` of the routing to replay (0 without one)."""
+        return 0 if self.routing is None else int(np.prod(self.routing.shape[1:]))
 
     @property
     def offsets(self) -> np.ndarray:
@@ -89,6 +98,7 @@ class Batch:
             token_ids=self.token_ids[lo:hi],
             lengths=self.lengths[start:stop],
             loss_mask=None if self.loss_mask is None else self.loss_mask[lo:hi],
+            routing=None if self.routing is None else self.routing[lo:hi],
         )
 
 
@@ -139,13 +149,38 @@ def _check_nonempty(lengths: np.ndarray, what: str) -> None:
         raise InvalidInputError(f"{what}[{i}]: empty sequence (every length must be >= 1)")
 
 
-def make_batch(sequences, loss_mask=None, lengths=None) -> Batch:
+def _routing(routing, seq_lengths: np.ndarray) -> np.ndarray:
+    """Checks a per-sequence routing and concatenates it: int32 ``[T, L, k]``."""
+    if isinstance(routing, (str, bytes)) or not isinstance(routing, (list, tuple)):
+        raise InvalidInputError(
+            "routing: expected a list with one [length, num_moe_layers, topk] array per "
+            f"sequence (as ScoreResult.routing), got {type(routing).__name__}"
+        )
+    if len(routing) != len(seq_lengths):
+        raise InvalidInputError(
+            f"routing: {len(routing)} routings for {len(seq_lengths)} sequences"
+        )
+    rows = [as_numpy(r) for r in routing]
+    for i, (row, length) in enumerate(zip(rows, seq_lengths, strict=True)):
+        if row.ndim != 3 or row.shape[0] != length or row.shape[1:] != rows[0].shape[1:]:
+            raise InvalidInputError(
+                f"routing[{i}]: shape {row.shape}, expected ({length}, num_moe_layers, topk) "
+                f"like routing[0] {rows[0].shape}"
+            )
+        if row.size and (row.dtype.kind not in "iu" or row.min() < 0 or row.max() > _INT32_MAX):
+            raise InvalidInputError(f"routing[{i}]: expert ids must be integers >= 0")
+    return np.concatenate(rows).astype(np.int32, copy=False)
+
+
+def make_batch(sequences, loss_mask=None, lengths=None, routing=None) -> Batch:
     """Validates and flattens ``score`` arguments into a :class:`Batch`.
 
     Args:
         sequences: the batch (see the module docstring).
         loss_mask: optional 0/1 (or bool) mask with the same structure.
         lengths: optional ``[B]`` row lengths, only with a 2-D ``sequences``.
+        routing: optional MoE routing to replay, one ``[L_i, num_moe_layers, topk]``
+            integer array per sequence (the server checks the expert ids).
 
     Returns:
         The batch in wire layout.
@@ -158,6 +193,7 @@ def make_batch(sequences, loss_mask=None, lengths=None) -> Batch:
     _check_nonempty(seq_lengths, "sequences")
     if ids.dtype.kind not in "iu":
         raise InvalidInputError(f"sequences: token ids must be integers, got dtype {ids.dtype}")
+    routes = None if routing is None else _routing(routing, seq_lengths)
     if ids.size and ids.min() < 0:
         offsets = np.concatenate([[0], np.cumsum(seq_lengths)])
         seq = int(np.searchsorted(offsets, int(np.argmax(ids < 0)), side="right") - 1)
@@ -182,4 +218,9 @@ def make_batch(sequences, loss_mask=None, lengths=None) -> Batch:
         if mask.dtype.kind not in "biu" or not np.isin(mask, (0, 1)).all():
             raise InvalidInputError("loss_mask: values must be 0/1 (or bool)")
         mask = mask.astype(np.uint8, copy=False)
-    return Batch(token_ids=ids, lengths=seq_lengths.astype(np.int64, copy=False), loss_mask=mask)
+    return Batch(
+        token_ids=ids,
+        lengths=seq_lengths.astype(np.int64, copy=False),
+        loss_mask=mask,
+        routing=routes,
+    )

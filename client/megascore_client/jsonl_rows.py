@@ -11,7 +11,10 @@ Row forms (one JSON value per line; blank lines are ignored)::
     [...]                                                 # a bare list of token ids
     {"id": ..., "text": "..."}                            # with --tokenizer DIR
 
-A row without ``id`` is identified by its index among the non-blank lines.
+A row without ``id`` is identified by its index among the non-blank lines. An object
+row may carry ``"routing"``, a MoE routing to replay: per token, per MoE layer, the
+``topk`` expert ids (``[[[e, ...], ...], ...]``, ``[num_tokens][num_moe_layers][topk]``,
+as ``megascore score --return-routing`` writes it); the server checks the ids.
 """
 
 from __future__ import annotations
@@ -21,7 +24,18 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["BadRow", "Row", "RowLimits", "check_loss_mask", "check_token_ids", "key", "read_rows"]
+import numpy as np
+
+__all__ = [
+    "BadRow",
+    "Row",
+    "RowLimits",
+    "check_loss_mask",
+    "check_routing",
+    "check_token_ids",
+    "key",
+    "read_rows",
+]
 
 
 def key(row_id) -> str:
@@ -54,12 +68,14 @@ class RowLimits:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """A checked row: ``token_ids`` and ``loss_mask`` (None = all ones) are lists of ints."""
+    """A checked row: ``token_ids`` and ``loss_mask`` (None = all ones) are lists of ints;
+    ``routing`` (None = route) is int32 ``[num_tokens, num_moe_layers, topk]``."""
 
     line: int
     id: object
     token_ids: list[int]
     loss_mask: list[int] | None = None
+    routing: np.ndarray | None = None
 
 
 class BadRow(Exception):
@@ -132,6 +148,23 @@ def check_loss_mask(mask, num_tokens: int) -> str | None:
     return None
 
 
+def check_routing(routing, num_tokens: int) -> tuple[np.ndarray | None, str | None]:
+    """A row's routing as int32 ``[num_tokens, L, k]`` and what is wrong with it (None
+    when nothing)."""
+    expected = f"[{num_tokens}][num_moe_layers][topk] lists of expert ids"
+    if not isinstance(routing, list):
+        return None, f"routing is {_kind(routing)}; expected {expected}"
+    try:
+        values = np.asarray(routing)
+    except ValueError:  # ragged
+        values = np.asarray([], dtype=object)
+    if values.ndim != 3 or values.shape[0] != num_tokens or values.dtype.kind != "i":
+        return None, f"routing is not {expected} (one per token, all of the same size)"
+    if values.size and (values.min() < 0 or values.max() > np.iinfo(np.int32).max):
+        return None, "routing: expert ids must be integers >= 0"
+    return values.astype(np.int32), None
+
+
 def read_rows(
     path: Path,
     limits: RowLimits,
@@ -175,24 +208,24 @@ def read_rows(
                 if skip(key(row_id)):
                     continue
             try:
-                ids, mask = _content(value, limits, tokenize)
+                ids, mask, routing = _content(value, limits, tokenize)
             except ValueError as exc:
                 yield BadRow(path, number, row_id, str(exc))
                 continue
-            yield Row(number, row_id, ids, mask)
+            yield Row(number, row_id, ids, mask, routing)
 
 
-def _content(value, limits: RowLimits, tokenize) -> tuple[list[int], list[int] | None]:
-    """The checked ``(token_ids, loss_mask)`` of a parsed line.
+def _content(value, limits: RowLimits, tokenize):
+    """The checked ``(token_ids, loss_mask, routing)`` of a parsed line.
 
     Raises:
         ValueError: what is wrong with the row.
     """
-    mask = None
+    mask = routing = None
     if isinstance(value, list):
         ids = value
     elif isinstance(value, dict):
-        mask = value.get("loss_mask")
+        mask, routing = value.get("loss_mask"), value.get("routing")
         if "token_ids" in value:
             ids = value["token_ids"]
         elif "text" in value:
@@ -208,6 +241,8 @@ def _content(value, limits: RowLimits, tokenize) -> tuple[list[int], list[int] |
     reason = check_token_ids(ids, limits)
     if reason is None and mask is not None:
         reason = check_loss_mask(mask, len(ids))
+    if reason is None and routing is not None:
+        routing, reason = check_routing(routing, len(ids))
     if reason is not None:
         raise ValueError(reason)
-    return ids, None if mask is None else [int(v) for v in mask]
+    return ids, None if mask is None else [int(v) for v in mask], routing

@@ -72,6 +72,10 @@ class ScoreResult:
         moe_metrics: MoE router metrics of the forward. For a split batch, the
             token-weighted mean over its requests.
         mtp_metrics: multi-token-prediction metrics, merged like ``moe_metrics``.
+        routing: with ``return_routing``, per sequence an int32 ``[L, num_moe_layers,
+            topk]`` array: row t holds the experts token t was routed to in each MoE
+            layer of the decoder (the router's top-k order); None otherwise. Pass it
+            back as ``routing=`` to replay it.
         weights_version: the weights that scored the batch. If a split batch was
             scored across a weight swap, the distinct versions joined by ``","``.
         timings: see :class:`Timings`.
@@ -87,6 +91,7 @@ class ScoreResult:
     num_tokens: np.ndarray | None = None
     moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    routing: list[np.ndarray] | None = None
     weights_version: str = ""
     timings: Timings = dataclasses.field(default_factory=Timings)
 

@@ -6,7 +6,12 @@ need ``--tokenizer DIR``, a local Hugging Face tokenizer directory:
 ``DIR/tokenizer.json``). Ids must be unique. Output rows, in input order::
 
     {"id": ..., "num_tokens": L, "num_loss_tokens": n, "nll": sum, "logprobs": [...],
-     "top_k_ids": [[...]], "top_k_logprobs": [[...]]}   # top-k only with --top-k
+     "top_k_ids": [[...]], "top_k_logprobs": [[...]],   # top-k only with --top-k
+     "routing": [[[...]]]}                               # only with --return-routing
+
+``routing`` is, per token, per MoE layer of the decoder, the expert ids its router
+chose (the replayed ones for a row that gave a ``routing``); fed back as the row's
+``routing`` it is replayed (rows with and without one go in separate requests).
 
 Bad rows (each checked where it is read, against the model's ``GetModelInfo``, and any
 row the server refuses, traced back to its line) are named as ``FILE:LINE (id ...):
@@ -66,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="batches in flight")
     parser.add_argument("--top-k", type=int, default=0, help="top-k alternatives per token")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--return-routing",
+        action="store_true",
+        help="write each token's MoE routing (experts per MoE layer) as 'routing'",
+    )
     parser.add_argument(
         "--no-logprobs", dest="logprobs", action="store_false", help="omit per-token logprobs"
     )
@@ -192,6 +202,9 @@ def _batches(rows: Iterator[Row], batch_tokens: int, limit: int | None) -> Itera
         for row in rows:
             if limit is not None and count >= limit:
                 break
+            if batch and (row.routing is None) != (batch[0].routing is None):
+                yield batch  # a request replays the routing of all its rows or of none
+                batch, tokens = [], 0
             batch.append(row)
             tokens += len(row.token_ids)
             count += 1
@@ -230,6 +243,8 @@ def _format_rows(batch: list[Row], result, args) -> tuple[str, list[tuple[int, i
             rows_lps = ",".join(_floats(r) for r in result.top_k_logprobs[i])
             parts.append(f'"top_k_ids": [{rows_ids}]')
             parts.append(f'"top_k_logprobs": [{rows_lps}]')
+        if result.routing is not None:
+            parts.append(f'"routing": {json.dumps(result.routing[i].tolist())}')
         lines.append("{" + ", ".join(parts) + "}\n")
         stats.append((len(row.token_ids), n_loss, nll))
     return "".join(lines), stats
@@ -298,9 +313,12 @@ def _scorer(client, args) -> Callable[[list[Row]], object]:
     def score(batch: list[Row]):
         has_mask = any(row.loss_mask is not None for row in batch)
         masks = [row.loss_mask or [1] * len(row.token_ids) for row in batch]
+        replay = batch[0].routing is not None  # all rows or none (see _batches)
         return client.score(
             [row.token_ids for row in batch],
             loss_mask=masks if has_mask else None,
+            routing=[row.routing for row in batch] if replay else None,
+            return_routing=args.return_routing,
             top_k=args.top_k,
             temperature=args.temperature,
             losses=("nll",),

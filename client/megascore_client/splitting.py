@@ -5,9 +5,13 @@ A call's batch is cut, in order, into consecutive runs of sequences whose reques
 ``ModelInfo.max_message_bytes`` when known and smaller; the server uses one limit
 for what it receives and sends) and, when known, the server's
 ``max_request_tokens``. Sizes are estimated per token and per sequence from the
-options: request ``itemsize(ids) + 1 (mask)`` bytes per token; response ``4
-(logprob) + 12 * top_k`` bytes per token and ``16 + 8 * len(losses)`` per sequence;
-a fixed reserve covers headers, strings and metric maps.
+options: request ``itemsize(ids) + 1 (mask) + 4 * L * k (routing to replay)`` bytes
+per token; response ``4 (logprob) + 12 * top_k + 4 * L * k (routing)`` bytes per
+token and ``16 + 8 * len(losses)`` per sequence; a fixed reserve covers headers,
+strings and metric maps. A routing asked for without one to replay has ``L * k``
+unknown before the answer: ``ROUTING_VALUES_GUESS`` (64 MoE layers x top-8) stands in,
+for cutting only (a sequence over the guessed size still goes alone, and the server
+answers RESOURCE_EXHAUSTED if its response really is too large).
 
 Merging a split batch concatenates the per-sequence results in order; MoE / MTP
 metrics, which the server reports per request, become the token-weighted mean over
@@ -42,6 +46,8 @@ __all__ = [
 ]
 
 METRIC_GROUPS = ("moe", "mtp")
+ROUTING_VALUES_GUESS = 64 * 8
+"""Routing values per token assumed when sizing a response whose routing shape is unknown."""
 _RESERVE_BYTES = 8192
 _SAFETY = 0.97
 
@@ -55,6 +61,7 @@ class ScoreOptions:
     losses: tuple[str, ...] = ("nll",)
     metrics: tuple[str, ...] = ()
     return_logprobs: bool = True
+    return_routing: bool = False
 
     def __post_init__(self):
         losses = (self.losses,) if isinstance(self.losses, str) else tuple(self.losses)
@@ -79,6 +86,7 @@ class ScoreOptions:
             return_moe_metrics="moe" in self.metrics,
             return_mtp_metrics="mtp" in self.metrics,
             temperature=float(self.temperature),
+            return_routing=bool(self.return_routing),
         )
 
 
@@ -144,24 +152,31 @@ def plan(
     lengths = batch.lengths
     # The reserve shrinks under 32 KiB so that a server's small limit stays usable.
     budget = int(max_message_bytes * _SAFETY) - min(_RESERVE_BYTES, max_message_bytes // 4)
-    req_tok = batch.token_ids.itemsize + (1 if batch.loss_mask is not None else 0)
+    routes = batch.routing_values_per_token
+    req_tok = batch.token_ids.itemsize + (1 if batch.loss_mask is not None else 0) + 4 * routes
     resp_tok = (4 if options.return_logprobs else 0) + 12 * options.top_k
+    guessed = options.return_routing and not routes
+    if options.return_routing:
+        resp_tok += 4 * (routes or ROUTING_VALUES_GUESS)
     resp_seq = 16 + 8 * len(options.losses)
     zero = np.zeros(1, dtype=np.int64)
     request_cost = np.cumsum(lengths * req_tok + 8)
     response_cost = np.cumsum(lengths * resp_tok + resp_seq)
-    prefixes = [
-        (np.concatenate([zero, request_cost]), budget, "request bytes"),
-        (np.concatenate([zero, response_cost]), budget, "response bytes"),
+    prefixes = [  # (prefix sums, limit, what, whether a size over the limit is an error)
+        (np.concatenate([zero, request_cost]), budget, "request bytes", True),
+        (np.concatenate([zero, response_cost]), budget, "response bytes", not guessed),
     ]
     if max_request_tokens:
-        prefixes.append((np.concatenate([zero, np.cumsum(lengths)]), max_request_tokens, "tokens"))
+        tokens = np.concatenate([zero, np.cumsum(lengths)])
+        prefixes.append((tokens, max_request_tokens, "tokens", True))
     ranges, start, count = [], 0, len(lengths)
     while start < count:
         stop = count
-        for prefix, limit, what in prefixes:
+        for prefix, limit, what, strict in prefixes:
             end = int(np.searchsorted(prefix, prefix[start] + limit, side="right")) - 1
-            if end <= start:
+            if end <= start and not strict:
+                end = start + 1
+            elif end <= start:
                 raise InvalidInputError(
                     f"sequences[{start}]: {int(prefix[start + 1] - prefix[start])} {what} "
                     f"exceed the per-request limit of {limit}"
@@ -200,6 +215,8 @@ def build_parts(
         )
         if sub.loss_mask is not None:
             request.loss_mask.CopyFrom(encode_array(sub.loss_mask))
+        if sub.routing is not None:
+            request.routing.CopyFrom(encode_array(sub.routing))
         parts.append(Part(request=request, lengths=sub.lengths, options=options, start=start))
     return parts
 
@@ -210,6 +227,7 @@ def prepare(
     *,
     loss_mask=None,
     lengths=None,
+    routing=None,
     request_id: str | None = None,
     max_message_bytes: int,
     max_request_tokens: int | None = None,
@@ -218,7 +236,7 @@ def prepare(
     streams' ``submit``).
 
     Args:
-        sequences, loss_mask, lengths: as for ``ScoringClient.score``.
+        sequences, loss_mask, lengths, routing: as for ``ScoringClient.score``.
         options: what to compute.
         request_id: the call's id (None = a new one).
         max_message_bytes: the message size limit (see :func:`plan`).
@@ -230,7 +248,7 @@ def prepare(
     Raises:
         InvalidInputError: the input is rejected.
     """
-    batch = make_batch(sequences, loss_mask=loss_mask, lengths=lengths)
+    batch = make_batch(sequences, loss_mask=loss_mask, lengths=lengths, routing=routing)
     rid = request_id or new_request_id()
     parts = build_parts(
         batch,
@@ -242,7 +260,7 @@ def prepare(
     return parts, rid
 
 
-_ITEMSIZE = {pb.DTYPE_INT64: 8, pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
+_ITEMSIZE = {pb.DTYPE_INT32: 4, pb.DTYPE_INT64: 8, pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
 
 
 def _decode(array: pb.Array, field: str, dtype: int, count: int) -> np.ndarray:
@@ -288,6 +306,12 @@ def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:
         result.top_k = k
         result.top_k_ids = np.split(ids.reshape(num_tokens, k), split_at)
         result.top_k_logprobs = np.split(lps.reshape(num_tokens, k), split_at)
+    if options.return_routing:
+        shape = (num_tokens, response.routing_num_moe_layers, response.routing_topk)
+        if min(shape[1:]) <= 0:
+            raise malformed_response(f"routing shape {shape} for a request with return_routing")
+        routes = _decode(response.routing, "routing", pb.DTYPE_INT32, int(np.prod(shape)))
+        result.routing = np.split(routes.reshape(shape), split_at)
     for name in options.losses:
         if name not in response.sequence_losses:
             raise malformed_response(f"loss {name!r} missing")
@@ -336,6 +360,7 @@ def merge(results: list[ScoreResult], request_id: str) -> ScoreResult:
         top_k=results[0].top_k,
         top_k_ids=_concat([r.top_k_ids for r in results]),
         top_k_logprobs=_concat([r.top_k_logprobs for r in results]),
+        routing=_concat([r.routing for r in results]),
         loss={name: np.concatenate([r.loss[name] for r in results]) for name in loss_names},
         num_tokens=None if any(n is None for n in num_tokens) else np.concatenate(num_tokens),
         moe_metrics=_weighted_metrics([r.moe_metrics for r in results], weights),

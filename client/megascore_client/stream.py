@@ -68,7 +68,7 @@ def _task_cancelling() -> bool:
 
 def _plan(sequences, kwargs: dict, message_limit: int, token_limit: int | None):
     """Splits ``submit`` keyword arguments and plans the parts (as ``score`` does)."""
-    batch = {k: kwargs.pop(k, None) for k in ("loss_mask", "lengths", "request_id")}
+    batch = {k: kwargs.pop(k, None) for k in ("loss_mask", "lengths", "routing", "request_id")}
     return prepare(
         sequences,
         ScoreOptions(**kwargs),

@@ -54,6 +54,16 @@ def ref_nll(ids, mask=None, temperature: float = 1.0) -> float:
     return float(-(lp[1:] * m[1:]).sum())
 
 
+ROUTING_LAYERS, ROUTING_TOPK = 3, 2
+
+
+def ref_routing(ids) -> np.ndarray:
+    """int32 [L, 3, 2] routes of the fake MoE model: token x, layer l -> (x + l + j) % 8."""
+    ids = np.asarray(ids, dtype=np.int64)
+    layers = np.arange(ROUTING_LAYERS)[None, :, None]
+    return ((ids[:, None, None] + layers + np.arange(ROUTING_TOPK)) % 8).astype(np.int32)
+
+
 def ref_moe(ids) -> dict[str, float]:
     ids = np.asarray(ids, dtype=np.float64)
     return {"load_balancing_loss": float(ids.mean() / 1000.0), "z_loss": float((ids % 3).mean())}
@@ -118,6 +128,9 @@ class FakeScorer(pb_grpc.ScorerServicer):
                     options=opts,
                     id_dtype=request.token_ids.dtype,
                     has_temperature=opts.HasField("temperature"),
+                    routing=decode_array(request.routing, "routing", INT_DTYPES)
+                    if request.HasField("routing")
+                    else None,
                 )
             )
         if len(lengths) == 0 or (lengths < 1).any() or lengths.sum() != len(ids):
@@ -173,6 +186,12 @@ class FakeScorer(pb_grpc.ScorerServicer):
             resp.moe_metrics.update(ref_moe(ids))
         if opts.return_mtp_metrics:
             resp.mtp_metrics.update(ref_mtp(ids))
+        if opts.return_routing:  # the replayed routes, else the fake model's own
+            routes = ref_routing(ids)
+            if request.HasField("routing"):
+                routes = decode_array(request.routing, "routing", INT_DTYPES).astype(np.int32)
+            resp.routing.CopyFrom(encode_array(routes))
+            resp.routing_num_moe_layers, resp.routing_topk = ROUTING_LAYERS, ROUTING_TOPK
         return resp
 
     def Score(self, request, context):

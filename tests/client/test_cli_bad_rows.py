@@ -61,6 +61,21 @@ BAD_ROWS = {
     "null row": ("null", None, "expected an object or a list of token ids, got null"),
     "text without tokenizer": ('{"id": "txt", "text": "hi"}', "txt", "needs --tokenizer DIR"),
     "duplicate id": ('{"id": "r3", "token_ids": [1, 2]}', "r3", 'duplicate id "r3"'),
+    "routing length": (
+        '{"id": "rt", "token_ids": [1, 2], "routing": [[[0, 1]]]}',
+        "rt",
+        "routing is not [2][num_moe_layers][topk] lists of expert ids",
+    ),
+    "ragged routing": (
+        '{"id": "rr", "token_ids": [1, 2], "routing": [[[0, 1]], [[0]]]}',
+        "rr",
+        "routing is not [2][num_moe_layers][topk]",
+    ),
+    "negative expert": (
+        '{"id": "rn", "token_ids": [1], "routing": [[[0, -1]]]}',
+        "rn",
+        "routing: expert ids must be integers >= 0",
+    ),
 }
 
 
@@ -149,7 +164,7 @@ def test_skip_invalid_sets_bad_rows_aside(server, tmp_path, capsys, batch_tokens
     src, out = tmp_path / "data.jsonl", tmp_path / "scored.jsonl"
     _write(src, lines)
     assert _score(server.target, src, out, "--skip-invalid", *batch_tokens) == 0
-    assert "rejected: 18 (listed in" in capsys.readouterr().out
+    assert f"rejected: {len(BAD_ROWS)} (listed in" in capsys.readouterr().out
     assert _ids(out) == [r["id"] for r in rows]
     _check_values(out, {r["id"]: r for r in rows})
     side = tmp_path / "scored.rejected.jsonl"

@@ -171,6 +171,12 @@ def test_torch_tensors_without_torch_in_the_client(client):
         (dict(sequences=[[1, 2]], temperature=0.0), "temperature"),
         (dict(sequences=[[1, 2]], top_k=-1), "top_k"),
         (dict(sequences=[[1, 2]], metrics=("moe", "bogus")), "bogus"),
+        (dict(sequences=[[1, 2]], routing=np.zeros((2, 3, 2))), "one [length, num_moe_layers"),
+        (dict(sequences=[[1, 2]], routing=[]), "0 routings for 1 sequences"),
+        (dict(sequences=[[1, 2]], routing=[np.zeros((3, 3, 2), int)]), "routing[0]: shape"),
+        (dict(sequences=[[1], [2]], routing=[[[[0, 1]]], [[[0, 1, 2]]]]), "routing[1]: shape"),
+        (dict(sequences=[[1, 2]], routing=[np.full((2, 3, 2), -1)]), "integers >= 0"),
+        (dict(sequences=[[1, 2]], routing=[np.zeros((2, 3, 2))]), "integers >= 0"),
     ],
 )
 def test_invalid_input_rejected_before_sending(server, client, kwargs, message):

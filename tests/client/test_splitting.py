@@ -12,7 +12,13 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import encode_array
 from megascore_client import AsyncScoringClient, InvalidInputError, ScoringClient, ScoringError
 from megascore_client.inputs import make_batch
-from megascore_client.splitting import ScoreOptions, build_parts, decode_part, plan
+from megascore_client.splitting import (
+    ROUTING_VALUES_GUESS,
+    ScoreOptions,
+    build_parts,
+    decode_part,
+    plan,
+)
 from tests.client.fake_server import (
     VOCAB,
     FakeScorer,
@@ -21,6 +27,7 @@ from tests.client.fake_server import (
     ref_moe,
     ref_mtp,
     ref_nll,
+    ref_routing,
     ref_top_k,
 )
 
@@ -188,3 +195,69 @@ def test_a_response_that_breaks_the_contract_is_internal():
             decode_part(bad, part)
         assert info.value.code is grpc.StatusCode.INTERNAL
         assert f"malformed response: token_logprobs has {expected}" in info.value.details
+
+
+def test_routing_is_split_with_its_sequences_and_rejoined(small_server):
+    """The routing to replay travels with its sequences (request bytes count it), the
+    returned routing is cut and rejoined per sequence like the logprobs."""
+    seqs = _batch(5, 120, 10, 100)
+    given = [ref_routing(s) + 1 for s in seqs]  # unlike the fake model's own routes
+    with ScoringClient(small_server.target, max_message_bytes=LIMIT, max_concurrency=3) as c:
+        own = c.score(seqs[:5], return_routing=True, timeout=30)
+        result = c.score(seqs, routing=given, return_routing=True, request_id="re", timeout=30)
+    for i, seq in enumerate(seqs[:5]):
+        np.testing.assert_array_equal(own.routing[i], ref_routing(seq))
+    requests = [r for r in small_server.scorer.requests if r["request_id"].startswith("re/")]
+    assert len(requests) == result.timings.num_requests > 1
+    assert all(r["byte_size"] < LIMIT for r in requests)
+    requests.sort(key=lambda r: int(r["request_id"].split("/")[1]))  # part order
+    sent = np.concatenate([r["routing"] for r in requests])
+    np.testing.assert_array_equal(sent, np.concatenate(given).reshape(-1))
+    for i, seq in enumerate(seqs):
+        assert result.routing[i].dtype == np.int32
+        np.testing.assert_array_equal(result.routing[i], given[i])
+        np.testing.assert_array_equal(result.logprobs[i], ref_logprobs(seq))
+
+
+def test_plan_counts_routing_bytes():
+    seqs = _batch(6, 200, 10, 100)
+    batch = make_batch(seqs, routing=[ref_routing(s) for s in seqs])
+    assert batch.routing_values_per_token == 6
+    unrouted = plan(make_batch(seqs), ScoreOptions(), max_message_bytes=LIMIT)
+    replayed = plan(batch, ScoreOptions(), max_message_bytes=LIMIT)
+    assert len(replayed) > len(unrouted)  # 24 more request bytes per token
+    for start, stop in replayed:
+        assert int(batch.lengths[start:stop].sum()) * (4 + 24) < LIMIT
+    asked = plan(make_batch(seqs), ScoreOptions(return_routing=True), max_message_bytes=LIMIT)
+    for start, stop in asked:  # shape unknown: ROUTING_VALUES_GUESS per token, for cutting
+        tokens = int(batch.lengths[start:stop].sum())
+        assert stop == start + 1 or tokens * 4 * (1 + ROUTING_VALUES_GUESS) < LIMIT
+    assert any(stop == start + 1 for start, stop in asked)  # alone over the guess: still sent
+
+
+def test_a_routing_response_that_breaks_the_contract_is_internal():
+    (part,) = build_parts(
+        make_batch([[1, 2, 3]]),
+        ScoreOptions(losses=(), return_logprobs=False, return_routing=True),
+        "r",
+        max_message_bytes=1 << 20,
+    )
+    routes = encode_array(np.zeros(3 * 3 * 2, np.int32))
+    good = pb.ScoreResponse(request_id="r", routing=routes, routing_num_moe_layers=3)
+    good.routing_topk = 2
+    assert decode_part(good, part).routing[0].shape == (3, 3, 2)
+    for response, expected in [
+        (pb.ScoreResponse(request_id="r", routing=routes), "routing shape (3, 0, 0)"),
+        (
+            pb.ScoreResponse(
+                request_id="r",
+                routing=encode_array(np.zeros(18, np.int64)),
+                routing_num_moe_layers=3,
+                routing_topk=2,
+            ),
+            "routing has dtype DTYPE_INT64, expected DTYPE_INT32",
+        ),
+    ]:
+        with pytest.raises(ScoringError) as info:
+            decode_part(response, part)
+        assert info.value.code is grpc.StatusCode.INTERNAL and expected in info.value.details
