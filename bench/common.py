@@ -244,6 +244,19 @@ def engine_pass(engine, workload: Workload, max_tokens: int) -> Pass:
     return Pass(time.perf_counter() - start, time.process_time() - cpu, out)
 
 
+def write_section(path, begin: str, end: str, section: str) -> None:
+    """Writes ``section`` (from ``begin`` through ``end``) into ``path``: replaces the
+    text between the markers when present, else appends it. A benchmark that keeps its
+    own section of RESULTS.md (``run_all.py`` carries such sections over) uses this."""
+    text = path.read_text() if path.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section.rstrip("\n") + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    path.write_text(text)
+
+
 # ---- machine --------------------------------------------------------------------------------
 
 

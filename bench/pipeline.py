@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+import common
+
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- pipeline:begin -->", "<!-- pipeline:end -->"
 
@@ -192,16 +194,6 @@ def report(args: argparse.Namespace, out: Path, seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="bench")
@@ -229,7 +221,7 @@ def main() -> int:
             run_job(args, pp, out)
         section = report(args, out, time.monotonic() - start)
     print(section)
-    write_section(args.output, section)
+    common.write_section(args.output, BEGIN, END, section)
     return 0
 
 

@@ -40,6 +40,7 @@ import memory
 import mfu
 import packed_vs_hf
 import pipeline
+import routing_cost
 import weight_push
 import wire_cost
 from common import Row
@@ -459,10 +460,10 @@ def main() -> int:
     text = report(args, cfg, results, time.time() - start)
     previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
-    for own in (pipeline, weight_push):  # sections their own scripts write: kept
+    for own in (pipeline, weight_push, routing_cost):  # sections their own scripts write: kept
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]
-            own.write_section(args.output, kept + own.END + "\n")
+            common.write_section(args.output, own.BEGIN, own.END, kept + own.END)
     print(text)
     log(f"wrote {args.output} in {time.time() - start:.0f} s")
     return 0

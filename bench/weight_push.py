@@ -228,17 +228,6 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Puts ``section`` (markers included) into ``path`` in place of the previous one, or
-    at the end (the interface ``run_all.py`` keeps sections through, as bench/pipeline.py)."""
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section.rstrip("\n") + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
@@ -254,7 +243,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="megascore-push-bench-") as tmp:
         res = measure(args.reps, Path(tmp))
     text = section(res, args.reps, machine, time.time() - start)
-    write_section(args.output, text)
+    common.write_section(args.output, BEGIN, END, text)
     print(text)
     return 0
 
