@@ -1,4 +1,4 @@
-"""MoE routing record / replay in TP2 (with and without SP), CP2 and EP2 layouts.
+"""MoE routing record / replay in TP2 (with and without SP), CP2, EP2 and PP2 layouts.
 
 One 2-rank torchrun launch of ``scripts/routing_layouts.py``: in every layout,
 replaying the recorded routes is bit-identical, replaying the reference layout's
@@ -18,7 +18,7 @@ from tests.torchrun import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "routing_layouts.py"
 NPROC = 2
-LAYOUTS = ("ref", "tp2_sp", "tp2_nosp", "cp2", "ep2")  # as in the script
+LAYOUTS = ("ref", "tp2_sp", "tp2_nosp", "cp2", "ep2", "pp2")  # as in the script
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,6 @@ def test_record_and_replay_in_layout(launch, name):
 def test_recorded_routes_equal_the_reference(launch, name):
     """Same experts per token and layer (the order within a token is the router's)."""
     with np.load(launch["dir"] / f"{name}.npz") as got, np.load(launch["dir"] / "ref.npz") as ref:
-        assert got["routing"].shape == ref["routing"].shape == (208, 2, 2)
+        assert got["routing"].shape == ref["routing"].shape == (206, 2, 2)
         np.testing.assert_array_equal(np.sort(got["routing"], -1), np.sort(ref["routing"], -1))
         np.testing.assert_allclose(got["logprobs"], ref["logprobs"], rtol=0, atol=1e-5)

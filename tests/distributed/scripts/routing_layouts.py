@@ -1,8 +1,9 @@
 """MoE routing record / replay of DistributedEngine in parallel layouts (2 gloo ranks).
 
 For every layout of ``tiny-moe`` (TP=1 reference, TP=2 with sequence parallelism,
-TP=2 without it, CP=2, EP=2) rank 0 scores one batch recording the routing, then
-replays (the batch travels to the workers through the broadcast protocol):
+TP=2 without it, CP=2, EP=2, PP=2 with 4 microbatches: one MoE layer per stage) rank 0
+scores one batch recording the routing, then replays (the batch travels to the
+workers through the broadcast protocol):
 
 * its own routes: logprobs and top-k bit-identical to the recording forward;
 * the reference layout's routes: logprobs within 1e-5 of the reference;
@@ -25,18 +26,22 @@ import torch.distributed as dist
 from engine_common import CheckLog
 
 from megascore.config import EngineConfig
+from megascore.engine.pipeline import split_microbatches
 from megascore.engine.runtime import DistributedEngine
 from megascore.types import ScoreBatch
 
-# name -> (tp, cp, ep, sequence_parallel); None: the engine's default (on for MoE at TP > 1)
+# name -> (tp, cp, ep, pp, sequence_parallel); None: the engine's default (on for MoE at
+# TP > 1). PP = 2 runs 2 x PP = 4 microbatches per step.
 LAYOUTS = {
-    "ref": (1, 1, 1, None),
-    "tp2_sp": (2, 1, 1, None),
-    "tp2_nosp": (2, 1, 1, False),
-    "cp2": (1, 2, 1, None),
-    "ep2": (1, 1, 2, None),
+    "ref": (1, 1, 1, 1, None),
+    "tp2_sp": (2, 1, 1, 1, None),
+    "tp2_nosp": (2, 1, 1, 1, False),
+    "cp2": (1, 2, 1, 1, None),
+    "ep2": (1, 1, 2, 1, None),
+    "pp2": (1, 1, 1, 2, None),
 }
-LENGTHS = (1, 5, 130, 1, 17, 3, 2, 40, 9)
+# no sequence longer than a quarter of the tokens, so PP = 2 splits a step into 4 microbatches
+LENGTHS = (1, 5, 30, 1, 17, 3, 2, 40, 9, 25, 33, 12, 28)
 NUM_EXPERTS = 4
 
 
@@ -57,13 +62,14 @@ def other_routes(routes: np.ndarray) -> np.ndarray:
 
 
 def run_layout(name: str, spec, rank: int, out_dir: Path, reference: dict) -> None:
-    tp, cp, ep, sp = spec
+    tp, cp, ep, pp, sp = spec
     engine = DistributedEngine.create(
         EngineConfig(
             model="tiny-moe",
             tensor_model_parallel_size=tp,
             context_parallel_size=cp,
             expert_model_parallel_size=ep,
+            pipeline_model_parallel_size=pp,
             sequence_parallel=sp,
             logprob_chunk_tokens=64,
             collective_timeout_s=60.0,
@@ -74,6 +80,9 @@ def run_layout(name: str, spec, rank: int, out_dir: Path, reference: dict) -> No
         return
     try:
         batch = make_batch()
+        if pp > 1:
+            ranges, _ = split_microbatches(batch.lengths, engine.pad_multiple, 2 * pp)
+            assert len(ranges) == 2 * pp, ranges
         out = engine.score(batch)
         np.savez(out_dir / f"{name}.npz", routing=out.routing, logprobs=out.logprobs)
         if name == "ref":
