@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from megascore_client import InvalidInputError, ScoringClient, ScoringError
-from tests.client.fake_server import VOCAB, FakeScorer, FakeServer, ref_logprobs, ref_nll
+from tests.client.fake_server import (
+    VOCAB,
+    FakeScorer,
+    FakeServer,
+    ref_logprobs,
+    ref_nll,
+    ref_routing,
+)
 
 
 def _batches(n: int) -> list[list[list[int]]]:
@@ -93,3 +100,23 @@ def test_stream_sends_the_token():
             with pytest.raises(ScoringError) as info:
                 stream.submit([[1, 2]]).result(timeout=10)
             assert info.value.code is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_stream_records_and_replays_routing(server, client):
+    batches = _batches(4)
+    with client.stream() as stream:
+        own = [stream.submit(b, return_routing=True) for b in batches]
+        own = [f.result(timeout=10) for f in own]
+        given = [[r + 1 for r in result.routing] for result in own]
+        replayed = [
+            stream.submit(b, routing=g, return_routing=True)
+            for b, g in zip(batches, given, strict=True)
+        ]
+        replayed = [f.result(timeout=10) for f in replayed]
+    for batch, first, routes, again in zip(batches, own, given, replayed, strict=True):
+        for seq, got, want, back in zip(batch, first.routing, routes, again.routing, strict=True):
+            np.testing.assert_array_equal(got, ref_routing(seq))
+            np.testing.assert_array_equal(back, want)
+    sent = [r["routing"] for r in server.scorer.requests[len(batches) :]]
+    for routes, flat in zip(given, sent, strict=True):
+        np.testing.assert_array_equal(flat, np.concatenate(routes).reshape(-1))
