@@ -23,12 +23,12 @@ Writes (or replaces) the "Model families" section of ``bench/RESULTS.md``.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import common
 import numpy as np
 from common import (
     create_engine,
@@ -43,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests.checkpoint.scripts.ckpt_common (MTP layers)
 MAX_TOKENS = 4096
 SECTION = "## Model families (`bench/families_cpu.py`)"
+BEGIN, END = "<!-- families_cpu.py: begin -->", "<!-- families_cpu.py: end -->"
 
 DIMS = dict(
     hidden_size=256,
@@ -125,13 +126,6 @@ def check_logprobs(engine, model, sequences) -> float:
     return worst
 
 
-def write_section(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.S)
-    new = pattern.sub(lambda _: text.rstrip("\n"), old) if SECTION in old else old + "\n" + text
-    path.write_text(new.rstrip("\n") + "\n")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=3)
@@ -166,6 +160,7 @@ def main() -> int:
     ]
     text = "\n".join(
         [
+            BEGIN,
             SECTION,
             "",
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine['cpu']}, load "
@@ -180,11 +175,11 @@ def main() -> int:
             f"**deepseek_v3 / llama tokens/s: {float(np.median(ratios)):.2f}** "
             f"(reps {min(ratios):.2f}..{max(ratios):.2f}). Same hidden size, layers, heads and "
             "vocabulary; MLA + 8 experts top-2 + a shared expert in 3 of 4 layers.",
-            "",
+            END,
         ]
     )
     print(text)
-    write_section(args.output, text)
+    common.write_section(args.output, BEGIN, END, text)
     return 0
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import common
 import e2e_vs_engine
+import families_cpu
 import memory
 import mfu
 import packed_vs_hf
@@ -460,7 +461,8 @@ def main() -> int:
     text = report(args, cfg, results, time.time() - start)
     previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
-    for own in (pipeline, weight_push, routing_cost):  # sections their own scripts write: kept
+    # sections their own scripts write: kept
+    for own in (pipeline, weight_push, routing_cost, families_cpu):
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]
             common.write_section(args.output, own.BEGIN, own.END, kept + own.END)
