@@ -138,11 +138,24 @@ class ClientBase:
             raise schedule.gave_up(error)
         return schedule, delay
 
-    def _prepare(self, sequences, options: ScoreOptions, limit, **batch) -> tuple[list[Part], str]:
+    def _prepare(
+        self, sequences, limit, *, loss_mask, lengths, request_id, **options
+    ) -> tuple[list[Part], str]:
+        """A ``score`` call's requests and id (``options``: the fields of ScoreOptions)."""
         return prepare(
-            sequences, options, max_message_bytes=self.message_limit, max_request_tokens=limit,
-            **batch,
+            sequences, ScoreOptions(**options), max_message_bytes=self.message_limit,
+            max_request_tokens=limit, loss_mask=loss_mask, lengths=lengths,
+            request_id=request_id,
         )  # fmt: skip
+
+    def _push_requests(self, named_tensors, timeout: float | None, *, chunk_bytes, **kwargs):
+        """A ``push_weights`` call's requests (encoded as they are consumed), the counters
+        they fill and the deadline (``kwargs``: the rest of ``push_requests``')."""
+        counters: dict = {}
+        size = chunk_size(chunk_bytes, self.message_limit)
+        requests = push_requests(named_tensors, chunk_bytes=size, counters=counters, **kwargs)
+        deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
+        return requests, counters, deadline
 
     def _learn_limits(self, info: ModelInfo) -> ModelInfo:
         """Resolves ``max_request_tokens="auto"`` from a GetModelInfo answer: the server's
@@ -266,16 +279,11 @@ class ScoringClient(ClientBase):
                 ``sequence_index`` the sequence an INVALID_ARGUMENT names).
         """
         start = time.perf_counter()
-        options = ScoreOptions(
-            top_k=top_k,
-            temperature=temperature,
-            losses=losses,
-            metrics=metrics,
-            return_logprobs=return_logprobs,
-        )
         parts, rid = self._prepare(
-            sequences, options, self.request_token_limit(),
-            loss_mask=loss_mask, lengths=lengths, request_id=request_id,
+            sequences, self.request_token_limit(),
+            loss_mask=loss_mask, lengths=lengths, request_id=request_id, top_k=top_k,
+            temperature=temperature, losses=losses, metrics=metrics,
+            return_logprobs=return_logprobs,
         )  # fmt: skip
         return _finish(self._send(parts, timeout), rid, start)
 
@@ -419,18 +427,12 @@ class ScoringClient(ClientBase):
                 name / shape / dtype the model does not have, tensors missing), ABORTED
                 (another push in progress), ... Never re-sent.
         """
-        counters: dict = {}
-        requests = push_requests(
-            named_tensors,
-            names=names,
-            version=version,
-            partial=partial,
-            chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
+        requests, counters, deadline = self._push_requests(
+            named_tensors, timeout,
+            names=names, version=version, partial=partial, chunk_bytes=chunk_bytes,
             progress=progress,
-            counters=counters,
-        )
+        )  # fmt: skip
         start = time.perf_counter()
-        deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         future = self.transport.start(self.transport.stub.UpdateWeights, requests, deadline)
         try:
             response = self.transport.result(future)
