@@ -16,7 +16,7 @@ from megascore_client.client import (
 from megascore_client.errors import ScoringError, closed_error
 from megascore_client.push import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
-from megascore_client.splitting import Part, decode_part
+from megascore_client.splitting import Part, ScoreOptions, decode_part
 from megascore_client.stream import AsyncScoreStream
 from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
 from megascore_client.transport import AsyncTransport
@@ -94,11 +94,16 @@ class AsyncScoringClient(ClientBase):
     ) -> ScoreResult:
         """Scores a batch; arguments, result and errors as ``ScoringClient.score``."""
         start = time.perf_counter()
-        parts, rid = self._prepare(
-            sequences, await self.request_token_limit(),
-            loss_mask=loss_mask, lengths=lengths, request_id=request_id, top_k=top_k,
-            temperature=temperature, losses=losses, metrics=metrics,
+        options = ScoreOptions(
+            top_k=top_k,
+            temperature=temperature,
+            losses=losses,
+            metrics=metrics,
             return_logprobs=return_logprobs,
+        )
+        parts, rid = self._prepare(
+            sequences, options, await self.request_token_limit(),
+            loss_mask=loss_mask, lengths=lengths, request_id=request_id,
         )  # fmt: skip
         return _finish(await self._send(parts, timeout), rid, start)
 

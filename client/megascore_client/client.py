@@ -138,14 +138,10 @@ class ClientBase:
             raise schedule.gave_up(error)
         return schedule, delay
 
-    def _prepare(
-        self, sequences, limit, *, loss_mask, lengths, request_id, **options
-    ) -> tuple[list[Part], str]:
-        """A ``score`` call's requests and id (``options``: the fields of ScoreOptions)."""
+    def _prepare(self, sequences, options: ScoreOptions, limit, **batch) -> tuple[list[Part], str]:
         return prepare(
-            sequences, ScoreOptions(**options), max_message_bytes=self.message_limit,
-            max_request_tokens=limit, loss_mask=loss_mask, lengths=lengths,
-            request_id=request_id,
+            sequences, options, max_message_bytes=self.message_limit, max_request_tokens=limit,
+            **batch,
         )  # fmt: skip
 
     def _push_requests(self, named_tensors, timeout: float | None, *, chunk_bytes, **kwargs):
@@ -279,11 +275,16 @@ class ScoringClient(ClientBase):
                 ``sequence_index`` the sequence an INVALID_ARGUMENT names).
         """
         start = time.perf_counter()
-        parts, rid = self._prepare(
-            sequences, self.request_token_limit(),
-            loss_mask=loss_mask, lengths=lengths, request_id=request_id, top_k=top_k,
-            temperature=temperature, losses=losses, metrics=metrics,
+        options = ScoreOptions(
+            top_k=top_k,
+            temperature=temperature,
+            losses=losses,
+            metrics=metrics,
             return_logprobs=return_logprobs,
+        )
+        parts, rid = self._prepare(
+            sequences, options, self.request_token_limit(),
+            loss_mask=loss_mask, lengths=lengths, request_id=request_id,
         )  # fmt: skip
         return _finish(self._send(parts, timeout), rid, start)
 

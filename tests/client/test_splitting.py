@@ -17,8 +17,11 @@ from tests.client.fake_server import (
     VOCAB,
     FakeScorer,
     FakeServer,
-    check_scores,
     ref_logprobs,
+    ref_moe,
+    ref_mtp,
+    ref_nll,
+    ref_top_k,
 )
 
 LIMIT = 64 * 1024
@@ -52,7 +55,16 @@ def test_large_batch_is_split_and_reassembled_in_order(small_server):
     assert sum(r["num_sequences"] for r in requests) == 300
     assert result.request_id == "big" and len(result) == 300
     assert result.lengths.tolist() == [len(s) for s in seqs]
-    check_scores(result, seqs, top_k=4, masks=masks)
+    for i, seq in enumerate(seqs):
+        np.testing.assert_array_equal(result.logprobs[i], ref_logprobs(seq))
+        np.testing.assert_array_equal(result.top_k_ids[i], ref_top_k(seq, 4)[0])
+    np.testing.assert_allclose(
+        result.loss["nll"], [ref_nll(s, m) for s, m in zip(seqs, masks, strict=True)]
+    )
+    # Token-weighted mean of per-request means == the mean over the whole batch.
+    flat = np.concatenate(seqs)
+    assert result.moe_metrics == pytest.approx(ref_moe(flat))
+    assert result.mtp_metrics == pytest.approx(ref_mtp(flat))
     assert result.timings.compute_ms == pytest.approx(2.0 * len(requests))
 
 
@@ -93,7 +105,9 @@ def test_default_client_splits_under_the_message_limit_the_server_advertises():
         sent = len(scorer.requests)
         assert sent == result.timings.num_requests > 1
         assert sorted(r["request_id"] for r in scorer.requests) == [f"adv/{i}" for i in range(sent)]
-        check_scores(result, seqs, top_k=4, metrics=False)
+        for i, seq in enumerate(seqs):
+            np.testing.assert_array_equal(result.logprobs[i], ref_logprobs(seq))
+            np.testing.assert_array_equal(result.top_k_ids[i], ref_top_k(seq, 4)[0])
         async_result, async_limit = asyncio.run(score_async(srv.target))
         assert async_limit == LIMIT and async_result.timings.num_requests == sent
         np.testing.assert_array_equal(async_result.lengths, result.lengths)
