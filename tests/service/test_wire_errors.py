@@ -17,7 +17,7 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore_server.status import MAX_MESSAGE_CHARS, status_for
 from megascore_server.validation import MAX_ID_CHARS
 from tests.service.fake_engine import FakeEngine
-from tests.service.harness import Req, ServerThread, check_response
+from tests.service.harness import Req, check_response, serving
 from tests.service.test_weight_push import EMBED, NORM, PushEngine, begin, chunk, commit, full_push
 
 GARBAGE = (b"\xff\xff\xff", b"`", b"\xb9", b"\x0a\x05ab", b"\x12\x80\x80\x80\x80\x10")
@@ -33,9 +33,7 @@ STREAM = "/megascore.v1.Scorer/ScoreStream"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread(FakeEngine(), max_batch_wait_ms=1)
-    yield srv
-    srv.stop()
+    yield from serving(FakeEngine(), max_batch_wait_ms=1)
 
 
 def _unary(server, method: str, payload: bytes) -> grpc.RpcError:
@@ -136,9 +134,7 @@ def test_long_load_weights_strings_are_refused(server, field):
 
 @pytest.fixture(scope="module")
 def push_server():
-    srv = ServerThread(PushEngine(), max_batch_wait_ms=1)
-    yield srv
-    srv.stop()
+    yield from serving(PushEngine(), max_batch_wait_ms=1)
 
 
 LONG_PUSHES = {  # UpdateWeights streams with a 20,000-character string -> what the error names
