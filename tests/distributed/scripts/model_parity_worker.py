@@ -1,4 +1,4 @@
-"""Four-rank gloo run of build_model + forward_packed in several parallel layouts.
+"""Four-rank gloo run of build_model + tests/packed_forward in several parallel layouts.
 
 Run by tests/distributed/test_model_parity.py under torchrun (--nproc-per-node 4).
 For every layout each rank packs the same batch for its own CP rank, runs the
@@ -19,12 +19,11 @@ import torch
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
-from megascore.distributed import gather_cp_shards
-from megascore.engine.forward import forward_packed
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from megascore.model.parallel import destroy_parallel, initialize_parallel
 from megascore.packing import pack_sequences
+from tests.packed_forward import forward_packed, full_logits
 
 # name: (model, tp, cp, ep, sequence_parallel, per-sequence pad multiple)
 LAYOUTS = {
@@ -76,12 +75,7 @@ def run_layout(name: str, out_dir: Path) -> None:
             want_moe_metrics=model_cfg.is_moe,
             want_mtp_metrics=model_cfg.has_mtp,
         )
-        logits = out.head.logits(0, out.head.num_tokens)  # [T_local, V / tp], a tiny batch
-        if tp > 1:
-            shards = [torch.empty_like(logits) for _ in range(tp)]
-            dist.all_gather(shards, logits.contiguous(), group=pgs.tp)
-            logits = torch.cat(shards, dim=-1)  # [T_local, V]
-        full = gather_cp_shards(logits[None], packed.cu_seqlens_padded, pgs.cp)[0]  # [T, V]
+        full = full_logits(out, packed, pgs)  # [T, V], a tiny batch
         starts = packed.cu_seqlens_padded.tolist()
         rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, LENGTHS, strict=False)])
         logprobs = torch.log_softmax(full[rows].double(), dim=-1)
