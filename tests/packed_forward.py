@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import OutputHead, forward_microbatch, scoring_forward
-from megascore.packing import PackedSequences
+from megascore.packing import PackedSequences, pack_sequences
 
 
 @dataclasses.dataclass
@@ -78,6 +78,17 @@ def forward_packed(
             loss_mask_packed_local=loss_mask_packed_local,
         )
     return ModelOutputs(head=head, moe_metrics=metrics.moe, mtp_metrics=metrics.mtp)
+
+
+def pack_for_rank(ids: torch.Tensor, lengths, pgs, pad_multiple: int = 1) -> PackedSequences:
+    """``pack_sequences`` of the flat ``ids`` for this rank's CP rank of ``pgs``."""
+    return pack_sequences(
+        ids,
+        torch.as_tensor(lengths),
+        pad_individual_seqs_to_multiple_of=pad_multiple,
+        cp_rank=pgs.cp.rank(),
+        cp_size=pgs.cp.size(),
+    )
 
 
 def full_logits(out: ModelOutputs, packed: PackedSequences, pgs) -> torch.Tensor:

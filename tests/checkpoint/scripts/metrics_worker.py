@@ -34,8 +34,7 @@ def run(work: Path, out: Path, family: str, layout: str) -> None:
     from megascore.config import EngineConfig
     from megascore.model.build import build_model
     from megascore.model.parallel import destroy_parallel, initialize_parallel
-    from megascore.packing import pack_sequences
-    from tests.packed_forward import forward_packed, full_logits
+    from tests.packed_forward import forward_packed, full_logits, pack_for_rank
 
     tp, cp, ep, sp, pad = LAYOUTS[layout]
     engine_cfg = EngineConfig(
@@ -52,13 +51,7 @@ def run(work: Path, out: Path, family: str, layout: str) -> None:
         load(model)
         gen = torch.Generator().manual_seed(11)
         ids = torch.randint(0, cfg.vocab_size, (sum(LENGTHS),), generator=gen)  # flat
-        packed = pack_sequences(
-            ids,
-            torch.tensor(LENGTHS),
-            pad_individual_seqs_to_multiple_of=pad,
-            cp_rank=pgs.cp.rank(),
-            cp_size=cp,
-        )
+        packed = pack_for_rank(ids, LENGTHS, pgs, pad)
         res = forward_packed(model, packed, want_moe_metrics=True, want_mtp_metrics=cfg.has_mtp)
         full = full_logits(res, packed, pgs)  # [T, V]
         starts = packed.cu_seqlens_padded.tolist()

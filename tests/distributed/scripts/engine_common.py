@@ -113,6 +113,16 @@ def raise_after(real):
     return failing
 
 
+def stall_before(real, seconds: float):
+    """``real`` after ``seconds`` of sleep: a rank that hangs."""
+
+    def stalled(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    return stalled
+
+
 def expect_injected_failure(
     engine, rank: int, module, target: str, replacement, *, on_rank: int, batch, match: str
 ) -> float:

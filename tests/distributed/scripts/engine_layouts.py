@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from engine_common import (
     layout_config,
     raise_after,
     save_output,
+    stall_before,
 )
 
 from megascore.config import EngineConfig
@@ -144,14 +144,8 @@ def check_reported_failure(rank):
 def check_hung_worker(rank):
     """Rank 1 stalls before the status all-reduce: rank 0 gives up after the status timeout."""
     engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, False, timeout=3.0))
-    real = step_module.agree_on_status
-
-    def stalled(*args, **kwargs):
-        time.sleep(12.0)  # > the status timeout (3 x 3 s)
-        return real(*args, **kwargs)
-
-    if rank == 1:
-        step_module.agree_on_status = stalled
+    if rank == 1:  # 12 s > the status timeout (3 x 3 s)
+        step_module.agree_on_status = stall_before(step_module.agree_on_status, 12.0)
     if rank == 0:
         elapsed = expect_worker_lost(lambda: engine.score(edge_case_batch()), "status")
         assert elapsed < 40, f"took {elapsed:.1f} s"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ from engine_common import (
     layout_config,
     raise_after,
     save_output,
+    stall_before,
 )
 
 from megascore.config import EngineConfig
@@ -117,14 +117,8 @@ def check_last_stage_failure(rank):
 def check_hung_last_stage(rank):
     """Rank 2 (rank 0's last-stage peer) stalls mid-step: rank 0 fails within the timeouts."""
     engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, 2, timeout=3.0))
-    real = pipeline_module.score_tokens
-
-    def stalled(*args, **kwargs):
-        time.sleep(20.0)  # > the result broadcast (3 s) + the status all-reduce (3 x 3 s)
-        return real(*args, **kwargs)
-
-    if rank == 2:
-        pipeline_module.score_tokens = stalled
+    if rank == 2:  # 20 s > the result broadcast (3 s) + the status all-reduce (3 x 3 s)
+        pipeline_module.score_tokens = stall_before(pipeline_module.score_tokens, 20.0)
     if rank == 0:
         elapsed = expect_worker_lost(lambda: engine.score(pp_batch()), "")
         assert elapsed < 30, f"took {elapsed:.1f} s"

@@ -22,8 +22,7 @@ from megascore.config import EngineConfig
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from megascore.model.parallel import destroy_parallel, initialize_parallel
-from megascore.packing import pack_sequences
-from tests.packed_forward import forward_packed, full_logits
+from tests.packed_forward import forward_packed, full_logits, pack_for_rank
 
 # name: (model, tp, cp, ep, sequence_parallel, per-sequence pad multiple)
 LAYOUTS = {
@@ -62,13 +61,7 @@ def run_layout(name: str, out_dir: Path) -> None:
         model_cfg = builtin_model(model_name)
         model = build_model(model_cfg, engine_cfg, pgs)
         ids, lens = batch()
-        packed = pack_sequences(
-            ids,
-            lens,
-            pad_individual_seqs_to_multiple_of=pad_multiple,
-            cp_rank=pgs.cp.rank(),
-            cp_size=cp,
-        )
+        packed = pack_for_rank(ids, lens, pgs, pad_multiple)
         out = forward_packed(
             model,
             packed,
