@@ -9,25 +9,20 @@ from __future__ import annotations
 
 import pytest
 
+from tests.one_rank import one_rank_world
+
 pytest_plugins = ("tests.e2e.fixtures",)
 
 
 @pytest.fixture(scope="module")
 def pgs():
     """Megatron parallel state of a one-rank gloo world (TP = CP = EP = 1), per module."""
-    import torch.distributed as dist
-
     from megascore.config import EngineConfig
     from megascore.model.parallel import destroy_parallel, initialize_parallel
 
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    pg_collection = initialize_parallel(EngineConfig())
-    yield pg_collection
-    destroy_parallel()
-    if created:
-        dist.destroy_process_group()
+    with one_rank_world():
+        yield initialize_parallel(EngineConfig())
+        destroy_parallel()
 
 
 def pytest_addoption(parser):

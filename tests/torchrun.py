@@ -13,6 +13,8 @@ from pathlib import Path
 
 from megascore_server.launcher import pick_port
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 300) -> str:
     """Runs ``script`` on ``nproc`` local ranks; returns combined output, raises on failure."""
@@ -28,6 +30,8 @@ def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 30
         *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    # the scripts may import the shared test helpers (``tests.*``)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True
     )

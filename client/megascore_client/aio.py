@@ -14,7 +14,7 @@ from megascore_client.client import (
     _finish,
 )
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push import PUSH_TIMEOUT_S, PushResult, chunk_size, finish, push_requests
+from megascore_client.push import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, ScoreOptions, decode_part
 from megascore_client.stream import AsyncScoreStream
@@ -187,18 +187,12 @@ class AsyncScoringClient(ClientBase):
     ) -> PushResult:
         """Streams new weights into the server and swaps them in (see
         ``ScoringClient.push_weights``; the tensors are encoded on the event loop)."""
-        counters: dict = {}
-        requests = push_requests(
-            named_tensors,
-            names=names,
-            version=version,
-            partial=partial,
-            chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
+        requests, counters, deadline = self._push_requests(
+            named_tensors, timeout,
+            names=names, version=version, partial=partial, chunk_bytes=chunk_bytes,
             progress=progress,
-            counters=counters,
-        )
+        )  # fmt: skip
         start = time.perf_counter()
-        deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         try:
             response = await self.transport.call(
                 self.transport.stub.UpdateWeights, requests, deadline

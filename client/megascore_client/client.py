@@ -144,6 +144,15 @@ class ClientBase:
             **batch,
         )  # fmt: skip
 
+    def _push_requests(self, named_tensors, timeout: float | None, *, chunk_bytes, **kwargs):
+        """A ``push_weights`` call's requests (encoded as they are consumed), the counters
+        they fill and the deadline (``kwargs``: the rest of ``push_requests``')."""
+        counters: dict = {}
+        size = chunk_size(chunk_bytes, self.message_limit)
+        requests = push_requests(named_tensors, chunk_bytes=size, counters=counters, **kwargs)
+        deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
+        return requests, counters, deadline
+
     def _learn_limits(self, info: ModelInfo) -> ModelInfo:
         """Resolves ``max_request_tokens="auto"`` from a GetModelInfo answer: the server's
         token limit and message size limit (0 = not reported: the client's applies)."""
@@ -428,18 +437,12 @@ class ScoringClient(ClientBase):
                 name / shape / dtype the model does not have, tensors missing), ABORTED
                 (another push in progress), ... Never re-sent.
         """
-        counters: dict = {}
-        requests = push_requests(
-            named_tensors,
-            names=names,
-            version=version,
-            partial=partial,
-            chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
+        requests, counters, deadline = self._push_requests(
+            named_tensors, timeout,
+            names=names, version=version, partial=partial, chunk_bytes=chunk_bytes,
             progress=progress,
-            counters=counters,
-        )
+        )  # fmt: skip
         start = time.perf_counter()
-        deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         future = self.transport.start(self.transport.stub.UpdateWeights, requests, deadline)
         try:
             response = self.transport.result(future)

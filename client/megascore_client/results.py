@@ -18,6 +18,11 @@ __all__ = [
 ]
 
 
+def _fields(msg) -> dict:
+    """A flat message's fields by name (what a dataclass mirroring it takes)."""
+    return {field.name: getattr(msg, field.name) for field in msg.DESCRIPTOR.fields}
+
+
 @dataclasses.dataclass
 class Timings:
     """Where the time of one ``score`` call went.
@@ -44,12 +49,7 @@ class Timings:
 
     @classmethod
     def from_proto(cls, msg: pb.Timings) -> Timings:
-        return cls(
-            queue_ms=msg.queue_ms,
-            compute_ms=msg.compute_ms,
-            total_ms=msg.total_ms,
-            num_steps=msg.num_steps,
-        )
+        return cls(**_fields(msg))
 
 
 @dataclasses.dataclass
@@ -119,7 +119,7 @@ class ParallelLayout:
 
     @classmethod
     def from_proto(cls, msg: pb.ParallelLayout) -> ParallelLayout:
-        return cls(**{field.name: getattr(msg, field.name) for field in dataclasses.fields(cls)})
+        return cls(**_fields(msg))
 
 
 @dataclasses.dataclass

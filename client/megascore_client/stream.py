@@ -89,6 +89,13 @@ class _Pending:
     def add(self, part, index: int, assembler: _Assembler) -> None:
         self.parts.append((part, index, assembler))
 
+    def check_open(self, closed: bool) -> None:
+        """Raises RuntimeError when the stream is ``closed``, its error once it failed."""
+        if closed:
+            raise RuntimeError("submit on a closed stream")
+        if self.error is not None:
+            raise self.error
+
     def resolve(self, response) -> None:
         """Decodes a response as the answer to the oldest part sent."""
         if not self.parts:
@@ -114,6 +121,32 @@ class _Pending:
         if error is None and self.parts:
             error = malformed_response(f"stream ended with {len(self.parts)} unanswered")
         self.fail(error or _ended())
+
+
+class _ReadEnd:
+    """Around a stream's response reader: what ended it, as a :class:`ScoringError`.
+
+    The call's status (``grpc.RpcError``), or a response that does not fit its request
+    (``ScoringError``: the call is then cancelled); ``error`` stays None when the
+    responses simply ran out. Other exceptions go on.
+    """
+
+    def __init__(self, call):
+        self.call = call
+        self.error: ScoringError | None = None
+
+    def __enter__(self) -> _ReadEnd:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, grpc.RpcError):
+            self.error = ScoringError.from_rpc_error(exc)
+            return True
+        if isinstance(exc, ScoringError):
+            self.error = exc
+            self.call.cancel()
+            return True
+        return False
 
 
 class ScoreStream:
@@ -165,28 +198,19 @@ class ScoreStream:
         future.set_running_or_notify_cancel()  # ordered results: not cancellable one by one
         assembler = _Assembler(len(parts), rid, future.set_result, future.set_exception)
         with self._lock:
-            if self._closed:
-                raise RuntimeError("submit on a closed stream")
-            if self._pending.error is not None:
-                raise self._pending.error
+            self._pending.check_open(self._closed)
             for index, part in enumerate(parts):
                 self._pending.add(part, index, assembler)
                 self._requests.put(part.request)
         return future
 
     def _read(self) -> None:
-        error: ScoringError | None = None
-        try:
+        with _ReadEnd(self._call) as end:
             for response in self._call:
                 with self._lock:
                     self._pending.resolve(response)
-        except grpc.RpcError as exc:
-            error = ScoringError.from_rpc_error(exc)
-        except ScoringError as exc:
-            error = exc
-            self._call.cancel()
         with self._lock:
-            self._pending.end(error)
+            self._pending.end(end.error)
 
     def close(self) -> None:
         """Half-closes the stream and waits until every submitted batch is answered."""
@@ -251,10 +275,7 @@ class AsyncScoreStream:
 
         assembler = _Assembler(len(parts), rid, on_result, on_error)
         async with self._write_lock:
-            if self._closed:
-                raise RuntimeError("submit on a closed stream")
-            if self._pending.error is not None:
-                raise self._pending.error
+            self._pending.check_open(self._closed)
             for index, part in enumerate(parts):
                 self._pending.add(part, index, assembler)
                 try:
@@ -270,22 +291,18 @@ class AsyncScoreStream:
         return future
 
     async def _read(self) -> None:
-        error: ScoringError | None = None
-        try:
-            while (response := await self._call.read()) is not grpc.aio.EOF:
-                self._pending.resolve(response)
-        except grpc.RpcError as exc:
-            error = ScoringError.from_rpc_error(exc)
-        except ScoringError as exc:
-            error = exc
-            self._call.cancel()
-        except asyncio.CancelledError:
-            # grpc.aio raises it for a call cancelled here: by cancel() or by the
-            # client's close(); a cancellation of this task itself goes on
-            error = self._cancelled_error()
-            if _task_cancelling():
-                self._pending.fail(error)
-                raise
+        with _ReadEnd(self._call) as end:
+            try:
+                while (response := await self._call.read()) is not grpc.aio.EOF:
+                    self._pending.resolve(response)
+            except asyncio.CancelledError:
+                # grpc.aio raises it for a call cancelled here: by cancel() or by the
+                # client's close(); a cancellation of this task itself goes on
+                end.error = self._cancelled_error()
+                if _task_cancelling():
+                    self._pending.fail(end.error)
+                    raise
+        error = end.error
         if error is None and not self._pending.parts and self._call.done():
             code = await self._call.code()
             if code is not grpc.StatusCode.OK:

@@ -9,6 +9,7 @@ The request side (proto -> :class:`~megascore.types.ScoreBatch`) is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -78,7 +79,6 @@ def model_info_to_proto(
     weights_version: str,
 ) -> pb.ModelInfo:
     """Converts the engine's :class:`ModelInfo` plus the server's limits to the wire message."""
-    p = info.parallel
     return pb.ModelInfo(
         name=info.name,
         architecture=info.architecture,
@@ -86,13 +86,7 @@ def model_info_to_proto(
         vocab_size=info.vocab_size,
         max_sequence_length=max_sequence_length,
         dtype=info.dtype,
-        parallel=pb.ParallelLayout(
-            world_size=p.world_size,
-            tensor_model_parallel_size=p.tensor_model_parallel_size,
-            context_parallel_size=p.context_parallel_size,
-            expert_model_parallel_size=p.expert_model_parallel_size,
-            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        ),
+        parallel=pb.ParallelLayout(**dataclasses.asdict(info.parallel)),
         attention_backend=info.attention_backend,
         checkpoint_path=info.checkpoint_path,
         weights_version=weights_version,

@@ -1,24 +1,20 @@
-"""Collective helpers: generic tensor broadcast and the inverse of CP sharding.
+"""Collective helpers: the collective device and the inverse of CP sharding.
 
 Every function takes its process group explicitly; none falls back to the
 default group. They work with gloo (CPU tensors) and NCCL (tensors on the
 current CUDA device).
 
-Both functions keep the ranks in step even when they raise: a rank that finds
-a problem still takes part in every collective of the call, then raises, so the
-other ranks never hang in a collective nobody else entered.
+:func:`gather_cp_shards` keeps the ranks in step even when it raises: it checks
+the shard before any collective, and every rank finds the same problem, so no
+rank hangs in a collective nobody else entered.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.distributed as dist
 
 from megascore.packing import cp_shard_indices
-
-logger = logging.getLogger(__name__)
 
 
 def collective_device(group: dist.ProcessGroup) -> torch.device:
@@ -33,62 +29,6 @@ def collective_device(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == dist.Backend.NCCL:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def broadcast_tensor(
-    tensor: torch.Tensor | None, src_rank: int, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Broadcasts a tensor of any shape/dtype from ``src_rank`` to every rank of ``group``.
-
-    Shape and dtype travel first (``broadcast_object_list``), then the tensor.
-    Non-source ranks may pass None (a buffer is allocated) or a buffer of the
-    right shape and dtype (it is filled in place and returned).
-
-    Args:
-        tensor: the data on the source rank; None or a receive buffer elsewhere.
-        src_rank: *global* rank of the source (as ``torch.distributed.broadcast``).
-        group: the process group (required).
-
-    Returns:
-        The broadcast tensor: on the source the input itself, elsewhere the filled
-        buffer (on the collective device when allocated here).
-
-    Raises:
-        ValueError: the source passed None (raised on every rank), or this rank's
-            buffer has the wrong shape/dtype (raised on that rank, after the
-            broadcast so that the others are not left waiting).
-    """
-    device = collective_device(group)
-    is_src = dist.get_rank() == src_rank
-    meta: list[object] = [None]
-    if is_src and tensor is not None:
-        meta = [(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))]
-    dist.broadcast_object_list(meta, src=src_rank, group=group, device=device)
-    if meta[0] is None:
-        raise ValueError(f"broadcast_tensor: the source rank {src_rank} passed None")
-    shape, dtype_name = meta[0]
-    dtype = getattr(torch, dtype_name)
-
-    if is_src:
-        send = tensor.to(device).contiguous()
-        dist.broadcast(send, src=src_rank, group=group)
-        return tensor
-
-    mismatch = tensor is not None and (tuple(tensor.shape) != shape or tensor.dtype != dtype)
-    direct = (
-        tensor is not None and not mismatch and tensor.device == device and tensor.is_contiguous()
-    )
-    recv = tensor if direct else torch.empty(shape, dtype=dtype, device=device)
-    dist.broadcast(recv, src=src_rank, group=group)
-    if mismatch:
-        raise ValueError(
-            f"broadcast_tensor: buffer on rank {dist.get_rank()} is "
-            f"{tuple(tensor.shape)} {tensor.dtype}, the source sent {shape} {dtype}"
-        )
-    if tensor is None or direct:
-        return recv
-    tensor.copy_(recv)
-    return tensor
 
 
 def gather_cp_shards(

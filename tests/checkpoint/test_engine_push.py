@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
 from megascore.errors import CheckpointError
 from megascore.types import LAYOUT_COMMON, WEIGHT_NAMES_MEGATRON, ScoreBatch
+from tests.one_rank import one_rank_world
 
 BATCH = ScoreBatch(
     token_ids=np.random.default_rng(0).integers(0, 500, 40).astype(np.int64),
@@ -27,16 +27,12 @@ BATCH = ScoreBatch(
 
 @pytest.fixture(scope="module")
 def engine():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    eng = DistributedEngine.create(
-        EngineConfig(model="builtin:tiny@1", device="cpu", collective_timeout_s=60)
-    )
-    yield eng
-    eng.shutdown()
-    if created and dist.is_initialized():
-        dist.destroy_process_group()
+    with one_rank_world():
+        eng = DistributedEngine.create(
+            EngineConfig(model="builtin:tiny@1", device="cpu", collective_timeout_s=60)
+        )
+        yield eng
+        eng.shutdown()
 
 
 def _state(engine) -> dict[str, torch.Tensor]:

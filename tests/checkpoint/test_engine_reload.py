@@ -15,13 +15,13 @@ import logging
 
 import grpc
 import pytest
-import torch.distributed as dist
 
 from megascore.config import EngineConfig
 from megascore.engine import served_model
 from megascore.engine.runtime import DistributedEngine
 from megascore.v1 import scoring_pb2 as pb
-from tests.service.harness import ServerThread
+from tests.one_rank import one_rank_world
+from tests.service.harness import serving
 
 
 def _llama_config(intermediate_size: int) -> dict:
@@ -45,17 +45,11 @@ def _llama_config(intermediate_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    engine = DistributedEngine.create(
-        EngineConfig(model="tiny", device="cpu", collective_timeout_s=60)
-    )
-    srv = ServerThread(engine, max_batch_wait_ms=1)
-    yield srv
-    srv.stop()  # shuts the engine down
-    if created and dist.is_initialized():
-        dist.destroy_process_group()
+    with one_rank_world():
+        engine = DistributedEngine.create(
+            EngineConfig(model="tiny", device="cpu", collective_timeout_s=60)
+        )
+        yield from serving(engine, max_batch_wait_ms=1)  # stopping shuts the engine down
 
 
 def _load(server, model: str) -> grpc.RpcError | pb.LoadWeightsResponse:

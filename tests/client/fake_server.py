@@ -17,6 +17,7 @@ from concurrent import futures
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from megascore.errors import MegascoreError
@@ -318,3 +319,21 @@ class FakeServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def check_scores(result, seqs, *, top_k: int, temperature=1.0, masks=None, metrics=True):
+    """Asserts that a client ``result`` for ``seqs`` holds the ``ref_*`` values: logprobs,
+    top-k ids and logprobs, the "nll" loss and (``metrics``) the MoE / MTP metrics."""
+    masks = [None] * len(seqs) if masks is None else masks
+    for i, seq in enumerate(seqs):
+        np.testing.assert_array_equal(result.logprobs[i], ref_logprobs(seq, temperature))
+        ids, lps = ref_top_k(seq, top_k, temperature)
+        np.testing.assert_array_equal(result.top_k_ids[i], ids)
+        np.testing.assert_array_equal(result.top_k_logprobs[i], lps)
+    expected = [ref_nll(s, m, temperature) for s, m in zip(seqs, masks, strict=True)]
+    np.testing.assert_allclose(result.loss["nll"], expected)
+    if metrics:
+        # Token-weighted mean of per-request means == the mean over the whole batch.
+        flat = np.concatenate(seqs)
+        assert result.moe_metrics == pytest.approx(ref_moe(flat))
+        assert result.mtp_metrics == pytest.approx(ref_mtp(flat))

@@ -22,7 +22,7 @@ CLIENT = ROOT / "client" / "megascore_client"
 SERVER = ROOT / "server" / "megascore_server"
 LIBRARY = ROOT / "src" / "megascore"
 WIRE_LAYER = ("megascore.v1", "megascore.wire")
-# the batcher and its helpers (the step planner is microbatch.py before the engine refactor)
+# the batcher and its helpers: the step planner and the pending-request bookkeeping
 BATCHER = ("batcher.py", "step_planner.py", "pending.py")
 
 

@@ -1,4 +1,4 @@
-"""broadcast_tensor, gather_cp_shards and the engine protocol on two gloo ranks.
+"""gather_cp_shards and the engine protocol on two gloo ranks.
 
 One torchrun launch runs every check (tests/distributed/scripts/primitives_worker.py);
 each test below reports one check on both ranks.
@@ -15,11 +15,6 @@ from tests.torchrun import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "primitives_worker.py"
 CHECKS = (
-    "broadcast_into_none",
-    "broadcast_into_provided_buffer",
-    "broadcast_buffer_mismatch_raises_and_stays_in_step",
-    "broadcast_source_none_raises_everywhere",
-    "broadcast_from_nonzero_source",
     "gather_cp_shards_matches_single_process_packing",
     "protocol_round_trip",
     "weights_protocol_round_trip",

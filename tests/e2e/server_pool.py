@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests.e2e.serve import ServeProcess
@@ -101,6 +102,12 @@ class ServerPool:
         finally:
             server.close()
 
+    def lend(self, config: str) -> Iterator[ServeProcess]:
+        """Body of a test's ``server`` fixture (``yield from``): the server of ``config``,
+        released after the test."""
+        yield self.get(config)
+        self.done(config)
+
     def close(self) -> None:
         for name, server in self.servers.items():
             if name not in self.stopping:
@@ -122,3 +129,14 @@ def module_plan(request) -> list[str]:
         if callspec and "config" in callspec.params:
             plan.append(callspec.params["config"])
     return plan
+
+
+def module_pool(request, tmp_path_factory, name: str, specs: dict[str, ServerSpec]):
+    """Body of a module's ``pool`` fixture (``yield from``): a :class:`ServerPool` of
+    ``specs`` in the module's plan, logs in a temporary ``name`` folder, closed (and
+    checked) after the module."""
+    servers = ServerPool(tmp_path_factory.mktemp(name), specs, module_plan(request))
+    try:
+        yield servers
+    finally:
+        servers.close()

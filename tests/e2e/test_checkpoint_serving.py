@@ -37,7 +37,7 @@ from megascore.checkpoint import resolve_model
 from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
 from tests.checkpoint.scripts.ckpt_common import VOCAB, make_hf_model
 from tests.e2e.serve import ServeProcess
-from tests.e2e.server_pool import ServerPool, ServerSpec, module_plan
+from tests.e2e.server_pool import ServerSpec, module_pool
 
 pytestmark = pytest.mark.timeout(1200)  # first test waits for the servers' start-up
 
@@ -165,17 +165,12 @@ def pool(request, checkpoints, tmp_path_factory):
         name: ServerSpec(checkpoints[ckpt].spec, tp, ("--tp", str(tp)) if tp > 1 else ())
         for name, (ckpt, tp) in SERVERS.items()
     }
-    servers = ServerPool(tmp_path_factory.mktemp("serve-ckpt"), specs, module_plan(request))
-    try:
-        yield servers
-    finally:
-        servers.close()
+    yield from module_pool(request, tmp_path_factory, "serve-ckpt", specs)
 
 
 @pytest.fixture
 def server(pool, config):
-    yield pool.get(config)
-    pool.done(config)
+    yield from pool.lend(config)
 
 
 def _client(server: ServeProcess) -> ScoringClient:

@@ -33,7 +33,7 @@ from tests.checkpoint.scripts.ckpt_common import (
     save_hf_model,
 )
 from tests.checkpoint.test_mtp import MTPReference
-from tests.e2e.server_pool import ServerPool, ServerSpec, module_plan
+from tests.e2e.server_pool import ServerSpec, module_pool
 from tests.e2e.test_checkpoint_serving import PARITY_SEQS, TOP_K, hf_reference, max_error
 
 pytestmark = pytest.mark.timeout(1500)  # the first test waits for the servers' start-up
@@ -79,17 +79,12 @@ def pool(request, checkpoints, tmp_path_factory):
         family, layout = config.split("-")
         nproc, flags = LAYOUTS[layout]
         specs[config] = ServerSpec(f"hf:{checkpoints[family].directory}", nproc, flags)
-    servers = ServerPool(tmp_path_factory.mktemp("serve-families"), specs, module_plan(request))
-    try:
-        yield servers
-    finally:
-        servers.close()
+    yield from module_pool(request, tmp_path_factory, "serve-families", specs)
 
 
 @pytest.fixture
 def server(pool, config):
-    yield pool.get(config)
-    pool.done(config)
+    yield from pool.lend(config)
 
 
 METRICS: dict[str, dict[str, dict[str, float]]] = {}

@@ -244,3 +244,13 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+def serving(engine, **options):
+    """Body of a ``server`` fixture (``yield from``): ``engine`` behind a real gRPC
+    server (``options``: ServerThread's), stopped after its tests."""
+    srv = ServerThread(engine, **options)
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -16,6 +16,7 @@ from tests.service.harness import (
     check_response,
     engine_held,
     random_req,
+    serving,
     wait_for,
 )
 
@@ -24,9 +25,7 @@ BUDGET = 64
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread(FakeEngine(), max_tokens_per_batch=BUDGET, max_batch_wait_ms=5)
-    yield srv
-    srv.stop()
+    yield from serving(FakeEngine(), max_tokens_per_batch=BUDGET, max_batch_wait_ms=5)
 
 
 def new_steps(engine: FakeEngine, since: int):

@@ -19,7 +19,7 @@ from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE
 from megascore_server.status import INTERNAL_MESSAGE
 from tests.service.fake_engine import MAX_TOP_K, VOCAB, FakeEngine
-from tests.service.harness import Req, ServerThread, check_response, engine_held, wait_for
+from tests.service.harness import Req, ServerThread, check_response, engine_held, serving, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -28,9 +28,7 @@ SCORER = "megascore.v1.Scorer"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread(FakeEngine(), max_batch_wait_ms=1)
-    yield srv
-    srv.stop()
+    yield from serving(FakeEngine(), max_batch_wait_ms=1)
 
 
 def test_health_not_serving_until_ready_then_serving_then_draining():

@@ -18,7 +18,7 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import encode_array
 from megascore_server.validation import RequestLimits, validate_request
 from tests.service.fake_engine import MAX_LEN, MAX_TOP_K, VOCAB, FakeEngine
-from tests.service.harness import Req, ServerThread, check_response
+from tests.service.harness import Req, check_response, serving
 
 MAX_REQUEST_TOKENS = 2000
 LIMITS = RequestLimits(
@@ -224,9 +224,7 @@ def test_validate_million_tokens_is_vectorised():
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread(FakeEngine(), max_request_tokens=MAX_REQUEST_TOKENS, max_batch_wait_ms=0)
-    yield srv
-    srv.stop()
+    yield from serving(FakeEngine(), max_request_tokens=MAX_REQUEST_TOKENS, max_batch_wait_ms=0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -25,7 +25,7 @@ from megascore.types import LAYOUT_FUSED, LAYOUT_PER_EXPERT, WeightTarget
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import encode_array
 from tests.service.fake_engine import FakeEngine
-from tests.service.harness import ServerThread
+from tests.service.harness import serving
 
 TARGETS = {
     "embed": WeightTarget((4, 3)),
@@ -68,9 +68,7 @@ class PushEngine(FakeEngine):
 
 @pytest.fixture
 def server():
-    srv = ServerThread(PushEngine(), max_batch_wait_ms=1)
-    yield srv
-    srv.stop()
+    yield from serving(PushEngine(), max_batch_wait_ms=1)
 
 
 def begin(names=pb.WEIGHT_NAMES_HF):

@@ -17,7 +17,8 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore_server.status import MAX_MESSAGE_CHARS, status_for
 from megascore_server.validation import MAX_ID_CHARS
 from tests.service.fake_engine import FakeEngine
-from tests.service.harness import Req, ServerThread, check_response
+from tests.service.harness import Req, check_response, serving
+from tests.service.test_weight_push import EMBED, NORM, PushEngine, begin, chunk, commit, full_push
 
 GARBAGE = (b"\xff\xff\xff", b"`", b"\xb9", b"\x0a\x05ab", b"\x12\x80\x80\x80\x80\x10")
 LONG = 20_000
@@ -32,9 +33,7 @@ STREAM = "/megascore.v1.Scorer/ScoreStream"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread(FakeEngine(), max_batch_wait_ms=1)
-    yield srv
-    srv.stop()
+    yield from serving(FakeEngine(), max_batch_wait_ms=1)
 
 
 def _unary(server, method: str, payload: bytes) -> grpc.RpcError:
@@ -131,6 +130,33 @@ def test_long_load_weights_strings_are_refused(server, field):
         server.stub().LoadWeights(pb.LoadWeightsRequest(**fields), timeout=10)
     _short_invalid(info.value, f"{field}: {LONG} characters")
     _assert_serving(server)
+
+
+@pytest.fixture(scope="module")
+def push_server():
+    yield from serving(PushEngine(), max_batch_wait_ms=1)
+
+
+LONG_PUSHES = {  # UpdateWeights streams with a 20,000-character string -> what the error names
+    "first tensor name": ([begin(), chunk("N" * LONG, (5,), NORM), commit()], "message 1, tensor"),
+    "name after a half-sent tensor": (
+        [begin(), chunk("embed", (4, 3), EMBED[:8]), chunk("N" * LONG, (5,), NORM)],
+        "message 2, tensor",
+    ),
+    "commit weights_version": (
+        [*full_push()[:-1], commit("V" * LONG)],
+        f"commit.weights_version: {LONG} characters",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LONG_PUSHES))
+def test_long_update_weights_strings_are_refused(push_server, case):
+    messages, where = LONG_PUSHES[case]
+    with pytest.raises(grpc.RpcError) as info:
+        push_server.stub().UpdateWeights(iter(messages), timeout=10)
+    _short_invalid(info.value, where)
+    assert push_server.stub().UpdateWeights(iter(full_push(case)), timeout=10).weights_version
 
 
 def test_long_health_service_name_is_answered(server):

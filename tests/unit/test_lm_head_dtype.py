@@ -15,28 +15,15 @@ import torch
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
-from megascore.engine.forward import forward_packed
 from megascore.engine.logprobs import Float32Logits, score_tokens
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
-from megascore.model.parallel import destroy_parallel, initialize_parallel
 from megascore.types import ScoreBatch
+from tests.packed_forward import forward_packed
 from tests.padded_rows import pack_rows
 
 LENGTHS = [9, 1, 14]
-
-
-@pytest.fixture(scope="module")
-def pgs():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    pg_collection = initialize_parallel(EngineConfig())
-    yield pg_collection
-    destroy_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

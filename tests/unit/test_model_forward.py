@@ -18,7 +18,6 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from megascore.config import EngineConfig
 from megascore.engine.forward import (
-    forward_packed,
     moe_metric_names,
     mtp_metric_names,
     packed_labels_and_mask,
@@ -27,6 +26,7 @@ from megascore.engine.forward import (
 from megascore.model.build import build_model, resolve_attention_backend
 from megascore.model.config import ModelConfig, builtin_model
 from megascore.packing import cp_shard_indices
+from tests.packed_forward import forward_packed
 from tests.padded_rows import pack_rows
 
 TOL = 1e-5

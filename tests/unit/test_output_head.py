@@ -21,12 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megascore.config import EngineConfig
-from megascore.engine.forward import forward_packed, packed_labels_and_mask, packed_position_ids
+from megascore.engine.forward import packed_labels_and_mask, packed_position_ids
 from megascore.engine.logprobs import score_tokens
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig, builtin_model
 from megascore.types import ScoreBatch
+from tests.packed_forward import forward_packed
 from tests.padded_rows import pack_rows
 
 EQUIV_TOL = 1e-6
@@ -73,30 +74,17 @@ def test_chunked_scores_equal_full_logit_scores(pgs, name):
     num_tokens = targets.numel()
     temperature = torch.linspace(0.5, 1.5, num_tokens)
     full = _gptmodel_full_logits(model, packed)
-    want = score_tokens(
-        full,
-        targets,
-        tp_group=pgs.tp,
-        temperature=temperature,
-        top_k=TOP_K,
-        chunk_tokens=num_tokens,
-        vocab_size=model.vocab_size,
+    scoring = dict(
+        tp_group=pgs.tp, temperature=temperature, top_k=TOP_K, vocab_size=model.vocab_size
     )
+    want = score_tokens(full, targets, chunk_tokens=num_tokens, **scoring)
     outputs = [forward_packed(model, packed)]
     if MODELS[name].is_moe:  # the metrics forward (training mode) hands over the same head
         outputs.append(forward_packed(model, packed, want_moe_metrics=True, want_mtp_metrics=True))
     for out in outputs:
         assert out.head.num_tokens == num_tokens and out.head.vocab_local == model.vocab_size
         for chunk_tokens in (1, 7, 16, 33, 64):
-            got = score_tokens(
-                out.head,
-                targets,
-                tp_group=pgs.tp,
-                temperature=temperature,
-                top_k=TOP_K,
-                chunk_tokens=chunk_tokens,
-                vocab_size=model.vocab_size,
-            )
+            got = score_tokens(out.head, targets, chunk_tokens=chunk_tokens, **scoring)
             # The fp32 GEMM kernel depends on the row count: chunks of 1-7 rows (gemv /
             # narrow kernels) give logits a few ulp away from the all-rows GEMM; from 16
             # rows on they are bitwise equal here.

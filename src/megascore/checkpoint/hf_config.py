@@ -88,7 +88,3 @@ def hf_config_to_model_config(config: dict[str, Any]) -> ModelConfig:
     except ValueError as e:
         raise CheckpointError(f"config.json: inconsistent architecture: {e}") from e
 
-
-def model_config_from_hf_dir(directory: str | Path) -> ModelConfig:
-    """Reads ``DIR/config.json`` and translates it (see :func:`hf_config_to_model_config`)."""
-    return hf_config_to_model_config(read_hf_config(directory))

@@ -1,11 +1,11 @@
 """One packed GPTModel forward: the LM head's input plus the MoE / MTP metrics.
 
-The pieces are also what Megatron's schedule calls per microbatch
+The pieces are what Megatron's schedule calls per microbatch
 (:mod:`megascore.engine.pipeline`): :func:`model_inputs` builds the model's
 arguments, :func:`scoring_forward` is the mode a whole step runs in (and reads the
 metrics after it).
 
-:func:`forward_packed` feeds a :class:`~megascore.packing.PackedSequences` (THD,
+:func:`forward_microbatch` feeds a :class:`~megascore.packing.PackedSequences` (THD,
 this rank's CP shard) through the model and returns an :class:`OutputHead`: the
 final hidden states (after the final layernorm) and the model's output layer,
 which computes the vocab-parallel logits ``[C, V / tp]`` of any chunk of rows on
@@ -126,23 +126,6 @@ class OutputHead:
         finally:
             layer.sequence_parallel = saved
         return self.scale_logits(logits).squeeze(1)  # [C, V / tp]
-
-
-@dataclasses.dataclass
-class ModelOutputs:
-    """Result of :func:`forward_packed` on one rank.
-
-    Attributes:
-        head: computes this rank's vocab-parallel logits chunk by chunk; row ``t``
-            predicts the token after packed position ``t`` of this rank's CP shard.
-        moe_metrics: name -> value, reduced across ranks (identical on every rank).
-        mtp_metrics: ``mtp_{i}_loss`` and ``mtp_{i}_acceptance_rate`` (percent, as
-            Megatron logs it), i from 1, reduced across ranks.
-    """
-
-    head: OutputHead
-    moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def moe_metric_names(cfg) -> list[str]:
@@ -564,47 +547,3 @@ def scoring_forward(
     finally:
         _clear_trackers()
 
-
-def forward_packed(
-    model,
-    packed: PackedSequences,
-    *,
-    want_moe_metrics: bool = False,
-    want_mtp_metrics: bool = False,
-    loss_mask_packed_local: torch.Tensor | None = None,
-) -> ModelOutputs:
-    """Runs the model on this rank's shard of a packed batch (one stage, no schedule).
-
-    Every rank of the replica calls it with the same batch packed for its own
-    ``cp_rank`` (the model's ``pg_collection.cp``) and the same flags.
-
-    Args:
-        model: a ``GPTModel`` from ``megascore.model.build.build_model`` (eval mode).
-        packed: the batch, packed for this rank's CP rank (``input_ids_cp_sharded``
-            is the model input; ``input_ids`` the full packed ids).
-        want_moe_metrics: compute the MoE aux-loss metrics (MoE models only).
-        want_mtp_metrics: compute the MTP metrics (MTP models only).
-        loss_mask_packed_local: ``[1, T_local]`` or ``[T_local]`` Megatron-style loss
-            mask for the MTP metrics (entry t: whether the target of position t
-            counts), CP-sharded. None: every target that is a real token of the
-            same sequence.
-
-    Returns:
-        The output head (vocab-parallel logits chunk by chunk) and the requested
-        metrics (empty dicts otherwise).
-
-    Raises:
-        ValueError: metrics requested from a model that has none. (MoE training-mode
-            metrics at TP > 1 also need sequence parallelism: the engine refuses such
-            requests up front, :meth:`megascore.config.EngineConfig.metrics_supported`.)
-    """
-    with scoring_forward(
-        model, want_moe_metrics=want_moe_metrics, want_mtp_metrics=want_mtp_metrics
-    ) as metrics:
-        head = forward_microbatch(
-            model,
-            packed,
-            metrics_forward=want_moe_metrics or want_mtp_metrics,
-            loss_mask_packed_local=loss_mask_packed_local,
-        )
-    return ModelOutputs(head=head, moe_metrics=metrics.moe, mtp_metrics=metrics.mtp)

@@ -464,13 +464,7 @@ class DistributedEngine:
             problem = push.problem(message.partial)
             if push.model is not self.loaded.model:  # a LoadWeights swapped the model meanwhile
                 problem = "the served model was reloaded (LoadWeights) during the push: push again"
-            try:
-                failed = agree_on_status(problem is not None, self.groups.status)
-            except RuntimeError as e:
-                raise self._mark_broken(f"weight commit status all-reduce failed: {e}") from e
-            if failed:
-                reason = problem if problem is not None else "see the log of those ranks"
-                raise CheckpointError(f"weight push failed on ranks {failed}: {reason}")
+            self._agree_or_raise(problem, "weight commit", "weight push")
             changed = push.apply()
             self.loaded.weights_version = message.version
             logger.info(
@@ -564,16 +558,25 @@ class DistributedEngine:
         except Exception as e:  # a bug or an I/O surprise: its traceback, then as above
             logger.exception("rank %d: loading %r failed", self.rank, model)
             error = e
-        try:
-            failed = agree_on_status(error is not None, self.groups.status)
-        except RuntimeError as e:
-            raise self._mark_broken(f"reload status all-reduce failed: {e}") from e
-        if failed:
-            reason = error if error is not None else "see the log of those ranks"
-            raise CheckpointError(f"loading {model!r} failed on ranks {failed}: {reason}")
+        self._agree_or_raise(error, "reload", f"loading {model!r}")
         old, self.loaded = self.loaded, new
         del old
         logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)
+
+    def _agree_or_raise(self, problem: object, step: str, what: str) -> None:
+        """Every rank: agrees on whether any rank has a ``problem`` (None: none here).
+
+        Raises:
+            CheckpointError: some rank had one ("``what`` failed on ranks [...]").
+            WorkerLostError: the ``step`` status all-reduce itself failed.
+        """
+        try:
+            failed = agree_on_status(problem is not None, self.groups.status)
+        except RuntimeError as e:
+            raise self._mark_broken(f"{step} status all-reduce failed: {e}") from e
+        if failed:
+            reason = problem if problem is not None else "see the log of those ranks"
+            raise CheckpointError(f"{what} failed on ranks {failed}: {reason}")
 
     def _require_driver(self, what: str) -> None:
         if self.rank != _SRC:

@@ -39,11 +39,9 @@ from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
 from megascore.model.weights import (
-    canonical_name,
-    decoder_layer_offset,
+    canonical_shards,
     full_shape,
     shard_full_tensor,
-    shard_layout,
 )
 from megascore.types import (
     LAYOUT_COMMON,
@@ -135,21 +133,12 @@ def _megatron_layout(model: torch.nn.Module, config: ModelConfig, pg_collection)
     """This rank's parameters by canonical name (the unsharded single-stage local-spec
     model: global layer and expert indices): ``(local name, partition dim, stride, rank,
     size, full shape)``."""
-    ep = pg_collection.ep
-    ep_size, ep_rank = (1, 0) if ep is None else (ep.size(), ep.rank())
-    num_local = (config.num_moe_experts or 0) // ep_size
-    offset = decoder_layer_offset(_unwrap(model))
-    tied = getattr(_unwrap(model), "share_embeddings_and_output_weights", False)
+    params = _parameters(model).items()
+    shards = canonical_shards(
+        _unwrap(model), params, pg_collection, config.num_moe_experts, config.gated_linear_unit
+    )
     table = {}
-    for name, param in _parameters(model).items():
-        canon = canonical_name(
-            name,
-            ep_rank=ep_rank,
-            num_local_experts=num_local,
-            layer_offset=offset,
-            tied_output=tied,
-        )
-        dim, stride, rank, size = shard_layout(name, param, pg_collection, config.gated_linear_unit)
+    for name, param, canon, (dim, stride, rank, size) in shards:
         table[canon] = (name, dim, stride, rank, size, tuple(full_shape(param.shape, dim, size)))
     return table
 

@@ -136,26 +136,22 @@ class ModelConfig:
         return bool(self.mtp_num_layers)
 
 
+# Dense, the embedded default: GQA, SwiGLU, RoPE, untied embeddings.
+_TINY = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=512,
+    max_position_embeddings=1024,
+)
+
 BUILTIN_MODELS: dict[str, ModelConfig] = {
-    # Dense, the embedded default: GQA, SwiGLU, RoPE, untied embeddings.
-    "tiny": ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        vocab_size=512,
-        max_position_embeddings=1024,
-    ),
+    "tiny": _TINY,
     # MoE + MTP: 4 experts top-2, shared expert, aux + z losses, 1 MTP layer.
-    "tiny-moe": ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        vocab_size=512,
-        max_position_embeddings=1024,
+    "tiny-moe": dataclasses.replace(
+        _TINY,
         num_moe_experts=4,
         moe_router_topk=2,
         moe_ffn_hidden_size=64,
@@ -166,15 +162,7 @@ BUILTIN_MODELS: dict[str, ModelConfig] = {
         mtp_num_layers=1,
     ),
     # "tiny" with 5 layers: pipeline layouts up to PP=5, uneven splits (PP=2: 3 + 2).
-    "tiny-deep": ModelConfig(
-        num_layers=5,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        vocab_size=512,
-        max_position_embeddings=1024,
-    ),
+    "tiny-deep": dataclasses.replace(_TINY, num_layers=5),
     # Dense ~100M parameters for benchmarks.
     "bench": ModelConfig(
         num_layers=12,

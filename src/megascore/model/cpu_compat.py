@@ -97,11 +97,6 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) 
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
 
 
-def is_applied() -> bool:
-    """Whether :func:`apply` has run in this process."""
-    return _APPLIED
-
-
 def apply() -> None:
     """Applies the process-wide CPU measures (idempotent, thread-safe).
 

@@ -111,6 +111,42 @@ def full_shape(local_shape: torch.Size, partition_dim: int | None, world_size: i
     return shape
 
 
+def canonical_shards(
+    model: torch.nn.Module,
+    params,
+    pg_collection: ProcessGroupCollection,
+    num_moe_experts: int | None,
+    gated_linear_unit: bool,
+):
+    """This rank's tensors of ``model`` with their canonical names and shard layouts.
+
+    Args:
+        model: the (unwrapped) model the tensors belong to.
+        params: ``(local name, tensor)`` pairs of this rank's model.
+        pg_collection: the model's process groups.
+        num_moe_experts: total experts, or None for a dense model.
+        gated_linear_unit: whether fc1 holds gate and up projections.
+
+    Yields:
+        ``(local name, tensor, canonical name, (partition dim, stride, rank, size))``
+        (see :func:`canonical_name`, :func:`shard_layout`).
+    """
+    ep = pg_collection.ep
+    ep_size, ep_rank = (1, 0) if ep is None else (ep.size(), ep.rank())
+    num_local = (num_moe_experts or 0) // ep_size
+    offset = decoder_layer_offset(model)
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    for name, param in params:
+        canon = canonical_name(
+            name,
+            ep_rank=ep_rank,
+            num_local_experts=num_local,
+            layer_offset=offset,
+            tied_output=tied,
+        )
+        yield name, param, canon, shard_layout(name, param, pg_collection, gated_linear_unit)
+
+
 def shard_full_tensor(
     full: torch.Tensor, partition_dim: int | None, stride: int, rank: int, world_size: int
 ) -> torch.Tensor:
@@ -170,21 +206,11 @@ def initialize_weights(
         gated_linear_unit: whether fc1 holds gate and up projections.
         pg_collection: the model's process groups.
     """
-    ep_size = 1 if pg_collection.ep is None else pg_collection.ep.size()
-    ep_rank = 0 if pg_collection.ep is None else pg_collection.ep.rank()
-    num_local = (num_moe_experts or 0) // ep_size
     out_std = init_method_std / math.sqrt(2.0 * num_layers)
-    offset = decoder_layer_offset(model)
-    tied = getattr(model, "share_embeddings_and_output_weights", False)
-    for name, param in model.named_parameters():
-        canon = canonical_name(
-            name,
-            ep_rank=ep_rank,
-            num_local_experts=num_local,
-            layer_offset=offset,
-            tied_output=tied,
-        )
-        dim, stride, rank, size = shard_layout(name, param, pg_collection, gated_linear_unit)
+    params = canonical_shards(
+        model, model.named_parameters(), pg_collection, num_moe_experts, gated_linear_unit
+    )
+    for _, param, canon, (dim, stride, rank, size) in params:
         full = _init_full(canon, full_shape(param.shape, dim, size), seed, init_method_std, out_std)
         param.copy_(shard_full_tensor(full, dim, stride, rank, size).to(param.dtype))
     logger.info("initialised %d parameters from seed %d", len(list(model.parameters())), seed)

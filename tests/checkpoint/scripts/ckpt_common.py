@@ -268,3 +268,28 @@ def megatron_logprobs(model, ids: torch.Tensor, tp_group) -> np.ndarray:
             logits = torch.cat(parts, dim=-1)  # [b, s, V]
     lp = torch.log_softmax(logits.double(), dim=-1)[:, :-1]
     return lp.gather(-1, ids[:, 1:, None])[..., 0].numpy()
+
+
+def engine_on_rank0(model: str, **parallel):
+    """A ``DistributedEngine`` serving ``model`` on the CPU (``parallel``: EngineConfig
+    sizes) on rank 0; None on the other ranks, after their worker loop has ended (when
+    rank 0 shuts the engine down)."""
+    from megascore.config import EngineConfig
+    from megascore.engine.runtime import DistributedEngine
+
+    cfg = EngineConfig(model=model, device="cpu", collective_timeout_s=60, **parallel)
+    engine = DistributedEngine.create(cfg)
+    if dist.get_rank() != 0:
+        engine.worker_loop()
+        return None
+    return engine
+
+
+def engine_logprobs(engine, ids: torch.Tensor) -> np.ndarray:
+    """``[b, s-1]`` target logprobs of the rows of ``ids`` scored by ``engine`` (like the
+    references)."""
+    from megascore.types import ScoreBatch
+
+    lengths = np.full(len(ids), ids.shape[1])
+    out = engine.score(ScoreBatch(token_ids=ids.reshape(-1).numpy(), lengths=lengths))
+    return out.logprobs.reshape(ids.shape)[:, 1:]

@@ -1,10 +1,10 @@
 """torchrun worker (2 gloo ranks) for tests/checkpoint/test_family_metrics.py.
 
 ``WORK/hf_<family>/`` holds a tiny MoE checkpoint per family. For every family and
-layout the worker loads the checkpoint, runs ``forward_packed`` with the MoE and MTP
-metrics on one batch packed with the layout's per-sequence pad multiple, and rank r
-writes ``OUT/<family>.<layout>.rank<r>.npz`` (target logprobs of the real tokens and
-the metrics) or ``.error``.
+layout the worker loads the checkpoint, runs ``forward_packed`` (tests/packed_forward.py)
+with the MoE and MTP metrics on one batch packed with the layout's per-sequence pad
+multiple, and rank r writes ``OUT/<family>.<layout>.rank<r>.npz`` (target logprobs of
+the real tokens and the metrics) or ``.error``.
 """
 
 from __future__ import annotations
@@ -32,11 +32,9 @@ LENGTHS = [13, 1, 6, 2, 9, 20]
 def run(work: Path, out: Path, family: str, layout: str) -> None:
     from megascore.checkpoint import resolve_model
     from megascore.config import EngineConfig
-    from megascore.distributed import gather_cp_shards
-    from megascore.engine.forward import forward_packed
     from megascore.model.build import build_model
     from megascore.model.parallel import destroy_parallel, initialize_parallel
-    from megascore.packing import pack_sequences
+    from tests.packed_forward import forward_packed, full_logits, pack_for_rank
 
     tp, cp, ep, sp, pad = LAYOUTS[layout]
     engine_cfg = EngineConfig(
@@ -53,20 +51,9 @@ def run(work: Path, out: Path, family: str, layout: str) -> None:
         load(model)
         gen = torch.Generator().manual_seed(11)
         ids = torch.randint(0, cfg.vocab_size, (sum(LENGTHS),), generator=gen)  # flat
-        packed = pack_sequences(
-            ids,
-            torch.tensor(LENGTHS),
-            pad_individual_seqs_to_multiple_of=pad,
-            cp_rank=pgs.cp.rank(),
-            cp_size=cp,
-        )
+        packed = pack_for_rank(ids, LENGTHS, pgs, pad)
         res = forward_packed(model, packed, want_moe_metrics=True, want_mtp_metrics=cfg.has_mtp)
-        logits = res.head.logits(0, res.head.num_tokens)  # [T_local, V / tp]
-        if tp > 1:
-            shards = [torch.empty_like(logits) for _ in range(tp)]
-            dist.all_gather(shards, logits.contiguous(), group=pgs.tp)
-            logits = torch.cat(shards, dim=-1)
-        full = gather_cp_shards(logits[None], packed.cu_seqlens_padded, pgs.cp)[0]  # [T, V]
+        full = full_logits(res, packed, pgs)  # [T, V]
         starts = packed.cu_seqlens_padded.tolist()
         rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, LENGTHS, strict=False)])
         lp = torch.log_softmax(full[rows].double(), -1)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_common import token_batch  # noqa: E402
+from ckpt_common import engine_logprobs, engine_on_rank0, token_batch  # noqa: E402
 
 FAMILIES = {"llama": "llama_b", "qwen2": "qwen2"}  # family -> checkpoint served first
 LAYOUTS = {"pp2": (1, 2), "pp2_tp2": (2, 2)}  # name -> (tp, pp)
@@ -49,27 +49,18 @@ def _save_tp2(work: Path) -> None:
 
 
 def _serve(work: Path, out: Path, layout: str, family: str) -> None:
-    from megascore.config import EngineConfig
-    from megascore.engine.runtime import DistributedEngine
-    from megascore.types import ScoreBatch
-
     tp, pp = LAYOUTS[layout]
-    cfg = EngineConfig(
-        model=f"hf:{work / f'hf_{FAMILIES[family]}'}",
+    engine = engine_on_rank0(
+        f"hf:{work / f'hf_{FAMILIES[family]}'}",
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        device="cpu",
-        collective_timeout_s=60,
     )
-    engine = DistributedEngine.create(cfg)
-    if dist.get_rank() != 0:
-        engine.worker_loop()
+    if engine is None:
         return
     ids = token_batch()
-    batch = ScoreBatch(token_ids=ids.reshape(-1).numpy(), lengths=np.full(len(ids), ids.shape[1]))
 
-    def score(case: str) -> None:  # [b, s-1] like the references
-        np.save(out / f"{case}.npy", engine.score(batch).logprobs.reshape(ids.shape)[:, 1:])
+    def score(case: str) -> None:
+        np.save(out / f"{case}.npy", engine_logprobs(engine, ids))
 
     try:
         assert engine.info().parallel.pipeline_model_parallel_size == pp

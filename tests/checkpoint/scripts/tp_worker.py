@@ -28,7 +28,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_common import FAMILIES, MOE_FAMILIES, megatron_logprobs, token_batch  # noqa: E402
+from ckpt_common import (  # noqa: E402
+    FAMILIES,
+    MOE_FAMILIES,
+    engine_logprobs,
+    engine_on_rank0,
+    megatron_logprobs,
+    token_batch,
+)
 
 
 def _record(out: Path, case: str, fn) -> None:
@@ -79,26 +86,15 @@ def _phase(work: Path, out: Path, tag: str, engine_cfg, families: list[str]) -> 
 
 
 def _engine_phase(work: Path, out: Path) -> None:
-    from megascore.config import EngineConfig
-    from megascore.engine.runtime import DistributedEngine
     from megascore.errors import CheckpointError
-    from megascore.types import ScoreBatch
 
-    cfg = EngineConfig(
-        model=f"hf:{work / 'hf_llama'}",
-        tensor_model_parallel_size=2,
-        device="cpu",
-        collective_timeout_s=60,
-    )
-    engine = DistributedEngine.create(cfg)
-    if dist.get_rank() != 0:
-        engine.worker_loop()
+    engine = engine_on_rank0(f"hf:{work / 'hf_llama'}", tensor_model_parallel_size=2)
+    if engine is None:
         return
     ids = token_batch()
-    batch = ScoreBatch(token_ids=ids.reshape(-1).numpy(), lengths=np.full(len(ids), ids.shape[1]))
 
-    def score() -> np.ndarray:  # [b, s-1] like the references
-        return engine.score(batch).logprobs.reshape(ids.shape)[:, 1:]
+    def score() -> np.ndarray:
+        return engine_logprobs(engine, ids)
 
     info = engine.info()
     versions = {"start": info.weights_version, "name": info.name}

@@ -1,17 +1,23 @@
-"""Shared pieces of the engine test scripts: the edge-case batch and result files.
+"""Shared pieces of the engine test scripts: the edge-case batch, result files, checks
+that a failure injected on one rank fails the call everywhere.
 
-Imported by ``engine_single.py`` and ``engine_layouts.py`` (run under torchrun
-from tests/distributed/test_engine_parity.py) and by that test.
+Imported by the scripts here (run under torchrun from tests/distributed/) and by
+tests/distributed/test_engine_parity.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 import traceback
 from pathlib import Path
 
 import numpy as np
 
+from megascore.config import EngineConfig
+from megascore.errors import WorkerLostError
 from megascore.types import ScoreBatch, ScoreOutput
 
 # Edge cases: length-1 sequences, one at the tiny models' max length (1024), one long
@@ -84,3 +90,81 @@ class CheckLog:
 
     def write(self) -> None:
         self.path.write_text(json.dumps(self.results, indent=1, sort_keys=True))
+
+
+def expect_worker_lost(fn, match: str) -> float:
+    """Runs ``fn``, which must raise WorkerLostError mentioning ``match``; returns seconds."""
+    start = time.monotonic()
+    try:
+        fn()
+    except WorkerLostError as e:
+        assert match in str(e), f"WorkerLostError {e!r} does not mention {match!r}"
+        return time.monotonic() - start
+    raise AssertionError("expected WorkerLostError")
+
+
+def raise_after(real):
+    """``real``, then a RuntimeError: a rank that fails after its collectives."""
+
+    def failing(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("injected failure")
+
+    return failing
+
+
+def stall_before(real, seconds: float):
+    """``real`` after ``seconds`` of sleep: a rank that hangs."""
+
+    def stalled(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    return stalled
+
+
+def expect_injected_failure(
+    engine, rank: int, module, target: str, replacement, *, on_rank: int, batch, match: str
+) -> float:
+    """Replaces ``module.target`` on rank ``on_rank`` for one step: rank 0's call on
+    ``batch`` fails naming ``match`` and the next one finds the replica broken; the
+    other ranks' worker loops fail naming ``match`` too. Restores the target and shuts
+    the engine down.
+
+    Returns:
+        Rank 0's seconds to the first failure (0.0 on the other ranks).
+    """
+    real = getattr(module, target)
+    if rank == on_rank:
+        setattr(module, target, replacement)
+    elapsed = 0.0
+    try:
+        if rank == 0:
+            elapsed = expect_worker_lost(lambda: engine.score(batch), match)
+            expect_worker_lost(lambda: engine.score(batch), "broken")
+        else:
+            expect_worker_lost(engine.worker_loop, match)
+    finally:
+        setattr(module, target, real)
+        engine.shutdown()  # rank 0: broken, so no SHUTDOWN broadcast; all: local teardown
+    return elapsed
+
+
+def layout_config(model, tp, cp, ep, *, pad=1, timeout=60.0, **kwargs) -> EngineConfig:
+    """The engine config of one test layout (``kwargs``: the other EngineConfig fields)."""
+    return EngineConfig(
+        pad_to_multiple_of=pad,
+        model=model,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        collective_timeout_s=timeout,
+        **kwargs,
+    )
+
+
+def exit_without_teardown() -> None:
+    """Leaves at once: after a timed-out or hung rank the process group is unusable."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

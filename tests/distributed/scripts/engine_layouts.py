@@ -14,14 +14,22 @@ hangs past the status timeout. Check outcomes: ``OUT_DIR/layouts_rank{r}.json``.
 from __future__ import annotations
 
 import datetime
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_common import CheckLog, edge_case_batch, save_output
+from engine_common import (
+    CheckLog,
+    edge_case_batch,
+    exit_without_teardown,
+    expect_injected_failure,
+    expect_worker_lost,
+    layout_config,
+    raise_after,
+    save_output,
+    stall_before,
+)
 
 from megascore.config import EngineConfig
 from megascore.engine import pipeline as pipeline_module
@@ -54,16 +62,10 @@ WITH_METRICS = {"moe_ref", "moe_ref_pad4", "moe_ep2", "moe_ep4", "moe_cp2_ep2", 
 
 
 def engine_config(model, tp, cp, ep, sp, pad=1, timeout=60.0) -> EngineConfig:
-    return EngineConfig(
-        pad_to_multiple_of=pad,
-        model=model,
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-        sequence_parallel=sp,
+    return layout_config(
+        model, tp, cp, ep, pad=pad, timeout=timeout, sequence_parallel=sp,
         logprob_chunk_tokens=100,  # several chunks per step
-        collective_timeout_s=timeout,
-    )
+    )  # fmt: skip
 
 
 def check_vocab_parallel_random_logits(tp_group):
@@ -129,49 +131,21 @@ def check_metrics_rejected_without_sp(engine) -> None:
         raise AssertionError("metrics accepted for a MoE model at TP=2 with SP disabled")
 
 
-def expect_worker_lost(fn, match: str) -> float:
-    start = time.monotonic()
-    try:
-        fn()
-    except WorkerLostError as e:
-        assert match in str(e), f"WorkerLostError {e!r} does not mention {match!r}"
-        return time.monotonic() - start
-    raise AssertionError("expected WorkerLostError")
-
-
 def check_reported_failure(rank):
     """Rank 1 raises after its step collectives: everyone learns it from the status flags."""
     engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, False))
-    real = pipeline_module.score_tokens
-
-    def failing(*args, **kwargs):
-        real(*args, **kwargs)
-        raise RuntimeError("injected failure")
-
-    if rank == 1:
-        pipeline_module.score_tokens = failing
-    try:
-        if rank == 0:
-            expect_worker_lost(lambda: engine.score(edge_case_batch()), "ranks [1]")
-            expect_worker_lost(lambda: engine.score(edge_case_batch()), "broken")
-        else:
-            expect_worker_lost(engine.worker_loop, "ranks [1]")
-    finally:
-        pipeline_module.score_tokens = real
-        engine.shutdown()  # rank 0: broken, so no SHUTDOWN broadcast; all: local teardown
+    failing = raise_after(pipeline_module.score_tokens)
+    expect_injected_failure(
+        engine, rank, pipeline_module, "score_tokens", failing,
+        on_rank=1, batch=edge_case_batch(), match="ranks [1]",
+    )  # fmt: skip
 
 
 def check_hung_worker(rank):
     """Rank 1 stalls before the status all-reduce: rank 0 gives up after the status timeout."""
     engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, False, timeout=3.0))
-    real = step_module.agree_on_status
-
-    def stalled(*args, **kwargs):
-        time.sleep(12.0)  # > the status timeout (3 x 3 s)
-        return real(*args, **kwargs)
-
-    if rank == 1:
-        step_module.agree_on_status = stalled
+    if rank == 1:  # 12 s > the status timeout (3 x 3 s)
+        step_module.agree_on_status = stall_before(step_module.agree_on_status, 12.0)
     if rank == 0:
         elapsed = expect_worker_lost(lambda: engine.score(edge_case_batch()), "status")
         assert elapsed < 40, f"took {elapsed:.1f} s"
@@ -192,10 +166,7 @@ def main(out_dir: Path) -> None:
         log.run(f"{name}:run", run_layout, name, spec, rank, out_dir, log)
     log.run("reported_failure", check_reported_failure, rank)
     log.run("hung_worker", check_hung_worker, rank)
-    # The process group is unusable after the hung-worker check: leave without teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # the process group is unusable after the hung-worker check
 
 
 if __name__ == "__main__":

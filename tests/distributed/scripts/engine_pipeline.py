@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
-from engine_common import CheckLog, edge_case_batch, save_output
+from engine_common import (
+    CheckLog,
+    edge_case_batch,
+    exit_without_teardown,
+    expect_injected_failure,
+    expect_worker_lost,
+    layout_config,
+    raise_after,
+    save_output,
+    stall_before,
+)
 
 from megascore.config import EngineConfig
 from megascore.engine import pipeline as pipeline_module
@@ -54,17 +62,11 @@ MOE = {"moe_ref", "moe_pp2_ep2", "moe_ref_pad2", "moe_pp2_tp2"}
 
 
 def engine_config(model, tp, cp, ep, pp, pad=1, timeout=60.0) -> EngineConfig:
-    return EngineConfig(
-        pad_to_multiple_of=pad,
-        model=model,
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-        pipeline_model_parallel_size=pp,
+    return layout_config(
+        model, tp, cp, ep, pad=pad, timeout=timeout, pipeline_model_parallel_size=pp,
         pipeline_microbatches=MICROBATCHES,
         logprob_chunk_tokens=50,  # several chunks per microbatch
-        collective_timeout_s=timeout,
-    )
+    )  # fmt: skip
 
 
 def pp_batch(moe: bool = False):
@@ -101,50 +103,22 @@ def run_layout(name, spec, rank, out_dir) -> None:
         engine.shutdown()
 
 
-def expect_worker_lost(fn, match: str) -> float:
-    start = time.monotonic()
-    try:
-        fn()
-    except WorkerLostError as e:
-        assert match in str(e), f"WorkerLostError {e!r} does not mention {match!r}"
-        return time.monotonic() - start
-    raise AssertionError("expected WorkerLostError")
-
-
 def check_last_stage_failure(rank):
     """Rank 3 (last stage, not rank 0's peer) raises after the schedule: every rank
     learns it from the status flags."""
     engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, 2))
-    real = step_module.run_schedule
-
-    def failing(*args, **kwargs):
-        real(*args, **kwargs)
-        raise RuntimeError("injected failure")
-
-    if rank == 3:
-        step_module.run_schedule = failing
-    try:
-        if rank == 0:
-            expect_worker_lost(lambda: engine.score(pp_batch()), "ranks [3]")
-            expect_worker_lost(lambda: engine.score(pp_batch()), "broken")
-        else:
-            expect_worker_lost(engine.worker_loop, "ranks [3]")
-    finally:
-        step_module.run_schedule = real
-        engine.shutdown()
+    failing = raise_after(step_module.run_schedule)
+    expect_injected_failure(
+        engine, rank, step_module, "run_schedule", failing,
+        on_rank=3, batch=pp_batch(), match="ranks [3]",
+    )  # fmt: skip
 
 
 def check_hung_last_stage(rank):
     """Rank 2 (rank 0's last-stage peer) stalls mid-step: rank 0 fails within the timeouts."""
     engine = DistributedEngine.create(engine_config("tiny", 2, 1, 1, 2, timeout=3.0))
-    real = pipeline_module.score_tokens
-
-    def stalled(*args, **kwargs):
-        time.sleep(20.0)  # > the result broadcast (3 s) + the status all-reduce (3 x 3 s)
-        return real(*args, **kwargs)
-
-    if rank == 2:
-        pipeline_module.score_tokens = stalled
+    if rank == 2:  # 20 s > the result broadcast (3 s) + the status all-reduce (3 x 3 s)
+        pipeline_module.score_tokens = stall_before(pipeline_module.score_tokens, 20.0)
     if rank == 0:
         elapsed = expect_worker_lost(lambda: engine.score(pp_batch()), "")
         assert elapsed < 30, f"took {elapsed:.1f} s"
@@ -165,10 +139,7 @@ def main(out_dir: Path) -> None:
         log.run(f"{name}:run", run_layout, name, spec, rank, out_dir)
     log.run("last_stage_failure", check_last_stage_failure, rank)
     log.run("hung_last_stage", check_hung_last_stage, rank)
-    # The process group is unusable after the hung-rank check: leave without teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # the process group is unusable after the hung-rank check
 
 
 if __name__ == "__main__":

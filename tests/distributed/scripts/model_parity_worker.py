@@ -1,4 +1,4 @@
-"""Four-rank gloo run of build_model + forward_packed in several parallel layouts.
+"""Four-rank gloo run of build_model + tests/packed_forward in several parallel layouts.
 
 Run by tests/distributed/test_model_parity.py under torchrun (--nproc-per-node 4).
 For every layout each rank packs the same batch for its own CP rank, runs the
@@ -19,12 +19,10 @@ import torch
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
-from megascore.distributed import gather_cp_shards
-from megascore.engine.forward import forward_packed
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from megascore.model.parallel import destroy_parallel, initialize_parallel
-from megascore.packing import pack_sequences
+from tests.packed_forward import forward_packed, full_logits, pack_for_rank
 
 # name: (model, tp, cp, ep, sequence_parallel, per-sequence pad multiple)
 LAYOUTS = {
@@ -63,25 +61,14 @@ def run_layout(name: str, out_dir: Path) -> None:
         model_cfg = builtin_model(model_name)
         model = build_model(model_cfg, engine_cfg, pgs)
         ids, lens = batch()
-        packed = pack_sequences(
-            ids,
-            lens,
-            pad_individual_seqs_to_multiple_of=pad_multiple,
-            cp_rank=pgs.cp.rank(),
-            cp_size=cp,
-        )
+        packed = pack_for_rank(ids, lens, pgs, pad_multiple)
         out = forward_packed(
             model,
             packed,
             want_moe_metrics=model_cfg.is_moe,
             want_mtp_metrics=model_cfg.has_mtp,
         )
-        logits = out.head.logits(0, out.head.num_tokens)  # [T_local, V / tp], a tiny batch
-        if tp > 1:
-            shards = [torch.empty_like(logits) for _ in range(tp)]
-            dist.all_gather(shards, logits.contiguous(), group=pgs.tp)
-            logits = torch.cat(shards, dim=-1)  # [T_local, V]
-        full = gather_cp_shards(logits[None], packed.cu_seqlens_padded, pgs.cp)[0]  # [T, V]
+        full = full_logits(out, packed, pgs)  # [T, V], a tiny batch
         starts = packed.cu_seqlens_padded.tolist()
         rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, LENGTHS, strict=False)])
         logprobs = torch.log_softmax(full[rows].double(), dim=-1)

@@ -1,4 +1,4 @@
-"""Two-rank gloo checks of broadcast_tensor, gather_cp_shards and the engine protocol.
+"""Two-rank gloo checks of gather_cp_shards and the engine protocol.
 
 Run by tests/distributed/test_primitives.py under torchrun (--nproc-per-node 2).
 Each check runs on both ranks; its outcome ("ok" or the traceback) goes to
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascore.distributed import broadcast_tensor, gather_cp_shards
+from megascore.distributed import gather_cp_shards
 from megascore.engine.protocol import (
     Command,
     WeightsMessage,
@@ -46,54 +46,6 @@ def expect_value_error(fn, match: str) -> None:
         assert match in str(e), f"ValueError {e!r} does not mention {match!r}"
     else:
         raise AssertionError(f"expected ValueError mentioning {match!r}")
-
-
-@check
-def broadcast_into_none(rank, groups):
-    src_value = torch.arange(6, dtype=torch.float64).reshape(2, 3) / 7
-    out = broadcast_tensor(src_value if rank == 0 else None, 0, groups["pair"])
-    assert out.dtype == torch.float64 and out.shape == (2, 3), (out.dtype, out.shape)
-    assert torch.equal(out, src_value)
-
-
-@check
-def broadcast_into_provided_buffer(rank, groups):
-    src_value = torch.arange(12, dtype=torch.int32).reshape(3, 4)
-    buf = src_value if rank == 0 else torch.zeros(3, 4, dtype=torch.int32)
-    out = broadcast_tensor(buf, 0, groups["pair"])
-    assert out is buf and torch.equal(out, src_value)
-    # A non-contiguous receive buffer is filled through a copy.
-    buf_t = src_value if rank == 0 else torch.zeros(4, 3, dtype=torch.int32).t()
-    out = broadcast_tensor(buf_t, 0, groups["pair"])
-    assert out is buf_t and torch.equal(out, src_value)
-
-
-@check
-def broadcast_buffer_mismatch_raises_and_stays_in_step(rank, groups):
-    value = torch.ones(5, dtype=torch.float32)
-    for bad in (torch.zeros(4, dtype=torch.float32), torch.zeros(5, dtype=torch.int64)):
-        if rank == 0:
-            assert torch.equal(broadcast_tensor(value, 0, groups["pair"]), value)
-        else:
-            expect_value_error(
-                lambda bad=bad: broadcast_tensor(bad, 0, groups["pair"]),
-                f"is {tuple(bad.shape)} {bad.dtype}, the source sent (5,) torch.float32",
-            )
-    # Both ranks are still in step: the next broadcast goes through.
-    follow = broadcast_tensor(torch.tensor([42]) if rank == 0 else None, 0, groups["pair"])
-    assert follow.tolist() == [42]
-
-
-@check
-def broadcast_source_none_raises_everywhere(rank, groups):
-    expect_value_error(lambda: broadcast_tensor(None, 0, groups["pair"]), "passed None")
-
-
-@check
-def broadcast_from_nonzero_source(rank, groups):
-    value = torch.tensor([[3, 1], [4, 1]], dtype=torch.int64)
-    out = broadcast_tensor(value if rank == 1 else None, 1, groups["pair"])
-    assert torch.equal(out, value)
 
 
 @check

@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_common import CheckLog, edge_case_batch
+from engine_common import (
+    CheckLog,
+    edge_case_batch,
+    exit_without_teardown,
+    expect_injected_failure,
+)
 
 from megascore.config import EngineConfig
 from megascore.engine import step as step_module
 from megascore.engine.runtime import DistributedEngine
-from megascore.errors import WorkerLostError
 
 TIMEOUT_S = 4.0
 
@@ -39,30 +41,13 @@ def _engine() -> DistributedEngine:
     return DistributedEngine.create(cfg)
 
 
-def _expect_lost(fn, match: str) -> float:
-    start = time.monotonic()
-    try:
-        fn()
-    except WorkerLostError as e:
-        assert match in str(e), f"WorkerLostError {e!r} does not mention {match!r}"
-        return time.monotonic() - start
-    raise AssertionError("the call did not fail")
-
-
 def _run(rank: int, target: str, replacement, match: str, timing: dict, name: str) -> None:
-    engine = _engine()
-    real = getattr(step_module, target)
-    if rank == 1:
-        setattr(step_module, target, replacement)
-    try:
-        if rank == 0:
-            timing[name] = _expect_lost(lambda: engine.score(edge_case_batch()), match)
-            _expect_lost(lambda: engine.score(edge_case_batch()), "broken")
-        else:
-            _expect_lost(engine.worker_loop, match)
-    finally:
-        setattr(step_module, target, real)
-        engine.shutdown()
+    elapsed = expect_injected_failure(
+        _engine(), rank, step_module, target, replacement,
+        on_rank=1, batch=edge_case_batch(), match=match,
+    )  # fmt: skip
+    if rank == 0:
+        timing[name] = elapsed
 
 
 def check_device_error(rank: int, timing: dict) -> None:
@@ -88,10 +73,7 @@ def main(out_dir: Path) -> None:
     log.run("raise_in_forward", check_raise_in_forward, rank, timing)
     if rank == 0:
         (out_dir / "faults_timing.json").write_text(json.dumps(timing))
-    # A timed-out gloo pair can leave the default group unusable: leave without teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # a timed-out gloo pair can leave the default group unusable
 
 
 if __name__ == "__main__":
