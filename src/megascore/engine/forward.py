@@ -323,6 +323,12 @@ def router_token_counts(model, packed: PackedSequences, cp_rank: int, cp_size: i
     return torch.tensor(counts)
 
 
+def _cp_rank_size(model) -> tuple[int, int]:
+    """This rank's (CP rank, CP size) in the model's context-parallel group."""
+    cp = model.pg_collection.cp
+    return (cp.rank(), cp.size()) if cp.size() > 1 else (0, 1)
+
+
 def _z_loss_values() -> torch.Tensor | None:
     entry = get_moe_metrics_tracker().metrics.get("z_loss")
     return None if entry is None else entry.values
@@ -338,9 +344,7 @@ def _token_weight_z_loss(model, packed: PackedSequences, before: torch.Tensor | 
     if values is None or router is None or router.tp_dp_cp_group.size() == 1:
         return
     group = router.tp_dp_cp_group
-    cp = model.pg_collection.cp
-    cp_rank, cp_size = (cp.rank(), cp.size()) if cp.size() > 1 else (0, 1)
-    counts = router_token_counts(model, packed, cp_rank, cp_size).to(values.device)
+    counts = router_token_counts(model, packed, *_cp_rank_size(model)).to(values.device)
     total = counts.clone()
     torch.distributed.all_reduce(total, group=group)
     base = torch.zeros_like(values) if before is None else before
@@ -459,9 +463,7 @@ def model_inputs(
     Returns:
         The keyword arguments.
     """
-    cp_group = model.pg_collection.cp
-    cp_size = cp_group.size()
-    cp_rank = cp_group.rank() if cp_size > 1 else 0
+    cp_rank, cp_size = _cp_rank_size(model)
     device = next(model.parameters()).device
     p = packed.packed_seq_params
     kwargs = dict(
