@@ -52,6 +52,9 @@ class EngineConfig:
     """Timeout of every collective; a hung rank fails the step instead of hanging."""
     seed: int | None = None
     """Overrides the model config's seed for built-in random weights."""
+    ignore_mtp_layers: bool = False
+    """Serve without the model's MTP layers even where the checkpoint holds them (``hf:``
+    checkpoints and built-ins); MTP layers the files do not hold are always left out."""
 
     def __post_init__(self):
         for name in (

@@ -98,6 +98,8 @@ class BatchLimits:
         metrics_supported: whether MoE / MTP metrics can be computed in this layout
             (:meth:`megascore.config.EngineConfig.metrics_supported`).
         routing: the model's MoE routing shape; None for a model without MoE layers.
+        mtp_not_served: why the MTP layers the checkpoint declares are not served ("" when
+            none are left out); MTP metrics are then refused with it.
     """
 
     vocab_size: int
@@ -106,6 +108,7 @@ class BatchLimits:
     loss_names: tuple[str, ...]
     metrics_supported: bool = True
     routing: RoutingShape | None = None
+    mtp_not_served: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +201,10 @@ class ScoreBatch:
         unknown = sorted(set(self.losses) - set(limits.loss_names))
         if unknown:
             raise InvalidRequestError(f"unknown losses {unknown}; known: {list(limits.loss_names)}")
+        if self.want_mtp_metrics and limits.mtp_not_served:
+            raise InvalidRequestError(
+                f"return_mtp_metrics: the served model has no MTP layers: {limits.mtp_not_served}"
+            )
         if (self.want_moe_metrics or self.want_mtp_metrics) and not limits.metrics_supported:
             raise InvalidRequestError(
                 "MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel, which the "

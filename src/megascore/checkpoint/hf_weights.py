@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from megascore.checkpoint.hf_names import ParamMapper, mtp_copies
+from megascore.checkpoint.optional_parts import explain_missing
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.safetensors_io import SafetensorsDir
@@ -43,6 +44,7 @@ from megascore.model.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
 
 @dataclasses.dataclass
 class HFLoadPlan:
@@ -111,12 +113,9 @@ def plan_hf_load(
         try:
             recipe.validate(reader, name)
         except CheckpointError as e:
-            if name.startswith("mtp.") and "missing tensor" in str(e):
-                raise CheckpointError(
-                    f"{e}: config.json declares {model_cfg.mtp_num_layers} MTP layer(s) "
-                    f"(num_nextn_predict_layers) stored as model.layers.{model_cfg.num_layers}+; "
-                    "checkpoints saved by transformers drop them"
-                ) from None
+            why = [explain_missing(model_cfg, s) for s in recipe.sources() if s not in reader]
+            if any(why):
+                raise CheckpointError(f"{e}: {next(filter(None, why))}") from None
             raise
         if tuple(tensor.shape) != recipe.local_shape():
             raise CheckpointError(

@@ -1,0 +1,95 @@
+"""Parts of a model that a saved HF checkpoint may lack (torch-free).
+
+Trainers save through transformers, which keeps what its own model class holds:
+
+* **MTP layers.** DeepSeek-V3 / GLM-4.5 configs declare ``num_nextn_predict_layers``
+  MTP layers, stored after the decoder as ``model.layers.{num_hidden_layers + i}.*``;
+  transformers builds none and drops them when it saves, keeping the declaration. The
+  logprobs do not need them, so :func:`served_mtp_layers` serves the model without the
+  MTP layers the files do not hold (from the first missing one on: each MTP layer reads
+  the previous one's output), with a warning naming them; ``ignore_mtp_layers``
+  (``--ignore-mtp-layers``) leaves out stored ones too. ``ModelInfo.mtp_metric_names``
+  is then empty and a request for MTP metrics is refused (INVALID_ARGUMENT) with the
+  reason (:attr:`ModelConfig.mtp_not_served`).
+* **The output layer.** Tied (``tie_word_embeddings``) and untied heads stored the
+  other way: :func:`shared_embedding_name` serves a tied model from ``lm_head.weight``
+  when the files hold no ``model.embed_tokens.weight`` (the same tensor), ignores a
+  stored ``lm_head.weight`` of a tied model (transformers ties it to the embedding);
+  an untied model without ``lm_head.weight`` is refused naming it
+  (:func:`explain_missing`): the logprobs need its output layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection
+
+from megascore.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+EMBEDDING = "model.embed_tokens.weight"
+OUTPUT_LAYER = "lm_head.weight"
+
+
+def _mtp_prefix(cfg: ModelConfig, index: int) -> str:
+    return f"model.layers.{cfg.num_layers + index}."
+
+
+def served_mtp_layers(
+    cfg: ModelConfig, names: Collection[str], *, ignore: bool, source: str
+) -> ModelConfig:
+    """``cfg`` with the MTP layers that will be served: the leading ones the files hold
+    (none with ``ignore``); logs a warning naming those left out.
+
+    Args:
+        cfg: the architecture ``config.json`` declares.
+        names: the tensor names the checkpoint's files hold.
+        ignore: leave out every MTP layer (``EngineConfig.ignore_mtp_layers``).
+        source: the checkpoint, for the messages.
+
+    Returns:
+        ``cfg`` unchanged when every declared MTP layer is served; else a copy with
+        ``mtp_num_layers`` lowered (None for none) and ``mtp_not_served`` set.
+    """
+    declared = cfg.mtp_num_layers or 0
+    if not declared:
+        return cfg
+    stored = 0
+    while stored < declared and any(n.startswith(_mtp_prefix(cfg, stored)) for n in names):
+        stored += 1
+    kept = 0 if ignore else stored
+    if kept == declared:
+        return cfg
+    dropped = [f"{_mtp_prefix(cfg, i)}*" for i in range(kept, declared)]
+    if ignore:
+        why = "ignore_mtp_layers is set"
+    else:
+        why = (
+            f"config.json declares {declared} MTP layer(s) (num_nextn_predict_layers); the "
+            f"weight files hold {stored} (checkpoints saved by transformers drop them)"
+        )
+    not_served = f"{source}: {why}; not served: {', '.join(dropped)}"
+    logger.warning("%s; serving without them (logprobs do not use MTP layers)", not_served)
+    return dataclasses.replace(cfg, mtp_num_layers=kept or None, mtp_not_served=not_served)
+
+
+def shared_embedding_name(cfg: ModelConfig, names: Collection[str]) -> str:
+    """The HF tensor of the embedding (and, tied, of the output layer): ``lm_head.weight``
+    for a tied model whose files hold only that one, else ``model.embed_tokens.weight``."""
+    tied = cfg.share_embeddings_and_output_weights
+    if tied and EMBEDDING not in names and OUTPUT_LAYER in names:
+        return OUTPUT_LAYER
+    return EMBEDDING
+
+
+def explain_missing(cfg: ModelConfig, tensor: str) -> str:
+    """Why a missing tensor of an optional part is needed ("" for other tensors)."""
+    if tensor == OUTPUT_LAYER and not cfg.share_embeddings_and_output_weights:
+        return (
+            "config.json declares an untied output layer (tie_word_embeddings=false), which "
+            "the logprobs need; if the checkpoint was saved with tied embeddings, set "
+            "tie_word_embeddings to true in its config.json"
+        )
+    return ""
