@@ -127,8 +127,6 @@ def plan_hf_load(
     copies = mtp_copies(model_cfg, reader)
     used.update(copy for copy, _ in copies)
     unused = [n for n in reader.names() if n not in used and not _IGNORED_HF.match(n)]
-    if model_cfg.share_embeddings_and_output_weights:
-        unused = [n for n in unused if n != "lm_head.weight"]
     if unused:
         logger.warning(
             "%s: %d HF tensors unused, e.g. %s", reader.directory, len(unused), unused[:5]

@@ -11,11 +11,12 @@ Trainers save through transformers, which keeps what its own model class holds:
   (``--ignore-mtp-layers``) leaves out stored ones too. ``ModelInfo.mtp_metric_names``
   is then empty and a request for MTP metrics is refused (INVALID_ARGUMENT) with the
   reason (:attr:`ModelConfig.mtp_not_served`).
-* **The output layer.** Tied (``tie_word_embeddings``) and untied heads stored the
-  other way: :func:`shared_embedding_name` serves a tied model from ``lm_head.weight``
-  when the files hold no ``model.embed_tokens.weight`` (the same tensor), ignores a
-  stored ``lm_head.weight`` of a tied model (transformers ties it to the embedding);
-  an untied model without ``lm_head.weight`` is refused naming it
+* **The output layer**, tied (``tie_word_embeddings``) or not, stored the other way.
+  A tied model whose files hold ``lm_head.weight`` beside the embedding is served with
+  that stored head (:func:`served_head`: transformers does the same when the two
+  differ, and equal ones give the same logprobs); a tied model whose files hold only
+  ``lm_head.weight`` takes the embedding from it (:func:`shared_embedding_name`: it is
+  the same tensor); an untied model without ``lm_head.weight`` is refused naming it
   (:func:`explain_missing`): the logprobs need its output layer.
 """
 
@@ -73,6 +74,23 @@ def served_mtp_layers(
     not_served = f"{source}: {why}; not served: {', '.join(dropped)}"
     logger.warning("%s; serving without them (logprobs do not use MTP layers)", not_served)
     return dataclasses.replace(cfg, mtp_num_layers=kept or None, mtp_not_served=not_served)
+
+
+def served_head(cfg: ModelConfig, names: Collection[str], *, source: str) -> ModelConfig:
+    """``cfg`` untied when it ties the output layer to the embedding but the files hold
+    both ``model.embed_tokens.weight`` and ``lm_head.weight`` (logs a warning)."""
+    tied = cfg.share_embeddings_and_output_weights
+    if not (tied and EMBEDDING in names and OUTPUT_LAYER in names):
+        return cfg
+    logger.warning(
+        "%s: config.json ties the output layer to the embedding (tie_word_embeddings=true) "
+        "but the weight files hold %s too: serving the stored %s as the output layer "
+        "(as transformers does when the two differ)",
+        source,
+        OUTPUT_LAYER,
+        OUTPUT_LAYER,
+    )
+    return dataclasses.replace(cfg, share_embeddings_and_output_weights=False)
 
 
 def shared_embedding_name(cfg: ModelConfig, names: Collection[str]) -> str:

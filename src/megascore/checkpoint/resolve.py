@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from megascore.checkpoint.hf_config import hf_config_to_model_config, read_hf_config
-from megascore.checkpoint.optional_parts import served_mtp_layers
+from megascore.checkpoint.optional_parts import served_head, served_mtp_layers
 from megascore.errors import CheckpointError
 from megascore.model.config import BUILTIN_MODELS, ModelConfig, builtin_model
 
@@ -160,10 +160,9 @@ def _hf_model_config(directory: Path, ignore_mtp_layers: bool, reader=None) -> M
     from megascore.checkpoint.safetensors_io import SafetensorsDir
 
     model_cfg = hf_config_to_model_config(read_hf_config(directory))
-    if not model_cfg.mtp_num_layers:
-        return model_cfg
     with contextlib.nullcontext(reader) if reader else SafetensorsDir(directory) as files:
-        names = files.names()  # headers only
+        names = set(files.names())  # headers only
+    model_cfg = served_head(model_cfg, names, source=str(directory))
     return served_mtp_layers(model_cfg, names, ignore=ignore_mtp_layers, source=str(directory))
 
 
@@ -227,7 +226,8 @@ def resolve_model(
     """Resolves a model string without reading any weights.
 
     The MTP layers a ``hf:`` checkpoint's files do not hold are left out of the
-    architecture (:mod:`megascore.checkpoint.optional_parts`).
+    architecture, and a stored output layer is served even where ``config.json`` ties it
+    to the embedding (:mod:`megascore.checkpoint.optional_parts`).
 
     Args:
         model: a model string (:func:`parse_model_string`).
