@@ -160,6 +160,8 @@ def _hf_model_config(directory: Path, ignore_mtp_layers: bool, reader=None) -> M
     from megascore.checkpoint.safetensors_io import SafetensorsDir
 
     model_cfg = hf_config_to_model_config(read_hf_config(directory))
+    if not (model_cfg.mtp_num_layers or model_cfg.share_embeddings_and_output_weights):
+        return model_cfg  # nothing optional: config.json alone says it
     with contextlib.nullcontext(reader) if reader else SafetensorsDir(directory) as files:
         names = set(files.names())  # headers only
     model_cfg = served_head(model_cfg, names, source=str(directory))
@@ -283,7 +285,7 @@ def read_model_config(model: str, *, ignore_mtp_layers: bool = False) -> ModelCo
     """The architecture a checkpoint model string names, from its config file only.
 
     Reads ``DIR/config.json`` (``hf:``; the weight files' headers too when it declares
-    MTP layers, see :func:`resolve_model`) or ``DIR/megascore.json`` (``megatron:``);
+    MTP layers or a tied output layer, see :func:`resolve_model`) or ``DIR/megascore.json`` (``megatron:``);
     no tensor data is read. Built-in names give their config.
 
     Raises:
