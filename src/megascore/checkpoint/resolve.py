@@ -285,8 +285,9 @@ def read_model_config(model: str, *, ignore_mtp_layers: bool = False) -> ModelCo
     """The architecture a checkpoint model string names, from its config file only.
 
     Reads ``DIR/config.json`` (``hf:``; the weight files' headers too when it declares
-    MTP layers or a tied output layer, see :func:`resolve_model`) or ``DIR/megascore.json`` (``megatron:``);
-    no tensor data is read. Built-in names give their config.
+    MTP layers or a tied output layer, see :func:`resolve_model`) or
+    ``DIR/megascore.json`` (``megatron:``); no tensor data is read. Built-in names give
+    their config.
 
     Raises:
         ValueError: a malformed model string.
