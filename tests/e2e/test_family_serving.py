@@ -101,6 +101,16 @@ def server(pool, config):
     yield from pool.lend(config)
 
 
+def assert_matches_transformers(result, refs, config: str) -> None:
+    """Logprobs and top-k logprobs of PARITY_SEQS equal transformers' within ATOL."""
+    err = max_error(result, PARITY_SEQS, refs)
+    assert err <= ATOL, f"{config}: max |delta logprob| {err:.3e}"
+    for i, (seq, ref) in enumerate(zip(PARITY_SEQS, refs, strict=True)):
+        vals = result.top_k_logprobs[i].astype(np.float64)
+        assert vals.shape == (len(seq), TOP_K)
+        np.testing.assert_allclose(vals[1:], ref.top_k, rtol=0, atol=ATOL)
+
+
 METRICS: dict[str, dict[str, dict[str, float]]] = {}
 """family -> layout -> the served MoE metrics (filled by the parity tests)."""
 
@@ -120,13 +130,7 @@ def test_family_scores_match_transformers(server, config, checkpoints):
     assert info.architecture == family and result.weights_version == ckpt.version
     assert info.parallel.world_size == LAYOUTS[layout][0]
 
-    err = max_error(result, PARITY_SEQS, refs)
-    assert err <= ATOL, f"{config}: max |delta logprob| {err:.3e}"
-    for i, (seq, ref) in enumerate(zip(PARITY_SEQS, refs, strict=True)):
-        vals = result.top_k_logprobs[i].astype(np.float64)
-        assert vals.shape == (len(seq), TOP_K)
-        np.testing.assert_allclose(vals[1:], ref.top_k, rtol=0, atol=ATOL)
-
+    assert_matches_transformers(result, refs, config)
     if family in MOE_FAMILIES:
         assert result.moe_metrics and all(np.isfinite(v) for v in result.moe_metrics.values())
         METRICS.setdefault(family, {})[layout] = dict(result.moe_metrics)
@@ -168,10 +172,5 @@ def test_mtp_layers_transformers_did_not_save_are_left_out(server, config, check
     log = server.log_path.read_text(errors="replace")
     assert "not served: model.layers.3.*; serving without them" in log
 
-    err = max_error(result, PARITY_SEQS, refs)
-    assert err <= ATOL, f"{config}: max |delta logprob| {err:.3e}"
-    for i, (seq, ref) in enumerate(zip(PARITY_SEQS, refs, strict=True)):
-        vals = result.top_k_logprobs[i].astype(np.float64)
-        assert vals.shape == (len(seq), TOP_K)
-        np.testing.assert_allclose(vals[1:], ref.top_k, rtol=0, atol=ATOL)
+    assert_matches_transformers(result, refs, config)
     assert result.moe_metrics and all(np.isfinite(v) for v in result.moe_metrics.values())

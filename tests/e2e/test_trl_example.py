@@ -11,30 +11,15 @@ after the first step, so the reference term is in the loss).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-
 import pytest
 
-from tests.e2e.serve import ROOT
+from tests.e2e.serve import run_example
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_trl_grpo_with_a_megascore_reference_matches_the_local_one():
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--launch", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-    )
-    elapsed = time.monotonic() - start
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+    steps, elapsed = run_example("trl_grpo.py")
     assert [s["step"] for s in steps] == [0, 1, 2]
     for s in steps:
         assert s["same_completions"], s
