@@ -159,3 +159,22 @@ def test_untied_head_missing_is_refused_naming_it(hf_dirs, tmp_path, build):
     model = build(cfg)
     with pytest.raises(CheckpointError, match="'lm_head.weight'.*tie_word_embeddings=false"):
         load(model)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_transformers_model_pushes_every_tensor_of_a_model_without_mtp(
+    tmp_path, build, pgs, family
+):
+    """Served without its MTP layers, the model takes exactly what transformers holds: a
+    trainer's ``state_dict()`` push is complete (no ``partial=True`` needed)."""
+    from megascore.types import LAYOUT_COMMON, LAYOUT_FUSED, WEIGHT_NAMES_HF
+    from tests.checkpoint.test_weight_staging import _targets
+
+    trainer = make_hf_model(family)
+    trainer.save_pretrained(tmp_path)
+    cfg, load, _ = resolve_model(f"hf:{tmp_path}")
+    served = build(cfg)
+    load(served)
+    targets = _targets(served, cfg, pgs, WEIGHT_NAMES_HF)
+    used = {n for n, t in targets.items() if t.layout in (LAYOUT_COMMON, LAYOUT_FUSED)}
+    assert used == set(trainer.state_dict()), used ^ set(trainer.state_dict())
