@@ -79,23 +79,23 @@ class MegascoreReference:
     def __init__(self, *args, reference: ScoringClient | str, **kwargs):
         config = kwargs["args"] if "args" in kwargs else (args[2] if len(args) > 2 else None)
         beta = getattr(config, "beta", 0.0)
-        if beta != 0.0 and getattr(config, "sync_ref_model", False):
+        if beta == 0.0:  # no KL term: TRL uses no reference model at all
+            super().__init__(*args, **kwargs)
+            return
+        if getattr(config, "sync_ref_model", False):
             raise ValueError(
                 "sync_ref_model: not supported with a megascore reference (the trainer holds "
                 "no reference model to mix); push the weights the reference should have to "
                 "its server with ScoringClient.push_weights"
             )
-        if beta != 0.0:
-            config.beta = 0.0  # GRPOTrainer then builds no reference model
+        config.beta = 0.0  # GRPOTrainer then builds no reference model
         try:
             super().__init__(*args, **kwargs)
         finally:
-            if beta != 0.0:
-                config.beta = beta
-        if beta != 0.0:
-            self.beta = beta
-            client = ScoringClient(reference) if isinstance(reference, str) else reference
-            self.ref_model = RemoteReference(client)
+            config.beta = beta
+        self.beta = beta
+        client = ScoringClient(reference) if isinstance(reference, str) else reference
+        self.ref_model = RemoteReference(client)
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
