@@ -110,4 +110,9 @@ def explain_missing(cfg: ModelConfig, tensor: str) -> str:
             "the logprobs need; if the checkpoint was saved with tied embeddings, set "
             "tie_word_embeddings to true in its config.json"
         )
+    if any(tensor.startswith(_mtp_prefix(cfg, i)) for i in range(cfg.mtp_num_layers or 0)):
+        return (
+            "the files hold this MTP layer (num_nextn_predict_layers) only in part; "
+            "--ignore-mtp-layers serves the model without its MTP layers"
+        )
     return ""
