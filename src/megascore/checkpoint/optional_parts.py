@@ -7,7 +7,8 @@ Trainers save through transformers, which keeps what its own model class holds:
   transformers builds none and drops them when it saves, keeping the declaration. The
   logprobs do not need them, so :func:`served_mtp_layers` serves the model without the
   MTP layers the files do not hold (from the first missing one on: each MTP layer reads
-  the previous one's output), with a warning naming them; ``ignore_mtp_layers``
+  the previous one's output), with a warning naming them (a layer stored in part is
+  refused naming the missing tensor: :func:`explain_missing`); ``ignore_mtp_layers``
   (``--ignore-mtp-layers``) leaves out stored ones too. ``ModelInfo.mtp_metric_names``
   is then empty and a request for MTP metrics is refused (INVALID_ARGUMENT) with the
   reason (:attr:`ModelConfig.mtp_not_served`).
