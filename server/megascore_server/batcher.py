@@ -356,17 +356,12 @@ class DynamicBatcher:
 
     async def _run_step(self, loop, window: list[PendingRequest]) -> None:
         pieces = self._plan(window)
-        solo = window[0].solo
         start = time.monotonic()
         for item, _ in pieces:
             if item.first_start is None:
                 item.first_start = start
         while True:
-            step = merge_batches(
-                [(item.batch, idx) for item, idx in pieces],
-                want_moe_metrics=solo and window[0].batch.want_moe_metrics,
-                want_mtp_metrics=solo and window[0].batch.want_mtp_metrics,
-            )
+            step = merge_batches([(item.batch, idx) for item, idx in pieces])
             self._running = [item for item, _ in pieces]
             try:
                 output = await loop.run_in_executor(self._executor, self._engine.score, step)

@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 
-from megascore.errors import ConflictError, InvalidRequestError
+from megascore.errors import ConflictError, InvalidRequestError, quoted
 from megascore.types import (
     LAYOUT_COMMON,
     LAYOUT_PER_EXPERT,
@@ -37,7 +37,6 @@ from megascore.types import (
 )
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.batcher import DynamicBatcher
-from megascore_server.status import quoted
 from megascore_server.validation import MAX_ID_CHARS
 
 logger = logging.getLogger(__name__)

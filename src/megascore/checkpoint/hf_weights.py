@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 
+
 @dataclasses.dataclass
 class HFLoadPlan:
     """Validated recipes for every parameter of one model on this rank."""
