@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import health as health_codec
 from megascore_client.client import (
-    _UNRESOLVED,
     LOAD_WEIGHTS_TIMEOUT_S,
+    UNRESOLVED,
     ClientBase,
-    _finish,
+    ScoringClient,
+    finish_score,
 )
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push import PushResult, finish
+from megascore_client.push import PushResult, finish, weights_version_argument
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
-from megascore_client.splitting import Part, ScoreOptions, decode_part
+from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import AsyncScoreStream
 from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
 from megascore_client.transport import AsyncTransport
@@ -71,44 +73,20 @@ class AsyncScoringClient(ClientBase):
         """The per-request token limit used for splitting (resolves "auto" once, which
         also learns the server's message size limit, see :attr:`message_limit`)."""
         async with self._limit_lock:
-            if self._token_limit is _UNRESOLVED:
+            if self._token_limit is UNRESOLVED:
                 try:
                     await self.model_info()
                 except ScoringError as exc:
                     self._lookup_failed(exc)
             return self._token_limit
 
-    async def score(
-        self,
-        sequences,
-        *,
-        loss_mask=None,
-        lengths=None,
-        top_k: int = 0,
-        temperature: float = 1.0,
-        losses=("nll",),
-        metrics=(),
-        return_logprobs: bool = True,
-        return_routing: bool = False,
-        routing=None,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ) -> ScoreResult:
-        """Scores a batch; arguments, result and errors as ``ScoringClient.score``."""
+    async def score(self, sequences, *, timeout: float | None = None, **arguments) -> ScoreResult:
+        """Scores a batch; arguments (those of ``ScoringClient.score``), result and errors
+        as ``ScoringClient.score``."""
         start = time.perf_counter()
-        options = ScoreOptions(
-            top_k=top_k,
-            temperature=temperature,
-            losses=losses,
-            metrics=metrics,
-            return_logprobs=return_logprobs,
-            return_routing=return_routing,
-        )
-        parts, rid = self._prepare(
-            sequences, options, await self.request_token_limit(),
-            loss_mask=loss_mask, lengths=lengths, routing=routing, request_id=request_id,
-        )  # fmt: skip
-        return _finish(await self._send(parts, timeout), rid, start)
+        limit = await self.request_token_limit()
+        parts, rid = self.prepare_call(sequences, arguments, limit)
+        return finish_score(await self._send(parts, timeout), rid, start)
 
     async def _send(self, parts: list[Part], timeout: float | None) -> list[ScoreResult]:
         semaphore = asyncio.Semaphore(self.max_concurrency)
@@ -178,18 +156,20 @@ class AsyncScoringClient(ClientBase):
         self,
         named_tensors,
         *,
-        version: str = "",
+        weights_version: str = "",
         names: str = "hf",
         partial: bool = False,
         chunk_bytes: int | None = None,
         progress=None,
         timeout: float | None = None,
+        version: str | None = None,
     ) -> PushResult:
         """Streams new weights into the server and swaps them in (see
         ``ScoringClient.push_weights``; the tensors are encoded on the event loop)."""
         requests, counters, deadline = self._push_requests(
             named_tensors, timeout,
-            names=names, version=version, partial=partial, chunk_bytes=chunk_bytes,
+            names=names, partial=partial, chunk_bytes=chunk_bytes,
+            weights_version=weights_version_argument(weights_version, version),
             progress=progress,
         )  # fmt: skip
         start = time.perf_counter()
@@ -230,3 +210,7 @@ class AsyncScoringClient(ClientBase):
                 raise self._not_serving(timeout, last)
             if await self.transport.sleep(interval):
                 raise closed_error()
+
+
+# help() and IDEs show the sync client's arguments: one signature for both.
+AsyncScoringClient.score.__signature__ = inspect.signature(ScoringClient.score)

@@ -222,14 +222,14 @@ def build_parts(
     return parts
 
 
+BATCH_ARGUMENTS = ("loss_mask", "lengths", "routing", "request_id")
+"""``score`` arguments that describe the batch; the others are :class:`ScoreOptions`."""
+
+
 def prepare(
     sequences,
-    options: ScoreOptions,
+    arguments: dict,
     *,
-    loss_mask=None,
-    lengths=None,
-    routing=None,
-    request_id: str | None = None,
     max_message_bytes: int,
     max_request_tokens: int | None = None,
 ) -> tuple[list[Part], str]:
@@ -237,9 +237,9 @@ def prepare(
     streams' ``submit``).
 
     Args:
-        sequences, loss_mask, lengths, routing: as for ``ScoringClient.score``.
-        options: what to compute.
-        request_id: the call's id (None = a new one).
+        sequences: as for ``ScoringClient.score``.
+        arguments: the call's other keyword arguments (those of ``ScoringClient.score``
+            but ``timeout``): :data:`BATCH_ARGUMENTS` and the :class:`ScoreOptions`.
         max_message_bytes: the message size limit (see :func:`plan`).
         max_request_tokens: the server's per-request token limit (None = none).
 
@@ -248,11 +248,13 @@ def prepare(
 
     Raises:
         InvalidInputError: the input is rejected.
+        TypeError: an unknown argument.
     """
-    batch = make_batch(sequences, loss_mask=loss_mask, lengths=lengths, routing=routing)
-    rid = request_id or new_request_id()
+    options = ScoreOptions(**{k: v for k, v in arguments.items() if k not in BATCH_ARGUMENTS})
+    batch = {k: arguments.get(k) for k in BATCH_ARGUMENTS}
+    rid = batch.pop("request_id") or new_request_id()
     parts = build_parts(
-        batch,
+        make_batch(sequences, **batch),
         options,
         rid,
         max_message_bytes=max_message_bytes,

@@ -103,7 +103,7 @@ def _one(values: list) -> bool:
 OPTIONS: tuple[Option, ...] = (
     Option("return_logprobs", True, any, convert=bool),
     Option("top_k", 0, max, _check_top_k, int, flag=False),
-    Option("losses", (), _union, _check_losses, lambda names: _union([names])),
+    Option("losses", (), _union, _check_losses, lambda names: _union([names]), flag=False),
     Option("return_moe_metrics", False, _one, _check_metrics, bool),
     Option("return_mtp_metrics", False, _one, _check_metrics, bool),
     Option("return_routing", False, any, _check_routing, bool),
