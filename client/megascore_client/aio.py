@@ -16,7 +16,7 @@ from megascore_client.client import (
     finish_score,
 )
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push import PushResult, finish, weights_version_argument
+from megascore_client.push import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import AsyncScoreStream
@@ -153,25 +153,12 @@ class AsyncScoringClient(ClientBase):
         return LoadWeightsResult.from_proto(msg)
 
     async def push_weights(
-        self,
-        named_tensors,
-        *,
-        weights_version: str = "",
-        names: str = "hf",
-        partial: bool = False,
-        chunk_bytes: int | None = None,
-        progress=None,
-        timeout: float | None = None,
-        version: str | None = None,
+        self, named_tensors, *, timeout: float | None = None, **arguments
     ) -> PushResult:
-        """Streams new weights into the server and swaps them in (see
-        ``ScoringClient.push_weights``; the tensors are encoded on the event loop)."""
-        requests, counters, deadline = self._push_requests(
-            named_tensors, timeout,
-            names=names, partial=partial, chunk_bytes=chunk_bytes,
-            weights_version=weights_version_argument(weights_version, version),
-            progress=progress,
-        )  # fmt: skip
+        """Streams new weights into the server and swaps them in; arguments (those of
+        ``ScoringClient.push_weights``) as there (the tensors are encoded on the event
+        loop)."""
+        requests, counters, deadline = self._push_requests(named_tensors, timeout, **arguments)
         start = time.perf_counter()
         try:
             response = await self.transport.call(
@@ -199,18 +186,18 @@ class AsyncScoringClient(ClientBase):
         while True:
             try:
                 status = await self.health(timeout=max(0.1, min(5.0, deadline - loop.time())))
-                if status.serving:
-                    return status
-                last = status.status
             except ScoringError as exc:
-                if self.transport.closed:  # closed before or during the probe
-                    raise closed_error() from None
-                last = str(exc)
+                status = self._failed_probe(exc)
+            if status.serving:
+                return status
             if loop.time() + interval > deadline:
-                raise self._not_serving(timeout, last)
+                raise self._not_serving(timeout, status.status)
             if await self.transport.sleep(interval):
                 raise closed_error()
 
 
 # help() and IDEs show the sync client's arguments: one signature for both.
-AsyncScoringClient.score.__signature__ = inspect.signature(ScoringClient.score)
+for _name in ("score", "push_weights"):
+    getattr(AsyncScoringClient, _name).__signature__ = inspect.signature(
+        getattr(ScoringClient, _name)
+    )

@@ -151,12 +151,37 @@ class ClientBase:
             sequences, arguments, max_message_bytes=self.message_limit, max_request_tokens=limit
         )
 
-    def _push_requests(self, named_tensors, timeout: float | None, *, chunk_bytes, **kwargs):
+    def _failed_probe(self, exc: ScoringError) -> HealthStatus:
+        """A health probe of ``wait_until_serving`` that failed: not serving, the error as
+        its status; raises CANCELLED when the client was closed before or during it."""
+        if self.transport.closed:
+            raise closed_error() from None
+        return HealthStatus(serving=False, status=str(exc))
+
+    def _push_requests(
+        self,
+        named_tensors,
+        timeout: float | None,
+        *,
+        chunk_bytes: int | None = None,
+        weights_version: str = "",
+        version: str | None = None,
+        names: str = "hf",
+        partial: bool = False,
+        progress=None,
+    ):
         """A ``push_weights`` call's requests (encoded as they are consumed), the counters
-        they fill and the deadline (``kwargs``: the rest of ``push_requests``')."""
+        they fill and the deadline (arguments: those of ``push_weights``)."""
         counters: dict = {}
-        size = chunk_size(chunk_bytes, self.message_limit)
-        requests = push_requests(named_tensors, chunk_bytes=size, counters=counters, **kwargs)
+        requests = push_requests(
+            named_tensors,
+            names=names,
+            weights_version=weights_version_argument(weights_version, version),
+            partial=partial,
+            chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
+            progress=progress,
+            counters=counters,
+        )
         deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         return requests, counters, deadline
 
@@ -450,9 +475,8 @@ class ScoringClient(ClientBase):
         """
         requests, counters, deadline = self._push_requests(
             named_tensors, timeout,
-            names=names, partial=partial, chunk_bytes=chunk_bytes,
-            weights_version=weights_version_argument(weights_version, version),
-            progress=progress,
+            weights_version=weights_version, version=version, names=names, partial=partial,
+            chunk_bytes=chunk_bytes, progress=progress,
         )  # fmt: skip
         start = time.perf_counter()
         future = self.transport.start(self.transport.stub.UpdateWeights, requests, deadline)
@@ -490,14 +514,11 @@ class ScoringClient(ClientBase):
         while True:
             try:
                 status = self.health(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-                if status.serving:
-                    return status
-                last = status.status
             except ScoringError as exc:
-                if self.transport.closed:  # closed before or during the probe
-                    raise closed_error() from None
-                last = str(exc)
+                status = self._failed_probe(exc)
+            if status.serving:
+                return status
             if time.monotonic() + interval > deadline:
-                raise self._not_serving(timeout, last)
+                raise self._not_serving(timeout, status.status)
             if self.transport.sleep(interval):
                 raise closed_error()

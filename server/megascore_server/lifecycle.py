@@ -167,7 +167,6 @@ class ServerHandles:
             max_queue=self.config.max_queue,
             max_queue_tokens=self.config.max_queue_tokens,
             pad_multiple=pad_multiple,
-            weights_version=info.weights_version,
             metrics=self.metrics,
             on_fatal=self.on_fatal,
         )

@@ -40,7 +40,12 @@ MAX_MODEL_CHARS = 4096
 """Longest ``LoadWeightsRequest.model`` accepted (a path of up to PATH_MAX)."""
 
 
-def _check_length(field: str, text: str, limit: int) -> None:
+def check_length(field: str, text: str, limit: int) -> None:
+    """The one check of an id-like string (request id, weights version, model path).
+
+    Raises:
+        InvalidRequestError: ``text`` longer than ``limit``, naming ``field``.
+    """
     if len(text) > limit:
         raise InvalidRequestError(
             f"{field}: {len(text)} characters, more than {limit} ({quoted(text)})"
@@ -142,7 +147,7 @@ def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
         InvalidRequestError: anything malformed (names the field and sequence index).
         ResourceExhaustedError: more than ``max_request_tokens`` tokens.
     """
-    _check_length("request_id", request.request_id, MAX_ID_CHARS)
+    check_length("request_id", request.request_id, MAX_ID_CHARS)
     options = validate_options(request.options, limits)
     lengths = validate_lengths(_decode_required(request, "lengths", _INT_DTYPES), limits)
     ids = _decode_required(request, "token_ids", _INT_DTYPES)
@@ -189,5 +194,5 @@ def validate_load_request(request: pb.LoadWeightsRequest) -> None:
         raise InvalidRequestError(
             "model: required ('hf:DIR', 'megatron:DIR' or 'builtin:NAME@SEED')"
         )
-    _check_length("model", request.model, MAX_MODEL_CHARS)
-    _check_length("weights_version", request.weights_version, MAX_ID_CHARS)
+    check_length("model", request.model, MAX_MODEL_CHARS)
+    check_length("weights_version", request.weights_version, MAX_ID_CHARS)
