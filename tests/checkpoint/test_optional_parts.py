@@ -27,7 +27,7 @@ from megascore.checkpoint import check_same_architecture, read_model_config, res
 from megascore.checkpoint.optional_parts import served_mtp_layers
 from megascore.errors import CheckpointError, InvalidRequestError
 from megascore.model.config import builtin_model
-from megascore.types import BatchLimits, ScoreBatch
+from megascore.types import Limits, ScoreBatch
 from tests.checkpoint.scripts.ckpt_common import (
     hf_logprobs,
     make_hf_model,
@@ -102,14 +102,25 @@ def test_the_leading_stored_mtp_layers_are_kept():
 
 
 def test_mtp_metrics_of_a_model_without_its_mtp_layers_are_refused():
-    limits = BatchLimits(
-        vocab_size=16, max_length=8, max_top_k=4, loss_names=("nll",), mtp_not_served="why"
+    """By the engine's check and by the wire gate, naming the option and the reason."""
+    from megascore.v1 import scoring_pb2 as pb
+    from megascore_server.validation import validate_options
+
+    limits = Limits(
+        vocab_size=16,
+        max_sequence_length=8,
+        max_top_k=4,
+        loss_names=("nll",),
+        mtp_not_served="why",
     )
     ids, lengths = np.arange(6), np.array([2, 4])
-    ScoreBatch(token_ids=ids, lengths=lengths, want_moe_metrics=True).check(limits)
-    asked = ScoreBatch(token_ids=ids, lengths=lengths, want_mtp_metrics=True)
-    with pytest.raises(InvalidRequestError, match="return_mtp_metrics: .*no MTP layers: why"):
+    ScoreBatch(token_ids=ids, lengths=lengths, return_moe_metrics=True).check(limits)
+    asked = ScoreBatch(token_ids=ids, lengths=lengths, return_mtp_metrics=True)
+    refusal = "options.return_mtp_metrics: the served model has no MTP layers: why"
+    with pytest.raises(InvalidRequestError, match=refusal):
         asked.check(limits)
+    with pytest.raises(InvalidRequestError, match=refusal):
+        validate_options(pb.ScoreOptions(return_mtp_metrics=True), limits)
     asked.check(dataclasses.replace(limits, mtp_not_served=""))
 
 
