@@ -82,7 +82,9 @@ def _random_packs(rng, n: int) -> list[list[int]]:
 def test_outputs_are_bit_identical_alone_packed_and_in_microbatches(model, request):
     from megascore.engine.runtime import DistributedEngine
 
-    model_string = f"hf:{request.getfixturevalue('hf_moe_dir')}" if model.startswith("hf") else model
+    model_string = (
+        f"hf:{request.getfixturevalue('hf_moe_dir')}" if model.startswith("hf") else model
+    )
     rng = np.random.default_rng(24)
     with one_rank_world():
         engine = DistributedEngine.create(
