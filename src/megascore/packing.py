@@ -7,7 +7,10 @@ model trained with NeMo-RL packing sees identical inputs here:
   the packed axis: its ``seq_lengths[b]`` real tokens first, then pad token 0 up
   to ``round_up_to_multiple(seq_lengths[b], pad_individual_seqs_to_multiple_of)``;
 * ``pad_packed_seq_to`` raises the *last* boundary: the extra pad tokens belong
-  to the last sequence's padded segment;
+  to the last sequence's padded segment (NeMo-RL), or, with ``pad_segment=True``
+  (megascore's microbatches), form a segment of their own after it: an empty
+  sequence whose padded segment holds them, so no real token attends to them and the
+  last sequence's attention has the shape it has alone;
 * ``PackedSeqParams(qkv_format="thd")`` carries the padded boundaries for q and
   kv (also as ``cu_seqlens_*_padded``) and the longest padded segment as
   ``max_seqlen_*``;
@@ -146,6 +149,7 @@ def pack_sequences(
     pad_packed_seq_to: int | None = None,
     cp_rank: int = 0,
     cp_size: int = 1,
+    pad_segment: bool = False,
 ) -> PackedSequences:
     """Packs flat sequences into one THD sequence (NeMo-RL layout).
 
@@ -160,6 +164,10 @@ def pack_sequences(
             and, with CP, a multiple of ``2 * cp_size``.
         cp_rank: this rank's index in the CP group.
         cp_size: size of the CP group.
+        pad_segment: the padding up to ``pad_packed_seq_to`` is a segment of its own
+            (an extra empty sequence at the end: ``cu_seqlens`` and
+            ``cu_seqlens_padded`` get one more boundary) instead of the last
+            sequence's.
 
     Returns:
         A :class:`PackedSequences`; ids and boundaries on ``token_ids.device``, the
@@ -200,7 +208,12 @@ def pack_sequences(
                 f"sequence {batch_size - 1}: pad_packed_seq_to ({pad_packed_seq_to}) must be "
                 f"a multiple of 2 * cp_size = {2 * cp_size}"
             )
-        padded[-1] += pad_packed_seq_to - natural_total
+        tail = pad_packed_seq_to - natural_total
+        if pad_segment and tail:
+            lengths.append(0)
+            padded.append(tail)
+        else:
+            padded[-1] += tail
 
     device = token_ids.device
     starts = layout.offsets(padded)  # [B+1]: where each padded segment starts, then T_padded
