@@ -154,8 +154,10 @@ def build_microbatch(
     targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
     temps = None
     if temperature is not None:
-        per_seq = torch.from_numpy(np.asarray(temperature, dtype=np.float32))
-        temps = torch.repeat_interleave(per_seq, cu_padded.diff())[shard].to(device)
+        per_seq = np.ones(len(cu_padded) - 1, dtype=np.float32)  # the padding segment: 1
+        per_seq[: len(lengths)] = temperature
+        temps = torch.repeat_interleave(torch.from_numpy(per_seq), cu_padded.diff())
+        temps = temps[shard].to(device)
     # mask: token-aligned on the full axis, then rolled to the targets' alignment
     full = torch.zeros(1, pad_to)
     full[0, packed.token_positions] = torch.from_numpy(target_mask)
