@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from megascore import schema
 from megascore.config import EngineConfig
 from megascore.types import ScoreBatch
 from tests.checkpoint.scripts.ckpt_common import write_hf_checkpoint
@@ -21,7 +22,6 @@ from tests.one_rank import one_rank_world
 NUM_SEQUENCES = 200
 PACKINGS = 20
 LOSSES = ("nll", "mean_nll", "perplexity")
-PER_TOKEN = ("logprobs", "top_k_ids", "top_k_logprobs", "routing")
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +32,22 @@ def hf_moe_dir(tmp_path_factory):
 
 
 def _per_sequence(out, lengths: np.ndarray) -> list[dict[str, np.ndarray]]:
-    """The outputs of each sequence of a step, by name."""
+    """The outputs of each sequence of a step, by name: every entry of the output table
+    (``megascore.schema.OUTPUTS``) the step returned."""
     cuts = np.cumsum(lengths)[:-1]
     pieces = [dict() for _ in lengths]
-    for name in PER_TOKEN:
-        value = getattr(out, name)
-        if value is not None:
+    for decl in schema.outputs():
+        value = out.values.get(decl.name)
+        if value is None:
+            continue
+        if decl.per == schema.TOKEN:
             for piece, part in zip(pieces, np.split(value, cuts), strict=True):
-                piece[name] = part
-    for name, values in out.losses.items():
-        for piece, value in zip(pieces, values, strict=True):
-            piece[name] = np.asarray(value)
-    for piece, count in zip(pieces, out.num_loss_tokens, strict=True):
-        piece["num_loss_tokens"] = np.asarray(count)
+                piece[decl.name] = part
+            continue
+        named = value if decl.keys is not None else {decl.name: value}
+        for name, values in named.items():
+            for piece, v in zip(pieces, values, strict=True):
+                piece[name] = np.asarray(v)
     return pieces
 
 
@@ -65,7 +68,7 @@ def _score(engine, seqs: list[np.ndarray], routing: bool) -> list[dict]:
         lengths=lengths,
         top_k=5,
         losses=LOSSES,
-        want_routing=routing,
+        return_routing=routing,
     )
     return _per_sequence(engine.score(batch), lengths)
 
