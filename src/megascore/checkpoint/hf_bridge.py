@@ -10,7 +10,9 @@ could use it. :func:`choose_hf_loader` takes it only when all of these hold:
 * ``megatron.bridge`` imports (it needs TransformerEngine, hence CUDA); why it does
   not is logged once;
 * ``AutoBridge.can_handle(DIR)``: it has a bridge for the checkpoint's architecture
-  (it has none for Mixtral).
+  (it has none for Mixtral);
+* the weights are not block-scaled FP8 (``quantization_config``): megascore's reader
+  dequantises those (``megascore.checkpoint.fp8``).
 
 Otherwise megascore's own reader (``megascore.checkpoint.hf_weights``, every family
 ``hf_config`` accepts) loads the checkpoint. ``MEGASCORE_HF_LOADER=bridge`` turns a
@@ -75,6 +77,8 @@ def _why_not_bridge(model, directory: Path) -> str | None:
     backend = getattr(_unwrap(model), "megascore_attention_backend", None)
     if backend != "te":
         return f"attention backend {backend!r} (the bridge maps TransformerEngine-spec names)"
+    if "quantization_config" in read_hf_config(directory):
+        return "block-scaled FP8 weights (megascore's reader dequantises them)"
     auto_bridge, why = import_auto_bridge()
     if auto_bridge is None:
         return f"megatron-bridge does not import ({why})"

@@ -17,6 +17,9 @@ rank's shard is cut out of them:
   output layer must equal the main ones (checked on this rank's rows while staging).
 * Experts: rank e of the expert-parallel group holds experts
   ``[e * E/ep, (e+1) * E/ep)``; inside an expert the expert-TP group splits as above.
+* Block-scaled FP8 weights (DeepSeek-V3's layout, ``megascore.checkpoint.fp8``) are
+  dequantised as they are read, each rank only its rows / columns, then cast to the
+  parameter's dtype like any other tensor.
 
 Everything is checked from the file headers (names, shapes, sizes) before any
 data is read, and the full set of local shards is staged on the host before the
@@ -33,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from megascore.checkpoint import fp8
+from megascore.checkpoint.hf_config import read_hf_config
 from megascore.checkpoint.hf_names import ParamMapper, mtp_copies
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
@@ -185,7 +190,8 @@ def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: s
             recipe. Found before any parameter is written: the model is then unchanged.
     """
     directory = Path(directory)
-    with SafetensorsDir(directory) as reader:
+    block = fp8.block_size(read_hf_config(directory))
+    with SafetensorsDir(directory, block) as reader:
         plan = plan_hf_load(model, model_cfg, reader)
         expected = model_tensor_names(_unwrap(model))
         check_every_parameter_written(expected, plan.recipes, str(directory))
