@@ -119,7 +119,8 @@ def te_shaped_model(model_cfg, engine_cfg, pg_collection):
         layers = []
         for layer in mtp.layer_specs:
             inner = _te_layer(layer.submodules.mtp_model_layer)
-            layers.append(_replace(layer, submodules=_replace(layer.submodules, mtp_model_layer=inner)))
+            sub = _replace(layer.submodules, mtp_model_layer=inner)
+            layers.append(_replace(layer, submodules=sub))
         mtp = _replace(mtp, layer_specs=layers)
     te = GPTModel(
         config=config,

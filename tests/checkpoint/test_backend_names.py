@@ -34,8 +34,8 @@ from tests.checkpoint.te_spec import te_shaped_model
 TE_TO_LOCAL = [
     (r"self_attention\.linear_qkv\.layer_norm_weight$", "input_layernorm.weight"),
     (r"mlp\.linear_fc1\.layer_norm_weight$", "pre_mlp_layernorm.weight"),
-    (r"self_attention\.linear_q_up_proj\.layer_norm_weight$", "self_attention.q_layernorm.weight"),
-    (r"self_attention\.linear_kv_up_proj\.layer_norm_weight$", "self_attention.kv_layernorm.weight"),
+    (r"linear_q_up_proj\.layer_norm_weight$", "q_layernorm.weight"),
+    (r"linear_kv_up_proj\.layer_norm_weight$", "kv_layernorm.weight"),
 ]
 MODELS = {
     "dense": lambda: builtin_model("tiny"),

@@ -3,21 +3,16 @@
 The two specs of Megatron-Core 0.19 (``megatron.core.models.gpt.gpt_layer_specs``) hold
 the same norms in different modules, so their ``sharded_state_dict()`` keys differ:
 
-==========================  =======================================  ===========================================
-norm                        local spec (``get_gpt_layer_local_*``)    TE spec (``get_gpt_layer_with_transformer_engine_*``)
-==========================  =======================================  ===========================================
-attention input, GQA        ``input_layernorm`` (keys map: saved as   fused: ``self_attention.linear_qkv.layer_norm_*``
-                            ``self_attention.linear_qkv.layer_norm_*``)
-attention input, MLA        ``input_layernorm``                       ``input_layernorm`` (TENorm)
-pre-MLP, dense layer        ``pre_mlp_layernorm`` (keys map, GQA:     fused: ``mlp.linear_fc1.layer_norm_*``
-                            ``mlp.linear_fc1.layer_norm_*``; MLA:
-                            unmapped)
-pre-MLP, MoE layer          ``pre_mlp_layernorm``, but the GQA keys   ``pre_mlp_layernorm`` (TENorm; a MoE layer
-                            map saves it as ``mlp.linear_fc1.         has no ``mlp.linear_fc1``)
-                            layer_norm_*``
-MLA query / key-value norm  ``self_attention.q_layernorm`` /          fused: ``self_attention.linear_q_up_proj.
-                            ``kv_layernorm``                          layer_norm_*`` / ``linear_kv_up_proj.layer_norm_*``
-==========================  =======================================  ===========================================
+* attention input norm, GQA: local ``input_layernorm`` (Megatron's local keys map saves
+  it as TE's), TE fused into ``self_attention.linear_qkv.layer_norm_*``;
+* attention input norm, MLA: ``input_layernorm`` on both (TE: ``TENorm``);
+* pre-MLP norm of a dense layer: local ``pre_mlp_layernorm`` (the GQA keys map saves it
+  as TE's, MLA layers have no keys map), TE fused into ``mlp.linear_fc1.layer_norm_*``;
+* pre-MLP norm of a MoE layer: ``pre_mlp_layernorm`` on both, but the local GQA keys map
+  saves it as ``mlp.linear_fc1.layer_norm_*`` (a MoE layer has no ``mlp.linear_fc1``);
+* MLA query / key-value norms: local ``self_attention.q_layernorm`` / ``kv_layernorm``,
+  TE fused into ``self_attention.linear_q_up_proj`` / ``linear_kv_up_proj``
+  ``.layer_norm_*``.
 
 :func:`te_keys` rewrites a model's sharded keys to the TE ones (identity on a TE model),
 so a checkpoint saved by either backend carries TE's keys (also what Megatron-LM writes
