@@ -77,7 +77,10 @@ def _layer_offset(model: torch.nn.Module) -> int:
 
 
 def plan_hf_load(
-    model: torch.nn.Module, model_cfg: ModelConfig, reader: SafetensorsDir
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    reader: SafetensorsDir,
+    only: set[str] | None = None,
 ) -> HFLoadPlan:
     """Builds and validates the recipes for every parameter of ``model`` on this rank.
 
@@ -88,6 +91,7 @@ def plan_hf_load(
         model: the built GPTModel (possibly wrapped) on this rank.
         model_cfg: its architecture (the checkpoint's ``config.json`` translation).
         reader: the checkpoint's safetensors files.
+        only: plan these parameters only (the rest is written by another loader).
 
     Returns:
         The validated plan.
@@ -109,7 +113,7 @@ def plan_hf_load(
     recipes: dict[str, Recipe] = {}
     used: set[str] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or (only is not None and name not in only):
             continue
         recipe = mapper(name, offset)
         recipe.fit(tuple(tensor.shape))
@@ -133,6 +137,8 @@ def plan_hf_load(
     copies = mtp_copies(model_cfg, reader)
     used.update(copy for copy, _ in copies)
     unused = [n for n in reader.names() if n not in used and not _IGNORED_HF.match(n)]
+    if only is not None:
+        unused = []
     if model_cfg.share_embeddings_and_output_weights:
         unused = [n for n in unused if n != "lm_head.weight"]
     if unused:
@@ -177,13 +183,19 @@ def copy_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
             targets[name].copy_(value, non_blocking=False)
 
 
-def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: str | Path) -> None:
+def load_hf_weights(
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    directory: str | Path,
+    only: set[str] | None = None,
+) -> None:
     """Validates, then loads a HF safetensors checkpoint into ``model`` on this rank.
 
     Args:
         model: the built (possibly wrapped) GPTModel of this rank.
         model_cfg: the architecture the model was built from.
         directory: HF checkpoint directory (``config.json`` + safetensors).
+        only: load these parameters only (megatron-bridge wrote the others).
 
     Raises:
         CheckpointError: the checkpoint does not fit the model, or a parameter has no
@@ -192,8 +204,8 @@ def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: s
     directory = Path(directory)
     block = fp8.block_size(read_hf_config(directory))
     with SafetensorsDir(directory, block) as reader:
-        plan = plan_hf_load(model, model_cfg, reader)
-        expected = model_tensor_names(_unwrap(model))
+        plan = plan_hf_load(model, model_cfg, reader, only)
+        expected = model_tensor_names(_unwrap(model)) if only is None else sorted(only)
         check_every_parameter_written(expected, plan.recipes, str(directory))
         staged = stage_hf_weights(plan, reader, model)
     copy_into_model(model, staged)

@@ -178,7 +178,7 @@ def _resolve_hf(directory: Path) -> ResolvedModel:
         from megascore.checkpoint.hf_weights import load_hf_weights
 
         if hf_bridge.choose_hf_loader(model, directory) == "bridge":
-            hf_bridge.load_with_bridge(model, directory)
+            hf_bridge.load_with_bridge(model, directory, model_cfg)
         else:  # megascore's recipes: every architecture hf_config accepts
             load_hf_weights(model, model_cfg, directory)
 
