@@ -9,8 +9,11 @@ path (``forward_step_arbitrary_loss`` / its loss post-processors):
 * :func:`split_microbatches`: contiguous runs of sequences, balanced by padded
   tokens; every microbatch is packed (THD, the per-sequence pad multiple) and
   padded to one common length (``pad_full_seq_to``), so the stages exchange
-  activations of a fixed shape. Megatron refuses ``variable_seq_lengths`` with
-  the allgather MoE dispatcher, the one that runs on the CPU. A microbatch is
+  activations of a fixed shape. That padding is a segment of its own after the last
+  sequence (not an extension of it): pad tokens attend only to each other, never to
+  or from a real sequence, and the longest segment stays the longest sequence's.
+  Megatron refuses ``variable_seq_lengths`` with the allgather MoE dispatcher, the
+  one that runs on the CPU. A microbatch is
   never shorter than the step's longest sequence (that would pad every other
   microbatch up to it), so a step may use fewer microbatches than configured.
 * :func:`forward_step`: called by the schedule with the data iterator and the
@@ -133,12 +136,17 @@ def build_microbatch(
         has_request_mask: the request carried a loss mask (MTP then uses it).
 
     Returns:
-        The :class:`Microbatch`.
+        The :class:`Microbatch`; its packing has one segment per sequence, then, when the
+        microbatch is shorter than ``pad_to``, one padding segment (an empty sequence
+        that :func:`~megascore.packing.pack_sequences` pads to ``pad_to``).
     """
     device = token_ids.device
+    lengths = np.asarray(lengths)
+    natural = int(layout.padded_lengths(lengths, pad_multiple).sum())
+    pad_segment = pad_to > natural
     packed = pack_sequences(
         token_ids,
-        lengths,
+        np.append(lengths, 0) if pad_segment else lengths,
         pad_individual_seqs_to_multiple_of=pad_multiple,
         pad_packed_seq_to=pad_to,
         cp_rank=cp_rank,
@@ -150,7 +158,8 @@ def build_microbatch(
     targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
     temps = None
     if temperature is not None:
-        per_seq = torch.from_numpy(np.asarray(temperature, dtype=np.float32))
+        per_seq = np.asarray(temperature, dtype=np.float32)
+        per_seq = torch.from_numpy(np.append(per_seq, 1.0) if pad_segment else per_seq)
         temps = torch.repeat_interleave(per_seq, cu_padded.diff())[shard].to(device)
     # mask: token-aligned on the full axis, then rolled to the targets' alignment
     full = torch.zeros(1, pad_to)
