@@ -107,13 +107,7 @@ def _te_layer(spec):
     return _replace(spec, submodules=sub)
 
 
-def te_shaped_model(model_cfg, engine_cfg, pg_collection):
-    """A CPU GPTModel with TE's parameter (and checkpoint) names (build a model with
-    ``build_model`` first: it applies the CPU measures and seeds the generators)."""
-    from megatron.core.models.gpt import GPTModel
-
-    config = make_transformer_config(model_cfg, engine_cfg, torch.device("cpu"))
-    block, mtp = make_layer_specs(config, "torch")
+def _te_specs(block, mtp):
     block = _replace(block, layer_specs=[_te_layer(s) for s in block.layer_specs])
     if mtp is not None:
         layers = []
@@ -122,13 +116,29 @@ def te_shaped_model(model_cfg, engine_cfg, pg_collection):
             sub = _replace(layer.submodules, mtp_model_layer=inner)
             layers.append(_replace(layer, submodules=sub))
         mtp = _replace(mtp, layer_specs=layers)
-    te = GPTModel(
+    return block, mtp
+
+
+def cpu_gpt_model(
+    model_cfg, engine_cfg, pg_collection, *, te_names=False, pre_process=True, post_process=True
+):
+    """A CPU GPTModel that reports the TE backend (what megatron-bridge requires): with
+    ``te_names`` TE's parameter (and checkpoint) names; ``pre_process`` /
+    ``post_process`` as Megatron builds a pipeline stage. Build a model with
+    ``build_model`` first (it applies the CPU measures and seeds the generators)."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = make_transformer_config(model_cfg, engine_cfg, torch.device("cpu"))
+    block, mtp = make_layer_specs(config, "torch")
+    if te_names:
+        block, mtp = _te_specs(block, mtp)
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=pre_process,
+        post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
         position_embedding_type=model_cfg.position_embedding_type,
@@ -137,7 +147,12 @@ def te_shaped_model(model_cfg, engine_cfg, pg_collection):
         mtp_block_spec=mtp,
         pg_collection=pg_collection,
     )
-    te.requires_grad_(False)
-    te.eval()
-    te.megascore_attention_backend = "te"
-    return te
+    model.requires_grad_(False)
+    model.eval()
+    model.megascore_attention_backend = "te"
+    return model
+
+
+def te_shaped_model(model_cfg, engine_cfg, pg_collection):
+    """A CPU GPTModel with TE's parameter (and checkpoint) names."""
+    return cpu_gpt_model(model_cfg, engine_cfg, pg_collection, te_names=True)

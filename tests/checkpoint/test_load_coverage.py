@@ -217,26 +217,11 @@ def test_bridge_leaves_a_tied_last_stage_output_layer_to_megascore():
 def _tied_last_stage(cfg, pgs):
     """The last pipeline stage of a tied model at PP > 1, as Megatron builds it (no
     embedding, its own ``output_layer.weight``), on one rank."""
-    from megatron.core.models.gpt import GPTModel
-
     from megascore.config import EngineConfig
-    from megascore.model.build import make_layer_specs, make_transformer_config
+    from tests.checkpoint.te_spec import cpu_gpt_model
 
-    config = make_transformer_config(cfg, EngineConfig(device="cpu"), torch.device("cpu"))
-    block, _ = make_layer_specs(config, "torch")
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=block,
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        pre_process=False,
-        post_process=True,
-        share_embeddings_and_output_weights=True,
-        pg_collection=pgs,
-    )
-    model.requires_grad_(False)
-    model.megascore_attention_backend = "te"
-    return model
+    assert cfg.share_embeddings_and_output_weights
+    return cpu_gpt_model(cfg, EngineConfig(device="cpu"), pgs, pre_process=False)
 
 
 def test_bridge_tied_last_stage_output_layer_is_the_embedding(

@@ -17,24 +17,11 @@ import torch
 from megascore.checkpoint import hf_config_to_model_config
 from megascore.config import EngineConfig
 from megascore.model.build import build_model, make_transformer_config
-from megascore.model.config import ModelConfig
 from tests.checkpoint.scripts.ckpt_common import hf_config
+from tests.unit.test_routing_variants import CFG as SIGMOID_ROUTER
 
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    ffn_hidden_size=128,
-    vocab_size=512,
-    max_position_embeddings=128,
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=32,
-    moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True,
-    moe_router_load_balancing_type="none",
-    moe_router_dtype="fp32",
-)
+# DeepSeek-V3-style: dense first layer, sigmoid router with expert bias and groups
+CFG = dataclasses.replace(SIGMOID_ROUTER, moe_router_dtype="fp32")
 
 
 @pytest.mark.parametrize(
@@ -75,7 +62,7 @@ def _gating(pgs, override: str):
     """The first MoE router of a bfloat16 model, its gating output on bfloat16 input, and
     the float64 product of the same input and weight."""
     model = build_model(CFG, EngineConfig(dtype="bfloat16", moe_router_dtype=override), pgs)
-    router = model.decoder.layers[0].mlp.router
+    router = model.decoder.layers[1].mlp.router
     x = torch.randn(16, CFG.hidden_size, generator=torch.Generator().manual_seed(0))
     x = x.to(torch.bfloat16)
     with torch.no_grad():
