@@ -8,10 +8,10 @@ path (``forward_step_arbitrary_loss`` / its loss post-processors):
 
 * :func:`split_microbatches`: contiguous runs of sequences, balanced by padded
   tokens; every microbatch is packed (THD, the per-sequence pad multiple) and
-  padded to one common length (``pad_full_seq_to``), so the stages exchange
-  activations of a fixed shape. That padding is a segment of its own after the last
-  sequence (not an extension of it): pad tokens attend only to each other, never to
-  or from a real sequence, and the longest segment stays the longest sequence's.
+  padded to one common length, so the stages exchange activations of a fixed
+  shape. The padding is a segment of its own (``pack_sequences(pad_segment=True)``),
+  not an extension of the last sequence: no real token attends to it, and a
+  sequence's attention has the same shape in any microbatch (batch invariance).
   Megatron refuses ``variable_seq_lengths`` with the allgather MoE dispatcher, the
   one that runs on the CPU. A microbatch is
   never shorter than the step's longest sequence (that would pad every other
@@ -136,21 +136,17 @@ def build_microbatch(
         has_request_mask: the request carried a loss mask (MTP then uses it).
 
     Returns:
-        The :class:`Microbatch`; its packing has one segment per sequence, then, when the
-        microbatch is shorter than ``pad_to``, one padding segment (an empty sequence
-        that :func:`~megascore.packing.pack_sequences` pads to ``pad_to``).
+        The :class:`Microbatch`.
     """
     device = token_ids.device
-    lengths = np.asarray(lengths)
-    natural = int(layout.padded_lengths(lengths, pad_multiple).sum())
-    pad_segment = pad_to > natural
     packed = pack_sequences(
         token_ids,
-        np.append(lengths, 0) if pad_segment else lengths,
+        lengths,
         pad_individual_seqs_to_multiple_of=pad_multiple,
         pad_packed_seq_to=pad_to,
         cp_rank=cp_rank,
         cp_size=cp_size,
+        pad_segment=True,
     )
     cu_padded = packed.cu_seqlens_padded.to("cpu", torch.int64)
     shard = packed.shard_indices
@@ -158,9 +154,10 @@ def build_microbatch(
     targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
     temps = None
     if temperature is not None:
-        per_seq = np.asarray(temperature, dtype=np.float32)
-        per_seq = torch.from_numpy(np.append(per_seq, 1.0) if pad_segment else per_seq)
-        temps = torch.repeat_interleave(per_seq, cu_padded.diff())[shard].to(device)
+        per_seq = np.ones(len(cu_padded) - 1, dtype=np.float32)  # the padding segment: 1
+        per_seq[: len(lengths)] = temperature
+        temps = torch.repeat_interleave(torch.from_numpy(per_seq), cu_padded.diff())
+        temps = temps[shard].to(device)
     # mask: token-aligned on the full axis, then rolled to the targets' alignment
     full = torch.zeros(1, pad_to)
     full[0, packed.token_positions] = torch.from_numpy(target_mask)
