@@ -157,22 +157,26 @@ def _hash(items: list[tuple[str, int, int]]) -> str:
 
 def _hf_model_config(directory: Path, ignore_mtp_layers: bool, reader=None) -> ModelConfig:
     """``config.json``'s architecture, less the optional parts the files do not hold."""
+    from megascore.checkpoint import fp8
     from megascore.checkpoint.safetensors_io import SafetensorsDir
 
-    model_cfg = hf_config_to_model_config(read_hf_config(directory))
+    config = read_hf_config(directory)
+    model_cfg = hf_config_to_model_config(config)
     if not (model_cfg.mtp_num_layers or model_cfg.share_embeddings_and_output_weights):
         return model_cfg  # nothing optional: config.json alone says it
-    with contextlib.nullcontext(reader) if reader else SafetensorsDir(directory) as files:
+    opened = SafetensorsDir(directory, fp8.block_size(config)) if reader is None else None
+    with contextlib.nullcontext(reader) if opened is None else opened as files:
         names = set(files.names())  # headers only
     model_cfg = served_head(model_cfg, names, source=str(directory))
     return served_mtp_layers(model_cfg, names, ignore=ignore_mtp_layers, source=str(directory))
 
 
 def _resolve_hf(directory: Path, ignore_mtp_layers: bool) -> ResolvedModel:
+    from megascore.checkpoint import fp8
     from megascore.checkpoint.safetensors_io import SafetensorsDir
 
     config = read_hf_config(directory)
-    with SafetensorsDir(directory) as reader:  # headers + sizes only
+    with SafetensorsDir(directory, fp8.block_size(config)) as reader:  # headers + sizes only
         model_cfg = _hf_model_config(directory, ignore_mtp_layers, reader)
         files = reader.fingerprint()
     cfg_stat = (directory / "config.json").stat()
@@ -192,7 +196,7 @@ def _resolve_hf(directory: Path, ignore_mtp_layers: bool) -> ResolvedModel:
         from megascore.checkpoint.hf_weights import load_hf_weights
 
         if hf_bridge.choose_hf_loader(model, directory) == "bridge":
-            hf_bridge.load_with_bridge(model, directory)
+            hf_bridge.load_with_bridge(model, directory, model_cfg)
         else:  # megascore's recipes: every architecture hf_config accepts
             load_hf_weights(model, model_cfg, directory)
 
