@@ -155,12 +155,14 @@ def _hash(items: list[tuple[str, int, int]]) -> str:
     return h.hexdigest()[:16]
 
 
-def _hf_model_config(directory: Path, ignore_mtp_layers: bool, reader=None) -> ModelConfig:
-    """``config.json``'s architecture, less the optional parts the files do not hold."""
+def _hf_model_config(
+    directory: Path, config: dict, ignore_mtp_layers: bool, reader=None
+) -> ModelConfig:
+    """The architecture of ``config`` (``DIR/config.json``), less the optional parts the
+    files do not hold (their headers are read from ``reader``, or opened here)."""
     from megascore.checkpoint import fp8
     from megascore.checkpoint.safetensors_io import SafetensorsDir
 
-    config = read_hf_config(directory)
     model_cfg = hf_config_to_model_config(config)
     if not (model_cfg.mtp_num_layers or model_cfg.share_embeddings_and_output_weights):
         return model_cfg  # nothing optional: config.json alone says it
@@ -177,7 +179,7 @@ def _resolve_hf(directory: Path, ignore_mtp_layers: bool) -> ResolvedModel:
 
     config = read_hf_config(directory)
     with SafetensorsDir(directory, fp8.block_size(config)) as reader:  # headers + sizes only
-        model_cfg = _hf_model_config(directory, ignore_mtp_layers, reader)
+        model_cfg = _hf_model_config(directory, config, ignore_mtp_layers, reader)
         files = reader.fingerprint()
     cfg_stat = (directory / "config.json").stat()
     # The resolved path is part of the version: two copies with equal names, sizes
@@ -303,7 +305,7 @@ def read_model_config(model: str, *, ignore_mtp_layers: bool = False) -> ModelCo
         return _builtin_config(spec.name, ignore_mtp_layers)
     directory = _directory(spec.path, model)
     if spec.kind == "hf":
-        return _hf_model_config(directory, ignore_mtp_layers)
+        return _hf_model_config(directory, read_hf_config(directory), ignore_mtp_layers)
     from megascore.checkpoint import megatron_ckpt
 
     cfg = megatron_ckpt.read_checkpoint_config(directory)[0]
