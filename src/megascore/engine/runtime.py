@@ -363,8 +363,9 @@ class DistributedEngine:
         served = self.loaded.spec
         if spec.kind == "builtin" and spec.name != served.name:
             raise InvalidRequestError(f"model {model!r}: the served model is {served.name!r}")
-        # The architecture first, from the checkpoint's config alone: a mismatch (or a
-        # bad path) is refused before any rank builds a model or opens a weight file.
+        # The architecture first, from the checkpoint's config (and, for its optional
+        # parts, the weight files' headers): a mismatch (or a bad path) is refused before
+        # any rank builds a model or reads a tensor.
         ignore_mtp = self.engine_cfg.ignore_mtp_layers
         check_same_architecture(
             read_model_config(model, ignore_mtp_layers=ignore_mtp), self.loaded.config, model

@@ -130,7 +130,7 @@ def load_served_model(
             architecture other than ``expected``.
     """
     ignore_mtp = engine_cfg.ignore_mtp_layers
-    if expected is not None:  # from the config alone, before the weight files' headers
+    if expected is not None:  # from the config (+ headers for optional parts), no tensor read
         check_same_architecture(
             read_model_config(model, ignore_mtp_layers=ignore_mtp), expected, model
         )
