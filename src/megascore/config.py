@@ -57,6 +57,9 @@ class EngineConfig:
     """Timeout of every collective; a hung rank fails the step instead of hanging."""
     seed: int | None = None
     """Overrides the model config's seed for built-in random weights."""
+    ignore_mtp_layers: bool = False
+    """Serve without the model's MTP layers even where the checkpoint holds them (``hf:``
+    checkpoints and built-ins); MTP layers the files do not hold are always left out."""
     batch_invariant: bool | None = None
     """Bit-identical results for a sequence whatever else is in the step (every token-axis
     matmul padded to a multiple of 64 rows, ``megascore.model.batch_invariant``). Unset: on
