@@ -61,6 +61,8 @@ from megatron.core.transformer.moe.moe_logging import (
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from megascore.config import METRICS_REDUCTIONS
+from megascore.engine import step_metrics
 from megascore.packing import PackedSequences, cp_shard_indices, roll_within_segments
 
 logger = logging.getLogger(__name__)
@@ -299,25 +301,20 @@ def _head_processor(*, hidden_states, output_layer, output_weight, scale_logits,
     )
 
 
-def router_token_counts(model, packed: PackedSequences, cp_rank: int, cp_size: int):
+def router_token_counts(model, packed: PackedSequences):
     """Real tokens the router of each MoE-capable layer sees on this rank.
 
     Decoder layers see this rank's share of the real tokens (its CP shard; with sequence
-    parallelism its TP slice of that); MTP layer k sees the positions whose token k ahead
-    is real (``position + k < length``).
+    parallelism its TP slice of that: :func:`megascore.engine.step_metrics.router_rows`);
+    MTP layer k sees the positions whose token k ahead is real (``position + k < length``).
 
     Returns:
         float32 ``[num_layers + mtp_num_layers]``.
     """
     cfg = model.config
     pos, length = _position_and_length(packed)
-    idx = cp_shard_indices(packed.cu_seqlens_padded.to("cpu"), cp_rank, cp_size)
-    pos, length = pos[idx], length[idx]
-    tp = model.pg_collection.tp
-    if cfg.sequence_parallel and tp.size() > 1:  # contiguous T_local / tp rows per TP rank
-        per = pos.numel() // tp.size()
-        rows = slice(tp.rank() * per, (tp.rank() + 1) * per)
-        pos, length = pos[rows], length[rows]
+    rows = step_metrics.router_rows(model, packed)
+    pos, length = pos[rows], length[rows]
     counts = [float((pos < length).sum())] * cfg.num_layers
     counts += [float((pos + k < length).sum()) for k in range(1, (cfg.mtp_num_layers or 0) + 1)]
     return torch.tensor(counts)
@@ -344,7 +341,7 @@ def _token_weight_z_loss(model, packed: PackedSequences, before: torch.Tensor | 
     if values is None or router is None or router.tp_dp_cp_group.size() == 1:
         return
     group = router.tp_dp_cp_group
-    counts = router_token_counts(model, packed, *_cp_rank_size(model)).to(values.device)
+    counts = router_token_counts(model, packed).to(values.device)
     total = counts.clone()
     torch.distributed.all_reduce(total, group=group)
     base = torch.zeros_like(values) if before is None else before
@@ -368,6 +365,10 @@ def forward_microbatch(
         metrics_forward=metrics_forward,
         loss_mask_packed_local=loss_mask_packed_local,
     )
+    collector = step_metrics.active(model) if metrics_forward else None
+    if collector is not None:  # metrics_reduction "step": statistics, reduced at the end
+        with collector.microbatch(packed):
+            return model(**kwargs)
     weigh = metrics_forward and bool(model.config.num_moe_experts)
     before = _z_loss_values() if weigh else None
     before = None if before is None else before.clone()
@@ -507,15 +508,26 @@ class ForwardMetrics:
 
 @contextlib.contextmanager
 def scoring_forward(
-    model, *, return_moe_metrics: bool, return_mtp_metrics: bool, num_microbatches: int = 1
+    model,
+    *,
+    return_moe_metrics: bool,
+    return_mtp_metrics: bool,
+    num_microbatches: int = 1,
+    metrics_reduction: str = "step",
+    data_parallel_split: bool = False,
 ):
     """The mode every scoring forward of one step runs in (see the module docstring).
 
     Without metrics: eval mode, no grad, MTP skipped. With metrics: one training-mode
-    pass with grad enabled over the step's forwards (one per microbatch), then the
-    trackers are read as Megatron's ``training.py`` reads them (loss scale
-    ``1 / num_microbatches``: the mean over microbatches), cleared, and the routers'
-    buffers restored. Collective when metrics are requested (every rank, all stages).
+    pass with grad enabled over the step's forwards (one per microbatch), then either
+
+    * ``metrics_reduction="step"``: the statistics the routers and MTP layers saw over
+      the whole step, reduced once (:mod:`megascore.engine.step_metrics`), or
+    * ``"microbatch"``: Megatron's trackers, read as Megatron's ``training.py`` reads
+      them (loss scale ``1 / num_microbatches``: the mean over microbatches);
+
+    the trackers are cleared and the routers' buffers restored. Collective when metrics
+    are requested (every rank, all stages).
 
     Args:
         model: the GPTModel of this rank.
@@ -523,14 +535,19 @@ def scoring_forward(
         return_mtp_metrics: compute the MTP metrics (MTP models only).
         num_microbatches: forwards of the step run inside the block
             (:func:`forward_microbatch`).
+        metrics_reduction: "step" or "microbatch" (above).
+        data_parallel_split: the DP ranks score different sequences of the step
+            ("step" sums their statistics; False: DP ranks score copies of one batch).
 
     Yields:
         A :class:`ForwardMetrics`, filled when the block exits without error.
 
     Raises:
-        ValueError: see :func:`check_metrics_request`.
+        ValueError: see :func:`check_metrics_request`; an unknown ``metrics_reduction``.
     """
     check_metrics_request(model.config, return_moe_metrics, return_mtp_metrics)
+    if metrics_reduction not in METRICS_REDUCTIONS:
+        raise ValueError(f"metrics_reduction must be one of {METRICS_REDUCTIONS}")
     metrics = ForwardMetrics()
     if not (return_moe_metrics or return_mtp_metrics):
         with torch.no_grad(), _mtp_skipped(model):
@@ -539,6 +556,17 @@ def scoring_forward(
     moe_names = moe_metric_names(model.config) if return_moe_metrics else []
     _clear_trackers()
     try:
+        if metrics_reduction == "step":
+            collector = step_metrics.StepMetrics(
+                model,
+                moe_names=moe_names,
+                mtp=return_mtp_metrics,
+                data_parallel_split=data_parallel_split,
+            )
+            with _training_forward(model), collector.recording():
+                yield metrics
+            metrics.moe, metrics.mtp = collector.reduce()
+            return
         with _training_forward(model):
             yield metrics
         scale = 1.0 / num_microbatches

@@ -173,6 +173,7 @@ class DistributedEngine:
             microbatches=engine_cfg.microbatches,
             output_rank=_SRC,
             lm_head_dtype=engine_cfg.lm_head_dtype,
+            metrics_reduction=engine_cfg.metrics_reduction,
             result_rank=result_rank(self.world_size, engine_cfg.pipeline_model_parallel_size),
         )
         self.limits = Limits(

@@ -99,6 +99,8 @@ class StepConfig:
         result_rank: its peer on the last pipeline stage, where the results are
             computed (the output rank itself at PP = 1).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
+        metrics_reduction: "step" or "microbatch"
+            (:func:`megascore.engine.forward.scoring_forward`).
     """
 
     pad_multiple: int
@@ -109,6 +111,7 @@ class StepConfig:
     output_rank: int = 0
     result_rank: int = 0
     lm_head_dtype: str = "model"
+    metrics_reduction: str = "step"
 
 
 @dataclasses.dataclass
@@ -225,6 +228,7 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
             return_moe_metrics=plan.want_moe,
             return_mtp_metrics=plan.want_mtp,
             num_microbatches=len(microbatches),
+            metrics_reduction=cfg.metrics_reduction,
         ) as metrics,
     ):
         store = run_schedule(model, microbatches, plan.spec)
