@@ -22,6 +22,7 @@ from megascore.config import EngineConfig
 from megascore.engine.forward import forward_microbatch, scoring_forward
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
+from megascore_server.config_loader import load_serve_config
 from tests.padded_rows import pack_rows
 
 LENGTHS = [11, 1, 6, 3, 17, 2, 9, 5]
@@ -154,7 +155,10 @@ def test_microbatch_reduction_is_megatrons_mean_over_microbatches(model, batch):
     assert four["mtp_1_acceptance_rate"] == pytest.approx(megatron["mtp_1_acceptance_rate"])
 
 
-def test_unknown_reduction_is_refused(model, batch):
+def test_reduction_option(model, batch):
+    assert EngineConfig().metrics_reduction == "step"
+    config = load_serve_config(["--metrics-reduction", "microbatch"], environ={})
+    assert config.engine.metrics_reduction == "microbatch"
     with pytest.raises(ValueError, match="metrics_reduction"):
         _score(model, batch, 1, reduction="token")
     with pytest.raises(ValueError, match="metrics_reduction"):

@@ -21,24 +21,31 @@ otherwise return the per-token loss).
 Metrics. Megatron records MoE aux losses and MTP losses only in training mode
 (aux losses also need grad enabled). When metrics are requested the model runs
 one training-mode forward with dropout off and grad enabled (parameters do not
-require grad, nothing is back-propagated), reads the trackers exactly as
-Megatron's ``training.py`` does (``MoEMetricsTracker.report`` with
-``force_initialize``; ``MTPLossLoggingHelper.track_mtp_metrics``), clears them,
-restores the routers' running buffers and returns the model to eval mode. The
-hidden states are identical in both modes (dropout is off, MoE is dropless).
-Semantics are Megatron's, including where they depend on the layout:
+require grad, nothing is back-propagated), then restores the routers' running
+buffers and returns the model to eval mode. The hidden states are identical in both
+modes (dropout is off, MoE is dropless). Two definitions (``metrics_reduction``,
+docs/engine.md):
 
-* Megatron's ``padding_mask`` marks the pad positions of the packed layout, so the
-  routers leave pads out of the aux-loss and z-loss statistics (MTP layers too:
-  ``megascore.model.mtp``): MoE metrics do not depend on the per-sequence pad multiple,
-  hence not on the TP / CP layout either;
-* an MTP loss is the token-weighted mean over the DP x CP ranks (each rank's masked
-  mean weighted by its share of the target tokens: equal to CP = 1); acceptance rates
-  sum the counts (percent, as Megatron logs them);
-* with DP > 1 every metric is averaged over the DP ranks (their batches);
-* Megatron's MTP loss (``process_mtp_loss``) computes each MTP layer's full
-  ``[T_local, V / tp]`` logits: a metrics forward of an MTP model is the one
-  place where memory still grows with tokens x vocabulary.
+* ``"step"`` (default): the statistics the routers and MTP layers see over the whole
+  step, reduced once (:mod:`megascore.engine.step_metrics`): the same for any layout
+  and microbatch count;
+* ``"microbatch"``: Megatron's trackers, read exactly as Megatron's ``training.py``
+  reads them (``MoEMetricsTracker.report`` with ``force_initialize``;
+  ``MTPLossLoggingHelper.track_mtp_metrics``): the mean over the step's microbatches.
+  Where Megatron's value depends on the layout beyond that, megascore corrects it:
+
+  - Megatron's ``padding_mask`` marks the pad positions of the packed layout, so the
+    routers leave pads out of the aux-loss and z-loss statistics (MTP layers too:
+    ``megascore.model.mtp``): MoE metrics do not depend on the per-sequence pad
+    multiple, hence not on the TP / CP layout either (this holds for both);
+  - an MTP loss is the token-weighted mean over the DP x CP ranks (each rank's masked
+    mean weighted by its share of the target tokens: equal to CP = 1); acceptance
+    rates sum the counts (percent, as Megatron logs them);
+  - with DP > 1 every metric is averaged over the DP ranks (their batches).
+
+Either way Megatron's MTP loss (``process_mtp_loss``) computes each MTP layer's full
+``[T_local, V / tp]`` logits: a metrics forward of an MTP model is the one place where
+memory still grows with tokens x vocabulary.
 
 An eval forward whose MTP outputs nobody reads skips the MTP block (it only
 produces MTP losses): ``model.mtp_process`` and ``config.mtp_num_layers`` are
@@ -356,9 +363,10 @@ def forward_microbatch(
     loss_mask_packed_local: torch.Tensor | None = None,
 ):
     """``model(**model_inputs(...))`` for one packed microbatch, in the step's mode
-    (:func:`scoring_forward`); a metrics forward's z-loss is token-weighted over the ranks
-    (:func:`_token_weight_z_loss`). Returns what the model returns (the
-    :class:`OutputHead` on the last stage, the hidden states elsewhere)."""
+    (:func:`scoring_forward`): under ``metrics_reduction="step"`` the step's collector
+    (:mod:`megascore.engine.step_metrics`) sees it; else a metrics forward's z-loss is
+    token-weighted over the ranks (:func:`_token_weight_z_loss`). Returns what the model
+    returns (the :class:`OutputHead` on the last stage, the hidden states elsewhere)."""
     kwargs = model_inputs(
         model,
         packed,
