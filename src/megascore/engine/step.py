@@ -101,6 +101,8 @@ class StepConfig:
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
         metrics_reduction: "step" or "microbatch"
             (:func:`megascore.engine.forward.scoring_forward`).
+        data_parallel_split: the DP ranks score different sequences of the step (their
+            step-level metric statistics are summed); False: copies of one batch.
     """
 
     pad_multiple: int
@@ -112,6 +114,7 @@ class StepConfig:
     result_rank: int = 0
     lm_head_dtype: str = "model"
     metrics_reduction: str = "step"
+    data_parallel_split: bool = False
 
 
 @dataclasses.dataclass
@@ -229,6 +232,7 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
             return_mtp_metrics=plan.want_mtp,
             num_microbatches=len(microbatches),
             metrics_reduction=cfg.metrics_reduction,
+            data_parallel_split=cfg.data_parallel_split,
         ) as metrics,
     ):
         store = run_schedule(model, microbatches, plan.spec)
