@@ -19,7 +19,7 @@ from megascore.checkpoint.hf_weights import load_hf_weights, plan_hf_load
 from megascore.checkpoint.recipes import ParallelRanks, Src, VocabRows
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.config import EngineConfig
-from megascore.engine.served_model import load_served_model
+from megascore.engine.served_model import load_served_model, reload_served_model
 from megascore.errors import CheckpointError
 from tests.checkpoint.scripts.ckpt_common import FAMILIES, megatron_logprobs, token_batch
 
@@ -149,14 +149,15 @@ def test_missing_shard_and_no_weights(hf_dirs, tmp_path):
         resolve_model(f"hf:{empty}")
 
 
-def test_reload_path_loads_new_weights_and_refuses_bad_checkpoints(hf_dirs, tmp_path, pgs):
-    """The engine's one load path (start-up and reload) on HF checkpoints."""
+def test_reload_writes_the_served_parameters_in_place_and_refuses_bad_checkpoints(
+    hf_dirs, tmp_path, pgs
+):
+    """The engine's load paths on HF checkpoints: start-up, then reloads into the served
+    parameters themselves (no second model); a checkpoint that does not fit is refused
+    before anything is written."""
     engine_cfg = EngineConfig(device="cpu")
     served = load_served_model(f"hf:{hf_dirs['llama']}", engine_cfg, pgs)
-    new = load_served_model(f"hf:{hf_dirs['llama_b']}", engine_cfg, pgs, expected=served.config)
-    assert new.spec.path == str(hf_dirs["llama_b"])
-    got = megatron_logprobs(new.model, token_batch(), pgs.tp)
-    assert np.abs(got - _reference(hf_dirs["llama_b"])).max() <= TOL
+    storage = {n: t.data_ptr() for n, t in served.model.named_parameters()}
 
     _rewrite(
         hf_dirs["llama"],
@@ -164,11 +165,17 @@ def test_reload_path_loads_new_weights_and_refuses_bad_checkpoints(hf_dirs, tmp_
         lambda t: {k: v for k, v in t.items() if "layers.1.mlp" not in k},
     )
     with pytest.raises(CheckpointError, match="model.layers.1.mlp"):
-        load_served_model(f"hf:{tmp_path / 'bad'}", engine_cfg, pgs, expected=served.config)
+        reload_served_model(served, f"hf:{tmp_path / 'bad'}", engine_cfg, pgs)
     with pytest.raises(CheckpointError, match="architecture differs"):
-        load_served_model(f"hf:{hf_dirs['qwen2']}", engine_cfg, pgs, expected=served.config)
+        reload_served_model(served, f"hf:{hf_dirs['qwen2']}", engine_cfg, pgs)
     got = megatron_logprobs(served.model, token_batch(), pgs.tp)
     assert np.abs(got - _reference(hf_dirs["llama"])).max() <= TOL
+
+    new = reload_served_model(served, f"hf:{hf_dirs['llama_b']}", engine_cfg, pgs)
+    assert new.model is served.model and new.spec.path == str(hf_dirs["llama_b"])
+    assert {n: t.data_ptr() for n, t in new.model.named_parameters()} == storage
+    got = megatron_logprobs(new.model, token_batch(), pgs.tp)
+    assert np.abs(got - _reference(hf_dirs["llama_b"])).max() <= TOL
 
 
 def _te_name(name: str, is_moe: bool) -> str:

@@ -25,7 +25,6 @@ from megatron.core import dist_checkpointing
 from megascore.checkpoint import hf_bridge, hf_weights
 from megascore.checkpoint.megatron_ckpt import CONFIG_FILE, FORMAT, config_to_json
 from megascore.checkpoint.resolve import check_every_parameter_written, resolve_model
-from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.errors import CheckpointError
 from megascore.model.config import builtin_model
 from tests.checkpoint.scripts.ckpt_common import megatron_logprobs, token_batch
@@ -104,10 +103,7 @@ class FakeAutoBridge:
     def load_hf_weights(self, models) -> None:
         FakeAutoBridge.loads.append(self.directory)
         cfg = resolve_model(f"hf:{self.directory}").model_config
-        with SafetensorsDir(self.directory) as reader:
-            plan = hf_weights.plan_hf_load(models[0], cfg, reader)
-            staged = hf_weights.stage_hf_weights(plan, reader, models[0])
-        hf_weights.copy_into_model(models[0], staged)
+        hf_weights.load_hf_weights(models[0], cfg, self.directory)
 
 
 @pytest.fixture

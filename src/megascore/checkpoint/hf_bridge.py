@@ -108,8 +108,10 @@ def choose_hf_loader(model, directory: str | Path) -> str:
     return "native"
 
 
-def load_with_bridge(model, directory: str | Path) -> None:
+def load_with_bridge(model, directory: str | Path, before_write=None) -> None:
     """Loads ``directory`` with ``AutoBridge`` after checking its mappings cover the model.
+
+    ``before_write()`` (if given) runs after that check, before the bridge writes.
 
     Raises:
         CheckpointError: a parameter the bridge would not write, or would write twice
@@ -125,5 +127,7 @@ def load_with_bridge(model, directory: str | Path) -> None:
     written = [t.param_name for t in tasks if t is not None and t.param_weight is not None]
     source = f"{directory} (megatron-bridge)"
     check_every_parameter_written(model_tensor_names(module), written, source)
+    if before_write is not None:
+        before_write()
     bridge.load_hf_weights([module])
     logger.info("loaded %s with megatron-bridge AutoBridge (%d tensors)", directory, len(written))

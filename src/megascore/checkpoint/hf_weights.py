@@ -19,8 +19,9 @@ rank's shard is cut out of them:
   ``[e * E/ep, (e+1) * E/ep)``; inside an expert the expert-TP group splits as above.
 
 Everything is checked from the file headers (names, shapes, sizes) before any
-data is read, and the full set of local shards is staged on the host before the
-first parameter is overwritten, so a bad checkpoint leaves the model untouched.
+data is read, so a checkpoint that does not fit leaves the model untouched; then each
+local shard is read and copied into its parameter in turn (the model plus one shard in
+memory).
 (Where megatron-bridge applies, ``megascore.checkpoint.hf_bridge`` loads instead.)
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -152,43 +154,40 @@ def _check_copies(plan: HFLoadPlan, reader: SafetensorsDir, ranks: ParallelRanks
             )
 
 
-def stage_hf_weights(
-    plan: HFLoadPlan, reader: SafetensorsDir, model: torch.nn.Module
-) -> dict[str, torch.Tensor]:
-    """Reads this rank's shards into host tensors in the parameters' dtypes."""
-    _check_copies(plan, reader, ParallelRanks.from_model(_unwrap(model)))
-    targets = _unwrap(model).state_dict(keep_vars=True)
-    staged = {}
-    for name, recipe in plan.recipes.items():
-        staged[name] = recipe.read(reader).to(targets[name].dtype)
-    return staged
-
-
-def copy_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copies staged tensors into the model's parameters/buffers (same names, same shapes)."""
-    targets = _unwrap(model).state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, value in tensors.items():
-            targets[name].copy_(value, non_blocking=False)
-
-
-def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: str | Path) -> None:
+def load_hf_weights(
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    directory: str | Path,
+    before_write: Callable[[], None] | None = None,
+) -> None:
     """Validates, then loads a HF safetensors checkpoint into ``model`` on this rank.
+
+    Each parameter is read (this rank's shard only) and copied into the model's own
+    tensor before the next one is read: peak memory is the model plus one shard.
 
     Args:
         model: the built (possibly wrapped) GPTModel of this rank.
         model_cfg: the architecture the model was built from.
         directory: HF checkpoint directory (``config.json`` + safetensors).
+        before_write: called once everything was checked, before the first parameter
+            is written (the engine agrees with the other ranks there); what it raises
+            ends the load with the model untouched.
 
     Raises:
         CheckpointError: the checkpoint does not fit the model, or a parameter has no
-            recipe. Found before any parameter is written: the model is then unchanged.
+            recipe (found before any parameter is written: the model is then unchanged);
+            or a read failed midway (the model is then partly written).
     """
     directory = Path(directory)
     with SafetensorsDir(directory) as reader:
         plan = plan_hf_load(model, model_cfg, reader)
         expected = model_tensor_names(_unwrap(model))
         check_every_parameter_written(expected, plan.recipes, str(directory))
-        staged = stage_hf_weights(plan, reader, model)
-    copy_into_model(model, staged)
-    logger.info("loaded %d tensors from %s", len(staged), directory)
+        _check_copies(plan, reader, ParallelRanks.from_model(_unwrap(model)))
+        if before_write is not None:
+            before_write()
+        targets = _unwrap(model).state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, recipe in plan.recipes.items():
+                targets[name].copy_(recipe.read(reader))
+    logger.info("loaded %d tensors from %s", len(plan.recipes), directory)

@@ -45,11 +45,15 @@ non-zero so that the launcher tears the replica down).
 Weights: ``EngineConfig.model`` and ``load_weights`` take the model strings of
 :func:`megascore.checkpoint.parse_model_string` (built-in ``tiny``, ``builtin:tiny@7``
 for weight seed 7, ``hf:DIR``, ``megatron:DIR``), loaded by
-:func:`megascore.engine.served_model.load_served_model` at start-up and on reload.
-``load_weights`` first reads the new model's architecture from its config alone
-on rank 0 and refuses another one (or a bad path) before anything is built;
-then it runs on every rank (RELOAD) and swaps the new weights in only after
-every rank loaded them; otherwise the old ones stay.
+:func:`megascore.engine.served_model.load_served_model` at start-up (a checkpoint's
+model drawing no random weights) and :func:`~megascore.engine.served_model.reload_served_model`
+on reload. ``load_weights`` first reads the new model's architecture from its config
+alone on rank 0 and refuses another one (or a bad path) before any weight file is
+opened; then it runs on every rank (RELOAD): each checks the checkpoint against its
+model, the ranks agree, and only then does each overwrite its parameters in place (no
+second model in memory). A failed check anywhere leaves the old weights serving; a
+failure while writing (a file damaged past its headers or removed midway) breaks the
+replica, which never serves a mix of two checkpoints.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ from megascore.engine import protocol
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.losses import loss_names
 from megascore.engine.routing import routing_shape
-from megascore.engine.served_model import LoadedModel, load_served_model
+from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status, finish_step, run_step
 from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
 from megascore.errors import (
@@ -185,6 +189,7 @@ class DistributedEngine:
         )
         self._step = 0
         self._push: WeightStaging | None = None  # the open weight push's staged shards
+        self._push_of: LoadedModel | None = None  # what was served when it began
         self._broken: str | None = None
         self._closed = False
         self._owns_default_group = False
@@ -439,6 +444,7 @@ class DistributedEngine:
         returns every rank's targets."""
         if command == protocol.Command.WEIGHTS_BEGIN:
             loaded, local = self.loaded, None
+            self._push_of = loaded
             try:
                 self._push = WeightStaging(
                     loaded.model, loaded.config, self.pg_collection, message.names
@@ -462,7 +468,7 @@ class DistributedEngine:
         else:
             push, self._push = self._push, None
             problem = push.problem(message.partial)
-            if push.model is not self.loaded.model:  # a LoadWeights swapped the model meanwhile
+            if self._push_of is not self.loaded:  # a LoadWeights reloaded the model meanwhile
                 problem = "the served model was reloaded (LoadWeights) during the push: push again"
             self._agree_or_raise(problem, "weight commit", "weight push")
             changed = push.apply()
@@ -541,26 +547,54 @@ class DistributedEngine:
             raise self._mark_broken(str(e)) from e
 
     def _reload(self, model: str, version: str) -> None:
-        """Every rank: loads ``model``, agrees, swaps in the new weights only if all loaded."""
+        """Every rank: checks ``model`` against the served one, agrees, then loads it into
+        the served parameters in place; the ranks agree again once written.
+
+        A failure before the first agreement (any check) leaves the old weights serving
+        (CheckpointError). A failure while writing leaves them partly overwritten: the
+        replica is then broken (WorkerLostError), never serving a mix of two checkpoints.
+        """
+        phase = "check"  # -> "agree" (in the first agreement) -> "write" (agreed)
+
+        def before_write() -> None:
+            nonlocal phase
+            phase = "agree"
+            self._agree_or_raise(None, "reload", f"loading {model!r}")
+            phase = "write"
+
         new, error = None, None
         try:
-            # Checks the architecture from the config before building anything (every
-            # rank: rank 0 checked it already, but a worker may see other files).
-            new = load_served_model(
+            # Checks the architecture from the config before anything else (every rank:
+            # rank 0 checked it already, but a worker may see other files).
+            new = reload_served_model(
+                self.loaded,
                 model,
                 self.engine_cfg,
                 self.pg_collection,
                 weights_version=version,
-                expected=self.loaded.config,
+                before_write=before_write,
             )
         except LOAD_FAILURES as e:  # in the error raised below: one log line there
             error = e
+        except WorkerLostError:  # the agreement itself failed
+            raise
         except Exception as e:  # a bug or an I/O surprise: its traceback, then as above
             logger.exception("rank %d: loading %r failed", self.rank, model)
             error = e
-        self._agree_or_raise(error, "reload", f"loading {model!r}")
-        old, self.loaded = self.loaded, new
-        del old
+        if phase == "check":
+            self._agree_or_raise(error, "reload", f"loading {model!r}")  # raises: error set
+        if phase == "agree":
+            raise error  # the agreement found a failed rank: nothing was written
+        try:
+            failed = agree_on_status(error is not None, self.groups.status)
+        except RuntimeError as e:
+            raise self._mark_broken(f"reload status all-reduce failed: {e}") from e
+        if failed:
+            raise self._mark_broken(
+                f"loading {model!r} failed on ranks {failed} after the weights began to be "
+                f"overwritten: {error if error is not None else 'see the log of those ranks'}"
+            )
+        self.loaded = new
         logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)
 
     def _agree_or_raise(self, problem: object, step: str, what: str) -> None:
