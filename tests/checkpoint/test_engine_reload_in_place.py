@@ -74,16 +74,16 @@ def test_reload_writes_in_place_and_a_damaged_checkpoint_keeps_the_old_weights(
 
 
 def test_a_read_failing_after_the_agreement_breaks_the_replica(engine, hf_dirs, monkeypatch):
-    real = SafetensorsDir._read_into
+    real = SafetensorsDir._read_span
     reads = []
 
-    def fail_third_read(self, path, offset, out):
-        reads.append(path)
+    def fail_third_read(self, name, first, out):
+        reads.append(name)
         if len(reads) == 3:
-            raise OSError("disk gone")
-        real(self, path, offset, out)
+            raise CheckpointError("disk gone")
+        real(self, name, first, out)
 
-    monkeypatch.setattr(SafetensorsDir, "_read_into", fail_third_read)
+    monkeypatch.setattr(SafetensorsDir, "_read_span", fail_third_read)
     with pytest.raises(WorkerLostError, match="after the weights began to be overwritten"):
         engine.load_weights(f"hf:{hf_dirs['llama_b']}", "")
     with pytest.raises(WorkerLostError):

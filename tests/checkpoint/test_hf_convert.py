@@ -134,6 +134,42 @@ def test_truncated_file_names_file_and_tensor(hf_dirs, tmp_path):
         resolve_model(f"hf:{directory}")
 
 
+def test_reader_slices_equal_torch_indexing_directly_or_converted(tmp_path):
+    """``read`` of any basic index equals torch's; ``read_into`` fills a parameter straight
+    from the file where the slice is one span of it, else converts, with the same values."""
+    gen = torch.Generator().manual_seed(0)
+    stored = {
+        "w": torch.randn(3, 6, 5, generator=gen),
+        "b": torch.randn(7, 4, generator=gen).to(torch.bfloat16),
+    }
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    cases = {
+        "w": [(), (1,), (slice(1, 3),), (0, slice(2, 5)), (slice(None), slice(None), slice(1, 3))],
+        "b": [(slice(2, 6),), (slice(None), slice(1, 3)), (slice(3, 3),)],
+    }
+    direct = []  # the tensors the file's bytes went into
+    with SafetensorsDir(tmp_path) as reader:
+        real = reader._read_span
+
+        def spy(name, first, out):
+            direct.append(out.data_ptr())
+            real(name, first, out)
+
+        reader._read_span = spy
+        for name, indices in cases.items():
+            for index in indices:
+                want = stored[name][index]  # a view: contiguous iff one span of the file
+                assert torch.equal(reader.read(name, index), want), (name, index)
+                for dtype in (want.dtype, torch.float32):
+                    out = torch.full(want.shape, float("nan"), dtype=dtype)
+                    direct.clear()
+                    reader.read_into(name, out, index)
+                    assert torch.equal(out, want.to(dtype)), (name, index, dtype)
+                    straight = dtype == want.dtype and want.is_contiguous()
+                    if want.numel():  # an empty tensor has no address to tell
+                        assert (out.data_ptr() in direct) == straight, (name, index, dtype)
+
+
 def test_missing_shard_and_no_weights(hf_dirs, tmp_path):
     directory = tmp_path / "sharded"
     shutil.copytree(hf_dirs["llama_sharded"], directory)

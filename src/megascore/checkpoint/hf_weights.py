@@ -189,5 +189,5 @@ def load_hf_weights(
         targets = _unwrap(model).state_dict(keep_vars=True)
         with torch.no_grad():
             for name, recipe in plan.recipes.items():
-                targets[name].copy_(recipe.read(reader))
+                recipe.read_into(reader, targets[name])
     logger.info("loaded %d tensors from %s", len(plan.recipes), directory)

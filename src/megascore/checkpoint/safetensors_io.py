@@ -187,42 +187,63 @@ class SafetensorsDir:
         Returns:
             A new CPU tensor in the file's dtype.
         """
+        dtype, span, sizes, squeeze = self._locate(name, index)
+        out = torch.empty(span[1] - span[0], dtype=dtype)
+        self._read_span(name, span[0], out)
+        view = out.as_strided(sizes, _contiguous_strides(self._info[name]["shape"]))
+        if view.numel() != out.numel():  # a column slice: keep only its columns
+            view = view.contiguous()
+        return view.reshape([n for n, drop in zip(sizes, squeeze, strict=True) if not drop])
+
+    def read_into(self, name: str, out: torch.Tensor, index: tuple[slice | int, ...] = ()) -> None:
+        """Writes ``tensor[index]`` into ``out`` (a tensor of its shape, e.g. a parameter).
+
+        The file's bytes go straight into ``out``'s memory when ``out`` is a contiguous
+        CPU tensor in the file's dtype and the selection is one contiguous span of the
+        file (whole tensors, row ranges); otherwise through :meth:`read` and a copy that
+        converts the dtype (and moves the data to ``out``'s device).
+        """
+        dtype, span, sizes, squeeze = self._locate(name, index)
+        shape = [n for n, drop in zip(sizes, squeeze, strict=True) if not drop]
+        direct = dtype == out.dtype and out.device.type == "cpu" and out.is_contiguous()
+        if direct and list(out.shape) == shape and span[1] - span[0] == out.numel():
+            self._read_span(name, span[0], out.detach())
+        else:
+            out.copy_(self.read(name, index))
+
+    def _locate(self, name: str, index) -> tuple[torch.dtype, tuple[int, int], list, list]:
+        """``(dtype, element span, sizes, dropped dims)`` of ``tensor[index]`` (:func:`_span`)."""
         entry = self._entry(name)
         if entry["dtype"] not in _FLOAT_DTYPES:
             raise CheckpointError(
                 f"{self._file_of[name]}: tensor {name!r} has dtype "
                 f"{entry['dtype']}, expected a float type"
             )
-        path = self._file_of[name]
         try:
-            span, sizes, squeeze = _span(entry["shape"], index)
-            dtype = _TORCH_DTYPES[entry["dtype"]]
-            out = torch.empty(span[1] - span[0], dtype=dtype)
-            begin = self._data_start[path] + entry["data_offsets"][0]
-            self._read_into(path, begin + span[0] * out.element_size(), out)
-        except (CheckpointError, OSError, IndexError, ValueError) as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
-        strides = _contiguous_strides(entry["shape"])
-        view = out.as_strided(sizes, strides)
-        if view.numel() != out.numel():  # a column slice: keep only its columns
-            view = view.contiguous()
-        return view.reshape([n for n, drop in zip(sizes, squeeze, strict=True) if not drop])
+            return (_TORCH_DTYPES[entry["dtype"]], *_span(entry["shape"], index))
+        except (IndexError, ValueError) as e:
+            raise CheckpointError(f"{self._file_of[name]}: cannot read {name!r}: {e}") from e
 
-    def _read_into(self, path: Path, offset: int, out: torch.Tensor) -> None:
-        """Fills ``out`` with the file's bytes from ``offset`` (positioned reads, no mmap)."""
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115
+    def _read_span(self, name: str, first: int, out: torch.Tensor) -> None:
+        """Fills ``out`` with tensor ``name``'s bytes from element ``first`` on (positioned
+        reads, no mmap)."""
+        path = self._file_of[name]
+        offset = self._data_start[path] + self._info[name]["data_offsets"][0]
+        offset += first * out.element_size()
         buf = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         done = 0
-        while done < len(buf):
-            handle.seek(offset + done)
-            n = handle.readinto(buf[done:])
-            if not n:
-                raise CheckpointError(f"{path}: file ends before byte {offset + len(buf)}")
-            done += n
+        try:
+            handle = self._handles.get(path)
+            if handle is None:
+                handle = self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115
+            while done < len(buf):
+                handle.seek(offset + done)
+                n = handle.readinto(buf[done:])
+                if not n:
+                    raise OSError(f"file ends before byte {offset + len(buf)}")
+                done += n
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
 
     def close(self) -> None:
         """Closes the files."""
