@@ -42,6 +42,7 @@ import mfu
 import packed_vs_hf
 import pipeline
 import routing_cost
+import startup
 import weight_push
 import wire_cost
 from common import Row
@@ -462,7 +463,7 @@ def main() -> int:
     previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
     # sections their own scripts write: kept
-    for own in (pipeline, weight_push, routing_cost, families_cpu):
+    for own in (pipeline, weight_push, routing_cost, families_cpu, startup):
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]
             common.write_section(args.output, own.BEGIN, own.END, kept + own.END)
