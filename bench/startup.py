@@ -29,7 +29,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -290,13 +289,13 @@ def main() -> int:
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     args = p.parse_args()
     common.quiet_logs()
-    machine = common.machine_info("cpu")
-    start = time.time()
-    with tempfile.TemporaryDirectory(prefix="megascore-startup-bench-") as tmp:
-        res = measure(args.reps, Path(tmp))
-    text = section(res, args.reps, machine, time.time() - start)
-    common.write_section(args.output, BEGIN, END, text)
-    print(text)
+    common.run_own_section(
+        "megascore-startup-bench-",
+        (BEGIN, END),
+        args.output,
+        lambda workdir: measure(args.reps, workdir),
+        lambda res, machine, elapsed: section(res, args.reps, machine, elapsed),
+    )
     return 0
 
 

@@ -187,6 +187,15 @@ class SafetensorsDir:
         Returns:
             A new CPU tensor in the file's dtype.
         """
+        entry = self._entry(name)
+        if entry["dtype"] not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{self._file_of[name]}: tensor {name!r} has dtype "
+                f"{entry['dtype']}, expected a float type"
+            )
+        return self._read_raw(name, index)
+
+    def _read_raw(self, name: str, index: tuple[slice | int, ...]) -> torch.Tensor:
         dtype, span, sizes, squeeze = self._locate(name, index)
         out = torch.empty(span[1] - span[0], dtype=dtype)
         self._read_span(name, span[0], out)
@@ -203,22 +212,18 @@ class SafetensorsDir:
         file (whole tensors, row ranges); otherwise through :meth:`read` and a copy that
         converts the dtype (and moves the data to ``out``'s device).
         """
-        dtype, span, sizes, squeeze = self._locate(name, index)
-        shape = [n for n, drop in zip(sizes, squeeze, strict=True) if not drop]
-        direct = dtype == out.dtype and out.device.type == "cpu" and out.is_contiguous()
-        if direct and list(out.shape) == shape and span[1] - span[0] == out.numel():
-            self._read_span(name, span[0], out.detach())
-        else:
-            out.copy_(self.read(name, index))
+        if self._entry(name)["dtype"] in _FLOAT_DTYPES:
+            dtype, span, sizes, squeeze = self._locate(name, index)
+            shape = [n for n, drop in zip(sizes, squeeze, strict=True) if not drop]
+            direct = dtype == out.dtype and out.device.type == "cpu" and out.is_contiguous()
+            if direct and list(out.shape) == shape and span[1] - span[0] == out.numel():
+                self._read_span(name, span[0], out.detach())
+                return
+        out.copy_(self.read(name, index))
 
     def _locate(self, name: str, index) -> tuple[torch.dtype, tuple[int, int], list, list]:
         """``(dtype, element span, sizes, dropped dims)`` of ``tensor[index]`` (:func:`_span`)."""
         entry = self._entry(name)
-        if entry["dtype"] not in _FLOAT_DTYPES:
-            raise CheckpointError(
-                f"{self._file_of[name]}: tensor {name!r} has dtype "
-                f"{entry['dtype']}, expected a float type"
-            )
         try:
             return (_TORCH_DTYPES[entry["dtype"]], *_span(entry["shape"], index))
         except (IndexError, ValueError) as e:
