@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -242,8 +243,7 @@ class SafetensorsDir:
             if handle is None:
                 handle = self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115
             while done < len(buf):
-                handle.seek(offset + done)
-                n = handle.readinto(buf[done:])
+                n = os.preadv(handle.fileno(), [buf[done:]], offset + done)
                 if not n:
                     raise OSError(f"file ends before byte {offset + len(buf)}")
                 done += n
