@@ -62,6 +62,7 @@ import datetime
 import logging
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,49 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     )
     logger.info("rank %d/%d: %s initialised", dist.get_rank(), dist.get_world_size(), backend)
     return True
+
+
+def _load_agreeing(
+    load: Callable[[Callable[[], None]], LoadedModel],
+    agree: Callable[[BaseException | None], None],
+    what: str,
+) -> tuple[LoadedModel | None, BaseException | None]:
+    """Every rank: ``load(before_write)`` (start-up or reload), the ranks agreeing once
+    every check passed, before anything is written.
+
+    ``agree(problem)`` is a status all-reduce that raises when any rank has a problem.
+    The loader calls ``before_write`` after its checks: there this rank agrees with
+    none; a rank that fails before (a bad checkpoint, a check) agrees with its error
+    instead, so every rank raises at that one agreement and nothing is written anywhere.
+    A load with nothing to check (a built-in at start-up) may never call it.
+
+    Returns:
+        ``(loaded, None)``; or ``(None, error)`` for a failure once writing may have begun
+        (the caller's next agreement decides what follows).
+
+    Raises:
+        What ``agree`` raises.
+    """
+    phase = "check"  # -> "agree" (in the first agreement) -> "write" (every rank agreed)
+
+    def before_write() -> None:
+        nonlocal phase
+        phase = "agree"
+        agree(None)
+        phase = "write"
+
+    try:
+        return load(before_write), None
+    except WorkerLostError:  # an agreement itself failed
+        raise
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the agreements
+        if phase == "agree":
+            raise  # the agreement found a failed rank: nothing was written
+        if not isinstance(e, LOAD_FAILURES):  # a bug or an I/O surprise: its traceback
+            logger.exception("rank %d: %s failed", dist.get_rank(), what)
+        if phase == "check":
+            agree(e)  # raises: this rank has a problem
+        return None, e
 
 
 def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> None:
@@ -239,20 +283,22 @@ class DistributedEngine:
             groups = StepGroups(
                 tp=pg_collection.tp, cp=pg_collection.cp, pp=pg_collection.pp, status=status
             )
-            loaded, error = None, None
-            try:
-                loaded = load_served_model(engine_cfg.model, engine_cfg, pg_collection)
-            except LOAD_FAILURES as e:  # raised below; the caller logs the reason
-                error = e
-            except Exception as e:  # reported to every rank below
-                logger.exception("rank %d: building the model failed", dist.get_rank())
-                error = e
-            failed = agree_on_status(error is not None, status)  # every rank has built it
-            config_error = isinstance(error, LOAD_FAILURES)
-            if failed and config_error and len(failed) == len(world):
-                raise error  # a config / checkpoint error, the same everywhere
-            if failed:
-                raise WorkerLostError(f"building the model failed on ranks {failed}: {error}")
+
+            def agree(problem: BaseException | None) -> None:
+                failed = agree_on_status(problem is not None, status)
+                if failed and isinstance(problem, LOAD_FAILURES) and len(failed) == len(world):
+                    raise problem  # a config / checkpoint error, the same everywhere
+                if failed:
+                    raise WorkerLostError(f"building the model failed on ranks {failed}: {problem}")
+
+            loaded, error = _load_agreeing(
+                lambda before_write: load_served_model(
+                    engine_cfg.model, engine_cfg, pg_collection, before_write=before_write
+                ),
+                agree,
+                "building the model",
+            )
+            agree(error)  # every rank has built it
         except BaseException:
             _teardown_groups(own_groups, owns_default_group)
             raise
@@ -554,37 +600,20 @@ class DistributedEngine:
         (CheckpointError). A failure while writing leaves them partly overwritten: the
         replica is then broken (WorkerLostError), never serving a mix of two checkpoints.
         """
-        phase = "check"  # -> "agree" (in the first agreement) -> "write" (agreed)
-
-        def before_write() -> None:
-            nonlocal phase
-            phase = "agree"
-            self._agree_or_raise(None, "reload", f"loading {model!r}")
-            phase = "write"
-
-        new, error = None, None
-        try:
+        new, error = _load_agreeing(
             # Checks the architecture from the config before anything else (every rank:
             # rank 0 checked it already, but a worker may see other files).
-            new = reload_served_model(
+            lambda before_write: reload_served_model(
                 self.loaded,
                 model,
                 self.engine_cfg,
                 self.pg_collection,
                 weights_version=version,
                 before_write=before_write,
-            )
-        except LOAD_FAILURES as e:  # in the error raised below: one log line there
-            error = e
-        except WorkerLostError:  # the agreement itself failed
-            raise
-        except Exception as e:  # a bug or an I/O surprise: its traceback, then as above
-            logger.exception("rank %d: loading %r failed", self.rank, model)
-            error = e
-        if phase == "check":
-            self._agree_or_raise(error, "reload", f"loading {model!r}")  # raises: error set
-        if phase == "agree":
-            raise error  # the agreement found a failed rank: nothing was written
+            ),
+            lambda problem: self._agree_or_raise(problem, "reload", f"loading {model!r}"),
+            f"loading {model!r}",
+        )
         try:
             failed = agree_on_status(error is not None, self.groups.status)
         except RuntimeError as e:

@@ -94,7 +94,11 @@ def count_parameters(model: torch.nn.Module, pg_collection) -> int:
 
 
 def load_served_model(
-    model: str, engine_cfg: EngineConfig, pg_collection, weights_version: str = ""
+    model: str,
+    engine_cfg: EngineConfig,
+    pg_collection,
+    weights_version: str = "",
+    before_write: Callable[[], None] | None = None,
 ) -> LoadedModel:
     """Builds the model named by ``model`` on this rank and loads its weights (start-up).
 
@@ -109,6 +113,9 @@ def load_served_model(
         pg_collection: Megatron's process groups of this replica (``megatron:`` loading
             is collective over the replica).
         weights_version: label of the weights ("" takes the resolved one).
+        before_write: passed to a checkpoint's loader: called once the checkpoint was
+            checked against the built model, before its first write (the engine agrees
+            with the other ranks there). Not called for a built-in.
 
     Returns:
         The :class:`LoadedModel`.
@@ -126,7 +133,7 @@ def load_served_model(
     )
     num_parameters = count_parameters(built, pg_collection)
     if load_weights is not None:
-        load_weights(built)
+        load_weights(built, before_write)
     return LoadedModel(
         spec=ModelSpec(meta.kind, meta.name, path=meta.checkpoint_path),
         config=config,
