@@ -3,7 +3,8 @@
 The new weights land in the served parameters themselves (same tensors, no second model
 built); a damaged checkpoint is refused before anything is written and the old weights
 keep serving; a read that fails after the ranks agreed breaks the replica instead of
-serving a mix of two checkpoints.
+serving a mix of two checkpoints; a weight push open across a reload is refused at its
+commit (the model object stays the same, the engine tells a reload apart all the same).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from megascore.config import EngineConfig
 from megascore.engine import served_model
 from megascore.engine.runtime import DistributedEngine
 from megascore.errors import CheckpointError, WorkerLostError
+from megascore.types import WEIGHT_NAMES_MEGATRON
 from tests.checkpoint.scripts.ckpt_common import engine_logprobs, token_batch
 from tests.one_rank import one_rank_world
 
@@ -88,3 +90,14 @@ def test_a_read_failing_after_the_agreement_breaks_the_replica(engine, hf_dirs, 
         engine.load_weights(f"hf:{hf_dirs['llama_b']}", "")
     with pytest.raises(WorkerLostError):
         engine_logprobs(engine, token_batch())
+
+
+def test_a_push_open_across_a_reload_is_refused_at_its_commit(engine, hf_dirs):
+    """The reload keeps the model object, so the engine tells a reload by its LoadedModel."""
+    engine.begin_weight_update(WEIGHT_NAMES_MEGATRON)
+    engine.load_weights(f"hf:{hf_dirs['llama_b']}", "b")
+    with pytest.raises(CheckpointError, match=r"reloaded \(LoadWeights\) during the push"):
+        engine.commit_weights("pushed", partial=True)
+    assert engine.info().weights_version == "b"
+    engine.begin_weight_update(WEIGHT_NAMES_MEGATRON)  # without a reload: commits
+    assert engine.commit_weights("pushed", partial=True) == "pushed"
