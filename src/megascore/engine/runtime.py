@@ -61,6 +61,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable
 
@@ -291,6 +292,7 @@ class DistributedEngine:
                 if failed:
                     raise WorkerLostError(f"building the model failed on ranks {failed}: {problem}")
 
+            start = time.perf_counter()
             loaded, error = _load_agreeing(
                 lambda before_write: load_served_model(
                     engine_cfg.model, engine_cfg, pg_collection, before_write=before_write
@@ -302,7 +304,12 @@ class DistributedEngine:
         except BaseException:
             _teardown_groups(own_groups, owns_default_group)
             raise
-        logger.info("rank %d: every rank has built %s", dist.get_rank(), loaded.weights_version)
+        logger.info(
+            "rank %d: every rank has built %s; built and loaded in %.2f s",
+            dist.get_rank(),
+            loaded.weights_version,
+            time.perf_counter() - start,
+        )
         engine = cls(engine_cfg, loaded, pg_collection, groups, command)
         auto_sp = engine.sequence_parallel and engine_cfg.sequence_parallel is None
         if auto_sp and engine.rank == _SRC:
