@@ -17,6 +17,9 @@ rank's shard is cut out of them:
   output layer must equal the main ones (checked on this rank's rows while staging).
 * Experts: rank e of the expert-parallel group holds experts
   ``[e * E/ep, (e+1) * E/ep)``; inside an expert the expert-TP group splits as above.
+* Block-scaled FP8 weights (DeepSeek-V3's layout, ``megascore.checkpoint.fp8``) are
+  dequantised as they are read, each rank only its rows / columns, then cast to the
+  parameter's dtype like any other tensor.
 
 Everything is checked from the file headers (names, shapes, sizes) before any
 data is read, so a checkpoint that does not fit leaves the model untouched; then each
@@ -35,16 +38,20 @@ from pathlib import Path
 
 import torch
 
+from megascore.checkpoint import fp8
+from megascore.checkpoint.hf_config import read_hf_config
 from megascore.checkpoint.hf_names import ParamMapper, mtp_copies
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
+from megascore.model.weights import decoder_layer_offset, unwrap_model
 
 logger = logging.getLogger(__name__)
 
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
 
 @dataclasses.dataclass
 class HFLoadPlan:
@@ -60,21 +67,11 @@ class HFLoadPlan:
     the main model's embedding and output layer."""
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
-def _layer_offset(model: torch.nn.Module) -> int:
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
-    if layers is None or len(layers) == 0:
-        return 0
-    return int(getattr(layers[0], "layer_number", 1)) - 1
-
-
 def plan_hf_load(
-    model: torch.nn.Module, model_cfg: ModelConfig, reader: SafetensorsDir
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    reader: SafetensorsDir,
+    only: set[str] | None = None,
 ) -> HFLoadPlan:
     """Builds and validates the recipes for every parameter of ``model`` on this rank.
 
@@ -85,6 +82,7 @@ def plan_hf_load(
         model: the built GPTModel (possibly wrapped) on this rank.
         model_cfg: its architecture (the checkpoint's ``config.json`` translation).
         reader: the checkpoint's safetensors files.
+        only: plan these parameters only (the rest is written by another loader).
 
     Returns:
         The validated plan.
@@ -93,7 +91,7 @@ def plan_hf_load(
         CheckpointError: missing tensor, wrong shape, vocabulary mismatch, or a
             model parameter without a known HF source.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     ranks = ParallelRanks.from_model(model)
     embed = "model.embed_tokens.weight"
     if embed in reader and reader.shape(embed)[0] != model_cfg.vocab_size:
@@ -102,11 +100,11 @@ def plan_hf_load(
             f"vocab_size is {model_cfg.vocab_size}"
         )
     mapper = ParamMapper(model_cfg, reader, ranks)
-    offset = _layer_offset(model)
+    offset = decoder_layer_offset(model)
     recipes: dict[str, Recipe] = {}
     used: set[str] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or (only is not None and name not in only):
             continue
         recipe = mapper(name, offset)
         recipe.fit(tuple(tensor.shape))
@@ -130,6 +128,8 @@ def plan_hf_load(
     copies = mtp_copies(model_cfg, reader)
     used.update(copy for copy, _ in copies)
     unused = [n for n in reader.names() if n not in used and not _IGNORED_HF.match(n)]
+    if only is not None:
+        unused = []
     if model_cfg.share_embeddings_and_output_weights:
         unused = [n for n in unused if n != "lm_head.weight"]
     if unused:
@@ -159,6 +159,7 @@ def load_hf_weights(
     model_cfg: ModelConfig,
     directory: str | Path,
     before_write: Callable[[], None] | None = None,
+    only: set[str] | None = None,
 ) -> None:
     """Validates, then loads a HF safetensors checkpoint into ``model`` on this rank.
 
@@ -172,6 +173,7 @@ def load_hf_weights(
         before_write: called once everything was checked, before the first parameter
             is written (the engine agrees with the other ranks there); what it raises
             ends the load with the model untouched.
+        only: load these parameters only (megatron-bridge wrote the others).
 
     Raises:
         CheckpointError: the checkpoint does not fit the model, or a parameter has no
@@ -179,14 +181,15 @@ def load_hf_weights(
             or a read failed midway (the model is then partly written).
     """
     directory = Path(directory)
-    with SafetensorsDir(directory) as reader:
-        plan = plan_hf_load(model, model_cfg, reader)
-        expected = model_tensor_names(_unwrap(model))
+    block = fp8.block_size(read_hf_config(directory))
+    with SafetensorsDir(directory, block) as reader:
+        plan = plan_hf_load(model, model_cfg, reader, only)
+        expected = model_tensor_names(unwrap_model(model)) if only is None else sorted(only)
         check_every_parameter_written(expected, plan.recipes, str(directory))
-        _check_copies(plan, reader, ParallelRanks.from_model(_unwrap(model)))
+        _check_copies(plan, reader, ParallelRanks.from_model(unwrap_model(model)))
         if before_write is not None:
             before_write()
-        targets = _unwrap(model).state_dict(keep_vars=True)
+        targets = unwrap_model(model).state_dict(keep_vars=True)
         with torch.no_grad():
             for name, recipe in plan.recipes.items():
                 recipe.read_into(reader, targets[name])

@@ -5,8 +5,12 @@ A megascore Megatron checkpoint directory holds what
 ``sharded_state_dict()`` (``metadata.json``, ``.metadata``, ``__*_*.distcp``)
 and a ``megascore.json`` with the :class:`ModelConfig` and a weights version.
 Because every tensor is stored with its global shape and offsets, the
-checkpoint loads into any TP / CP / EP layout, and into either attention
-backend (Megatron maps the local spec's norm names onto TE's fused ones).
+checkpoint loads into any TP / CP / EP layout. Its keys are TransformerEngine's
+(``megascore.checkpoint.megatron_names``: the local spec's norms renamed to where TE
+keeps or fuses them, for dense, MoE and MLA layers), so a checkpoint of either
+attention backend, or one Megatron-LM wrote with TE, loads into either backend;
+checkpoints written with the local spec's keys (megascore before this map) still load.
+Tensors convert to the model's dtype on load (an fp32 checkpoint serves in bf16).
 Layers' ``_extra_state`` entries (TransformerEngine's FP8 metadata; empty
 placeholders in Megatron's local layers, keyed differently by the two backends)
 are neither saved nor loaded: megascore keeps no FP8 state, and a checkpoint
@@ -35,12 +39,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megascore.checkpoint.megatron_names import te_keys
 from megascore.checkpoint.resolve import (
     check_every_parameter_written,
     check_same_architecture,
@@ -49,6 +54,7 @@ from megascore.checkpoint.resolve import (
 from megascore.distributed import collective_device
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
+from megascore.model.weights import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +63,27 @@ FORMAT = "megascore-megatron/1"
 _MARKER = "metadata.json"  # written by dist_checkpointing.save when complete
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def _weights_only(sharded: dict[str, Any]) -> dict[str, Any]:
     """The sharded state dict without the layers' ``_extra_state`` entries (module docstring)."""
     return {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
+
+
+def _sharded_entries(sharded: dict[str, Any]) -> list[Any]:
+    return [v for v in sharded.values() if isinstance(v, ShardedTensor | ShardedTensorFactory)]
+
+
+def _to_te_keys(sharded: dict[str, Any], stored: set[str] | None = None) -> None:
+    """Renames the entries' checkpoint keys to TransformerEngine's (module docstring).
+
+    With ``stored`` (the keys of a checkpoint being loaded), a TE key the checkpoint
+    lacks keeps its local name where the checkpoint has that one (older checkpoints).
+    """
+    entries = _sharded_entries(sharded)
+    renamed = te_keys(e.key for e in entries)
+    for entry in entries:
+        new = renamed.get(entry.key)
+        if new is not None and (stored is None or new in stored or entry.key not in stored):
+            entry.key = new
 
 
 def _barrier() -> None:
@@ -165,10 +183,11 @@ def save_checkpoint(
         not_empty = int(flag.item())
     if not_empty:
         raise CheckpointError(f"{directory}: not empty; refusing to overwrite")
-    sharded = _weights_only(_unwrap(model).sharded_state_dict())
+    sharded = _weights_only(unwrap_model(model).sharded_state_dict())
+    _to_te_keys(sharded)
     dist_checkpointing.save(sharded, str(directory))
     if _rank() == 0:
-        dtype = next(_unwrap(model).parameters()).dtype
+        dtype = next(unwrap_model(model).parameters()).dtype
         data = {
             "format": FORMAT,
             "model_config": config_to_json(model_cfg),
@@ -183,11 +202,15 @@ def save_checkpoint(
     logger.info("saved Megatron checkpoint to %s", directory)
 
 
-def _check_against_checkpoint(module: torch.nn.Module, directory: Path) -> None:
+def _check_against_checkpoint(module: torch.nn.Module, directory: Path) -> set[str]:
     """Checks, from the checkpoint's metadata alone, that a load would fill every tensor
-    of this rank: each shard's key stored with the global shape the model expects, and
-    every data file long enough for the byte ranges the metadata names (a truncated
-    file). Nothing is read but the metadata."""
+    of this rank: each shard's key (as :func:`_to_te_keys` maps it) stored with the
+    global shape the model expects, and every data file long enough for the byte ranges
+    the metadata names (a truncated file). Nothing is read but the metadata.
+
+    Returns:
+        The checkpoint's tensor keys.
+    """
     try:
         stored = dist_checkpointing.load_tensors_metadata(str(directory))
         storage = FileSystemReader(str(directory)).read_metadata().storage_data
@@ -204,7 +227,9 @@ def _check_against_checkpoint(module: torch.nn.Module, directory: Path) -> None:
                 f"{directory}: cannot load distributed checkpoint: {rel} holds {max(size, 0)} "
                 f"bytes, the metadata names bytes up to {end} (truncated or missing)"
             )
-    sharded, _, _ = load_preprocess(_weights_only(module.sharded_state_dict()))
+    raw = _weights_only(module.sharded_state_dict())
+    _to_te_keys(raw, set(stored))
+    sharded, _, _ = load_preprocess(raw)
     written, wrong = [], []
     for name, entry in sharded.items():
         values = nested_values(entry) if isinstance(entry, dict | list) else [entry]
@@ -221,6 +246,7 @@ def _check_against_checkpoint(module: torch.nn.Module, directory: Path) -> None:
             f"{directory}: tensors stored with other shapes than the model's: {wrong[:8]}"
         )
     check_every_parameter_written(model_tensor_names(module), written, str(directory))
+    return set(stored)
 
 
 def load_checkpoint(
@@ -256,12 +282,13 @@ def load_checkpoint(
     directory = Path(directory)
     ckpt_cfg, data = read_checkpoint_config(directory)
     check_same_architecture(ckpt_cfg, model_cfg, str(directory))
-    module = _unwrap(model)
-    _check_against_checkpoint(module, directory)
+    module = unwrap_model(model)
+    stored = _check_against_checkpoint(module, directory)
     if before_write is not None:
         before_write()
     sharded = _weights_only(module.sharded_state_dict())
     try:
+        _to_te_keys(sharded, stored)
         loaded, missing, _ = dist_checkpointing.load(
             sharded, str(directory), strict=StrictHandling.RETURN_ALL
         )
