@@ -9,8 +9,10 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore_client import health as health_codec
 from megascore_client.client import (
     _UNRESOLVED,
+    LOAD_PROGRESS_INTERVAL_S,
     LOAD_WEIGHTS_TIMEOUT_S,
     ClientBase,
+    LoadProgress,
     _finish,
 )
 from megascore_client.errors import ScoringError, closed_error
@@ -165,14 +167,28 @@ class AsyncScoringClient(ClientBase):
         return self._learn_limits(ModelInfo.from_proto(msg))
 
     async def load_weights(
-        self, model: str, weights_version: str = "", *, timeout: float | None = None
+        self,
+        model: str,
+        weights_version: str = "",
+        *,
+        timeout: float | None = None,
+        progress: LoadProgress | None = None,
     ) -> LoadWeightsResult:
         """Asks the server to load new weights (see ``ScoringClient.load_weights``; never
-        re-sent by ``wait_for_server_s``)."""
+        re-sent by ``wait_for_server_s``; ``progress(elapsed_s)`` about once a second)."""
         request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
         deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
-        msg = await self.transport.call(self.transport.stub.LoadWeights, request, deadline)
-        return LoadWeightsResult.from_proto(msg)
+        call = self.transport.call(self.transport.stub.LoadWeights, request, deadline)
+        if progress is None:
+            return LoadWeightsResult.from_proto(await call)
+        task = asyncio.ensure_future(call)
+        start = time.monotonic()
+        try:
+            while not (await asyncio.wait([task], timeout=LOAD_PROGRESS_INTERVAL_S))[0]:
+                progress(time.monotonic() - start)
+        finally:
+            task.cancel()  # a no-op once done; cancels the call when the caller is cancelled
+        return LoadWeightsResult.from_proto(task.result())
 
     async def push_weights(
         self,

@@ -32,8 +32,9 @@ from importlib.metadata import entry_points
 from megascore import __version__
 from megascore_client import push, score_jsonl
 from megascore_client.channel import TlsConfig
-from megascore_client.client import ScoringClient
+from megascore_client.client import LOAD_WEIGHTS_TIMEOUT_S, ScoringClient
 from megascore_client.errors import ScoringError
+from megascore_client.push import ElapsedLine
 
 __all__ = ["COMMAND_GROUP", "build_parser", "main", "make_client", "serve"]
 
@@ -43,7 +44,15 @@ _INSTALL_SERVER = "Install it with: pip install 'megascore[server]'"
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def _add_connection_args(parser: argparse.ArgumentParser) -> None:
+_TIMEOUT_HELP = {
+    "score": f"deadline of each request in seconds (default: {DEFAULT_TIMEOUT_S:g} plus "
+    "--wait-for-server)",
+    "load-weights": f"deadline of the load in seconds (default: {LOAD_WEIGHTS_TIMEOUT_S:g})",
+    "push-weights": f"deadline of the whole push in seconds (default: {push.PUSH_TIMEOUT_S:g})",
+}
+
+
+def _add_connection_args(parser: argparse.ArgumentParser, command: str) -> None:
     group = parser.add_argument_group("connection")
     group.add_argument(
         "--target",
@@ -64,10 +73,14 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=float,
         default=None,
-        help=f"per-request deadline (s); default {DEFAULT_TIMEOUT_S:g} (score: + wait-for-server)",
+        help=_TIMEOUT_HELP.get(
+            command, f"deadline of the request in seconds (default: {DEFAULT_TIMEOUT_S:g})"
+        ),
     )
     group.add_argument(
-        "--load-balancing", choices=("pick_first", "round_robin"), help="gRPC LB policy"
+        "--load-balancing",
+        choices=("pick_first", "round_robin"),
+        help="gRPC load-balancing policy over the target's addresses (default: pick_first)",
     )
 
 
@@ -143,7 +156,14 @@ def _cmd_health(args, client: ScoringClient) -> int:
 
 
 def _cmd_load_weights(args, client: ScoringClient) -> int:
-    result = client.load_weights(args.model, args.weights_version)
+    line = None if args.no_progress else ElapsedLine(f"loading {args.model}", sys.stderr)
+    try:
+        result = client.load_weights(
+            args.model, args.weights_version, timeout=args.timeout, progress=line
+        )
+    finally:
+        if line is not None:
+            line.close()
     print(
         json.dumps(
             {
@@ -181,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     load = sub.add_parser("load-weights", help="load new weights into the running server")
     load.add_argument("model", help="checkpoint on the server: hf:DIR or megatron:DIR")
-    load.add_argument("--weights-version", default="", help="version label")
+    load.add_argument(
+        "--weights-version", default="", help="version label (default: derived by the server)"
+    )
+    load.add_argument(
+        "--no-progress", action="store_true", help="no elapsed-time line on stderr while loading"
+    )
     load.set_defaults(func=_cmd_load_weights)
 
     push_cmd = sub.add_parser("push-weights", help="stream weights from files here into the server")
@@ -189,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     push_cmd.set_defaults(func=push.run_cli)
 
     for name in ("score", "info", "health", "load-weights", "push-weights"):
-        _add_connection_args(sub.choices[name])
+        _add_connection_args(sub.choices[name], name)
         sub.choices[name].set_defaults(subparser=sub.choices[name])
     return parser
 

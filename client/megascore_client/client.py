@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -26,6 +27,9 @@ __all__ = ["ClientBase", "ScoringClient"]
 
 _UNRESOLVED = object()
 LOAD_WEIGHTS_TIMEOUT_S = 600.0
+LOAD_PROGRESS_INTERVAL_S = 1.0
+LoadProgress = Callable[[float], None]
+"""``progress(elapsed_s)``, called about once a second while a ``load_weights`` runs."""
 
 
 class ClientBase:
@@ -385,7 +389,12 @@ class ScoringClient(ClientBase):
         return self._learn_limits(ModelInfo.from_proto(msg))
 
     def load_weights(
-        self, model: str, weights_version: str = "", *, timeout: float | None = None
+        self,
+        model: str,
+        weights_version: str = "",
+        *,
+        timeout: float | None = None,
+        progress: LoadProgress | None = None,
     ) -> LoadWeightsResult:
         """Asks the server to load new weights ("hf:DIR" / "megatron:DIR" on the server).
 
@@ -393,6 +402,8 @@ class ScoringClient(ClientBase):
             model: checkpoint to load.
             weights_version: optional label (the server derives one when empty).
             timeout: deadline in seconds (default: 600).
+            progress: ``progress(elapsed_s)`` about once a second while the server loads
+                (the server reports no fraction; the CLI draws it as an elapsed-time line).
 
         Never re-sent by ``wait_for_server_s``: a reload is heavy and changes the
         server's state (an UNAVAILABLE may come after it started), and a restarted
@@ -401,8 +412,18 @@ class ScoringClient(ClientBase):
         """
         request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
         deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
-        msg = self.transport.call(self.transport.stub.LoadWeights, request, deadline)
-        return LoadWeightsResult.from_proto(msg)
+        future = self.transport.start(self.transport.stub.LoadWeights, request, deadline)
+        if progress is not None:
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())
+            start = time.monotonic()
+            try:
+                while not done.wait(LOAD_PROGRESS_INTERVAL_S):
+                    progress(time.monotonic() - start)
+            except BaseException:  # the callback failed or the caller was interrupted
+                future.cancel()
+                raise
+        return LoadWeightsResult.from_proto(self.transport.result(future))
 
     def push_weights(
         self,

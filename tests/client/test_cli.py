@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib.metadata
 import importlib.util
 import json
@@ -17,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from megascore_client import RetryPolicy, ScoringClient, cli, waiting
+from megascore_client import AsyncScoringClient, RetryPolicy, ScoringClient, cli, waiting
 from megascore_client.cli import main
 from tests.client.fake_server import VOCAB, FakeScorer, FakeServer, ref_logprobs, ref_nll
 
@@ -184,6 +185,32 @@ def test_info_health_load_weights(server, capsys):
     assert main(["health", "--target", stopped, "--timeout", "1"]) == 1
     # Retried as UNAVAILABLE until the deadline runs out.
     assert capsys.readouterr().out.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
+
+
+def test_load_weights_honours_timeout_and_shows_progress(capsys):
+    """``load-weights --timeout`` is the load's deadline (not a fixed 600 s); a load
+    longer than a second draws an elapsed-time line on stderr, the SDK calls
+    ``progress(elapsed_s)``."""
+    with FakeServer(FakeScorer()) as srv:
+        srv.scorer.load_delay_s = 2.5
+        target = ["--target", srv.target]
+        assert main(["load-weights", "hf:/ckpt", *target, "--timeout", "0.5"]) == 1
+        assert "DEADLINE_EXCEEDED" in capsys.readouterr().err
+        assert main(["load-weights", "hf:/ckpt", *target, "--timeout", "30"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["weights_version"] and "loading hf:/ckpt ... 2 s" in err
+        seen: list[float] = []
+        with ScoringClient(srv.target) as client:
+            client.load_weights("hf:/ckpt", progress=seen.append)
+        assert len(seen) >= 2 and seen == sorted(seen) and 0.9 < seen[0] < seen[-1] < 2.6
+        seen_async: list[float] = []
+
+        async def load_async():
+            async with AsyncScoringClient(srv.target) as client:
+                return await client.load_weights("hf:/ckpt", progress=seen_async.append)
+
+        assert asyncio.run(load_async()).weights_version
+        assert len(seen_async) >= 2 and 0.9 < seen_async[0] < seen_async[-1] < 2.6
 
 
 def test_token_flag_and_env(tmp_path, capsys, monkeypatch):
