@@ -16,10 +16,15 @@ class EngineConfig:
     """How one model replica is built and run. Identical on every rank."""
 
     model: str = "tiny"
-    """Built-in model name (tiny, tiny-moe, bench), ``hf:DIR`` or ``megatron:DIR``."""
+    """Built-in model name (tiny, tiny-moe, tiny-deep, bench; ``NAME@SEED`` picks the
+    weight seed), ``hf:DIR`` or ``megatron:DIR``."""
     tensor_model_parallel_size: int = 1
+    """Tensor-parallel size: ranks each weight matrix is split over."""
     context_parallel_size: int = 1
+    """Context-parallel size: ranks each sequence is split over (in 2 x CP chunks)."""
     expert_model_parallel_size: int = 1
+    """Expert-parallel size of a MoE model: ranks the experts are spread over (divides the
+    data-parallel x context-parallel ranks)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages: each holds a contiguous run of decoder layers (any split; the
     first and last stage take the remainder when layers do not divide evenly)."""
@@ -35,6 +40,7 @@ class EngineConfig:
     device: str = "auto"
     """"cpu", "cuda" or "auto" (cuda when available)."""
     dtype: str = "float32"
+    """Parameter and activation dtype of the model."""
     attention_backend: str = "auto"
     """"te" (TransformerEngine, GPU; bfloat16 / float16), "torch" (portable SDPA) or "auto".
 
@@ -46,6 +52,7 @@ class EngineConfig:
     pad_to_multiple_of: int = 1
     """Extra per-sequence pad multiple (combined with what CP / SP require)."""
     max_top_k: int = 64
+    """Largest ``top_k`` a request may ask for."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the vocab-parallel log-softmax (bounds peak memory)."""
     collective_timeout_s: float = 120.0
