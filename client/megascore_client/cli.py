@@ -216,7 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("score", "info", "health", "load-weights", "push-weights"):
         _add_connection_args(sub.choices[name], name)
         sub.choices[name].set_defaults(subparser=sub.choices[name])
+        _show_defaults(sub.choices[name])
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Appends ``(default: X)`` to the help of every option with a value default that
+    its help does not already state."""
+    for action in parser._actions:
+        default = action.default
+        if action.nargs == 0 or default in (None, "", argparse.SUPPRESS) or not action.help:
+            continue
+        if "default" not in action.help:
+            action.help += f" (default: {default})"
 
 
 def serve(argv: list[str]) -> int:

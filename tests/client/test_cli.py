@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import asyncio
 import importlib.metadata
@@ -343,3 +344,16 @@ def test_score_waits_for_a_server_that_is_down(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "--timeout (30 s) must exceed --wait-for-server (30 s)" in err
     assert "expected a number of seconds >= 0, got '-1'" in err
+
+
+def test_every_cli_option_has_help_with_its_default():
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, (name, action.option_strings)
+            takes_value = action.nargs != 0 and action.option_strings
+            if takes_value and action.default not in (None, ""):
+                assert "default" in action.help, (name, action.option_strings, action.help)
