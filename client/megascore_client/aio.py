@@ -39,8 +39,7 @@ class AsyncScoringClient(ClientBase):
         ...     results = await asyncio.gather(*(client.score(b) for b in batches))
     """
 
-    def __init__(self, target: str, **kwargs):
-        super().__init__(target, **kwargs)
+    def _open(self) -> None:
         self.transport = AsyncTransport(self.settings)
         self._limit_lock = asyncio.Lock()
 
@@ -132,19 +131,40 @@ class AsyncScoringClient(ClientBase):
             for task in tasks:
                 task.cancel()
 
-    async def score_padded(self, input_ids, input_lengths, **kwargs):
+    async def score_padded(
+        self,
+        input_ids,
+        input_lengths,
+        *,
+        temperature: float = 1.0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ):
         """Logprobs of a NeMo-RL batch (see ``ScoringClient.score_padded``)."""
-        return await self._score_layout(nemo_rl_layout(input_ids, input_lengths), kwargs)
+        layout = nemo_rl_layout(input_ids, input_lengths)
+        return await self._score_layout(layout, temperature, request_id, timeout)
 
-    async def score_responses(self, input_ids, attention_mask, responses, **kwargs):
+    async def score_responses(
+        self,
+        input_ids,
+        attention_mask,
+        responses,
+        *,
+        temperature: float = 1.0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ):
         """Response logprobs of a verl batch (see ``ScoringClient.score_responses``)."""
         layout = verl_layout(input_ids, attention_mask, responses)
-        return await self._score_layout(layout, kwargs)
+        return await self._score_layout(layout, temperature, request_id, timeout)
 
-    async def _score_layout(self, layout: PaddedLayout, kwargs: dict):
+    async def _score_layout(self, layout: PaddedLayout, temperature, request_id, timeout):
         scored = None
         if layout.sequences:
-            scored = await self.score(layout.sequences, losses=(), **kwargs)
+            scored = await self.score(
+                layout.sequences, losses=(), temperature=temperature, request_id=request_id,
+                timeout=timeout,
+            )  # fmt: skip
         return layout.logprobs(None if scored is None else scored.logprobs)
 
     def stream(self, *, timeout: float | None = None) -> AsyncScoreStream:

@@ -96,6 +96,11 @@ def resolve_limits(info: ModelInfo, config: GrpcServerConfig, pad_multiple: int)
         max_top_k=int(info.max_top_k),
         loss_names=frozenset(info.loss_names),
         routing=info.routing,
+        metric_groups=frozenset(
+            group
+            for group, names in (("moe", info.moe_metric_names), ("mtp", info.mtp_metric_names))
+            if names
+        ),
     )
 
 

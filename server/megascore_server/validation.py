@@ -44,6 +44,9 @@ class RequestLimits:
     loss_names: frozenset[str]
     routing: RoutingShape | None = None
     """The model's MoE routing shape; None: no MoE layers (routing is refused)."""
+    metric_groups: frozenset[str] = frozenset()
+    """Metric groups the model reports ("moe", "mtp"; none for a dense model); asking
+    for another is refused, like routing on a dense model."""
 
 
 def _locate(offsets: np.ndarray, position: int) -> tuple[int, int]:
@@ -139,8 +142,17 @@ def validate_options(options: pb.ScoreOptions, limits: RequestLimits) -> dict:
     """Checks ``ScoreOptions``; returns the matching :class:`ScoreBatch` keyword arguments.
 
     Raises:
-        InvalidRequestError: top_k out of range, bad temperature, unknown loss.
+        InvalidRequestError: top_k out of range, bad temperature, unknown loss, metrics
+            the model does not report (MoE metrics of a dense model, MTP metrics of a
+            model without MTP layers).
     """
+    for group, asked in (("moe", options.return_moe_metrics), ("mtp", options.return_mtp_metrics)):
+        if asked and group not in limits.metric_groups:
+            what = "MoE layers" if group == "moe" else "MTP layers"
+            raise InvalidRequestError(
+                f"options.return_{group}_metrics: the served model has no {what} "
+                f"(GetModelInfo {group}_metric_names is empty)"
+            )
     if options.top_k < 0 or options.top_k > limits.max_top_k:
         raise InvalidRequestError(
             f"options.top_k: {options.top_k} is outside [0, max_top_k={limits.max_top_k}]"
