@@ -28,6 +28,7 @@ import json
 import os
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from megascore import __version__
 from megascore_client import push, score_jsonl
@@ -105,6 +106,15 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             "the re-sends happen inside each request's deadline; leave --timeout out "
             f"(default {DEFAULT_TIMEOUT_S:g} + {wait:g} s) or raise it"
         )
+
+
+def _missing_input(args: argparse.Namespace) -> str | None:
+    """What is wrong with the local file a command reads, or None."""
+    if args.command == "score" and not args.input.is_file():
+        return f"input {args.input}: no such file"
+    if args.command == "push-weights" and not Path(args.path).exists():
+        return f"path {args.path}: no such file or directory"
+    return None
 
 
 def make_client(args: argparse.Namespace) -> ScoringClient:
@@ -263,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(argv[1:])
     args = build_parser().parse_args(argv)
     _check_args(args.subparser, args)
+    missing = _missing_input(args)
+    if missing:  # reported before any connection, whatever the server's state
+        print(f"megascore {args.command}: error: {missing}", file=sys.stderr)
+        return 2
     try:
         with make_client(args) as client:
             return args.func(args, client)
