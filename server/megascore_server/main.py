@@ -28,17 +28,20 @@ from megascore_server.config import ReplicaConfig
 from megascore_server.config_loader import load_serve_config, unknown_env
 from megascore_server.launcher import LAUNCHED_ENV, RESOLVED_CONFIG_ENV, LocalLauncher
 from megascore_server.preflight import check_before_launch
+from megascore_server.startup_logs import hide_third_party_notices
 
 logger = logging.getLogger(__name__)
 
 
 def setup_logging(level: str) -> None:
-    """Structured-ish log lines tagged with the rank (a no-op when logging is configured)."""
+    """Structured-ish log lines tagged with the rank (a no-op when logging is configured);
+    third-party start-up notices summarised (:mod:`megascore_server.startup_logs`)."""
     rank = os.environ.get("RANK", "-")
     logging.basicConfig(
         level=level.upper(),
         format=f"%(asctime)s rank={rank} %(levelname)s %(name)s: %(message)s",
     )
+    hide_third_party_notices(level)  # summarised once the engine is built
 
 
 def resolve_config(argv: Sequence[str]) -> ReplicaConfig:

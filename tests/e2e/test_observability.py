@@ -48,7 +48,11 @@ def test_reflection_describes_every_service(tp1):
         scorer = DescriptorPool(database).FindServiceByName(SCORER)
         methods = {m.name: m for m in scorer.methods}
         assert set(methods) == {
-            "Score", "ScoreStream", "GetModelInfo", "LoadWeights", "UpdateWeights"
+            "Score",
+            "ScoreStream",
+            "GetModelInfo",
+            "LoadWeights",
+            "UpdateWeights",
         }
         assert methods["Score"].input_type.full_name == "megascore.v1.ScoreRequest"
         assert methods["ScoreStream"].client_streaming and methods["ScoreStream"].server_streaming
@@ -92,3 +96,18 @@ def test_metrics_counters_move_with_requests(tp2):
     assert 1 <= delta(before, after, "megascore_steps_total") <= 6
     assert delta(before, after, "megascore_step_latency_seconds_count") >= 1
     assert after[("megascore_queue_depth", ())] == 0
+
+
+THIRD_PARTY_NOISE = ("warnings.warn(", "UserWarning", "IS DEPRECATED", "Apex is not installed",
+                     "No CUDA runtime is found", "Megatron-FSDP")  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["tp1", "tp2"])
+def test_startup_log_summarises_third_party_notices(request, name):
+    """The ~13 Megatron / torch start-up notices per rank are one summary line each."""
+    log = request.getfixturevalue(name).output(tail=200_000)
+    assert not [n for n in THIRD_PARTY_NOISE if n in log], log[:3000]
+    summaries = [line for line in log.splitlines() if "start-up notices of Megatron" in line]
+    ranks = 1 if name == "tp1" else 2
+    assert len(summaries) == ranks and all("--log-level DEBUG shows them" in s for s in summaries)
