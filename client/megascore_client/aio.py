@@ -20,7 +20,7 @@ from megascore_client.push import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, ScoreOptions, decode_part
 from megascore_client.stream import AsyncScoreStream
-from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
+from megascore_client.trainer_layouts import PaddedLayout
 from megascore_client.transport import AsyncTransport
 
 __all__ = ["AsyncScoringClient"]
@@ -130,33 +130,6 @@ class AsyncScoringClient(ClientBase):
         finally:
             for task in tasks:
                 task.cancel()
-
-    async def score_padded(
-        self,
-        input_ids,
-        input_lengths,
-        *,
-        temperature: float = 1.0,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ):
-        """Logprobs of a NeMo-RL batch (see ``ScoringClient.score_padded``)."""
-        layout = nemo_rl_layout(input_ids, input_lengths)
-        return await self._score_layout(layout, temperature, request_id, timeout)
-
-    async def score_responses(
-        self,
-        input_ids,
-        attention_mask,
-        responses,
-        *,
-        temperature: float = 1.0,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ):
-        """Response logprobs of a verl batch (see ``ScoringClient.score_responses``)."""
-        layout = verl_layout(input_ids, attention_mask, responses)
-        return await self._score_layout(layout, temperature, request_id, timeout)
 
     async def _score_layout(self, layout: PaddedLayout, temperature, request_id, timeout):
         scored = None

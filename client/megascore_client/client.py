@@ -152,6 +152,58 @@ class ClientBase:
             raise schedule.gave_up(error)
         return schedule, delay
 
+    def score_padded(
+        self,
+        input_ids,
+        input_lengths,
+        *,
+        temperature: float = 1.0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ):
+        """Logprobs of a NeMo-RL batch (awaitable on ``AsyncScoringClient``): right-padded
+        ``input_ids [B, S]`` and ``input_lengths [B]`` (layout in
+        :mod:`megascore_client.trainer_layouts`).
+
+        Args:
+            input_ids: int ``[B, S]`` (numpy, torch or array-like).
+            input_lengths: int ``[B]``, each in ``[0, S]``.
+            temperature, request_id, timeout: as for :meth:`score`.
+
+        Returns:
+            float32 ``[B, S]``: entry ``[b, t]`` is ``log p(x_t | x_<t)`` of row b for
+            ``1 <= t < input_lengths[b]``, 0.0 at t = 0 and past the length; a torch
+            tensor on the device of ``input_ids`` when that is a torch tensor.
+        """
+        layout = nemo_rl_layout(input_ids, input_lengths)
+        return self._score_layout(layout, temperature, request_id, timeout)
+
+    def score_responses(
+        self,
+        input_ids,
+        attention_mask,
+        responses,
+        *,
+        temperature: float = 1.0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ):
+        """Response logprobs of a verl batch (awaitable on ``AsyncScoringClient``):
+        ``input_ids [B, P+R]`` (left-padded prompts, then right-padded responses),
+        ``attention_mask [B, P+R]``, ``responses [B, R]`` (layout in
+        :mod:`megascore_client.trainer_layouts`).
+
+        Args:
+            input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
+            temperature, request_id, timeout: as for :meth:`score`.
+
+        Returns:
+            float32 ``[B, R]``: entry ``[b, j]`` is the logprob of ``responses[b, j]``
+            given the real tokens before it, 0.0 on response padding (torch in, torch out).
+        """
+        layout = verl_layout(input_ids, attention_mask, responses)
+        return self._score_layout(layout, temperature, request_id, timeout)
+
     def _prepare(self, sequences, options: ScoreOptions, limit, **batch) -> tuple[list[Part], str]:
         return prepare(
             sequences, options, max_message_bytes=self.message_limit, max_request_tokens=limit,
@@ -340,56 +392,6 @@ class ScoringClient(ClientBase):
             for _, future, _ in inflight:
                 future.cancel()
         return results
-
-    def score_padded(
-        self,
-        input_ids,
-        input_lengths,
-        *,
-        temperature: float = 1.0,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ):
-        """Logprobs of a NeMo-RL batch: right-padded ``input_ids [B, S]`` and
-        ``input_lengths [B]`` (layout in :mod:`megascore_client.trainer_layouts`).
-
-        Args:
-            input_ids: int ``[B, S]`` (numpy, torch or array-like).
-            input_lengths: int ``[B]``, each in ``[0, S]``.
-            temperature, request_id, timeout: as for :meth:`score`.
-
-        Returns:
-            float32 ``[B, S]``: entry ``[b, t]`` is ``log p(x_t | x_<t)`` of row b for
-            ``1 <= t < input_lengths[b]``, 0.0 at t = 0 and past the length; a torch
-            tensor on the device of ``input_ids`` when that is a torch tensor.
-        """
-        layout = nemo_rl_layout(input_ids, input_lengths)
-        return self._score_layout(layout, temperature, request_id, timeout)
-
-    def score_responses(
-        self,
-        input_ids,
-        attention_mask,
-        responses,
-        *,
-        temperature: float = 1.0,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ):
-        """Response logprobs of a verl batch: ``input_ids [B, P+R]`` (left-padded
-        prompts, then right-padded responses), ``attention_mask [B, P+R]``,
-        ``responses [B, R]`` (layout in :mod:`megascore_client.trainer_layouts`).
-
-        Args:
-            input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
-            temperature, request_id, timeout: as for :meth:`score`.
-
-        Returns:
-            float32 ``[B, R]``: entry ``[b, j]`` is the logprob of ``responses[b, j]``
-            given the real tokens before it, 0.0 on response padding (torch in, torch out).
-        """
-        layout = verl_layout(input_ids, attention_mask, responses)
-        return self._score_layout(layout, temperature, request_id, timeout)
 
     def _score_layout(self, layout: PaddedLayout, temperature, request_id, timeout):
         scored = None
