@@ -79,15 +79,16 @@ def explain(error: ScoringError, settings: ChannelSettings) -> ScoringError:
         the failure is a connection that never came up; else ``error``.
     """
     code, details = error.code, error.details
+    cause = details
     if code is grpc.StatusCode.DEADLINE_EXCEEDED and details == _BARE_DEADLINE:
         cause = probe_connection(settings)
         if cause is None:  # the server answers: a slow call, nothing to add
             return error
-        details = f"{details}; the server cannot be reached: {cause}"
     elif code is not grpc.StatusCode.UNAVAILABLE:
         return error
-    hint = _hint(details, settings)
-    if hint is None and details == error.details:
+    hint = _hint(cause, settings)
+    if hint is None and cause == details:
         return error
-    text = details if hint is None else f"{details} ({hint})"
+    said = details if cause == details else f"{details}; a probe: {cause}"
+    text = f"{hint or 'the server cannot be reached'} (gRPC: {said})"
     return ScoringError(code, text, error.sequence_offset)
