@@ -91,6 +91,7 @@ def test_launched_rank_does_not_check_again(monkeypatch):
     monkeypatch.setenv("_MEGASCORE_LAUNCHED", "1")
     monkeypatch.setattr(main_module, "check_before_launch", lambda *a, **k: 1 / 0)
     monkeypatch.setattr(main_module, "run_rank", lambda config: 0)
+    monkeypatch.setattr(main_module, "setup_logging", lambda level: None)  # no global state
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main_module.main([]) == 0

@@ -14,6 +14,8 @@ from megascore_server import startup_logs
 @pytest.fixture
 def notices(monkeypatch):
     monkeypatch.setattr(startup_logs, "_NOTICES", None)
+    for name in startup_logs._TORCH_OWN_HANDLER_LOGGERS:
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
     shown_warnings: list[str] = []
     monkeypatch.setattr(warnings, "showwarning", lambda m, *a, **k: shown_warnings.append(str(m)))
     monkeypatch.setattr(startup_logs, "shown_warnings", shown_warnings, raising=False)
@@ -25,8 +27,6 @@ def notices(monkeypatch):
     monkeypatch.setattr(root, "level", logging.INFO)
     yield records
     root.removeHandler(handler)
-    for name in startup_logs._TORCH_OWN_HANDLER_LOGGERS:
-        logging.getLogger(name).filters.clear()
 
 
 def test_third_party_notices_are_summarised(notices):
