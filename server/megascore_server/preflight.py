@@ -52,9 +52,15 @@ def _model_config(model: str) -> ModelConfig | None:
     """The architecture when it can be read without torch (built-ins, ``hf:``); None for
     ``megatron:`` (its directory is still checked)."""
     spec = parse_model_string(model)
-    if spec.kind == "megatron":
-        if not Path(spec.path).expanduser().is_dir():
+    if spec.kind == "megatron":  # its reader imports torch: the file is checked, not read
+        directory = Path(spec.path).expanduser()
+        if not directory.is_dir():
             raise ValueError(f"model {model!r}: {spec.path} is not a directory")
+        if not (directory / "megascore.json").is_file():
+            raise ValueError(
+                f"model {model!r}: {directory / 'megascore.json'} is missing; not a megascore "
+                "Megatron checkpoint (or an incomplete save); an HF checkpoint is hf:DIR"
+            )
         return None
     try:
         return read_model_config(model)

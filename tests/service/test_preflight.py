@@ -61,6 +61,17 @@ def test_mistake_refused_before_any_rank_starts(argv, capsys):
         assert words in err, err
 
 
+def test_checkpoint_directories_are_checked(tmp_path, capsys):
+    from megascore_server.main import main
+
+    assert main(["--model", f"megatron:{tmp_path}", "--port", "0"]) == 2
+    assert "megascore.json is missing; not a megascore Megatron checkpoint" in (
+        capsys.readouterr().err
+    )
+    assert main(["--model", f"hf:{tmp_path}", "--port", "0"]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
 def test_refusal_is_fast_and_torch_free():
     start = time.monotonic()
     proc = subprocess.run(
