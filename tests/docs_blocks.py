@@ -99,12 +99,20 @@ def commands(text: str) -> list[list[str]]:
 
 def megascore_args(argv: list[str]) -> tuple[str, list[str]] | None:
     """``(subcommand, args)`` of a ``megascore ...`` / ``python -m megascore_server.main``
-    / ``torchrun ... -m megascore_server.main`` command, else None."""
+    / ``torchrun ... -m megascore_server.main`` command, of ``docker run ... megascore:TAG
+    ARGS`` (the image's entry point is ``megascore serve``) and of a ``... ARGS`` line
+    (more flags for the server of the line before), else None."""
     argv = [a for a in argv if "=" not in a or a.startswith("-")]  # drop VAR=value prefixes
     if not argv:
         return None
     if Path(argv[0]).name == "megascore" and len(argv) > 1:
         return argv[1], argv[2:]
+    if argv[0] == "...":
+        return "serve", argv[1:]
+    if argv[0] == "docker" and "run" in argv:
+        image = next((i for i, a in enumerate(argv) if re.fullmatch(r"megascore:[\w.-]+", a)), None)
+        if image is not None:
+            return "serve", argv[image + 1 :]
     if "-m" in argv:
         at = argv.index("-m")
         if at + 1 < len(argv) and argv[at + 1] == "megascore_server.main":

@@ -128,3 +128,29 @@ def test_each_example_names_the_extra_it_needs():
         assert match, f"{example.name}: its docstring must say 'Needs: pip install ...'"
         assert set((match[1] or "").split(",")) - {""} <= set(extras), example.name
         assert VENV_SENTENCE in " ".join(doc.split()), example.name
+
+
+def test_documented_serve_layouts_pass_the_preflight_checks():
+    """Every documented ``megascore serve`` of a built-in model names a layout that fits
+    its ranks and the model (the device check aside: docs show GPU commands)."""
+    import dataclasses
+
+    from megascore.model.config import BUILTIN_MODELS
+    from megascore_server.config_loader import load_serve_config
+    from megascore_server.preflight import check_before_launch
+
+    checked = 0
+    for block in SHELL_BLOCKS:
+        for argv in commands(block.text):
+            found = megascore_args(argv)
+            if found is None or found[0] != "serve" or argv[0] == "...":
+                continue
+            config = load_serve_config(found[1], environ={})
+            if config.engine.model.split("@")[0] not in BUILTIN_MODELS:
+                continue
+            config = dataclasses.replace(
+                config, engine=dataclasses.replace(config.engine, device="cpu")
+            )
+            check_before_launch(config, config.nproc, torchrun=False)
+            checked += 1
+    assert checked >= 4
