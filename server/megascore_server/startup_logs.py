@@ -25,6 +25,10 @@ _TORCH_OWN_HANDLER_LOGGERS = ("torch.utils.cpp_extension",)
 """torch loggers that write through torch's own handler (not the root's)."""
 
 
+def _first_line(text: str) -> str:
+    return text.strip().partition("\n")[0]
+
+
 class ThirdPartyNotices(logging.Filter):
     """Counts and drops third-party warnings and log records below ERROR."""
 
@@ -38,13 +42,13 @@ class ThirdPartyNotices(logging.Filter):
             return True
         if not getattr(record, "megascore_hidden", False):  # counted once, whatever the
             record.megascore_hidden = True  # number of handlers it goes through
-            self.hidden[record.getMessage().splitlines()[0]] += 1
+            self.hidden[_first_line(record.getMessage())] += 1
         return False
 
     def showwarning(self, message, category, filename, lineno, file=None, line=None):
         parts = os.path.normpath(str(filename)).split(os.sep)
         if any(package in parts for package in THIRD_PARTY) and "site-packages" in parts:
-            self.hidden[str(message).splitlines()[0]] += 1
+            self.hidden[_first_line(str(message))] += 1
             return
         self._show(message, category, filename, lineno, file, line)
 
