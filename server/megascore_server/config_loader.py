@@ -36,7 +36,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megascore.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LM_HEAD_DTYPES, EngineConfig
+from megascore.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    LM_HEAD_DTYPES,
+    ROUTER_DTYPES,
+    EngineConfig,
+)
 from megascore_server.config import GrpcServerConfig, ReplicaConfig
 
 logger = logging.getLogger(__name__)
@@ -59,6 +66,7 @@ _CHOICES = {
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,
     "lm_head_dtype": LM_HEAD_DTYPES,
+    "moe_router_dtype": ROUTER_DTYPES,
 }
 _METAVARS = {"int": "N", "int | None": "N", "float": "NUMBER", "str": "VALUE", "str | None": "PATH"}
 _NAMED_METAVARS = {"host": "ADDRESS", "model": "MODEL", "log_level": "LEVEL"}

@@ -66,9 +66,10 @@ class EngineConfig:
     """Overrides the model config's seed for built-in random weights."""
     batch_invariant: bool | None = None
     """Bit-identical results for a sequence whatever else is in the step (every token-axis
-    matmul padded to a multiple of 64 rows, ``megascore.model.batch_invariant``). Unset: on
-    for the CPU, off on CUDA; True on CUDA is refused at start-up (no batch-invariant
-    kernels there yet, docs/deploy.md)."""
+    matmul padded to a multiple of 64 rows). Unset: on for the CPU, off on CUDA; True on
+    CUDA is refused at start-up (no batch-invariant kernels there yet, docs/deploy.md).
+
+    Implemented in ``megascore.model.batch_invariant``."""
 
     def __post_init__(self):
         for name in (
