@@ -183,6 +183,14 @@ class DistributedEngine:
             metrics_supported=engine_cfg.metrics_supported(is_moe),
             routing=routing_shape(loaded.model),
             mtp_not_served=loaded.config.mtp_not_served,
+            metric_groups=tuple(
+                group
+                for group, names in (
+                    ("moe", moe_metric_names(loaded.config)),
+                    ("mtp", mtp_metric_names(loaded.config)),
+                )
+                if names
+            ),
         )
         self._step = 0
         self._push: WeightStaging | None = None  # the open weight push's staged shards
