@@ -134,7 +134,9 @@ def load_served_model(
         ValueError: a malformed model string.
         CheckpointError: a checkpoint that is missing, corrupt or does not fit.
     """
-    config, load_weights, meta = resolve_model(model, seed=engine_cfg.seed)
+    config, load_weights, meta = resolve_model(
+        model, seed=engine_cfg.seed, ignore_mtp_layers=engine_cfg.ignore_mtp_layers
+    )
     built = build_model(
         config,
         dataclasses.replace(engine_cfg, seed=config.seed),
@@ -191,8 +193,14 @@ def reload_served_model(
             corrupt or does not fit: raised before the first write, the served
             weights untouched; or a read that failed midway (the weights partly written).
     """
-    check_same_architecture(read_model_config(model), served.config, model)
-    config, load_weights, meta = resolve_model(model, seed=engine_cfg.seed)
+    ignore_mtp = engine_cfg.ignore_mtp_layers
+    # from the config (+ headers for optional parts), no tensor read
+    check_same_architecture(
+        read_model_config(model, ignore_mtp_layers=ignore_mtp), served.config, model
+    )
+    config, load_weights, meta = resolve_model(
+        model, seed=engine_cfg.seed, ignore_mtp_layers=ignore_mtp
+    )
     if load_weights is None:
         if before_write is not None:
             before_write()
