@@ -280,6 +280,11 @@ class ScoringClient(ClientBase):
         return_logprobs: bool = True,
         return_routing: bool = False,
         routing=None,
+        return_entropy: bool = False,
+        target_ids=None,
+        rollout_logprobs=None,
+        mismatch_ratio_cap: float | None = None,
+        return_importance_weights: bool = False,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -303,6 +308,18 @@ class ScoringClient(ClientBase):
                 ``[L_i, num_moe_layers, topk]`` array per sequence (a
                 ``ScoreResult.routing``): the forward uses these experts (Megatron's
                 RouterReplay), e.g. the rollout engine's routes. MoE models only.
+            return_entropy: return the per-token entropy (``ScoreResult.entropy``).
+            target_ids: ids whose logprobs to return at every position, one integer
+                ``[L_i, K]`` array per sequence (``ScoreResult.target_logprobs``;
+                ``K <= ModelInfo.max_target_ids``; row 0 ignored).
+            rollout_logprobs: the rollout engine's logprobs of the same tokens, one
+                ``[L_i]`` array per sequence (entry 0 ignored): ``ScoreResult.mismatch``
+                holds per-sequence train/inference mismatch statistics
+                (docs/client.md, "Train/inference mismatch").
+            mismatch_ratio_cap: the importance-ratio cap ``c`` of those statistics
+                (default 2.0; > 1).
+            return_importance_weights: with ``rollout_logprobs``, return the per-token
+                truncated importance weights ``min(exp(scored - rollout), c)``.
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -325,6 +342,11 @@ class ScoringClient(ClientBase):
             return_logprobs=return_logprobs,
             return_routing=return_routing,
             routing=routing,
+            return_entropy=return_entropy,
+            target_ids=target_ids,
+            rollout_logprobs=rollout_logprobs,
+            mismatch_ratio_cap=mismatch_ratio_cap,
+            return_importance_weights=return_importance_weights,
             request_id=request_id,
         )
         parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())
