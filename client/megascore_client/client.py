@@ -389,12 +389,16 @@ class ScoringClient(ClientBase):
         Args:
             input_ids: int ``[B, S]`` (numpy, torch or array-like).
             input_lengths: int ``[B]``, each in ``[0, S]``.
-            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
+            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`;
+                ``rollout_logprobs`` ``[B, S]`` (the layout of the result) and
+                ``mismatch_ratio_cap``: see Returns.
 
         Returns:
             float32 ``[B, S]``: entry ``[b, t]`` is ``log p(x_t | x_<t)`` of row b for
             ``1 <= t < input_lengths[b]``, 0.0 at t = 0 and past the length; a torch
-            tensor on the device of ``input_ids`` when that is a torch tensor.
+            tensor on the device of ``input_ids`` when that is a torch tensor. With
+            ``rollout_logprobs``: ``(logprobs, mismatch)``, ``mismatch`` the
+            statistics of ``ScoreResult.mismatch_stats`` per row (float64 ``[B]``).
         """
         return self._score_layout(nemo_rl_layout(input_ids, input_lengths), kwargs)
 
@@ -405,17 +409,22 @@ class ScoringClient(ClientBase):
 
         Args:
             input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
-            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
+            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`;
+                ``rollout_logprobs`` ``[B, R]`` (verl's ``old_log_probs`` layout) and
+                ``mismatch_ratio_cap``: see Returns.
 
         Returns:
             float32 ``[B, R]``: entry ``[b, j]`` is the logprob of ``responses[b, j]``
             given the real tokens before it, 0.0 on response padding (torch in, torch out).
+            With ``rollout_logprobs``: ``(logprobs, mismatch)`` as for
+            :meth:`score_padded`, over the response tokens.
         """
         return self._score_layout(verl_layout(input_ids, attention_mask, responses), kwargs)
 
     def _score_layout(self, layout: PaddedLayout, kwargs: dict):
-        scored = self.score(layout.sequences, losses=(), **kwargs) if layout.sequences else None
-        return layout.logprobs(None if scored is None else scored.logprobs)
+        arguments = layout.score_arguments(kwargs)
+        scored = self.score(layout.sequences, **arguments) if layout.sequences else None
+        return layout.answer(scored, kwargs)
 
     def stream(self, *, timeout: float | None = None) -> ScoreStream:
         """Opens a ScoreStream bidi call for rollout loops (see :class:`ScoreStream`).

@@ -101,7 +101,7 @@ def merge_batches(pieces: list[tuple[ScoreBatch, np.ndarray]]) -> ScoreBatch:
         rows = []
         for value, (_, idx), at, lens in zip(values, pieces, tokens, lengths, strict=True):
             count = int(lens.sum()) if spec.per == schema.TOKEN else lens.size
-            row = np.full((count, *dims), spec.fill, spec.dtype)
+            row = np.full((count, *dims), spec.fill or 0, spec.dtype)
             if value is not None:
                 part = value[at if spec.per == schema.TOKEN else idx]
                 row[(slice(None), *(slice(0, n) for n in part.shape[1:]))] = part
