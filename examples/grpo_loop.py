@@ -91,11 +91,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched_servers(init_dir: Path, log_dir: Path):
-    """Two ``megascore serve --model hf:init_dir`` subprocesses: (policy, reference)."""
+def launched_servers(init_dir: Path, log_dir: Path, names=("policy", "reference")):
+    """One ``megascore serve --model hf:init_dir`` subprocess per name: their targets."""
     procs, targets = [], []
     try:
-        for name in ("policy", "reference"):
+        for name in names:
             port = free_port()
             log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
             cmd = [sys.executable, "-m", "megascore_server.main", "--model", f"hf:{init_dir}"]

@@ -86,6 +86,12 @@ def _check_metrics(value, limits) -> str | None:
     return None
 
 
+def _check_mtp_metrics(value, limits) -> str | None:
+    if value and limits.mtp_not_served:
+        return f"the served model has no MTP layers: {limits.mtp_not_served}"
+    return _check_metrics(value, limits)
+
+
 def _check_routing(value, limits) -> str | None:
     if value and limits.routing is None:
         return "the served model has no MoE layers to route"
@@ -106,7 +112,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("top_k", 0, max, _check_top_k, int, flag=False),
     Option("losses", (), _union, _check_losses, lambda names: _union([names]), flag=False),
     Option("return_moe_metrics", False, _one, _check_metrics, bool),
-    Option("return_mtp_metrics", False, _one, _check_metrics, bool),
+    Option("return_mtp_metrics", False, _one, _check_mtp_metrics, bool),
     Option("return_routing", False, any, _check_routing, bool),
     Option("return_entropy", False, any, convert=bool),
     Option("return_importance_weights", False, any, convert=bool),

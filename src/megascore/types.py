@@ -88,6 +88,8 @@ class Limits:
             (:meth:`megascore.config.EngineConfig.metrics_supported`).
         routing: the model's MoE routing shape; None for a model without MoE layers.
         max_request_tokens: most tokens in one request (the server's); None: no limit.
+        mtp_not_served: why the MTP layers the checkpoint declares are not served ("" when
+            none are left out); MTP metrics are then refused with it.
     """
 
     vocab_size: int
@@ -98,6 +100,7 @@ class Limits:
     metrics_supported: bool = True
     routing: RoutingShape | None = None
     max_request_tokens: int | None = None
+    mtp_not_served: str = ""
 
 
 def check_options(values, limits: Limits) -> None:

@@ -171,3 +171,36 @@ def test_layout_errors_name_the_row(client, server, call, message):
         call(client)
     assert message in info.value.details
     assert server.scorer.calls["Score"] == 0
+
+
+def test_prompt_groups_are_runs_of_rows_sharing_a_prompt():
+    """verl-shaped rows built by hand: 3 rollouts of prompt A (left padding of two
+    widths around the same real tokens), 2 of B, one of A again, 2 of C of which one
+    has an empty response (not scored, so not counted)."""
+    from megascore_client.trainer_layouts import prompt_groups, verl_layout
+
+    pad = 0
+    a, b, c = [5, 6, 7], [5, 6, 8], [9]
+    prompts = [a, a, a, b, b, a, c, c]
+    responses = [
+        [11, 12],
+        [13, pad],
+        [14, 15],
+        [16, pad],
+        [17, 18],
+        [19, pad],
+        [pad, pad],
+        [20, 21],
+    ]
+    p_width = 4
+    input_ids, mask = [], []
+    for prompt, response in zip(prompts, responses, strict=True):
+        left = p_width - len(prompt)
+        input_ids.append([pad] * left + prompt + response)
+        mask.append([0] * left + [1] * len(prompt) + [int(t != pad) for t in response])
+    input_ids, mask = np.array(input_ids), np.array(mask)
+    input_ids[1, 0] = 7  # a pad slot holding a token id (masked out: still prompt A)
+    layout = verl_layout(input_ids, mask, input_ids[:, p_width:])
+    np.testing.assert_array_equal(layout.rows, [0, 1, 2, 3, 4, 5, 7])
+    np.testing.assert_array_equal(prompt_groups(layout), [3, 2, 1, 1])
+    assert prompt_groups(verl_layout(input_ids[:0], mask[:0], input_ids[:0, p_width:])).size == 0
