@@ -2,7 +2,11 @@
 
 Call :func:`megascore.model.parallel.initialize_parallel` first; :func:`build_model`
 then returns a model in eval mode with deterministic, layout-independent
-weights (see ``megascore.model.weights``) and no parameter requiring grad.
+weights (see ``megascore.model.weights``) and no parameter requiring grad, or, when
+a checkpoint's weights follow (``random_weights=False``), with its parameters
+allocated but never written: no random number is drawn (Megatron's
+``perform_initialization`` is off in every case) and on the CPU the untouched
+pages cost no memory until the loader writes them.
 
 Attention backends:
 
@@ -325,10 +329,28 @@ def make_layer_specs(
     return block, mtp
 
 
+def draw_weights(
+    model: GPTModel, model_cfg: ModelConfig, seed: int, pg_collection: ProcessGroupCollection
+) -> None:
+    """Writes a built-in model's random weights from ``seed`` into ``model`` in place
+    (:func:`megascore.model.weights.initialize_weights`, one parameter at a time)."""
+    initialize_weights(
+        model,
+        seed=seed,
+        init_method_std=model_cfg.init_method_std,
+        num_layers=model_cfg.num_layers,
+        num_moe_experts=model_cfg.num_moe_experts,
+        gated_linear_unit=model_cfg.gated_linear_unit,
+        pg_collection=pg_collection,
+    )
+
+
 def build_model(
     model_cfg: ModelConfig,
     engine_cfg: EngineConfig,
     pg_collection: ProcessGroupCollection | None = None,
+    *,
+    random_weights: bool = True,
 ) -> GPTModel:
     """Builds the GPTModel of one replica on this rank.
 
@@ -337,11 +359,15 @@ def build_model(
         engine_cfg: parallel sizes, dtype, device, attention backend, seed override.
         pg_collection: process groups from ``initialize_parallel``; None takes
             Megatron's global ones (``ProcessGroupCollection.use_mpu_process_groups``).
+        random_weights: draw the weights from the seed (built-in models); False leaves
+            the parameters unwritten (uninitialised memory) for a checkpoint loader,
+            which must write every one of them.
 
     Returns:
         The model on its device, in eval mode, parameters not requiring grad,
-        weights drawn from ``engine_cfg.seed`` (or ``model_cfg.seed``). Its
-        attribute ``megascore_attention_backend`` names the backend in use.
+        weights drawn from ``engine_cfg.seed`` (or ``model_cfg.seed``) unless
+        ``random_weights`` is False. Its attribute ``megascore_attention_backend``
+        names the backend in use.
 
     Raises:
         ValueError: the vocabulary or the heads do not split over the TP ranks, or
@@ -384,15 +410,8 @@ def build_model(
         pg_collection=pg_collection,
     )
     model.to(device)
-    initialize_weights(
-        model,
-        seed=seed,
-        init_method_std=model_cfg.init_method_std,
-        num_layers=model_cfg.num_layers,
-        num_moe_experts=model_cfg.num_moe_experts,
-        gated_linear_unit=model_cfg.gated_linear_unit,
-        pg_collection=pg_collection,
-    )
+    if random_weights:
+        draw_weights(model, model_cfg, seed, pg_collection)
     model.requires_grad_(False)
     model.eval()
     model.megascore_attention_backend = backend
