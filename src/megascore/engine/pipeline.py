@@ -80,6 +80,30 @@ def split_microbatches(
     return ranges, pad_to
 
 
+@dataclasses.dataclass(frozen=True)
+class MicrobatchPlan:
+    """How one rank cuts its sequences of a step into microbatches.
+
+    Attributes:
+        ranges: ``[first, end)`` sequence ranges in batch order (each non-empty).
+        pad_to: packed length of every microbatch.
+        count: microbatches the rank runs, ``>= len(ranges)``: the ones past ``ranges``
+            hold no sequence, only ``pad_to`` pad tokens (a data-parallel rank with fewer
+            microbatches than its peers still joins their expert collectives,
+            :mod:`megascore.engine.data_parallel`).
+    """
+
+    ranges: list[tuple[int, int]]
+    pad_to: int
+    count: int
+
+    @classmethod
+    def split(cls, lengths: np.ndarray, pad_multiple: int, count: int) -> MicrobatchPlan:
+        """The plan of a rank that runs its step alone (:func:`split_microbatches`)."""
+        ranges, pad_to = split_microbatches(lengths, pad_multiple, count)
+        return cls(ranges=ranges, pad_to=pad_to, count=len(ranges))
+
+
 @dataclasses.dataclass
 class Microbatch:
     """One microbatch of a step, packed for this rank (built alike on every stage).
@@ -133,9 +157,13 @@ def build_microbatch(
         has_request_mask: the request carried a loss mask (MTP then uses it).
 
     Returns:
-        The :class:`Microbatch`.
+        The :class:`Microbatch`. Without sequences (``lengths`` empty) it is all
+        padding: one empty segment extended to ``pad_to``.
     """
     device = token_ids.device
+    if len(lengths) == 0:
+        lengths = np.zeros(1, dtype=np.int64)
+        temperature = None if temperature is None else np.ones(1, dtype=np.float32)
     packed = pack_sequences(
         token_ids,
         lengths,

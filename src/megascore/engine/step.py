@@ -44,10 +44,10 @@ from megascore.distributed import collective_device
 from megascore.engine.forward import mtp_metric_names, scoring_forward
 from megascore.engine.losses import compute_losses
 from megascore.engine.pipeline import (
+    MicrobatchPlan,
     ScoreSpec,
     build_microbatch,
     run_schedule,
-    split_microbatches,
 )
 from megascore.engine.routing import (
     gather_routes,
@@ -148,11 +148,16 @@ def _wants_logprobs(batch: ScoreBatch) -> bool:
     return batch.want_logprobs or bool(batch.losses)
 
 
-def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
+def _local_results(
+    model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig, plan: MicrobatchPlan | None
+) -> StepResult:
     """Steps 1-3 of the module docstring on this rank (issues the step's collectives)."""
     lengths = np.asarray(batch.lengths, dtype=np.int64)
     offsets = layout.offsets(lengths)
-    ranges, pad_to = split_microbatches(lengths, cfg.pad_multiple, cfg.microbatches)
+    if plan is None:
+        plan = MicrobatchPlan.split(lengths, cfg.pad_multiple, cfg.microbatches)
+    pad_to, end = plan.pad_to, len(lengths)
+    ranges = plan.ranges + [(end, end)] * (plan.count - len(plan.ranges))  # all-padding ones
     ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).to(cfg.device)
     target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
     temps = batch.temperature
@@ -313,14 +318,22 @@ def wait_for_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
+def run_step(
+    model,
+    batch: ScoreBatch,
+    groups: StepGroups,
+    cfg: StepConfig,
+    plan: MicrobatchPlan | None = None,
+) -> StepResult:
     """Runs one forward step on this rank and agrees on its outcome with every rank.
 
     Args:
         model: the (eval-mode) Megatron model of this rank.
-        batch: the batch, identical on every rank.
+        batch: the batch of this rank's TP x CP x PP group (with data-parallel ranks,
+            this rank's part of the step: :mod:`megascore.engine.data_parallel`).
         groups: process groups of the step.
         cfg: per-replica step constants.
+        plan: the microbatches to run (None: :meth:`MicrobatchPlan.split` of the batch).
 
     Returns:
         This rank's :class:`StepResult`.
@@ -332,7 +345,7 @@ def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> S
     error: BaseException | None = None
     result = None
     try:
-        result = _local_results(model, batch, groups, cfg)
+        result = _local_results(model, batch, groups, cfg, plan)
         wait_for_device(cfg.device)
     except Exception as e:  # reported to every rank through the status all-reduce
         logger.exception("rank %d: step failed", dist.get_rank())
