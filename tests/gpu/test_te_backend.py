@@ -69,3 +69,12 @@ def test_te_matches_torch_backend(pgs, model_name):
     for name, value in metrics_torch.items():
         atol = flip if name.endswith("acceptance_rate") else 1e-3
         assert metrics_te[name] == pytest.approx(value, rel=METRIC_REL_TOL, abs=atol), name
+
+
+def test_te_backend_uses_fused_rope_and_alltoall(pgs):
+    """The TE build runs TE's fused RoPE (THD: no per-layer host sync) and the alltoall
+    MoE dispatcher; test_te_matches_torch_backend checks their numbers."""
+    engine_cfg = EngineConfig(device="cuda", dtype="bfloat16", attention_backend="te")
+    model = build_model(builtin_model("tiny-moe"), engine_cfg, pgs)
+    assert model.config.apply_rope_fusion
+    assert model.config.moe_token_dispatcher_type == "alltoall"
