@@ -19,7 +19,7 @@ servers stay up; the repetitions alternate between them after a warm-up, and the
 is the median ratio of the repetitions' tokens/s. The outputs of the two servers are
 compared (max abs difference of logprobs and top-5 logprobs, top-5 ids equal).
 
-    python bench/data_parallel.py [--reps 5] [--num 32]
+    python bench/data_parallel.py [--reps 5] [--num 48]
 
 Writes (or replaces) the "Expert / data parallelism" section of ``bench/RESULTS.md``.
 """
@@ -82,8 +82,8 @@ def max_diff(a, b) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--num", type=int, default=32, help="sequences in the workload")
-    p.add_argument("--max-tokens-per-batch", type=int, default=4096)
+    p.add_argument("--num", type=int, default=48, help="sequences in the workload")
+    p.add_argument("--max-tokens-per-batch", type=int, default=16384)  # the server default
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     args = p.parse_args()
     common.quiet_logs()

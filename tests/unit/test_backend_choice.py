@@ -106,12 +106,16 @@ def test_moe_tokens_dispatched_with_alltoall_on_cuda_allgather_on_cpu():
     assert cpu.moe_token_dispatcher_type == "allgather"
 
 
-def test_te_backend_fuses_rope_except_for_mla():
-    """TE's fused RoPE on the TE backend (not for MLA: 0.19 fuses MLA RoPE in training only);
-    the torch backend keeps Megatron's unfused RoPE (the fused kernel is TE's)."""
+def test_te_backend_fuses_rope_except_for_mla_and_groups_experts():
+    """TE's fused RoPE on the TE backend (not for MLA: 0.19 fuses MLA RoPE in training only)
+    and grouped-GEMM experts for MoE models; the torch backend keeps Megatron's unfused
+    RoPE and one GEMM per expert (both fused kernels are TE's)."""
     dense = builtin_model("tiny")
     mla = dataclasses.replace(dense, multi_latent_attention=True)
-    assert build.te_fusions(dense) == {"apply_rope_fusion": True}
-    assert build.te_fusions(mla) == {"apply_rope_fusion": False}
+    assert build.te_fusions(dense) == {"apply_rope_fusion": True, "moe_grouped_gemm": False}
+    assert build.te_fusions(mla)["apply_rope_fusion"] is False
+    assert build.te_fusions(builtin_model("tiny-moe"))["moe_grouped_gemm"] is True
     torch_cfg = build.make_transformer_config(dense, EngineConfig(), CUDA, "torch")
     assert torch_cfg.apply_rope_fusion is False
+    moe_cfg = build.make_transformer_config(builtin_model("tiny-moe"), EngineConfig(), CUDA)
+    assert moe_cfg.moe_grouped_gemm is False

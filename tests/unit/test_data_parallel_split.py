@@ -7,6 +7,7 @@ import pytest
 
 from megascore import layout
 from megascore.engine.data_parallel import balanced_parts, split_step, sub_batch
+from megascore.engine.pipeline import split_microbatches
 from megascore.types import ScoreBatch
 
 
@@ -32,26 +33,30 @@ def test_parts_balanced_by_tokens():
 def test_more_ranks_than_sequences_leaves_empty_parts():
     split = split_step(np.array([3, 8]), 4, pad_multiple=1, microbatches=1)
     assert [p.tolist() for p in split.parts] == [[1], [0], [], []]
-    assert {plan.count for plan in split.plans} == {1}
+    assert [plan.ranges for plan in split.plans] == [[(0, 1)], [(0, 1)], [(0, 0)], [(0, 0)]]
     assert {plan.pad_to for plan in split.plans} == {8}
-    assert split.plans[2].ranges == []
 
 
 @pytest.mark.parametrize("pad_multiple", [1, 4])
-def test_every_rank_runs_the_same_microbatch_shape(pad_multiple):
-    lengths = np.array([1, 5, 1024, 1, 17, 3, 2, 40, 1, 9, 2], dtype=np.int64)
-    split = split_step(lengths, 2, pad_multiple=pad_multiple, microbatches=2)
-    counts = {plan.count for plan in split.plans}
-    pads = {plan.pad_to for plan in split.plans}
-    assert len(counts) == 1 and len(pads) == 1
-    (pad_to,) = pads
-    for part, plan in zip(split.parts, split.plans, strict=True):
-        padded = layout.padded_lengths(lengths[part], pad_multiple)
-        assert [a for a, _ in plan.ranges][:1] == [0] and plan.ranges[-1][1] == part.size
-        assert all(padded[a:b].sum() <= pad_to for a, b in plan.ranges)
+@pytest.mark.parametrize("microbatches", [1, 2, 3])
+def test_microbatch_i_of_every_rank_is_the_lone_ranks_microbatch_i(pad_multiple, microbatches):
+    """Same count and packed length on every DP rank; together their microbatch i holds
+    the sequences one rank would put in its microbatch i (what keeps metrics equal)."""
+    lengths = np.array([1, 5, 300, 1, 17, 3, 2, 40, 1, 9, 2, 120], dtype=np.int64)
+    lone, _ = split_microbatches(lengths, pad_multiple, microbatches)
+    split = split_step(lengths, 3, pad_multiple=pad_multiple, microbatches=microbatches)
+    assert {len(plan.ranges) for plan in split.plans} == {len(lone)}
+    (pad_to,) = {plan.pad_to for plan in split.plans}
     assert pad_to % pad_multiple == 0
-    # the 1024-token sequence alone on one rank: it runs one microbatch, the other two
-    assert sorted(len(plan.ranges) for plan in split.plans) == [1, 2]
+    for i, (a, b) in enumerate(lone):
+        together = []
+        for part, plan in zip(split.parts, split.plans, strict=True):
+            first, end = plan.ranges[i]
+            together += part[first:end].tolist()
+            assert layout.padded_lengths(lengths[part[first:end]], pad_multiple).sum() <= pad_to
+        assert sorted(together) == list(range(a, b))
+    for part, plan in zip(split.parts, split.plans, strict=True):
+        assert np.array_equal(part, np.sort(part)) and plan.ranges[-1][1] == part.size
 
 
 def test_sub_batch_takes_rows_of_every_per_token_and_per_sequence_field():

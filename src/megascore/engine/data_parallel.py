@@ -4,14 +4,15 @@ The ranks outside TP x CP x PP are data-parallel (``DP = world / (TP x CP x PP)`
 expert parallelism is carved out of DP x CP, so under EP the extra ranks are DP
 ranks). Every rank receives the whole batch (``megascore.engine.protocol``); then
 
-1. every rank computes the same split (:func:`split_step`, no communication): the
+1. every rank computes the same split (:func:`split_step`, no communication): the step
+   is cut into microbatches as a lone replica would cut it, and each microbatch's
    sequences go to the DP ranks balanced by padded tokens (longest first, each to the
-   least loaded rank), each part in the caller's order, cut into microbatches as a
-   lone replica would cut it; every DP rank then runs the *same number* of microbatches
-   of the *same* packed length (the largest over the parts; a part with fewer gets
-   all-padding microbatches, a DP rank without any sequence runs only those), because
-   the expert layers' token dispatch is a collective over the EP group whose shapes
-   must agree (Megatron's allgather dispatcher) and whose calls must pair up;
+   least loaded rank), each part in the caller's order. Every DP rank runs the *same
+   number* of microbatches of the *same* packed length (the largest share; a DP rank
+   without sequences in a microbatch runs one of pad tokens only, a DP rank without
+   any sequence only those), because the expert layers' token dispatch is a
+   collective over the EP group whose calls must pair up and whose shapes must agree
+   (Megatron's allgather dispatcher);
 2. each DP rank's TP x CP x PP group runs :func:`megascore.engine.step.run_step` on its
    part (every rank of the replica agrees on the outcome, as before);
 3. the output rank of every DP group (its first pipeline stage's TP 0 / CP 0 rank)
@@ -21,8 +22,8 @@ ranks). Every rank receives the whole batch (``megascore.engine.protocol``); the
    the output ranks; rank 0 joins the parts in the caller's order
    (:func:`megascore.layout.concat_outputs`).
 
-Metrics stay those of one rank scoring the whole batch in the same microbatch count
-(at the default one microbatch per step, PP = 1: equal to a single rank's):
+Metrics stay those of one rank scoring the whole batch: microbatch ``i`` of every DP
+rank together is the lone rank's microbatch ``i``, and
 
 * the aux losses (``load_balancing_loss``, ``seq_load_balancing_loss``) are computed by
   Megatron from expert token counts summed over the TP x CP group; during a metrics
@@ -66,7 +67,7 @@ class StepSplit:
     Attributes:
         parts: per DP rank, int64 indices of its sequences (ascending: caller's order).
         plans: per DP rank, its :class:`~megascore.engine.pipeline.MicrobatchPlan` (ranges
-            into its part; every plan has the same ``count`` and ``pad_to``).
+            into its part; every plan has as many ranges and the same ``pad_to``).
     """
 
     parts: list[np.ndarray]
@@ -88,25 +89,35 @@ def balanced_parts(padded: np.ndarray, size: int) -> list[np.ndarray]:
 def split_step(lengths: np.ndarray, size: int, pad_multiple: int, microbatches: int) -> StepSplit:
     """Splits a step's sequences across ``size`` DP ranks (module docstring, 1).
 
+    The step is cut into microbatches as one rank would cut it
+    (:func:`~megascore.engine.pipeline.split_microbatches`); each microbatch's sequences
+    are then shared out (:func:`balanced_parts`), so microbatch ``i`` of every DP rank
+    together is the lone rank's microbatch ``i``.
+
     Args:
         lengths: int64 ``[B]`` sequence lengths of the step.
         size: data-parallel ranks.
         pad_multiple: per-sequence pad multiple.
-        microbatches: microbatches a rank runs (fewer when its part is small).
+        microbatches: microbatches wanted (fewer when the step is small).
 
     Returns:
         The :class:`StepSplit`.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    parts = balanced_parts(layout.padded_lengths(lengths, pad_multiple), size)
-    cuts = [
-        split_microbatches(lengths[part], pad_multiple, microbatches) if part.size else ([], 0)
-        for part in parts
-    ]
-    count = max(len(ranges) for ranges, _ in cuts)
-    pad_to = max(pad for _, pad in cuts)
-    plans = [MicrobatchPlan(ranges=ranges, pad_to=pad_to, count=count) for ranges, _ in cuts]
-    return StepSplit(parts=parts, plans=plans)
+    padded = layout.padded_lengths(lengths, pad_multiple)
+    parts: list[list[np.ndarray]] = [[] for _ in range(size)]
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    counts, pad_to = [0] * size, 0
+    for a, b in split_microbatches(lengths, pad_multiple, microbatches)[0]:
+        for rank, share in enumerate(balanced_parts(padded[a:b], size)):
+            parts[rank].append(share + a)
+            ranges[rank].append((counts[rank], counts[rank] + share.size))
+            counts[rank] += share.size
+            pad_to = max(pad_to, int(padded[a:b][share].sum()))
+    return StepSplit(
+        parts=[np.concatenate(p).astype(np.int64) for p in parts],
+        plans=[MicrobatchPlan(ranges=r, pad_to=pad_to) for r in ranges],
+    )
 
 
 def sub_batch(batch: ScoreBatch, seq_idx: np.ndarray) -> ScoreBatch:

@@ -85,23 +85,21 @@ class MicrobatchPlan:
     """How one rank cuts its sequences of a step into microbatches.
 
     Attributes:
-        ranges: ``[first, end)`` sequence ranges in batch order (each non-empty).
+        ranges: ``[first, end)`` sequence ranges in batch order, one per microbatch. An
+            empty one (``first == end``) is a microbatch of ``pad_to`` pad tokens: a
+            data-parallel rank without sequences in it still joins its peers' expert
+            collectives (:mod:`megascore.engine.data_parallel`).
         pad_to: packed length of every microbatch.
-        count: microbatches the rank runs, ``>= len(ranges)``: the ones past ``ranges``
-            hold no sequence, only ``pad_to`` pad tokens (a data-parallel rank with fewer
-            microbatches than its peers still joins their expert collectives,
-            :mod:`megascore.engine.data_parallel`).
     """
 
     ranges: list[tuple[int, int]]
     pad_to: int
-    count: int
 
     @classmethod
     def split(cls, lengths: np.ndarray, pad_multiple: int, count: int) -> MicrobatchPlan:
         """The plan of a rank that runs its step alone (:func:`split_microbatches`)."""
         ranges, pad_to = split_microbatches(lengths, pad_multiple, count)
-        return cls(ranges=ranges, pad_to=pad_to, count=len(ranges))
+        return cls(ranges=ranges, pad_to=pad_to)
 
 
 @dataclasses.dataclass

@@ -156,8 +156,7 @@ def _local_results(
     offsets = layout.offsets(lengths)
     if plan is None:
         plan = MicrobatchPlan.split(lengths, cfg.pad_multiple, cfg.microbatches)
-    pad_to, end = plan.pad_to, len(lengths)
-    ranges = plan.ranges + [(end, end)] * (plan.count - len(plan.ranges))  # all-padding ones
+    ranges, pad_to = plan.ranges, plan.pad_to
     ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).to(cfg.device)
     target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
     temps = batch.temperature

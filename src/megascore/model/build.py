@@ -208,8 +208,15 @@ def te_fusions(model_cfg: ModelConfig) -> dict:
       that reads the sequence boundaries on the device, where the unfused path splits the
       packed sequence on the host in every layer (a device sync each). Not for multi-latent
       attention (Megatron-Core 0.19 supports its fused MLA RoPE in training only).
+    * ``moe_grouped_gemm``: the experts as TE's ``TEGroupedMLP`` (one grouped GEMM over a
+      rank's local experts instead of one GEMM per expert); its ``linear_fc1.weight{i}``
+      names load from the same tensors as ``local_experts.{i}.linear_fc1.weight``
+      (``megascore.checkpoint.hf_names``, ``megascore.model.weights.canonical_name``).
     """
-    return {"apply_rope_fusion": not model_cfg.multi_latent_attention}
+    return {
+        "apply_rope_fusion": not model_cfg.multi_latent_attention,
+        "moe_grouped_gemm": bool(model_cfg.is_moe),
+    }
 
 
 def _pipeline_kwargs(num_layers: int, pp: int) -> dict:

@@ -12,9 +12,9 @@ the 1-rank ones. Cases:
 * ``moe_replay``: the edge-case batch replaying the 1-rank launch's recorded routing
   shifted by one expert (not what the router would choose), so equal results mean the
   replayed experts were used on every DP rank;
-* ``moe_mb2``: two microbatches per step, grouped alike on one rank and across two;
-* ``moe_mb2_edge``: two microbatches per step, where DP rank 0 has one sequence (it runs
-  an all-padding microbatch next to rank 1's second one);
+* ``moe_mb2``: two microbatches per step;
+* ``moe_mb2_pad``: two microbatches, the second of one sequence: DP rank 1 runs an
+  all-padding microbatch next to rank 0's second one;
 * ``dense_edge``: tiny (no EP) at DP = 2.
 
 The 2-rank launch also records on every rank which sequences each DP rank scored
@@ -82,11 +82,11 @@ def main(out_dir: Path, routing_dir: Path) -> None:
     data_parallel.sub_batch = spy
     moe = cases(routing_dir)
     log.run("moe", run_model, "tiny-moe", world, moe, out_dir, rank)
-    # 4 equal sequences, 2 microbatches: one rank runs {0, 1} then {2, 3}; DP rank 0
-    # runs {0} then {2}, DP rank 1 {1} then {3}: the same microbatches across the ranks
+    # 2 microbatches: one rank runs {0, 1} then {2, 3}, each DP rank one sequence of each;
+    # of (9, 8, 7) one rank runs {0, 1} then {2}: DP rank 1 has no sequence in the second
     mb2 = {
         "moe_mb2": edge_case_batch(moe=True, lengths=(8, 8, 8, 8)),
-        "moe_mb2_edge": moe["moe_edge"],
+        "moe_mb2_pad": edge_case_batch(moe=True, lengths=(9, 8, 7)),
     }
     log.run("moe_mb2", lambda: run_model(
         "tiny-moe", world, mb2, out_dir, rank, pipeline_microbatches=2
