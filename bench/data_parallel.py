@@ -27,6 +27,7 @@ Writes (or replaces) the "Expert / data parallelism" section of ``bench/RESULTS.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -69,10 +70,24 @@ def write_checkpoint(directory: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def score(client, workload) -> tuple[float, object]:
-    start = time.perf_counter()
+def cpu_seconds(server) -> float:
+    """CPU time (user + system) so far of the server's processes (every rank)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in server.tree():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+def score(client, server, workload) -> tuple[float, float, object]:
+    """``(wall seconds, server CPU seconds, result)`` of one request with the workload."""
+    cpu, start = cpu_seconds(server), time.perf_counter()
     result = client.score(workload.sequences, top_k=common.TOP_K, losses=common.LOSSES)
-    return time.perf_counter() - start, result
+    return time.perf_counter() - start, cpu_seconds(server) - cpu, result
 
 
 def max_diff(a, b) -> float:
@@ -108,12 +123,17 @@ def main() -> int:
             for server in servers.values():
                 server.wait_serving()
             clients = {name: ScoringClient(s.target) for name, s in servers.items()}
-            outputs = {name: score(c, workload)[1] for name, c in clients.items()}  # warm-up
+            outputs = {  # warm-up
+                name: score(c, servers[name], workload)[2] for name, c in clients.items()
+            }
             seconds: dict[str, list[float]] = {name: [] for name in servers}
+            cpu: dict[str, list[float]] = {name: [] for name in servers}
             for rep in range(args.reps):
                 order = list(clients) if rep % 2 == 0 else list(reversed(clients))
                 for name in order:
-                    seconds[name].append(score(clients[name], workload)[0])
+                    wall, used, _ = score(clients[name], servers[name], workload)
+                    seconds[name].append(wall)
+                    cpu[name].append(used)
             for c in clients.values():
                 c.close()
         finally:
@@ -127,8 +147,11 @@ def main() -> int:
     speed = {name: [tokens / s for s in v] for name, v in seconds.items()}
     ratios = [b / a for a, b in zip(*speed.values(), strict=True)]
     ratio = float(np.median(ratios))
+    cpu_per_kt = {name: [1000 * c / tokens for c in v] for name, v in cpu.items()}
+    work = float(np.median(cpu_per_kt[list(layouts)[1]]) / np.median(cpu_per_kt["nproc 1"]))
     rows = [
-        f"| `{name}` | {np.median(v):.0f} ({min(v):.0f}..{max(v):.0f}) |"
+        f"| `{name}` | {np.median(v):.0f} ({min(v):.0f}..{max(v):.0f}) | {max(v):.0f} "
+        f"| {np.median(cpu_per_kt[name]):.2f} |"
         for name, v in speed.items()
     ]
     minutes = (time.perf_counter() - started) / 60
@@ -148,14 +171,23 @@ def main() -> int:
             f"{args.max_tokens_per_batch} tokens; {args.reps} alternating repetitions after "
             "a warm-up.",
             "",
-            "| `megascore serve` | tokens/s median (min..max) |",
-            "|---|---:|",
+            "| `megascore serve` | tokens/s median (min..max) | best tokens/s "
+            "| CPU s / 1k tokens (all ranks, median) |",
+            "|---|---:|---:|---:|",
             *rows,
             "",
             f"**EP=2 / one rank tokens/s: {ratio:.2f}** (repetitions {min(ratios):.2f}.."
             f"{max(ratios):.2f}; target >= {TARGET}: {met}; ideal 2 on two cores). Outputs: "
             f"max abs difference {diff_lp:.1e} (logprobs), {diff_top:.1e} (top-5 logprobs), "
-            f"top-5 ids {'equal' if ids_equal else 'DIFFERENT'}.",
+            f"top-5 ids {'equal' if ids_equal else 'DIFFERENT'}. Work: the EP=2 server's "
+            f"ranks together use {work:.2f}x the CPU time per token of the one-rank server "
+            "(1.0: nothing is computed twice; when every EP rank scored the whole batch, each "
+            "repeated all attention and dense work). With that work split, the wall-clock "
+            f"ratio on two otherwise idle cores would be about 2 / {work:.2f} = "
+            f"{2 / work:.2f} (an estimate, not a measurement); the measured ratio also "
+            "depends on how often the other processes on the machine (load average above) "
+            "leave both ranks a core at the same time: they meet in collectives in every "
+            "MoE layer.",
             END,
         ]
     )
