@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import common
+import data_parallel
 import e2e_vs_engine
 import families_cpu
 import memory
@@ -462,7 +463,7 @@ def main() -> int:
     previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
     # sections their own scripts write: kept
-    for own in (pipeline, weight_push, routing_cost, families_cpu):
+    for own in (pipeline, weight_push, routing_cost, families_cpu, data_parallel):
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]
             common.write_section(args.output, own.BEGIN, own.END, kept + own.END)
