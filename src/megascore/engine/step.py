@@ -1,7 +1,8 @@
 """One engine step on one rank: pack, forward, score, gather, agree, unpack.
 
-Every rank of the replica runs :func:`run_step` with the same
-:class:`~megascore.types.ScoreBatch` (broadcast by rank 0):
+Every rank of a TP x CP x PP group runs :func:`run_step` with the same
+:class:`~megascore.types.ScoreBatch` (broadcast by rank 0; with data-parallel ranks, the
+DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parallel`):
 
 1. split the batch into microbatches (:func:`megascore.engine.pipeline.split_microbatches`)
    and pack each from the flat ids for this rank's CP rank (NeMo-RL layout), with
@@ -94,7 +95,8 @@ class StepConfig:
         vocab_size: true vocabulary size (padded logit columns never enter the top-k).
         device: device of the model inputs.
         microbatches: microbatches per step (fewer when a step is small).
-        output_rank: global rank that builds the :class:`ScoreOutput` (first stage).
+        output_rank: global rank that builds the :class:`ScoreOutput` (first stage, TP 0,
+            CP 0 of this rank's DP rank; global rank 0 for DP rank 0).
         result_rank: its peer on the last pipeline stage, where the results are
             computed (the output rank itself at PP = 1).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
