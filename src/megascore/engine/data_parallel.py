@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megascore import layout
+from megascore import layout, schema
 from megascore.engine.pipeline import MicrobatchPlan, split_microbatches
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.errors import WorkerLostError
@@ -122,19 +122,16 @@ def split_step(lengths: np.ndarray, size: int, pad_multiple: int, microbatches: 
 
 def sub_batch(batch: ScoreBatch, seq_idx: np.ndarray) -> ScoreBatch:
     """The batch of sequences ``seq_idx`` (same options; may hold no sequence)."""
-    tokens = layout.token_index(np.asarray(batch.lengths), seq_idx)
-
-    def rows(values, index):
-        return None if values is None else np.asarray(values)[index]
-
-    return dataclasses.replace(
-        batch,
-        token_ids=np.asarray(batch.token_ids)[tokens],
-        lengths=np.asarray(batch.lengths)[seq_idx],
-        loss_mask=rows(batch.loss_mask, tokens),
-        temperature=rows(batch.temperature, seq_idx),
-        routing=rows(batch.routing, tokens),
-    )
+    lengths = np.asarray(batch.lengths)
+    tokens = layout.token_index(lengths, seq_idx)
+    rows = {schema.TOKEN: tokens, schema.SEQUENCE: seq_idx}
+    inputs = {
+        i.name: np.asarray(getattr(batch, i.name))[rows[i.per]]
+        for i in schema.INPUTS
+        if getattr(batch, i.name) is not None
+    }
+    token_ids = np.asarray(batch.token_ids)[tokens]
+    return dataclasses.replace(batch, token_ids=token_ids, lengths=lengths[seq_idx], **inputs)
 
 
 @contextlib.contextmanager
@@ -157,44 +154,47 @@ def aux_losses_over_data_parallel(model, enabled: bool):
 
 
 def _output_fields(batch: ScoreBatch, routing_dims: tuple[int, int] | None):
-    """``(field, key, dtype, shape)`` of every array of a part's output, in sending order."""
-    tokens, seqs, k = batch.num_tokens, batch.num_sequences, batch.top_k
+    """``(output, key, dtype, shape)`` of every array of a part's output, in sending order
+    (the wanted outputs of :data:`megascore.schema.OUTPUTS`; ``key`` names an entry of a
+    map output, else None)."""
+    rows = {schema.TOKEN: batch.num_tokens, schema.SEQUENCE: batch.num_sequences}
     fields = []
-    if batch.want_logprobs:
-        fields.append(("logprobs", None, np.float32, (tokens,)))
-    if k > 0:
-        fields.append(("top_k_ids", None, np.int64, (tokens, k)))
-        fields.append(("top_k_logprobs", None, np.float32, (tokens, k)))
-    fields += [("losses", name, np.float64, (seqs,)) for name in batch.losses]
-    fields.append(("num_loss_tokens", None, np.int64, (seqs,)))
-    if batch.want_routing:
-        if batch.routing is not None:
-            routing_dims = tuple(np.shape(batch.routing)[1:])
-        fields.append(("routing", None, np.int32, (tokens, *routing_dims)))
+    for out in schema.OUTPUTS:
+        if not out.wanted(batch):
+            continue
+        if out.dims is not None:
+            dims = schema.flat_dims(out, batch)
+        elif batch.routing is not None:  # set by the data: the routing's [L, k]
+            dims = tuple(np.shape(batch.routing)[1:])
+        else:
+            dims = tuple(routing_dims or ())
+        shape = (rows[out.per], *dims)
+        keys = (None,) if out.keys is None else out.keys(batch)
+        fields += [(out.name, key, np.dtype(out.dtype), shape) for key in keys]
     return fields
 
 
 def send_output(out: ScoreOutput, batch: ScoreBatch, routing_dims, group, dst: int) -> None:
     """Sends a part's output to ``dst`` (every array, in :func:`_output_fields` order)."""
-    for field, key, dtype, shape in _output_fields(batch, routing_dims):
-        value = getattr(out, field)
+    for name, key, dtype, shape in _output_fields(batch, routing_dims):
+        value = out.values[name]
         value = np.asarray(value if key is None else value[key])
         if value.dtype != dtype or value.shape != shape:
-            raise RuntimeError(f"{field}: {value.dtype}{value.shape}, expected {dtype}{shape}")
+            raise RuntimeError(f"{name}: {value.dtype}{value.shape}, expected {dtype}{shape}")
         dist.send(torch.from_numpy(np.ascontiguousarray(value)), dst=dst, group=group)
 
 
 def recv_output(batch: ScoreBatch, routing_dims, group, src: int) -> ScoreOutput:
     """Receives the output of part ``batch`` from ``src`` (see :func:`send_output`)."""
-    out = ScoreOutput(logprobs=None)
-    for field, key, dtype, shape in _output_fields(batch, routing_dims):
+    values = {out.name: {} for out in schema.OUTPUTS if out.keys is not None}
+    for name, key, dtype, shape in _output_fields(batch, routing_dims):
         tensor = torch.from_numpy(np.empty(shape, dtype=dtype))
         dist.recv(tensor, src=src, group=group)
         if key is None:
-            setattr(out, field, tensor.numpy())
+            values[name] = tensor.numpy()
         else:
-            out.losses[key] = tensor.numpy()
-    return out
+            values[name][key] = tensor.numpy()
+    return ScoreOutput(values=values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +267,7 @@ class DataParallelGroup:
             return finish_step(batch, result) if dist.get_rank() == cfg.output_rank else None
         split = split_step(batch.lengths, self.size, cfg.pad_multiple, cfg.microbatches)
         part = sub_batch(batch, split.parts[self.rank])
-        split_metrics = batch.want_moe_metrics and bool(model.config.num_moe_experts)
+        split_metrics = batch.return_moe_metrics and bool(model.config.num_moe_experts)
         with aux_losses_over_data_parallel(model, split_metrics):
             result = run_step(model, part, groups, cfg, split.plans[self.rank])
         if dist.get_rank() != cfg.output_rank:

@@ -8,9 +8,12 @@ path (``forward_step_arbitrary_loss`` / its loss post-processors):
 
 * :func:`split_microbatches`: contiguous runs of sequences, balanced by padded
   tokens; every microbatch is packed (THD, the per-sequence pad multiple) and
-  padded to one common length (``pad_full_seq_to``), so the stages exchange
-  activations of a fixed shape. Megatron refuses ``variable_seq_lengths`` with
-  the allgather MoE dispatcher, the one that runs on the CPU. A microbatch is
+  padded to one common length, so the stages exchange activations of a fixed
+  shape. The padding is a segment of its own (``pack_sequences(pad_segment=True)``),
+  not an extension of the last sequence: no real token attends to it, and a
+  sequence's attention has the same shape in any microbatch (batch invariance).
+  Megatron refuses ``variable_seq_lengths`` with the allgather MoE dispatcher, the
+  one that runs on the CPU. A microbatch is
   never shorter than the step's longest sequence (that would pad every other
   microbatch up to it), so a step may use fewer microbatches than configured.
 * :func:`forward_step`: called by the schedule with the data iterator and the
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megascore import layout
+from megascore import layout, schema
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import forward_microbatch
 from megascore.engine.logprobs import Float32Logits, score_tokens
@@ -155,13 +158,10 @@ def build_microbatch(
         has_request_mask: the request carried a loss mask (MTP then uses it).
 
     Returns:
-        The :class:`Microbatch`. Without sequences (``lengths`` empty) it is all
-        padding: one empty segment extended to ``pad_to``.
+        The :class:`Microbatch`. Without sequences (``lengths`` empty) it is the padding
+        segment alone (``pad_to`` pad tokens).
     """
     device = token_ids.device
-    if len(lengths) == 0:
-        lengths = np.zeros(1, dtype=np.int64)
-        temperature = None if temperature is None else np.ones(1, dtype=np.float32)
     packed = pack_sequences(
         token_ids,
         lengths,
@@ -169,6 +169,7 @@ def build_microbatch(
         pad_packed_seq_to=pad_to,
         cp_rank=cp_rank,
         cp_size=cp_size,
+        pad_segment=True,
     )
     cu_padded = packed.cu_seqlens_padded.to("cpu", torch.int64)
     shard = packed.shard_indices
@@ -176,8 +177,10 @@ def build_microbatch(
     targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
     temps = None
     if temperature is not None:
-        per_seq = torch.from_numpy(np.asarray(temperature, dtype=np.float32))
-        temps = torch.repeat_interleave(per_seq, cu_padded.diff())[shard].to(device)
+        per_seq = np.ones(len(cu_padded) - 1, dtype=np.float32)  # the padding segment: 1
+        per_seq[: len(lengths)] = temperature
+        temps = torch.repeat_interleave(torch.from_numpy(per_seq), cu_padded.diff())
+        temps = temps[shard].to(device)
     # mask: token-aligned on the full axis, then rolled to the targets' alignment
     full = torch.zeros(1, pad_to)
     full[0, packed.token_positions] = torch.from_numpy(target_mask)
@@ -196,7 +199,7 @@ class ScoreSpec:
     """What the last stage computes for every microbatch of a step.
 
     Attributes:
-        want_logprobs: compute the targets' logprobs.
+        outputs: the head outputs to compute (:func:`megascore.schema.head_outputs`).
         top_k: alternatives per position (0 = none).
         chunk_tokens: rows per chunk of the vocab-parallel log-softmax.
         vocab_size: true vocabulary size.
@@ -209,7 +212,7 @@ class ScoreSpec:
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
     """
 
-    want_logprobs: bool
+    outputs: tuple[schema.Output, ...]
     top_k: int
     chunk_tokens: int
     vocab_size: int
@@ -234,6 +237,8 @@ def _score_microbatch(
         top_k=spec.top_k,
         chunk_tokens=spec.chunk_tokens,
         vocab_size=spec.vocab_size,
+        # the logprobs always: Megatron's schedule takes a loss from every microbatch
+        outputs=list(dict.fromkeys([schema.output("logprobs"), *spec.outputs])),
     )
     # loss: this CP shard's share of the step's token-mean NLL (NeMo-RL's normalisation
     # by the global valid token count); the CP ranks' shares sum to the microbatch's
@@ -242,21 +247,15 @@ def _score_microbatch(
     local_loss = loss.detach().clone()
     # cp_normalize, then undo Megatron's (x cp_size / num_microbatches) averaging
     loss = loss / cp_size * spec.num_microbatches / cp_size
-
-    def gathered(local: torch.Tensor | None) -> torch.Tensor | None:
-        """``[T_local, ...]`` -> ``[T_padded, ...]`` on the CPU, same dtype."""
-        if local is None or not spec.gather:
-            return None
-        return gather_cp_shards(local.unsqueeze(0), cu_padded.to(local.device), cp_group)[0].cpu()
-
     if cp_size > 1:
         dist.all_reduce(local_loss, group=cp_group)
-    return loss, {
-        "loss": local_loss.cpu(),
-        "logprobs": gathered(scores.logprobs if spec.want_logprobs else None),
-        "top_k_ids": gathered(scores.top_k_ids),
-        "top_k_logprobs": gathered(scores.top_k_logprobs),
-    }
+    results = {"loss": local_loss.cpu()}
+    for out in spec.outputs:  # [T_local, ...] -> [T_padded, ...] on the CPU, same dtype
+        if spec.gather:
+            local = scores[out.name].unsqueeze(0)
+            gathered = gather_cp_shards(local, cu_padded.to(local.device), cp_group)[0]
+            results[out.name] = gathered.cpu()
+    return loss, results
 
 
 def forward_step(data_iterator, model, *, spec: ScoreSpec):

@@ -80,7 +80,7 @@ from megascore.errors import (
 )
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
 from megascore.types import (
-    BatchLimits,
+    Limits,
     ModelInfo,
     ParallelLayout,
     ScoreBatch,
@@ -182,9 +182,9 @@ class DistributedEngine:
                 data_parallel.output_rank(),
             ),
         )
-        self.limits = BatchLimits(
+        self.limits = Limits(
             vocab_size=loaded.config.vocab_size,
-            max_length=loaded.config.max_position_embeddings,
+            max_sequence_length=loaded.config.max_position_embeddings,
             max_top_k=engine_cfg.max_top_k,
             loss_names=loss_names(),
             metrics_supported=engine_cfg.metrics_supported(is_moe),
@@ -290,8 +290,6 @@ class DistributedEngine:
             name=self.loaded.spec.name,
             architecture=cfg.architecture,
             num_parameters=self.loaded.num_parameters,
-            vocab_size=cfg.vocab_size,
-            max_sequence_length=cfg.max_position_embeddings,
             dtype=e.dtype,
             parallel=ParallelLayout(
                 world_size=self.world_size,
@@ -301,14 +299,12 @@ class DistributedEngine:
                 pipeline_model_parallel_size=e.pipeline_model_parallel_size,
             ),
             attention_backend=self.loaded.model.megascore_attention_backend,
+            limits=self.limits,
             checkpoint_path=self.loaded.spec.path,
             weights_version=self.loaded.weights_version,
             has_tokenizer=self.loaded.has_tokenizer,
-            max_top_k=e.max_top_k,
-            loss_names=loss_names(),
             moe_metric_names=tuple(moe_metric_names(cfg)),
             mtp_metric_names=tuple(mtp_metric_names(cfg)),
-            routing=self.limits.routing,
         )
 
     def check(self, batch: ScoreBatch) -> None:

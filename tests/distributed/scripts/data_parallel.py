@@ -40,16 +40,16 @@ from megascore.engine.runtime import DistributedEngine
 def cases(routing_dir: Path) -> dict:
     edge = edge_case_batch(moe=True)
     one = edge_case_batch(moe=True, lengths=(37,))
-    record = dataclasses.replace(edge, want_moe_metrics=False, want_mtp_metrics=False)
+    record = dataclasses.replace(edge, return_moe_metrics=False, return_mtp_metrics=False)
     out = {
         "moe_edge": edge,
-        "moe_one": dataclasses.replace(one, want_routing=True),
-        "moe_record": dataclasses.replace(record, want_routing=True),
+        "moe_one": dataclasses.replace(one, return_routing=True),
+        "moe_record": dataclasses.replace(record, return_routing=True),
     }
     recorded = routing_dir / "moe_record_routing.npy"
     if recorded.exists():  # the 2-rank launch replays the 1-rank launch's routing, shifted
         routing = (np.load(recorded) + 1) % 4  # tiny-moe: 4 experts; top-2 stay distinct
-        out["moe_replay"] = dataclasses.replace(record, routing=routing, want_routing=True)
+        out["moe_replay"] = dataclasses.replace(record, routing=routing, return_routing=True)
     return out
 
 
