@@ -36,6 +36,7 @@ from pathlib import Path
 
 import batch_invariance
 import common
+import data_parallel
 import e2e_vs_engine
 import families_cpu
 import memory
@@ -466,7 +467,14 @@ def main() -> int:
     args.output.write_text(text)
     # sections their own scripts write: kept
     own_sections = (
-        pipeline, weight_push, routing_cost, families_cpu, batch_invariance, option_cost, startup
+        pipeline,
+        weight_push,
+        routing_cost,
+        families_cpu,
+        batch_invariance,
+        option_cost,
+        startup,
+        data_parallel,
     )
     for own in own_sections:
         if own.BEGIN in previous and own.END in previous:

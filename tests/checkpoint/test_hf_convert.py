@@ -21,6 +21,8 @@ from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.config import EngineConfig
 from megascore.engine.served_model import load_served_model, reload_served_model
 from megascore.errors import CheckpointError
+from megascore.model.config import builtin_model
+from megascore.model.weights import canonical_name
 from tests.checkpoint.scripts.ckpt_common import FAMILIES, megatron_logprobs, token_batch
 
 TOL = 1e-4
@@ -224,7 +226,7 @@ def _te_name(name: str, is_moe: bool) -> str:
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe"])
 def test_te_parameter_names_map_like_local_ones(hf_dirs, build, family):
     cfg, _, _ = resolve_model(f"hf:{hf_dirs[family]}")
     model = build(cfg)
@@ -236,6 +238,23 @@ def test_te_parameter_names_map_like_local_ones(hf_dirs, build, family):
             te.fit(recipe.target_shape)
             assert te.sources() == recipe.sources(), name
             assert type(te) is type(recipe) and te.local_shape() == recipe.local_shape()
+
+
+def test_te_grouped_expert_names_are_canonical(build):
+    """TE's grouped experts (``experts.linear_fc1.weight{i}``, the TE backend's
+    moe_grouped_gemm) have the canonical names of the local spec's ``local_experts.{i}``:
+    built-in weights, weight pushes and the every-parameter checks see the same tensors."""
+    cfg = builtin_model("tiny-moe")
+    names = [n for n, _ in build(cfg).named_parameters()]
+    experts = [n for n in names if ".local_experts." in n]
+    assert experts
+    for name in names:
+        kw = dict(ep_rank=1, num_local_experts=cfg.num_moe_experts)
+        assert canonical_name(_te_name(name, True), **kw) == canonical_name(name, **kw), name
+    assert canonical_name("decoder.layers.2.mlp.experts.linear_fc2.weight3", ep_rank=1,
+                          num_local_experts=4) == (
+        "decoder.layers.2.mlp.experts.local_experts.7.linear_fc2.weight"
+    )  # fmt: skip
 
 
 def test_vocab_padding_rows_are_zero(hf_dirs):

@@ -83,6 +83,28 @@ def split_microbatches(
     return ranges, pad_to
 
 
+@dataclasses.dataclass(frozen=True)
+class MicrobatchPlan:
+    """How one rank cuts its sequences of a step into microbatches.
+
+    Attributes:
+        ranges: ``[first, end)`` sequence ranges in batch order, one per microbatch. An
+            empty one (``first == end``) is a microbatch of ``pad_to`` pad tokens: a
+            data-parallel rank without sequences in it still joins its peers' expert
+            collectives (:mod:`megascore.engine.data_parallel`).
+        pad_to: packed length of every microbatch.
+    """
+
+    ranges: list[tuple[int, int]]
+    pad_to: int
+
+    @classmethod
+    def split(cls, lengths: np.ndarray, pad_multiple: int, count: int) -> MicrobatchPlan:
+        """The plan of a rank that runs its step alone (:func:`split_microbatches`)."""
+        ranges, pad_to = split_microbatches(lengths, pad_multiple, count)
+        return cls(ranges=ranges, pad_to=pad_to)
+
+
 @dataclasses.dataclass
 class Microbatch:
     """One microbatch of a step, packed for this rank (built alike on every stage).
@@ -141,7 +163,8 @@ def build_microbatch(
         target_ids: int64 ``[T_mb, K]`` token-aligned caller-chosen ids, or None.
 
     Returns:
-        The :class:`Microbatch`.
+        The :class:`Microbatch`. Without sequences (``lengths`` empty) it is the padding
+        segment alone (``pad_to`` pad tokens).
     """
     device = token_ids.device
     packed = pack_sequences(

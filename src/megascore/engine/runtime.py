@@ -71,11 +71,12 @@ import torch.distributed as dist
 from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
 from megascore.config import EngineConfig
 from megascore.engine import protocol
+from megascore.engine.data_parallel import DataParallelGroup
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.losses import loss_names
 from megascore.engine.routing import routing_shape
 from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
-from megascore.engine.step import StepConfig, StepGroups, agree_on_status, finish_step, run_step
+from megascore.engine.step import StepConfig, StepGroups, agree_on_status
 from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
 from megascore.errors import (
     LOAD_FAILURES,
@@ -186,10 +187,10 @@ def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> 
             dist.destroy_process_group()
 
 
-def result_rank(world_size: int, pp: int) -> int:
-    """Rank 0's peer on the last pipeline stage (Megatron's rank order puts PP outermost:
-    stage ``s`` holds ranks ``[s * world / pp, (s + 1) * world / pp)``)."""
-    return _SRC + (pp - 1) * (world_size // pp)
+def result_rank(world_size: int, pp: int, output_rank: int = _SRC) -> int:
+    """``output_rank``'s peer on the last pipeline stage (Megatron's rank order puts PP
+    outermost: stage ``s`` holds ranks ``[s * world / pp, (s + 1) * world / pp)``)."""
+    return output_rank + (pp - 1) * (world_size // pp)
 
 
 class DistributedEngine:
@@ -202,6 +203,7 @@ class DistributedEngine:
         pg_collection,
         groups: StepGroups,
         command_group: dist.ProcessGroup,
+        data_parallel: DataParallelGroup,
     ):
         """Use :meth:`create`; this only stores what it built."""
         self.engine_cfg = engine_cfg
@@ -209,6 +211,7 @@ class DistributedEngine:
         self.pg_collection = pg_collection
         self.groups = groups
         self.command_group = command_group
+        self.data_parallel = data_parallel
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = resolve_device(engine_cfg)
@@ -220,9 +223,13 @@ class DistributedEngine:
             vocab_size=loaded.config.vocab_size,
             device=self.device,
             microbatches=engine_cfg.microbatches,
-            output_rank=_SRC,
+            output_rank=data_parallel.output_rank(),
             lm_head_dtype=engine_cfg.lm_head_dtype,
-            result_rank=result_rank(self.world_size, engine_cfg.pipeline_model_parallel_size),
+            result_rank=result_rank(
+                self.world_size,
+                engine_cfg.pipeline_model_parallel_size,
+                data_parallel.output_rank(),
+            ),
         )
         self.limits = Limits(
             vocab_size=loaded.config.vocab_size,
@@ -294,6 +301,9 @@ class DistributedEngine:
             groups = StepGroups(
                 tp=pg_collection.tp, cp=pg_collection.cp, pp=pg_collection.pp, status=status
             )
+            data_parallel = DataParallelGroup.create(pg_collection, engine_cfg.collective_timeout_s)
+            if data_parallel.results is not None:
+                own_groups.append(data_parallel.results)
 
             def agree(problem: BaseException | None) -> None:
                 failed = agree_on_status(problem is not None, status)
@@ -320,7 +330,7 @@ class DistributedEngine:
             loaded.weights_version,
             time.perf_counter() - start,
         )
-        engine = cls(engine_cfg, loaded, pg_collection, groups, command)
+        engine = cls(engine_cfg, loaded, pg_collection, groups, command, data_parallel)
         auto_sp = engine.sequence_parallel and engine_cfg.sequence_parallel is None
         if auto_sp and engine.rank == _SRC:
             logger.info(
@@ -398,8 +408,7 @@ class DistributedEngine:
             )
         except (RuntimeError, OSError) as e:
             raise self._mark_broken(f"broadcasting step {self._step} failed: {e}") from e
-        result = self._run_step(batch)
-        out = finish_step(batch, result)
+        out = self._run_step(batch)
         out.weights_version = self.loaded.weights_version
         return out
 
@@ -603,9 +612,13 @@ class DistributedEngine:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _run_step(self, batch: ScoreBatch):
+    def _run_step(self, batch: ScoreBatch) -> ScoreOutput | None:
+        """Every rank: the step, split across the DP ranks; the output on rank 0."""
+        shape = self.limits.routing
+        dims = None if shape is None else (shape.num_moe_layers, shape.topk)
         try:
-            return run_step(self.loaded.model, batch, self.groups, self.step_cfg)
+            model = self.loaded.model
+            return self.data_parallel.run(model, batch, self.groups, self.step_cfg, dims)
         except WorkerLostError as e:
             raise self._mark_broken(str(e)) from e
 
@@ -674,4 +687,7 @@ class DistributedEngine:
         if self._closed:
             return
         self._closed = True
-        _teardown_groups([self.groups.status, self.command_group], self._owns_default_group)
+        groups = [self.groups.status, self.command_group]
+        if self.data_parallel.results is not None:
+            groups.append(self.data_parallel.results)
+        _teardown_groups(groups, self._owns_default_group)

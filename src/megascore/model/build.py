@@ -111,7 +111,7 @@ def resolve_attention_backend(engine_cfg: EngineConfig, device: torch.device) ->
 
 
 def make_transformer_config(
-    model_cfg: ModelConfig, engine_cfg: EngineConfig, device: torch.device
+    model_cfg: ModelConfig, engine_cfg: EngineConfig, device: torch.device, backend: str = "torch"
 ) -> TransformerConfig:
     """Maps the model and engine configs onto Megatron's ``TransformerConfig``.
 
@@ -125,6 +125,7 @@ def make_transformer_config(
         model_cfg: architecture.
         engine_cfg: parallel sizes and dtype.
         device: the model's device (CPU adds ``cpu_compat`` overrides).
+        backend: the attention backend ("te" adds :func:`te_fusions`).
 
     Returns:
         The transformer config.
@@ -178,7 +179,10 @@ def make_transformer_config(
             moe_router_topk_scaling_factor=model_cfg.moe_router_topk_scaling_factor,
             moe_router_dtype=engine_cfg.router_dtype_for(model_cfg.moe_router_dtype),
             moe_expert_capacity_factor=None,
-            moe_token_dispatcher_type="allgather",
+            # each EP rank sends its tokens to the experts' ranks and back (the data-parallel
+            # ranks score different sequences: megascore.engine.data_parallel); the CPU
+            # overrides select "allgather" (alltoall creates CUDA streams)
+            moe_token_dispatcher_type="alltoall",
             # Every router gets a RouterReplay (megascore.engine.routing); idle unless a
             # request records or replays routes.
             moe_enable_routing_replay=True,
@@ -190,6 +194,8 @@ def make_transformer_config(
         )
     if engine_cfg.context_parallel_size > 1:
         kwargs["cp_comm_type"] = "p2p"
+    if backend == "te":
+        kwargs.update(te_fusions(model_cfg))
     if device.type == "cpu":
         overrides = cpu_compat.transformer_config_overrides()
         if not model_cfg.is_moe:
@@ -198,6 +204,24 @@ def make_transformer_config(
     if model_cfg.multi_latent_attention:
         return MLATransformerConfig(**kwargs, **_mla_fields(model_cfg))
     return TransformerConfig(**kwargs)
+
+
+def te_fusions(model_cfg: ModelConfig) -> dict:
+    """``TransformerConfig`` fields of the TE backend's fused kernels.
+
+    * ``apply_rope_fusion``: TE's fused RoPE; on packed (THD) input one kernel per layer
+      that reads the sequence boundaries on the device, where the unfused path splits the
+      packed sequence on the host in every layer (a device sync each). Not for multi-latent
+      attention (Megatron-Core 0.19 supports its fused MLA RoPE in training only).
+    * ``moe_grouped_gemm``: the experts as TE's ``TEGroupedMLP`` (one grouped GEMM over a
+      rank's local experts instead of one GEMM per expert); its ``linear_fc1.weight{i}``
+      names load from the same tensors as ``local_experts.{i}.linear_fc1.weight``
+      (``megascore.checkpoint.hf_names``, ``megascore.model.weights.canonical_name``).
+    """
+    return {
+        "apply_rope_fusion": not model_cfg.multi_latent_attention,
+        "moe_grouped_gemm": bool(model_cfg.is_moe),
+    }
 
 
 def _pipeline_kwargs(num_layers: int, pp: int) -> dict:
@@ -390,7 +414,7 @@ def build_model(
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     backend = resolve_attention_backend(engine_cfg, device)
-    config = make_transformer_config(model_cfg, engine_cfg, device)
+    config = make_transformer_config(model_cfg, engine_cfg, device, backend)
     block_spec, mtp_spec = make_layer_specs(config, backend)
     model = GPTModel(
         config=config,
