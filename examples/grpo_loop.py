@@ -16,7 +16,11 @@ Each step:
 Both servers serve the trainer's architecture from its initial save (``hf:DIR``).
 ``--launch`` starts them here (two ``megascore serve`` subprocesses on free ports,
 stopped at the end); otherwise give ``--policy`` / ``--reference`` targets and the
-``--init-dir`` both were started from::
+``--init-dir`` both were started from.
+
+Needs: pip install 'megascore[examples]' (``transformers`` for the trainer, and the
+server; in a checkout: ``pip install -e '.[examples]'``). The commands below assume
+the virtual environment is active (``source .venv/bin/activate``)::
 
     python examples/grpo_loop.py --launch --steps 4
     python examples/grpo_loop.py --init-dir /ckpt/init --policy host:50051 --reference host:50052

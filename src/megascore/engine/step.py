@@ -1,7 +1,8 @@
 """One engine step on one rank: pack, forward, score, gather, agree, unpack.
 
-Every rank of the replica runs :func:`run_step` with the same
-:class:`~megascore.types.ScoreBatch` (broadcast by rank 0):
+Every rank of a TP x CP x PP group runs :func:`run_step` with the same
+:class:`~megascore.types.ScoreBatch` (broadcast by rank 0; with data-parallel ranks, the
+DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parallel`):
 
 1. split the batch into microbatches (:func:`megascore.engine.pipeline.split_microbatches`)
    and pack each from the flat ids for this rank's CP rank (NeMo-RL layout), with
@@ -45,10 +46,10 @@ from megascore.engine.forward import mtp_metric_names, scoring_forward
 from megascore.engine.losses import compute_losses
 from megascore.engine.pipeline import (
     Microbatch,
+    MicrobatchPlan,
     ScoreSpec,
     build_microbatch,
     run_schedule,
-    split_microbatches,
 )
 from megascore.engine.routing import (
     gather_routes,
@@ -95,7 +96,8 @@ class StepConfig:
         vocab_size: true vocabulary size (padded logit columns never enter the top-k).
         device: device of the model inputs.
         microbatches: microbatches per step (fewer when a step is small).
-        output_rank: global rank that builds the :class:`ScoreOutput` (first stage).
+        output_rank: global rank that builds the :class:`ScoreOutput` (first stage, TP 0,
+            CP 0 of this rank's DP rank; global rank 0 for DP rank 0).
         result_rank: its peer on the last pipeline stage, where the results are
             computed (the output rank itself at PP = 1).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
@@ -160,15 +162,19 @@ class _Plan:
     want_mtp: bool
 
 
-def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Plan:
-    """Stage 1: split into microbatches and pack each for this rank's CP rank; what the
-    last stage computes (:class:`ScoreSpec`)."""
+def _plan(
+    model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig, cuts: MicrobatchPlan | None
+) -> _Plan:
+    """Stage 1: split into microbatches (``cuts``, else :meth:`MicrobatchPlan.split`) and
+    pack each for this rank's CP rank; what the last stage computes (:class:`ScoreSpec`)."""
     lengths = np.asarray(batch.lengths, dtype=np.int64)
     offsets = layout.offsets(lengths)
-    ranges, pad_to = split_microbatches(lengths, cfg.pad_multiple, cfg.microbatches)
+    if cuts is None:
+        cuts = MicrobatchPlan.split(lengths, cfg.pad_multiple, cfg.microbatches)
+    ranges, pad_to = cuts.ranges, cuts.pad_to
     ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).to(cfg.device)
     target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
-    temps = batch.temperature
+    temps, target_ids = batch.temperature, batch.target_ids
     microbatches = [
         build_microbatch(
             ids[offsets[a] : offsets[b]],
@@ -180,6 +186,7 @@ def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Pla
             cp_rank=dist.get_rank(groups.cp),
             cp_size=dist.get_world_size(groups.cp),
             has_request_mask=batch.loss_mask is not None,
+            target_ids=None if target_ids is None else target_ids[offsets[a] : offsets[b]],
         )
         for a, b in ranges
     ]
@@ -199,6 +206,7 @@ def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Pla
         metrics_forward=want_moe or want_mtp,
         lm_head_dtype=cfg.lm_head_dtype,
         record_routes=record,
+        num_target_ids=batch.num_target_ids,
     )
     return _Plan(microbatches, ranges, pad_to, spec, record, want_moe, want_mtp)
 
@@ -218,9 +226,11 @@ def _set_replay(model, batch: ScoreBatch, plan: _Plan, groups: StepGroups, cfg: 
         )
 
 
-def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
+def _local_results(
+    model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig, cuts: MicrobatchPlan | None
+) -> StepResult:
     """Steps 1-3 of the module docstring on this rank (issues the step's collectives)."""
-    plan = _plan(model, batch, groups, cfg)
+    plan = _plan(model, batch, groups, cfg, cuts)
     if batch.routing is not None:
         _set_replay(model, batch, plan, groups, cfg)
     microbatches = plan.microbatches
@@ -331,14 +341,22 @@ def wait_for_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
+def run_step(
+    model,
+    batch: ScoreBatch,
+    groups: StepGroups,
+    cfg: StepConfig,
+    cuts: MicrobatchPlan | None = None,
+) -> StepResult:
     """Runs one forward step on this rank and agrees on its outcome with every rank.
 
     Args:
         model: the (eval-mode) Megatron model of this rank.
-        batch: the batch, identical on every rank.
+        batch: the batch of this rank's TP x CP x PP group (with data-parallel ranks,
+            this rank's part of the step: :mod:`megascore.engine.data_parallel`).
         groups: process groups of the step.
         cfg: per-replica step constants.
+        cuts: the microbatches to run (None: :meth:`MicrobatchPlan.split` of the batch).
 
     Returns:
         This rank's :class:`StepResult`.
@@ -350,7 +368,7 @@ def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> S
     error: BaseException | None = None
     result = None
     try:
-        result = _local_results(model, batch, groups, cfg)
+        result = _local_results(model, batch, groups, cfg, cuts)
         wait_for_device(cfg.device)
     except Exception as e:  # reported to every rank through the status all-reduce
         logger.exception("rank %d: step failed", dist.get_rank())
@@ -425,6 +443,9 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         values["routing"] = np.asarray(batch.routing, dtype=np.int32)
     elif batch.return_routing:
         values["routing"] = result.routing.numpy()[result.token_positions.numpy()].astype(np.int32)
+    for out in schema.OUTPUTS:
+        if out.finish is not None and out.wanted(batch):
+            values[out.name] = out.finish(batch, values)
     if not batch.return_logprobs:
         values.pop("logprobs", None)
     return ScoreOutput(
