@@ -11,6 +11,7 @@ from megascore.config import EngineConfig
 from megascore.engine.pipeline import build_microbatch
 from megascore.engine.step import PredictionIndex
 from megascore.packing import pack_sequences
+from megascore.prefix_tree import dense_layout
 
 
 def test_prediction_index_shifts_right_within_each_sequence():
@@ -76,10 +77,10 @@ def test_microbatch_loss_mask_is_aligned_with_targets():
     lengths = np.array([1, 3])
     mask = layout.effective_loss_mask(lengths, np.array([1, 1, 0, 1], np.uint8)).astype(np.float32)
     mb = build_microbatch(
-        torch.tensor([1, 2, 3, 4]),
-        lengths,
+        dense_layout(np.array([1, 2, 3, 4]), lengths),
         None,
         mask,
+        device=torch.device("cpu"),
         pad_multiple=2,
         pad_to=8,
         cp_rank=0,

@@ -62,6 +62,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from megascore.packing import PackedSequences, cp_shard_indices, roll_within_segments
+from megascore.segment_packing import full_positions, rope_positions
 
 logger = logging.getLogger(__name__)
 
@@ -167,20 +168,24 @@ def mtp_metric_names(cfg) -> list[str]:
     return names
 
 
-def packed_position_ids(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int):
-    """Position of every token inside its padded segment, CP-sharded.
+def packed_position_ids(
+    cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int, params=None
+) -> torch.Tensor:
+    """Position of every token in its sequence, CP-sharded.
 
     Args:
         cu_seqlens_padded: ``[B+1]`` padded boundaries.
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
+        params: the packing's ``PackedSeqParams``: positions of segments that continue
+            a shared prefix continue from it
+            (:class:`megascore.segment_packing.SharedPrefixParams`).
 
     Returns:
         int64 ``[1, T / cp_size]`` (positions restart at 0 for every sequence).
     """
     cu = cu_seqlens_padded.to("cpu", torch.long)
-    lens = cu[1:] - cu[:-1]
-    pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+    pos = full_positions(cu, params)
     return pos[cp_shard_indices(cu, cp_rank, cp_size)].unsqueeze(0)
 
 
@@ -371,7 +376,8 @@ def forward_microbatch(
     weigh = metrics_forward and bool(model.config.num_moe_experts)
     before = _z_loss_values() if weigh else None
     before = None if before is None else before.clone()
-    output = model(**kwargs)
+    with rope_positions(model, packed):
+        output = model(**kwargs)
     if weigh:
         _token_weight_z_loss(model, packed, before)
     return output
@@ -468,7 +474,7 @@ def model_inputs(
     p = packed.packed_seq_params
     kwargs = dict(
         input_ids=packed.input_ids_cp_sharded.to(device, torch.long),  # [1, T_local]
-        position_ids=packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size).to(device),
+        position_ids=packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size, p).to(device),
         attention_mask=None,
         packed_seq_params=dataclasses.replace(
             p,
@@ -548,4 +554,3 @@ def scoring_forward(
             metrics.mtp = _read_mtp_metrics(model, scale)
     finally:
         _clear_trackers()
-

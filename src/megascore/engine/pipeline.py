@@ -44,7 +44,15 @@ from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import forward_microbatch
 from megascore.engine.logprobs import Float32Logits, score_tokens
 from megascore.engine.routing import recorded_routes, set_replay_targets
-from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
+from megascore.packing import PackedSequences, roll_within_segments
+from megascore.prefix_tree import (
+    SegmentLayout,
+    concat_layouts,
+    dense_layout,
+    shared_groups,
+    shared_layout,
+)
+from megascore.segment_packing import pack_layout
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +88,103 @@ def split_microbatches(
     return ranges, pad_to
 
 
+@dataclasses.dataclass(frozen=True)
+class MicrobatchPlan:
+    """Which sequences of a step one microbatch holds, and how they are computed.
+
+    Attributes:
+        sequences: int64 ``[B_mb]`` the step's sequences in the microbatch's order.
+        segments: their :class:`~megascore.prefix_tree.SegmentLayout`.
+    """
+
+    sequences: np.ndarray
+    segments: SegmentLayout
+
+
+def plan_microbatches(
+    token_ids: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    pad_multiple: int,
+    count: int,
+    min_shared: int | None = None,
+    token_keys: np.ndarray | None = None,
+    labels: np.ndarray | None = None,
+) -> tuple[list[MicrobatchPlan], int]:
+    """Splits a step into microbatches, computing shared prefixes once when asked.
+
+    Dense (``min_shared`` None): :func:`split_microbatches` of the sequences in batch
+    order. Shared: the sequences that share a prefix (:func:`~megascore.prefix_tree.
+    shared_groups`) stay in one microbatch; groups are split like sequences, by what
+    their segments occupy (:func:`~megascore.prefix_tree.shared_layout`).
+
+    Args:
+        token_ids: int64 ``[T]`` the step's tokens.
+        lengths: int64 ``[B]``.
+        pad_multiple: per-segment pad multiple.
+        count: microbatches wanted.
+        min_shared: shortest prefix worth sharing, or None for the dense layout.
+        token_keys: int64 ``[T, w]`` what must match for tokens to be shared (None: ids).
+        labels: ``[B]`` sequences of different labels share nothing (None: all equal).
+
+    Returns:
+        ``(plans, pad_to)``: the microbatches in order and their common packed length.
+    """
+    token_ids = np.asarray(token_ids, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if min_shared is None:
+        ranges, pad_to = split_microbatches(lengths, pad_multiple, count)
+        plans = []
+        for a, b in ranges:
+            seqs = np.arange(a, b, dtype=np.int64)
+            tokens = token_ids[layout.token_index(lengths, seqs)]
+            plans.append(MicrobatchPlan(seqs, dense_layout(tokens, lengths[a:b])))
+        return plans, pad_to
+    keys = token_ids[:, None] if token_keys is None else token_keys
+    labels = np.zeros(len(lengths)) if labels is None else labels
+    groups = shared_groups(keys, lengths, labels, min_shared)
+    layouts = []
+    for seqs in groups:
+        tok = layout.token_index(lengths, seqs)
+        layouts.append(
+            shared_layout(
+                token_ids[tok],
+                lengths[seqs],
+                min_shared=min_shared,
+                token_keys=keys[tok],
+                labels=labels[seqs],
+            )
+        )
+    costs = np.array(
+        [layout.padded_lengths(g.lengths, pad_multiple).sum() for g in layouts], dtype=np.int64
+    )
+    ranges, pad_to = split_microbatches(costs, pad_multiple, count)
+    plans = [
+        MicrobatchPlan(
+            np.concatenate(groups[a:b]),
+            concat_layouts(layouts[a:b], [lengths[g] for g in groups[a:b]]),
+        )
+        for a, b in ranges
+    ]
+    return plans, pad_to
+
+
 @dataclasses.dataclass
 class Microbatch:
     """One microbatch of a step, packed for this rank (built alike on every stage).
 
     Attributes:
-        packed: the microbatch's sequences, packed and padded to the step's common length.
+        packed: the microbatch's segments (:class:`~megascore.prefix_tree.SegmentLayout`:
+            its sequences, or their shared prefixes and continuations), packed and
+            padded to the step's common length.
+        token_positions: int64 ``[T_mb]`` (CPU) packed row of every token of the
+            microbatch's sequences (in the microbatch's sequence order); rows are
+            shared by the tokens of a shared prefix.
         targets: int64 ``[T_local]`` next-token targets of this CP shard.
         temperature: float32 ``[T_local]`` or None.
         loss_mask: float32 ``[T_local]``: whether the target of each position is a
-            scored token (the request's loss mask, Megatron's alignment).
+            scored token (the request's loss mask, Megatron's alignment; a shared row
+            is scored where any of its sequences scores it).
         mtp_loss_mask: ``[1, T_local]`` the same mask for MTP when the request has one,
             else None (Megatron's default mask).
         replay_routes: int64 ``[n, L_stage, k]`` MoE routes this stage's routers replay
@@ -99,6 +194,7 @@ class Microbatch:
     """
 
     packed: PackedSequences
+    token_positions: torch.Tensor
     targets: torch.Tensor
     temperature: torch.Tensor | None
     loss_mask: torch.Tensor
@@ -108,11 +204,11 @@ class Microbatch:
 
 
 def build_microbatch(
-    token_ids: torch.Tensor,
-    lengths: np.ndarray,
+    segments: SegmentLayout,
     temperature: np.ndarray | None,
     target_mask: np.ndarray,
     *,
+    device: torch.device,
     pad_multiple: int,
     pad_to: int,
     cp_rank: int,
@@ -122,11 +218,11 @@ def build_microbatch(
     """Packs one microbatch for this rank's CP rank.
 
     Args:
-        token_ids: int64 ``[T_mb]`` the microbatch's ids, on the model's device.
-        lengths: int64 ``[B_mb]``.
+        segments: the microbatch's segments (its sequences in the dense layout).
         temperature: float32 ``[B_mb]`` or None.
         target_mask: float32 ``[T_mb]`` token-aligned: whether each token is scored.
-        pad_multiple: per-sequence pad multiple.
+        device: the model's device.
+        pad_multiple: per-segment pad multiple.
         pad_to: common packed length of the step's microbatches.
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
@@ -135,12 +231,11 @@ def build_microbatch(
     Returns:
         The :class:`Microbatch`.
     """
-    device = token_ids.device
-    packed = pack_sequences(
-        token_ids,
-        lengths,
-        pad_individual_seqs_to_multiple_of=pad_multiple,
-        pad_packed_seq_to=pad_to,
+    packed = pack_layout(
+        torch.from_numpy(segments.token_ids).to(device),
+        segments,
+        pad_multiple=pad_multiple,
+        pad_to=pad_to,
         cp_rank=cp_rank,
         cp_size=cp_size,
     )
@@ -150,14 +245,19 @@ def build_microbatch(
     targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
     temps = None
     if temperature is not None:
-        per_seq = torch.from_numpy(np.asarray(temperature, dtype=np.float32))
-        temps = torch.repeat_interleave(per_seq, cu_padded.diff())[shard].to(device)
-    # mask: token-aligned on the full axis, then rolled to the targets' alignment
+        per_segment = np.asarray(temperature, dtype=np.float32)[segments.sequences]
+        temps = torch.repeat_interleave(torch.from_numpy(per_segment), cu_padded.diff())
+        temps = temps[shard].to(device)
+    # mask: token-aligned on the full axis (a row is scored where any of its tokens is),
+    # then rolled to the targets' alignment
+    row_mask = np.zeros(len(segments.token_ids), dtype=np.float32)
+    np.maximum.at(row_mask, segments.token_rows, target_mask)
     full = torch.zeros(1, pad_to)
-    full[0, packed.token_positions] = torch.from_numpy(target_mask)
+    full[0, packed.token_positions] = torch.from_numpy(row_mask)
     mask = roll_within_segments(full, cu_padded, shifts=-1)[0, shard]
     return Microbatch(
         packed=packed,
+        token_positions=packed.token_positions[torch.from_numpy(segments.token_rows)],
         targets=targets,
         temperature=temps,
         loss_mask=mask.to(device),

@@ -46,8 +46,8 @@ from megascore.engine.losses import compute_losses
 from megascore.engine.pipeline import (
     ScoreSpec,
     build_microbatch,
+    plan_microbatches,
     run_schedule,
-    split_microbatches,
 )
 from megascore.engine.routing import (
     gather_routes,
@@ -98,6 +98,8 @@ class StepConfig:
         result_rank: its peer on the last pipeline stage, where the results are
             computed (the output rank itself at PP = 1).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
+        min_shared_prefix: shortest prefix the step's sequences share that is computed
+            once (:mod:`megascore.prefix_tree`); None: every sequence computed whole.
     """
 
     pad_multiple: int
@@ -108,6 +110,7 @@ class StepConfig:
     output_rank: int = 0
     result_rank: int = 0
     lm_head_dtype: str = "model"
+    min_shared_prefix: int | None = None
 
 
 @dataclasses.dataclass
@@ -148,34 +151,61 @@ def _wants_logprobs(batch: ScoreBatch) -> bool:
     return batch.want_logprobs or bool(batch.losses)
 
 
+def _min_shared(batch: ScoreBatch, cfg: StepConfig, cp_size: int, metrics: bool) -> int | None:
+    """The step's shortest shared prefix, or None for a dense step: sharing off, context
+    parallelism, or a forward recording MoE / MTP metrics (they are the dense batch's)."""
+    if cfg.min_shared_prefix is None or cp_size > 1 or metrics:
+        return None
+    return cfg.min_shared_prefix
+
+
+def _token_keys(batch: ScoreBatch) -> np.ndarray | None:
+    """What must match for two tokens to be shared: the id, and the routes it replays."""
+    if batch.routing is None:
+        return None
+    routes = np.asarray(batch.routing, dtype=np.int64).reshape(batch.num_tokens, -1)
+    return np.concatenate([np.asarray(batch.token_ids, dtype=np.int64)[:, None], routes], 1)
+
+
 def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
     """Steps 1-3 of the module docstring on this rank (issues the step's collectives)."""
     lengths = np.asarray(batch.lengths, dtype=np.int64)
-    offsets = layout.offsets(lengths)
-    ranges, pad_to = split_microbatches(lengths, cfg.pad_multiple, cfg.microbatches)
-    ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).to(cfg.device)
+    cp_size = dist.get_world_size(groups.cp)
+    # Metrics of a model without MoE / MTP layers are empty, not an error.
+    want_moe = batch.want_moe_metrics and bool(model.config.num_moe_experts)
+    want_mtp = batch.want_mtp_metrics and bool(model.config.mtp_num_layers)
+    plans, pad_to = plan_microbatches(
+        batch.token_ids,
+        lengths,
+        pad_multiple=cfg.pad_multiple,
+        count=cfg.microbatches,
+        min_shared=_min_shared(batch, cfg, cp_size, metrics=want_moe or want_mtp),
+        token_keys=_token_keys(batch),
+        labels=batch.temperatures(),
+    )
     target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
-    temps = batch.temperature
+    temps = None if batch.temperature is None else np.asarray(batch.temperature)
+    tokens = [layout.token_index(lengths, plan.sequences) for plan in plans]
     microbatches = [
         build_microbatch(
-            ids[offsets[a] : offsets[b]],
-            lengths[a:b],
-            None if temps is None else np.asarray(temps)[a:b],
-            target_mask[offsets[a] : offsets[b]],
+            plan.segments,
+            None if temps is None else temps[plan.sequences],
+            target_mask[tok],
+            device=cfg.device,
             pad_multiple=cfg.pad_multiple,
             pad_to=pad_to,
             cp_rank=dist.get_rank(groups.cp),
-            cp_size=dist.get_world_size(groups.cp),
+            cp_size=cp_size,
             has_request_mask=batch.loss_mask is not None,
         )
-        for a, b in ranges
+        for plan, tok in zip(plans, tokens, strict=True)
     ]
     sequence_parallel = bool(model.config.sequence_parallel)
     if batch.routing is not None:  # each microbatch replays its tokens' routes
         layers = stage_moe_layers(model.config, groups.pp.rank())
-        for mb, (a, b) in zip(microbatches, ranges, strict=True):
+        for mb, plan, tok in zip(microbatches, plans, tokens, strict=True):
             mb.replay_routes = local_replay_targets(
-                batch.routing[offsets[a] : offsets[b]],
+                np.asarray(batch.routing)[tok][plan.segments.row_source],
                 mb.packed,
                 layers,
                 tp_group=groups.tp,
@@ -183,9 +213,6 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
                 device=cfg.device,
             )
     record = batch.want_routing and batch.routing is None  # a replayed routing is known
-    # Metrics of a model without MoE / MTP layers are empty, not an error.
-    want_moe = batch.want_moe_metrics and bool(model.config.num_moe_experts)
-    want_mtp = batch.want_mtp_metrics and bool(model.config.mtp_num_layers)
     last_stage = groups.pp.rank() == groups.pp.size() - 1
     spec = ScoreSpec(
         want_logprobs=_wants_logprobs(batch),
@@ -209,9 +236,9 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         ) as metrics,
     ):
         store = run_schedule(model, microbatches, spec)
-    positions = torch.cat(
-        [mb.packed.token_positions + i * pad_to for i, mb in enumerate(microbatches)]
-    )
+    positions = torch.empty(batch.num_tokens, dtype=torch.long)
+    for i, (mb, tok) in enumerate(zip(microbatches, tokens, strict=True)):
+        positions[tok] = mb.token_positions + i * pad_to
     result = StepResult(
         logprobs=None,
         top_k_ids=None,
