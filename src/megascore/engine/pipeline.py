@@ -281,6 +281,9 @@ class ScoreSpec:
             (:func:`megascore.engine.forward.model_inputs`).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
+        scored_rows_only: compute the output head and log-softmax only at the rows that
+            predict a scored token (``Microbatch.loss_mask``); the other rows' logprobs
+            are 0.0. For steps that return no per-token output (no logprobs, no top-k).
     """
 
     want_logprobs: bool
@@ -293,6 +296,7 @@ class ScoreSpec:
     metrics_forward: bool
     lm_head_dtype: str = "model"
     record_routes: bool = False
+    scored_rows_only: bool = False
 
 
 def _score_microbatch(
@@ -300,15 +304,23 @@ def _score_microbatch(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """The loss closure (last stage): per-token results and the normalised loss."""
     cu_padded = mb.packed.cu_seqlens_padded.to("cpu", torch.int64)
+    targets, temperature, rows = mb.targets, mb.temperature, None
+    if spec.scored_rows_only:  # the output head runs only where a scored token is predicted
+        rows = mb.loss_mask.nonzero().squeeze(1)
+        head = dataclasses.replace(head, hidden_states=head.hidden_states[rows])
+        targets = targets[rows]
+        temperature = None if temperature is None else temperature[rows]
     scores = score_tokens(
         head if spec.lm_head_dtype == "model" else Float32Logits(head),
-        mb.targets,
+        targets,
         tp_group=tp_group,
-        temperature=mb.temperature,
+        temperature=temperature,
         top_k=spec.top_k,
         chunk_tokens=spec.chunk_tokens,
         vocab_size=spec.vocab_size,
     )
+    if rows is not None:  # [T_local]: 0.0 where nothing was scored
+        scores.logprobs = torch.zeros_like(mb.loss_mask).index_put_((rows,), scores.logprobs)
     # loss: this CP shard's share of the step's token-mean NLL (NeMo-RL's normalisation
     # by the global valid token count); the CP ranks' shares sum to the microbatch's
     loss = -(scores.logprobs * mb.loss_mask).sum() / spec.global_valid_tokens

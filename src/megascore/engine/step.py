@@ -225,6 +225,8 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         metrics_forward=want_moe or want_mtp,
         lm_head_dtype=cfg.lm_head_dtype,
         record_routes=record,
+        # only the losses leave the step: the head runs where the loss mask scores a token
+        scored_rows_only=not batch.want_logprobs and batch.top_k == 0,
     )
     with (
         routing_replay(model, record=record, replay=batch.routing is not None),
