@@ -41,6 +41,7 @@ import memory
 import mfu
 import packed_vs_hf
 import pipeline
+import prefix_sharing
 import routing_cost
 import weight_push
 import wire_cost
@@ -462,7 +463,7 @@ def main() -> int:
     previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
     # sections their own scripts write: kept
-    for own in (pipeline, weight_push, routing_cost, families_cpu):
+    for own in (pipeline, weight_push, routing_cost, families_cpu, prefix_sharing):
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]
             common.write_section(args.output, own.BEGIN, own.END, kept + own.END)
