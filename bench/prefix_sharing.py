@@ -266,8 +266,8 @@ def describe(name: str, groups: list[Group], args) -> str:
         f"the length); turns log-normal median "
         f"{args.turn_len}, sigma 0.3, clipped to [64, 1024]",
         "response-only": f"{args.heavy} distinct prompts (log-normal median 768, sigma 0.5, "
-        "[256, 2048]) + one response each (median 128, sigma 0.5, [16, 512]), in requests of 8; loss "
-        "mask on the responses",
+        "[256, 2048]) + one response each (median 128, sigma 0.5, [16, 512]), in requests "
+        "of 8; loss mask on the responses",
     }[name]
     return (
         f"{head}: {len(lens)} sequences, {int(lens.sum())} tokens, length min {lens.min()} "
