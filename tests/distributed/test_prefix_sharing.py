@@ -8,12 +8,11 @@ and replaying them is bit-identical.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_torchrun
+from tests.torchrun import run_check_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "prefix_sharing_layouts.py"
 NPROC = 2
@@ -23,16 +22,7 @@ LAYOUTS = ("tp2", "ep2", "pp2", "cp2")  # as in the script
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("prefix_sharing")
-    try:
-        run_torchrun(SCRIPT, NPROC, str(out_dir), timeout=600)
-        error = None
-    except AssertionError as e:
-        error = str(e)
-    checks = {}
-    for rank in range(NPROC):
-        path = out_dir / f"prefix_rank{rank}.json"
-        checks[rank] = json.loads(path.read_text()) if path.exists() else {}
-    return {"error": error, "checks": checks}
+    return run_check_script(SCRIPT, NPROC, out_dir, "prefix_rank")
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
