@@ -251,7 +251,10 @@ def build_microbatch(
     # mask: token-aligned on the full axis (a row is scored where any of its tokens is),
     # then rolled to the targets' alignment
     row_mask = np.zeros(len(segments.token_ids), dtype=np.float32)
-    np.maximum.at(row_mask, segments.token_rows, target_mask)
+    if segments.shared:
+        np.maximum.at(row_mask, segments.token_rows, target_mask)
+    else:
+        row_mask[segments.token_rows] = target_mask
     full = torch.zeros(1, pad_to)
     full[0, packed.token_positions] = torch.from_numpy(row_mask)
     mask = roll_within_segments(full, cu_padded, shifts=-1)[0, shard]

@@ -3,10 +3,10 @@
 For every layout, one engine with ``prefix_sharing=False`` and one with it on
 (``min_shared_prefix`` 8) score :func:`tests.prefix_groups.prefix_group_batch`:
 
-* TP2 (tiny), EP2 and PP2 (tiny-moe, routing recorded; PP2 in 4 microbatches, the
-  groups interleaved in the batch): shared within 1e-6 of dense (fp32), top-k ids
-  and recorded routes equal, and the shared engine's replay of its own routes is
-  bit-identical to its recording forward;
+* TP2 (tiny), TP2 with sequence parallelism, EP2 and PP2 (tiny-moe, routing recorded;
+  PP2 in up to 4 microbatches, the groups interleaved in the batch): shared within
+  1e-6 of dense (fp32), top-k ids and recorded routes equal, and the shared engine's
+  replay of its own routes is bit-identical to its recording forward;
 * CP2 (tiny): the engine falls back to dense (``min_shared_prefix`` None) and scores alike.
 
 Check outcomes go to ``OUT_DIR/prefix_rank{r}.json``.
@@ -30,6 +30,7 @@ from tests.prefix_groups import MIN_SHARED, assert_same_scores, prefix_group_bat
 # name -> (model, tp, cp, ep, pp)
 LAYOUTS = {
     "tp2": ("tiny", 2, 1, 1, 1),
+    "moe_tp2_sp": ("tiny-moe", 2, 1, 1, 1),  # sequence parallelism: on for MoE at TP > 1
     "ep2": ("tiny-moe", 1, 1, 2, 1),
     "pp2": ("tiny-moe", 1, 1, 1, 2),
     "cp2": ("tiny", 1, 2, 1, 1),
