@@ -5,6 +5,8 @@ that repeat a prompt n times."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 
 from megascore_client import ScoringClient
@@ -35,3 +37,17 @@ def test_verl_rows_sharing_a_prompt(tp1):
             real = input_ids[b, mask[b] == 1]
             alone = client.score([real]).logprobs[0][prompt_len:]
             np.testing.assert_allclose(got[b, : len(alone)], alone, rtol=0, atol=1e-6)
+
+
+def test_a_group_split_over_concurrent_requests(tp1):
+    """Two requests in flight with halves of the same groups (the batcher may merge them
+    into one step, where they share): each scores like its sequences alone."""
+    seqs, _ = prefix_group_sequences(22)
+    halves = [seqs[0::2], seqs[1::2]]
+    with ScoringClient(tp1.target) as client:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda half: client.score(half), halves))
+        for half, result in zip(halves, results, strict=True):
+            for seq, got in zip(half, result.logprobs, strict=True):
+                alone = client.score([seq]).logprobs[0]
+                np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
