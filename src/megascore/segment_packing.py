@@ -12,7 +12,8 @@ places read it:
   ``position_ids``: learned position embeddings);
 * :func:`rope_positions` makes the model's RoPE table follow the same positions,
   through Megatron's packed-frequency path (``freqs`` with one row per packed
-  position, ``_apply_rotary_pos_emb_thd``).
+  position, ``_apply_rotary_pos_emb_thd``); dense packings take the same path (one
+  rotation over the batch instead of one per sequence).
 
 Context parallelism is not supported here (the engine runs dense under CP).
 """
@@ -133,11 +134,23 @@ def full_positions(cu_seqlens_padded: torch.Tensor, params: PackedSeqParams) -> 
 
 @contextlib.contextmanager
 def rope_positions(model, packed: PackedSequences):
-    """Inside the block the model's RoPE table has one row per packed position, at the
-    segment positions of a shared-prefix packing; a no-op for any other packing or model."""
+    """Inside the block the model's RoPE table has one row per packed position, at that
+    row's position in its sequence (:func:`full_positions`).
+
+    Megatron then rotates the whole packed batch in one pass (its packed-frequency THD
+    path, also under CP) instead of one pass per sequence, and a shared prefix's
+    continuation is rotated at the positions that follow the prefix. A no-op for models
+    without GPTModel-level RoPE and with the fused RoPE kernel (its THD kernel indexes
+    the table by position inside the sequence; shared prefixes are refused there).
+    """
     rotary = getattr(model, "rotary_pos_emb", None)
     params = packed.packed_seq_params
-    if rotary is None or not isinstance(params, SharedPrefixParams):
+    if (
+        rotary is None
+        or model.position_embedding_type != "rope"
+        or model.config.apply_rope_fusion
+        or params.qkv_format != "thd"
+    ):
         yield
         return
     rows = full_positions(packed.cu_seqlens_padded, params)
@@ -175,6 +188,8 @@ def _unsupported(model, cp_size: int) -> str | None:
         return f"{model.position_embedding_type!r} position embeddings"
     if getattr(model, "megascore_attention_backend", "torch") != "torch":
         return "the TransformerEngine attention backend"
+    if model.position_embedding_type == "rope" and model.config.apply_rope_fusion:
+        return "the fused RoPE kernel"
     return None
 
 
