@@ -129,7 +129,8 @@ class StepResult:
             on the step's packed axis (microbatch ``i`` occupies rows
             ``[i * L, (i + 1) * L)``, ``L`` the common microbatch length).
         loss: token-mean NLL of the step's scored tokens (the sum of the microbatch
-            losses; set where the results are, else None).
+            losses; a shared prefix's rows count once; set where the results are, else
+            None).
         moe_metrics: MoE metric name -> value of this forward (every rank).
         mtp_metrics: MTP metric name -> value of this forward (where the results are).
         routing: int64 ``[T_padded, L, k]`` MoE routes recorded at each position (not
