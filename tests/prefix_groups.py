@@ -61,7 +61,7 @@ def prefix_group_batch(seed: int = 0, **fields) -> ScoreBatch:
         temperature=np.array(temps, dtype=np.float32),
         top_k=4,
         losses=("nll", "mean_nll"),
-        want_logprobs=True,
+        return_logprobs=True,
     )
     values.update(fields)
     return ScoreBatch(**values)

@@ -18,7 +18,7 @@ from megascore_server.config_loader import load_serve_config
 from tests.one_rank import one_rank_world
 from tests.prefix_groups import MIN_SHARED, assert_same_scores, prefix_group_batch
 
-BATCH = prefix_group_batch(seed=11, want_routing=True)
+BATCH = prefix_group_batch(seed=11, return_routing=True)
 
 
 def _moved_route(routing: np.ndarray) -> np.ndarray:
@@ -48,7 +48,7 @@ def outputs():
                         dataclasses.replace(BATCH, routing=_moved_route(recorded.routing))
                     ),
                     "metrics": engine.score(
-                        dataclasses.replace(BATCH, want_moe_metrics=True, want_mtp_metrics=True)
+                        dataclasses.replace(BATCH, return_moe_metrics=True, return_mtp_metrics=True)
                     ),
                 }
             finally:

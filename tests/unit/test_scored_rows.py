@@ -43,7 +43,7 @@ def test_losses_only_score_the_masked_rows(engine, head_rows, sharing):
     full = engine.score(batch)
     full_rows = sum(head_rows)
     head_rows.clear()
-    losses_only = engine.score(dataclasses.replace(batch, want_logprobs=False))
+    losses_only = engine.score(dataclasses.replace(batch, return_logprobs=False))
     assert losses_only.logprobs is None
     for name, values in full.losses.items():
         np.testing.assert_allclose(losses_only.losses[name], values, rtol=1e-6, atol=1e-6)

@@ -64,7 +64,7 @@ def with_engine(spec, sharing: bool, rank: int, work):
 
 def run_layout(name: str, spec, rank: int) -> None:
     moe = spec[0] == "tiny-moe"
-    batch = prefix_group_batch(seed=len(name), want_routing=moe)
+    batch = prefix_group_batch(seed=len(name), return_routing=moe)
 
     def shared_work(engine):
         out = engine.score(batch)
