@@ -20,7 +20,12 @@ from megascore_client.push import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import AsyncScoreStream
-from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
+from megascore_client.trainer_layouts import (
+    PaddedLayout,
+    group_sequences,
+    nemo_rl_layout,
+    verl_layout,
+)
 from megascore_client.transport import AsyncTransport
 
 __all__ = ["AsyncScoringClient"]
@@ -107,6 +112,12 @@ class AsyncScoringClient(ClientBase):
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def score_groups(self, prompts, continuations, **kwargs) -> ScoreResult:
+        """Scores groups of one prompt and its continuations (see
+        ``ScoringClient.score_groups``)."""
+        sequences, masks = group_sequences(prompts, continuations)
+        return await self.score(sequences, loss_mask=masks, **kwargs)
 
     async def score_padded(self, input_ids, input_lengths, **kwargs):
         """Logprobs of a NeMo-RL batch (see ``ScoringClient.score_padded``)."""

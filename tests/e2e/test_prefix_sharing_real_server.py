@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import numpy as np
+import pytest
 
 from megascore_client import ScoringClient
 from tests.prefix_groups import prefix_group_sequences
@@ -51,3 +52,22 @@ def test_a_group_split_over_concurrent_requests(tp1):
             for seq, got in zip(half, result.logprobs, strict=True):
                 alone = client.score([seq]).logprobs[0]
                 np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
+
+
+def test_score_groups(tp1):
+    """The SDK's groups: per-continuation results equal to scoring each prompt +
+    continuation alone; the NLL is the continuation's."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(1, 500, n) for n in (30, 18)]
+    continuations = [[rng.integers(1, 500, n) for n in (5, 1, 9)], [rng.integers(1, 500, 7)]]
+    with ScoringClient(tp1.target) as client:
+        got = client.score_groups(prompts, continuations, top_k=2)
+        i = 0
+        for prompt, conts in zip(prompts, continuations, strict=True):
+            for cont in conts:
+                alone = client.score([np.concatenate([prompt, cont])]).logprobs[0]
+                np.testing.assert_allclose(got.logprobs[i], alone, rtol=0, atol=1e-6)
+                want_nll = -float(alone[len(prompt) :].sum())
+                assert got.loss["nll"][i] == pytest.approx(want_nll, rel=1e-5)
+                i += 1
+        assert i == len(got.logprobs) == 4
