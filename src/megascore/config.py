@@ -52,6 +52,11 @@ class EngineConfig:
     """Timeout of every collective; a hung rank fails the step instead of hanging."""
     seed: int | None = None
     """Overrides the model config's seed for built-in random weights."""
+    batch_invariant: bool | None = None
+    """Bit-identical results for a sequence whatever else is in the step (every token-axis
+    matmul padded to a multiple of 64 rows, ``megascore.model.batch_invariant``). Unset: on
+    for the CPU, off on CUDA; True on CUDA is refused at start-up (no batch-invariant
+    kernels there yet, docs/deploy.md)."""
     prefix_sharing: bool | None = None
     """Compute a prefix that sequences of a step share once (GRPO groups); unset: on for CPU.
 
@@ -101,6 +106,22 @@ class EngineConfig:
             raise ValueError("collective_timeout_s must be > 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+
+    def batch_invariant_on(self, device_type: str) -> bool:
+        """Whether the step is batch-invariant on a device ("cpu" or "cuda").
+
+        Raises:
+            ValueError: ``batch_invariant`` asked for on CUDA.
+        """
+        if device_type == "cuda":
+            if self.batch_invariant:
+                raise ValueError(
+                    "batch_invariant is CPU-only: cuBLAS and TransformerEngine choose kernels "
+                    "by shape (docs/deploy.md, batch invariance on GPUs); drop "
+                    "--batch-invariant or serve with --device cpu"
+                )
+            return False
+        return self.batch_invariant is not False
 
     def sequence_parallel_for(self, is_moe: bool) -> bool:
         """Whether sequence parallelism is on for a model.

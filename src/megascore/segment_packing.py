@@ -81,6 +81,7 @@ def pack_layout(
     pad_to: int,
     cp_rank: int,
     cp_size: int,
+    pad_segment: bool = False,
 ) -> PackedSequences:
     """Packs a microbatch's segments.
 
@@ -92,6 +93,8 @@ def pack_layout(
         pad_to: packed length.
         cp_rank: this rank in the CP group.
         cp_size: CP group size (1 for a layout with shared prefixes).
+        pad_segment: the padding up to ``pad_to`` is a segment of its own
+            (:func:`~megascore.packing.pack_sequences`); it continues nothing.
 
     Returns:
         The :class:`~megascore.packing.PackedSequences` of the segments: its
@@ -104,6 +107,7 @@ def pack_layout(
         pad_packed_seq_to=pad_to,
         cp_rank=cp_rank,
         cp_size=cp_size,
+        pad_segment=pad_segment,
     )
     if not segments.shared:
         return packed
@@ -111,12 +115,15 @@ def pack_layout(
         raise ValueError("shared prefixes are not supported with context parallelism")
     p = packed.packed_seq_params
     padded = packed.cu_seqlens_padded.diff().tolist()
-    longest = max(int(o) + n for o, n in zip(segments.offsets, padded, strict=True))
+    extra = len(padded) - len(segments.lengths)  # the padding's own segment: a root
+    parents = [int(x) for x in segments.parents] + [-1] * extra
+    offsets = [int(x) for x in segments.offsets] + [0] * extra
+    longest = max(o + n for o, n in zip(offsets, padded, strict=True))
     params = SharedPrefixParams(
         **{f.name: getattr(p, f.name) for f in dataclasses.fields(PackedSeqParams)},
-        segment_parents=tuple(int(x) for x in segments.parents),
-        segment_lengths=tuple(int(x) for x in segments.lengths),
-        segment_offsets=tuple(int(x) for x in segments.offsets),
+        segment_parents=tuple(parents),
+        segment_lengths=tuple(int(x) for x in segments.lengths) + (0,) * extra,
+        segment_offsets=tuple(offsets),
     )
     params.max_seqlen_q = params.max_seqlen_kv = longest  # RoPE table length
     return packed._replace(packed_seq_params=params)

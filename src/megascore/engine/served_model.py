@@ -29,8 +29,10 @@ from megascore.checkpoint import (
 )
 from megascore.config import EngineConfig
 from megascore.distributed import collective_device
+from megascore.model.batch_invariant import make_batch_invariant
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig
+from megascore.model.parallel import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,8 @@ def load_served_model(
         check_same_architecture(read_model_config(model), expected, model)
     config, load_weights, meta = resolve_model(model, seed=engine_cfg.seed)
     built = build_model(config, dataclasses.replace(engine_cfg, seed=config.seed), pg_collection)
+    if engine_cfg.batch_invariant_on(resolve_device(engine_cfg).type):
+        make_batch_invariant(built)
     if load_weights is not None:
         load_weights(built)
     return LoadedModel(
