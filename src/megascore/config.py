@@ -9,6 +9,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
 LM_HEAD_DTYPES = ("model", "float32")
+ROUTER_DTYPES = ("auto", "model", "fp32", "fp64")
 
 
 @dataclasses.dataclass
@@ -43,6 +44,10 @@ class EngineConfig:
     lm_head_dtype: str = "model"
     """dtype of the output layer's matmul: "model" (as the Megatron trainer: logits in the
     model dtype, upcast to float32 for the log-softmax) or "float32" (float32 logits)."""
+    moe_router_dtype: str = "auto"
+    """dtype of a MoE router's gating and scores: "auto" (as the model family's trainer:
+    fp32 for DeepSeek-V3 and GLM-4.5, the model dtype otherwise), "model" (the model
+    dtype), "fp32" or "fp64" (Megatron's ``moe_router_dtype``)."""
     pad_to_multiple_of: int = 1
     """Extra per-sequence pad multiple (combined with what CP / SP require)."""
     max_top_k: int = 64
@@ -96,6 +101,10 @@ class EngineConfig:
             raise ValueError(
                 f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {self.lm_head_dtype!r}"
             )
+        if self.moe_router_dtype not in ROUTER_DTYPES:
+            raise ValueError(
+                f"moe_router_dtype must be one of {ROUTER_DTYPES}, got {self.moe_router_dtype!r}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
@@ -139,6 +148,14 @@ class EngineConfig:
         if self.sequence_parallel is not None:
             return self.sequence_parallel
         return is_moe and self.tensor_model_parallel_size > 1
+
+    def router_dtype_for(self, family_default: str | None) -> str | None:
+        """Megatron's ``moe_router_dtype`` for a model whose family trains its router in
+        ``family_default`` (``ModelConfig.moe_router_dtype``): "fp32", "fp64" or None (the
+        activations' dtype); an explicit ``moe_router_dtype`` wins over "auto"."""
+        if self.moe_router_dtype == "auto":
+            return family_default
+        return None if self.moe_router_dtype == "model" else self.moe_router_dtype
 
     def metrics_supported(self, is_moe: bool) -> bool:
         """Whether MoE / MTP metrics can be computed for a model in this layout.

@@ -154,11 +154,12 @@ def _hash(items: list[tuple[str, int, int]]) -> str:
 
 
 def _resolve_hf(directory: Path) -> ResolvedModel:
+    from megascore.checkpoint import fp8
     from megascore.checkpoint.safetensors_io import SafetensorsDir
 
     config = read_hf_config(directory)
     model_cfg = hf_config_to_model_config(config)
-    with SafetensorsDir(directory) as reader:  # headers + sizes only
+    with SafetensorsDir(directory, fp8.block_size(config)) as reader:  # headers + sizes only
         files = reader.fingerprint()
     cfg_stat = (directory / "config.json").stat()
     # The resolved path is part of the version: two copies with equal names, sizes
@@ -177,7 +178,7 @@ def _resolve_hf(directory: Path) -> ResolvedModel:
         from megascore.checkpoint.hf_weights import load_hf_weights
 
         if hf_bridge.choose_hf_loader(model, directory) == "bridge":
-            hf_bridge.load_with_bridge(model, directory)
+            hf_bridge.load_with_bridge(model, directory, model_cfg)
         else:  # megascore's recipes: every architecture hf_config accepts
             load_hf_weights(model, model_cfg, directory)
 

@@ -68,9 +68,15 @@ def count_parameters(model: torch.nn.Module, pg_collection) -> int:
     Returns:
         Sum over parameters of ``numel x`` the number of shards it is split into
         (TP or expert-TP for partitioned tensors, x EP for expert parameters),
-        summed over the pipeline stages (collective over the PP group when PP > 1);
-        a later stage's copy of the word embedding (Megatron marks it ``shared``)
-        is not counted twice.
+        summed over the pipeline stages (collective over the default group when
+        PP > 1); a later stage's copy of the word embedding (Megatron marks it
+        ``shared``) is not counted twice.
+
+    The sum runs on the default group, whose timeout is the start-up one
+    (``megascore.engine.runtime``), not on the PP group (``collective_timeout_s``,
+    120 s by default): the stages reach it when each has loaded its own layers, which
+    for a large checkpoint can be minutes apart. Every rank of a stage counts the same
+    total, so the sum over all ranks is ``world / PP`` times the sum over the stages.
     """
 
     def size(group) -> int:
@@ -85,10 +91,12 @@ def count_parameters(model: torch.nn.Module, pg_collection) -> int:
         if getattr(param, "tensor_model_parallel", False):
             factor *= size(pg_collection.expt_tp if is_expert else pg_collection.tp)
         total += param.numel() * factor
-    if size(pg_collection.pp) > 1:
-        count = torch.tensor([total], dtype=torch.int64, device=collective_device(pg_collection.pp))
-        torch.distributed.all_reduce(count, group=pg_collection.pp)
-        total = int(count.item())
+    pp = size(pg_collection.pp)
+    if pp > 1:
+        world = torch.distributed.group.WORLD
+        count = torch.tensor([total], dtype=torch.int64, device=collective_device(world))
+        torch.distributed.all_reduce(count, group=world)
+        total = int(count.item()) * pp // torch.distributed.get_world_size(world)
     return total
 
 
