@@ -99,11 +99,13 @@ def test_microbatch_padding_is_a_segment_of_its_own():
     segment of pad tokens: the last sequence keeps its own segment, so no pad token
     attends to (or is attended by) a real one and the longest segment is a sequence's."""
     lengths = np.array([3, 5])
-    ids = torch.arange(1, 9)
-    common = dict(pad_multiple=2, cp_rank=0, cp_size=1, has_request_mask=False)
+    segments = dense_layout(np.arange(1, 9), lengths)
+    common = dict(
+        pad_multiple=2, cp_rank=0, cp_size=1, has_request_mask=False, device=torch.device("cpu")
+    )
     mask = np.ones(8, np.float32)
     temps = np.array([0.5, 2.0], np.float32)
-    mb = build_microbatch(ids, lengths, temps, mask, pad_to=20, **common)
+    mb = build_microbatch(segments, temps, mask, pad_to=20, **common)
     assert mb.packed.cu_seqlens_padded.tolist() == [0, 4, 10, 20]
     assert mb.packed.cu_seqlens.tolist() == [0, 3, 8, 8]  # the padding holds no token
     assert mb.packed.packed_seq_params.max_seqlen_q == 10  # not 16: sequence 1 + padding
@@ -122,5 +124,5 @@ def test_microbatch_padding_is_a_segment_of_its_own():
         7,
         8,
     ]
-    exact = build_microbatch(ids, lengths, temps, mask, pad_to=10, **common)
+    exact = build_microbatch(segments, temps, mask, pad_to=10, **common)
     assert exact.packed.cu_seqlens_padded.tolist() == [0, 4, 10]  # no padding: no segment
