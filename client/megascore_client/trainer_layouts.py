@@ -31,7 +31,7 @@ import numpy as np
 from megascore_client.errors import InvalidInputError
 from megascore_client.inputs import as_numpy
 
-__all__ = ["PaddedLayout", "group_sequences", "nemo_rl_layout", "verl_layout"]
+__all__ = ["PaddedLayout", "group_sequences", "nemo_rl_layout", "prompt_groups", "verl_layout"]
 
 
 def _is_torch(value) -> bool:
@@ -187,3 +187,33 @@ def group_sequences(prompts, continuations) -> tuple[list[np.ndarray], list[np.n
             sequences.append(np.concatenate([head, tail]))
             masks.append(np.r_[np.zeros(len(head), np.uint8), np.ones(len(tail), np.uint8)])
     return sequences, masks
+
+
+def prompt_groups(layout: PaddedLayout) -> np.ndarray:
+    """Runs of consecutive scored sequences of a verl layout that share their prompt
+    (GRPO's n rollouts of one prompt, which verl keeps in consecutive rows).
+
+    The prompt of a sequence is its real tokens before the response columns
+    (``layout.keep``); a run ends where the next sequence's prompt differs (the same
+    prompt again after another one starts a new run).
+
+    Args:
+        layout: a :func:`verl_layout`.
+
+    Returns:
+        int64 ``[G]``: the number of sequences in each run, in order; they sum to
+        ``len(layout.sequences)`` (rows with an empty response are not scored, so not
+        counted).
+    """
+    start = layout.keep.start or 0
+    prompts = [
+        seq[: int((cols < start).sum())]
+        for seq, cols in zip(layout.sequences, layout.columns, strict=True)
+    ]
+    sizes: list[int] = []
+    for i, prompt in enumerate(prompts):
+        if i and np.array_equal(prompt, prompts[i - 1]):
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return np.array(sizes, dtype=np.int64)
