@@ -40,6 +40,7 @@ import e2e_vs_engine
 import families_cpu
 import memory
 import mfu
+import option_cost
 import packed_vs_hf
 import pipeline
 import prefix_sharing
@@ -470,6 +471,7 @@ def main() -> int:
         routing_cost,
         families_cpu,
         batch_invariance,
+        option_cost,
         prefix_sharing,
     ):
         if own.BEGIN in previous and own.END in previous:

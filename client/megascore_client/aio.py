@@ -109,14 +109,11 @@ class AsyncScoringClient(ClientBase):
             for task in tasks:
                 task.cancel()
 
-    async def _score_layout(self, layout: PaddedLayout, temperature, request_id, timeout):
+    async def _score_layout(self, layout: PaddedLayout, kwargs: dict):
         scored = None
         if layout.sequences:
-            scored = await self.score(
-                layout.sequences, losses=(), temperature=temperature, request_id=request_id,
-                timeout=timeout,
-            )  # fmt: skip
-        return layout.logprobs(None if scored is None else scored.logprobs)
+            scored = await self.score(layout.sequences, **layout.score_arguments(kwargs))
+        return layout.answer(scored, kwargs)
 
     def stream(self, *, timeout: float | None = None) -> AsyncScoreStream:
         """A ScoreStream helper: ``async with client.stream() as s: f = await s.submit(...)``.

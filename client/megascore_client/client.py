@@ -172,6 +172,8 @@ class ClientBase:
         temperature: float = 1.0,
         request_id: str | None = None,
         timeout: float | None = None,
+        rollout_logprobs: object = None,
+        mismatch_ratio_cap: float | None = None,
     ):
         """Logprobs of a NeMo-RL batch (awaitable on ``AsyncScoringClient``): right-padded
         ``input_ids [B, S]`` and ``input_lengths [B]`` (layout in
@@ -181,14 +183,27 @@ class ClientBase:
             input_ids: int ``[B, S]`` (numpy, torch or array-like).
             input_lengths: int ``[B]``, each in ``[0, S]``.
             temperature, request_id, timeout: as for :meth:`score`.
+            rollout_logprobs: ``[B, S]`` (the layout of the result), the rollout
+                engine's logprobs; ``mismatch_ratio_cap``: see Returns.
 
         Returns:
             float32 ``[B, S]``: entry ``[b, t]`` is ``log p(x_t | x_<t)`` of row b for
             ``1 <= t < input_lengths[b]``, 0.0 at t = 0 and past the length; a torch
-            tensor on the device of ``input_ids`` when that is a torch tensor.
+            tensor on the device of ``input_ids`` when that is a torch tensor. With
+            ``rollout_logprobs``: ``(logprobs, mismatch)``, ``mismatch`` the statistics
+            of ``ScoreResult.mismatch_stats`` per row (float64 ``[B]``).
         """
         layout = nemo_rl_layout(input_ids, input_lengths)
-        return self._score_layout(layout, temperature, request_id, timeout)
+        return self._score_layout(
+            layout,
+            dict(
+                temperature=temperature,
+                request_id=request_id,
+                timeout=timeout,
+                rollout_logprobs=rollout_logprobs,
+                mismatch_ratio_cap=mismatch_ratio_cap,
+            ),
+        )
 
     def score_responses(
         self,
@@ -199,6 +214,8 @@ class ClientBase:
         temperature: float = 1.0,
         request_id: str | None = None,
         timeout: float | None = None,
+        rollout_logprobs: object = None,
+        mismatch_ratio_cap: float | None = None,
     ):
         """Response logprobs of a verl batch (awaitable on ``AsyncScoringClient``):
         ``input_ids [B, P+R]`` (left-padded prompts, then right-padded responses),
@@ -208,13 +225,26 @@ class ClientBase:
         Args:
             input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
             temperature, request_id, timeout: as for :meth:`score`.
+            rollout_logprobs: ``[B, R]`` (verl's ``old_log_probs`` layout), the rollout
+                engine's logprobs; ``mismatch_ratio_cap``: see Returns.
 
         Returns:
             float32 ``[B, R]``: entry ``[b, j]`` is the logprob of ``responses[b, j]``
             given the real tokens before it, 0.0 on response padding (torch in, torch out).
+            With ``rollout_logprobs``: ``(logprobs, mismatch)`` as for
+            :meth:`score_padded`, over the response tokens.
         """
         layout = verl_layout(input_ids, attention_mask, responses)
-        return self._score_layout(layout, temperature, request_id, timeout)
+        return self._score_layout(
+            layout,
+            dict(
+                temperature=temperature,
+                request_id=request_id,
+                timeout=timeout,
+                rollout_logprobs=rollout_logprobs,
+                mismatch_ratio_cap=mismatch_ratio_cap,
+            ),
+        )
 
     def score_groups(self, prompts, continuations, **options):
         """Scores groups (awaitable on ``AsyncScoringClient``): each prompt followed by
@@ -376,6 +406,11 @@ class ScoringClient(ClientBase):
         return_logprobs: bool = True,
         return_routing: bool = False,
         routing=None,
+        return_entropy: bool = False,
+        target_ids=None,
+        rollout_logprobs=None,
+        mismatch_ratio_cap: float | None = None,
+        return_importance_weights: bool = False,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -399,6 +434,18 @@ class ScoringClient(ClientBase):
                 ``[L_i, num_moe_layers, topk]`` array per sequence (a
                 ``ScoreResult.routing``): the forward uses these experts (Megatron's
                 RouterReplay), e.g. the rollout engine's routes. MoE models only.
+            return_entropy: return the per-token entropy (``ScoreResult.entropy``).
+            target_ids: ids whose logprobs to return at every position, one integer
+                ``[L_i, K]`` array per sequence (``ScoreResult.target_logprobs``;
+                ``K <= ModelInfo.max_target_ids``; row 0 ignored).
+            rollout_logprobs: the rollout engine's logprobs of the same tokens, one
+                ``[L_i]`` array per sequence (entry 0 ignored): ``ScoreResult.mismatch``
+                holds per-sequence train/inference mismatch statistics
+                (docs/client.md, "Train/inference mismatch").
+            mismatch_ratio_cap: the importance-ratio cap ``c`` of those statistics
+                (default 2.0; > 1).
+            return_importance_weights: with ``rollout_logprobs``, return the per-token
+                truncated importance weights ``min(exp(scored - rollout), c)``.
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -421,6 +468,11 @@ class ScoringClient(ClientBase):
             return_logprobs=return_logprobs,
             return_routing=return_routing,
             routing=routing,
+            return_entropy=return_entropy,
+            target_ids=target_ids,
+            rollout_logprobs=rollout_logprobs,
+            mismatch_ratio_cap=mismatch_ratio_cap,
+            return_importance_weights=return_importance_weights,
             request_id=request_id,
         )
         parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())
@@ -456,14 +508,10 @@ class ScoringClient(ClientBase):
                 future.cancel()
         return results
 
-    def _score_layout(self, layout: PaddedLayout, temperature, request_id, timeout):
-        scored = None
-        if layout.sequences:
-            scored = self.score(
-                layout.sequences, losses=(), temperature=temperature, request_id=request_id,
-                timeout=timeout,
-            )  # fmt: skip
-        return layout.logprobs(None if scored is None else scored.logprobs)
+    def _score_layout(self, layout: PaddedLayout, kwargs: dict):
+        arguments = layout.score_arguments(kwargs)
+        scored = self.score(layout.sequences, **arguments) if layout.sequences else None
+        return layout.answer(scored, kwargs)
 
     def stream(self, *, timeout: float | None = None) -> ScoreStream:
         """Opens a ScoreStream bidi call for rollout loops (see :class:`ScoreStream`).

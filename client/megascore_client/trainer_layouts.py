@@ -34,6 +34,13 @@ from megascore_client.inputs import as_numpy
 __all__ = ["PaddedLayout", "group_sequences", "nemo_rl_layout", "prompt_groups", "verl_layout"]
 
 
+def _floats(value):
+    """A float array-like (torch tensors detached to the host) as numpy."""
+    if _is_torch(value):
+        value = value.detach().cpu().double()
+    return np.asarray(value)
+
+
 def _is_torch(value) -> bool:
     return type(value).__module__.split(".")[0] == "torch"
 
@@ -78,6 +85,45 @@ class PaddedLayout:
         columns = [np.flatnonzero(mask[b]) for b in rows]
         sequences = [ids[b, c] for b, c in zip(rows, columns, strict=True)]
         return cls(ids.shape, rows, columns, sequences, keep, torch_like)
+
+    def score_arguments(self, kwargs: dict) -> dict:
+        """``score`` arguments of the layout's sequences from an adapter's ``kwargs``:
+        a ``rollout_logprobs`` in the trainer's layout (``[B, S]``, or ``[B, R]`` with
+        ``keep``) becomes one array per sequence, and the loss mask keeps only the
+        ``keep`` columns (the mismatch statistics count the response tokens only)."""
+        arguments = {"losses": (), **kwargs}
+        rollout = kwargs.get("rollout_logprobs")
+        if rollout is None:
+            return arguments
+        values = np.asarray(_floats(rollout), dtype=np.float64)
+        width = self.shape[1] - (self.keep.start or 0)
+        if values.shape != (self.shape[0], width):
+            raise InvalidInputError(
+                f"rollout_logprobs: shape {values.shape}, expected {(self.shape[0], width)} "
+                "(the layout of the returned logprobs)"
+            )
+        full = np.zeros(self.shape)
+        full[:, self.keep] = values
+        pairs = zip(self.rows, self.columns, strict=True)
+        arguments["rollout_logprobs"] = [full[b, c] for b, c in pairs]
+        if self.keep != slice(None):
+            in_keep = np.zeros(self.shape[1], bool)
+            in_keep[self.keep] = True
+            arguments["loss_mask"] = [in_keep[c].astype(np.uint8) for c in self.columns]
+        return arguments
+
+    def answer(self, scored, kwargs: dict):
+        """What an adapter returns: the logprobs in the layout (:meth:`logprobs`); with
+        ``rollout_logprobs``, ``(logprobs, mismatch)``, ``mismatch`` a statistic name ->
+        float64 ``[B]`` (0.0 for a row not scored)."""
+        logprobs = self.logprobs(None if scored is None else scored.logprobs)
+        if kwargs.get("rollout_logprobs") is None:
+            return logprobs
+        stats = {}
+        for name, values in (scored.mismatch_stats if scored is not None else {}).items():
+            stats[name] = np.zeros(self.shape[0])
+            stats[name][self.rows] = values
+        return logprobs, stats
 
     def logprobs(self, scored: list[np.ndarray] | None):
         """Puts the logprobs of the scored sequences (``ScoreResult.logprobs``, in the

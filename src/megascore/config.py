@@ -56,8 +56,10 @@ class EngineConfig:
     dtype), "fp32" or "fp64" (Megatron's ``moe_router_dtype``)."""
     pad_to_multiple_of: int = 1
     """Extra per-sequence pad multiple (combined with what CP / SP require)."""
-    max_top_k: int = 64
-    """Largest ``top_k`` a request may ask for."""
+    max_top_k: int = 256
+    """Largest ``top_k`` a request may ask for (distillation asks for wide top-k)."""
+    max_target_ids: int = 256
+    """Largest number of caller-chosen target ids per token (``ScoreRequest.target_ids``)."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the vocab-parallel log-softmax (bounds peak memory)."""
     collective_timeout_s: float = 120.0
@@ -90,6 +92,7 @@ class EngineConfig:
             "pipeline_model_parallel_size",
             "pad_to_multiple_of",
             "max_top_k",
+            "max_target_ids",
             "logprob_chunk_tokens",
             "min_shared_prefix",
         ):

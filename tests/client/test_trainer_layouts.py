@@ -215,7 +215,13 @@ def test_trainer_helpers_take_exactly_the_keywords_they_use(cls, method):
     (``losses``) is a TypeError naming it, at the call."""
     params = inspect.signature(getattr(cls, method)).parameters
     keywords = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert keywords == ["temperature", "request_id", "timeout"]
+    assert keywords == [
+        "temperature",
+        "request_id",
+        "timeout",
+        "rollout_logprobs",
+        "mismatch_ratio_cap",
+    ]
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())
     assert all(params[k].annotation is not inspect.Parameter.empty for k in keywords)
 

@@ -143,6 +143,7 @@ class FakeEngine:
             vocab_size=VOCAB,
             max_sequence_length=max_len,
             max_top_k=MAX_TOP_K,
+            max_target_ids=MAX_TOP_K,
             loss_names=LOSS_NAMES,
             routing=routing,
             metric_groups=("moe", "mtp") if metrics else (),

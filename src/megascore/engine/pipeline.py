@@ -194,6 +194,8 @@ class Microbatch:
             (:func:`megascore.engine.routing.local_replay_targets`), or None.
         recorded_routes: set by the forward step when the step records the routing:
             int64 ``[n, L_stage, k]`` (None on a stage without MoE layers).
+        target_ids: int64 ``[T_local, K]`` caller-chosen ids scored at each position
+            (those given for the token the position predicts), or None.
     """
 
     packed: PackedSequences
@@ -204,6 +206,7 @@ class Microbatch:
     mtp_loss_mask: torch.Tensor | None
     replay_routes: torch.Tensor | None = None
     recorded_routes: torch.Tensor | None = None
+    target_ids: torch.Tensor | None = None
 
 
 def build_microbatch(
@@ -217,6 +220,8 @@ def build_microbatch(
     cp_rank: int,
     cp_size: int,
     has_request_mask: bool,
+    lengths: np.ndarray | None = None,
+    target_ids: np.ndarray | None = None,
 ) -> Microbatch:
     """Packs one microbatch for this rank's CP rank.
 
@@ -230,6 +235,8 @@ def build_microbatch(
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
         has_request_mask: the request carried a loss mask (MTP then uses it).
+        lengths: int64 ``[B_mb]`` the microbatch's sequence lengths (with ``target_ids``).
+        target_ids: int64 ``[T_mb, K]`` token-aligned caller-chosen ids, or None.
 
     Returns:
         The :class:`Microbatch`.
@@ -263,14 +270,35 @@ def build_microbatch(
     full = torch.zeros(1, pad_to)
     full[0, packed.token_positions] = torch.from_numpy(row_mask)
     mask = roll_within_segments(full, cu_padded, shifts=-1)[0, shard]
+    positions = packed.token_positions[torch.from_numpy(segments.token_rows)]
     return Microbatch(
         packed=packed,
-        token_positions=packed.token_positions[torch.from_numpy(segments.token_rows)],
+        token_positions=positions,
         targets=targets,
         temperature=temps,
         loss_mask=mask.to(device),
         mtp_loss_mask=mask.unsqueeze(0).to(device) if has_request_mask else None,
+        target_ids=None
+        if target_ids is None
+        else _predicting_rows(target_ids, lengths, positions, packed, pad_to),
     )
+
+
+def _predicting_rows(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    positions: torch.Tensor,
+    packed: PackedSequences,
+    pad_to: int,
+) -> torch.Tensor:
+    """Token-aligned ``[T_mb, K]`` rows moved to the packed position that predicts their
+    token (one before it, ``positions``: each token's packed row; a sequence's first row
+    has none and is dropped), this CP rank's shard of them, on the ids' device."""
+    rows = torch.zeros((pad_to, values.shape[1]), dtype=torch.int64)
+    predicted = torch.ones(positions.numel(), dtype=torch.bool)
+    predicted[layout.offsets(lengths)[:-1]] = False  # each sequence's first token
+    rows[positions[predicted] - 1] = torch.from_numpy(np.asarray(values, np.int64))[predicted]
+    return rows[packed.shard_indices].to(packed.input_ids.device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +317,7 @@ class ScoreSpec:
             (:func:`megascore.engine.forward.model_inputs`).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
+        num_target_ids: K of the batch's target ids (0 without).
         scored_rows_only: compute the output head and log-softmax only at the rows that
             predict a scored token (``Microbatch.loss_mask``); the other rows' logprobs
             are 0.0. For steps that return no per-token output (no logprobs, no top-k).
@@ -304,6 +333,7 @@ class ScoreSpec:
     metrics_forward: bool
     lm_head_dtype: str = "model"
     record_routes: bool = False
+    num_target_ids: int = 0
     scored_rows_only: bool = False
 
 
@@ -326,11 +356,14 @@ def _score_microbatch(
         top_k=spec.top_k,
         chunk_tokens=spec.chunk_tokens,
         vocab_size=spec.vocab_size,
+        target_ids=mb.target_ids,
         # the logprobs always: Megatron's schedule takes a loss from every microbatch
         outputs=list(dict.fromkeys([schema.output("logprobs"), *spec.outputs])),
     )
     if rows is not None:  # [T_local, ...]: each output's fill where nothing was scored
         for name, value in list(scores.items()):
+            if value is None:
+                continue
             full = torch.full(
                 (len(mb.loss_mask), *value.shape[1:]),
                 schema.output(name).fill,

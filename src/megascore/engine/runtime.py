@@ -181,6 +181,7 @@ class DistributedEngine:
             vocab_size=loaded.config.vocab_size,
             max_sequence_length=loaded.config.max_position_embeddings,
             max_top_k=engine_cfg.max_top_k,
+            max_target_ids=engine_cfg.max_target_ids,
             loss_names=loss_names(),
             metrics_supported=engine_cfg.metrics_supported(is_moe),
             routing=routing_shape(loaded.model),

@@ -169,11 +169,16 @@ def _min_shared(batch: ScoreBatch, cfg: StepConfig, cp_size: int, metrics: bool)
 
 
 def _token_keys(batch: ScoreBatch) -> np.ndarray | None:
-    """What must match for two tokens to be shared: the id, and the routes it replays."""
-    if batch.routing is None:
+    """What must match for two tokens to be shared: the id, the routes it replays and the
+    target ids scored at it."""
+    extra = [
+        np.asarray(values, dtype=np.int64).reshape(batch.num_tokens, -1)
+        for values in (batch.routing, batch.target_ids)
+        if values is not None
+    ]
+    if not extra:
         return None
-    routes = np.asarray(batch.routing, dtype=np.int64).reshape(batch.num_tokens, -1)
-    return np.concatenate([np.asarray(batch.token_ids, dtype=np.int64)[:, None], routes], 1)
+    return np.concatenate([np.asarray(batch.token_ids, dtype=np.int64)[:, None], *extra], 1)
 
 
 def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Plan:
@@ -207,6 +212,8 @@ def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Pla
             cp_rank=dist.get_rank(groups.cp),
             cp_size=cp_size,
             has_request_mask=batch.loss_mask is not None,
+            lengths=lengths[mb.sequences],
+            target_ids=None if batch.target_ids is None else batch.target_ids[tok],
         )
         for mb, tok in zip(layouts, tokens, strict=True)
     ]
@@ -226,6 +233,7 @@ def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Pla
         record_routes=record,
         # only the losses leave the step: the head runs where the loss mask scores a token
         scored_rows_only=not any(out.wanted(batch) for out in outputs),
+        num_target_ids=batch.num_target_ids,
     )
     return _Plan(microbatches, layouts, tokens, pad_to, spec, record, want_moe, want_mtp)
 
@@ -451,6 +459,9 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         values["routing"] = np.asarray(batch.routing, dtype=np.int32)
     elif batch.return_routing:
         values["routing"] = result.routing.numpy()[result.token_positions.numpy()].astype(np.int32)
+    for out in schema.OUTPUTS:
+        if out.finish is not None and out.wanted(batch):
+            values[out.name] = out.finish(batch, values)
     if not batch.return_logprobs:
         values.pop("logprobs", None)
     return ScoreOutput(
