@@ -19,6 +19,10 @@ from tests.one_rank import one_rank_world
 from tests.prefix_groups import MIN_SHARED, assert_same_scores, prefix_group_batch
 
 BATCH = prefix_group_batch(seed=11, return_routing=True)
+# caller-chosen ids scored at every token: the same for every sequence of a shared prompt
+# except sequence 0's token 5 (that token of its prompt can then not be shared)
+TARGET_IDS = (BATCH.token_ids[:, None] + np.arange(3)) % 512
+TARGET_IDS[5] = (TARGET_IDS[5] + 7) % 512
 
 
 def _moved_route(routing: np.ndarray) -> np.ndarray:
@@ -49,6 +53,9 @@ def outputs():
                     ),
                     "metrics": engine.score(
                         dataclasses.replace(BATCH, return_moe_metrics=True, return_mtp_metrics=True)
+                    ),
+                    "targets": engine.score(
+                        dataclasses.replace(BATCH, target_ids=TARGET_IDS, return_entropy=True)
                     ),
                 }
             finally:
@@ -95,3 +102,11 @@ def test_serve_flags():
     assert load_serve_config([], environ={}).engine.prefix_sharing is None
     with pytest.raises(ValueError, match="min_shared_prefix"):
         EngineConfig(min_shared_prefix=0)
+
+
+def test_entropy_and_target_ids_match_the_dense_forward(outputs):
+    shared, dense = outputs[True]["targets"], outputs[False]["targets"]
+    assert dense.values.keys() == shared.values.keys() >= {"entropy", "target_logprobs"}
+    for name in ("entropy", "target_logprobs"):
+        np.testing.assert_allclose(shared.values[name], dense.values[name], rtol=0, atol=1e-6)
+    assert_same_scores(shared, dense)
