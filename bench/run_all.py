@@ -36,6 +36,7 @@ from pathlib import Path
 
 import batch_invariance
 import common
+import data_parallel
 import e2e_vs_engine
 import families_cpu
 import memory
@@ -45,6 +46,7 @@ import packed_vs_hf
 import pipeline
 import prefix_sharing
 import routing_cost
+import startup
 import weight_push
 import wire_cost
 from common import Row
@@ -465,7 +467,7 @@ def main() -> int:
     previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
     # sections their own scripts write: kept
-    for own in (
+    own_sections = (
         pipeline,
         weight_push,
         routing_cost,
@@ -473,7 +475,10 @@ def main() -> int:
         batch_invariance,
         option_cost,
         prefix_sharing,
-    ):
+        startup,
+        data_parallel,
+    )
+    for own in own_sections:
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]
             common.write_section(args.output, own.BEGIN, own.END, kept + own.END)

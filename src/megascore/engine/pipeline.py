@@ -93,6 +93,28 @@ def split_microbatches(
 
 @dataclasses.dataclass(frozen=True)
 class MicrobatchPlan:
+    """How one rank cuts its sequences of a step into microbatches.
+
+    Attributes:
+        ranges: ``[first, end)`` sequence ranges in batch order, one per microbatch. An
+            empty one (``first == end``) is a microbatch of ``pad_to`` pad tokens: a
+            data-parallel rank without sequences in it still joins its peers' expert
+            collectives (:mod:`megascore.engine.data_parallel`).
+        pad_to: packed length of every microbatch.
+    """
+
+    ranges: list[tuple[int, int]]
+    pad_to: int
+
+    @classmethod
+    def split(cls, lengths: np.ndarray, pad_multiple: int, count: int) -> MicrobatchPlan:
+        """The plan of a rank that runs its step alone (:func:`split_microbatches`)."""
+        ranges, pad_to = split_microbatches(lengths, pad_multiple, count)
+        return cls(ranges=ranges, pad_to=pad_to)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicrobatchSegments:
     """Which sequences of a step one microbatch holds, and how they are computed.
 
     Attributes:
@@ -113,7 +135,8 @@ def plan_microbatches(
     min_shared: int | None = None,
     token_keys: np.ndarray | None = None,
     labels: np.ndarray | None = None,
-) -> tuple[list[MicrobatchPlan], int]:
+    cuts: MicrobatchPlan | None = None,
+) -> tuple[list[MicrobatchSegments], int]:
     """Splits a step into microbatches, computing shared prefixes once when asked.
 
     Dense (``min_shared`` None): :func:`split_microbatches` of the sequences in batch
@@ -129,6 +152,8 @@ def plan_microbatches(
         min_shared: shortest prefix worth sharing, or None for the dense layout.
         token_keys: int64 ``[T, w]`` what must match for tokens to be shared (None: ids).
         labels: ``[B]`` sequences of different labels share nothing (None: all equal).
+        cuts: a dense step's given microbatches (a data-parallel rank's share,
+            :mod:`megascore.engine.data_parallel`); None: :meth:`MicrobatchPlan.split`.
 
     Returns:
         ``(plans, pad_to)``: the microbatches in order and their common packed length.
@@ -136,13 +161,13 @@ def plan_microbatches(
     token_ids = np.asarray(token_ids, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     if min_shared is None:
-        ranges, pad_to = split_microbatches(lengths, pad_multiple, count)
+        cuts = cuts or MicrobatchPlan.split(lengths, pad_multiple, count)
         plans = []
-        for a, b in ranges:
+        for a, b in cuts.ranges:
             seqs = np.arange(a, b, dtype=np.int64)
             tokens = token_ids[layout.token_index(lengths, seqs)]
-            plans.append(MicrobatchPlan(seqs, dense_layout(tokens, lengths[a:b])))
-        return plans, pad_to
+            plans.append(MicrobatchSegments(seqs, dense_layout(tokens, lengths[a:b])))
+        return plans, cuts.pad_to
     keys = token_ids[:, None] if token_keys is None else token_keys
     labels = np.zeros(len(lengths)) if labels is None else labels
     groups = shared_groups(keys, lengths, labels, min_shared)
@@ -163,7 +188,7 @@ def plan_microbatches(
     )
     ranges, pad_to = split_microbatches(costs, pad_multiple, count)
     plans = [
-        MicrobatchPlan(
+        MicrobatchSegments(
             np.concatenate(groups[a:b]),
             concat_layouts(layouts[a:b], [lengths[g] for g in groups[a:b]]),
         )
@@ -239,7 +264,8 @@ def build_microbatch(
         target_ids: int64 ``[T_mb, K]`` token-aligned caller-chosen ids, or None.
 
     Returns:
-        The :class:`Microbatch`.
+        The :class:`Microbatch`. Without sequences (``lengths`` empty) it is the padding
+        segment alone (``pad_to`` pad tokens).
     """
     packed = pack_layout(
         torch.from_numpy(segments.token_ids).to(device),

@@ -1,7 +1,8 @@
 """One engine step on one rank: pack, forward, score, gather, agree, unpack.
 
-Every rank of the replica runs :func:`run_step` with the same
-:class:`~megascore.types.ScoreBatch` (broadcast by rank 0):
+Every rank of a TP x CP x PP group runs :func:`run_step` with the same
+:class:`~megascore.types.ScoreBatch` (broadcast by rank 0; with data-parallel ranks, the
+DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parallel`):
 
 1. split the batch into microbatches (:func:`megascore.engine.pipeline.split_microbatches`)
    and pack each from the flat ids for this rank's CP rank (NeMo-RL layout), with
@@ -46,6 +47,7 @@ from megascore.engine.losses import compute_losses
 from megascore.engine.pipeline import (
     Microbatch,
     MicrobatchPlan,
+    MicrobatchSegments,
     ScoreSpec,
     build_microbatch,
     plan_microbatches,
@@ -96,7 +98,8 @@ class StepConfig:
         vocab_size: true vocabulary size (padded logit columns never enter the top-k).
         device: device of the model inputs.
         microbatches: microbatches per step (fewer when a step is small).
-        output_rank: global rank that builds the :class:`ScoreOutput` (first stage).
+        output_rank: global rank that builds the :class:`ScoreOutput` (first stage, TP 0,
+            CP 0 of this rank's DP rank; global rank 0 for DP rank 0).
         result_rank: its peer on the last pipeline stage, where the results are
             computed (the output rank itself at PP = 1).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
@@ -151,7 +154,7 @@ class _Plan:
     """Stage 1 of a step on this rank: the microbatches and what to compute."""
 
     microbatches: list[Microbatch]
-    layouts: list[MicrobatchPlan]
+    layouts: list[MicrobatchSegments]
     tokens: list[np.ndarray | slice]
     pad_to: int
     spec: ScoreSpec
@@ -181,9 +184,12 @@ def _token_keys(batch: ScoreBatch) -> np.ndarray | None:
     return np.concatenate([np.asarray(batch.token_ids, dtype=np.int64)[:, None], *extra], 1)
 
 
-def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Plan:
-    """Stage 1: split into microbatches (sharing prefixes when on) and pack each for this
-    rank's CP rank; what the last stage computes (:class:`ScoreSpec`)."""
+def _plan(
+    model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig, cuts: MicrobatchPlan | None
+) -> _Plan:
+    """Stage 1: split into microbatches (``cuts``, a data-parallel rank's share, run dense;
+    else :func:`plan_microbatches`, sharing prefixes when on) and pack each for this rank's
+    CP rank; what the last stage computes (:class:`ScoreSpec`)."""
     lengths = np.asarray(batch.lengths, dtype=np.int64)
     cp_size = dist.get_world_size(groups.cp)
     # Metrics of a model without MoE / MTP layers are empty, not an error.
@@ -194,9 +200,12 @@ def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Pla
         lengths,
         pad_multiple=cfg.pad_multiple,
         count=cfg.microbatches,
-        min_shared=_min_shared(batch, cfg, cp_size, metrics=want_moe or want_mtp),
+        min_shared=None
+        if cuts is not None
+        else _min_shared(batch, cfg, cp_size, metrics=want_moe or want_mtp),
         token_keys=_token_keys(batch),
         labels=batch.temperatures(),
+        cuts=cuts,
     )
     target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
     temps = None if batch.temperature is None else np.asarray(batch.temperature)
@@ -254,9 +263,11 @@ def _set_replay(model, batch: ScoreBatch, plan: _Plan, groups: StepGroups, cfg: 
         )
 
 
-def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
+def _local_results(
+    model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig, cuts: MicrobatchPlan | None
+) -> StepResult:
     """Steps 1-3 of the module docstring on this rank (issues the step's collectives)."""
-    plan = _plan(model, batch, groups, cfg)
+    plan = _plan(model, batch, groups, cfg, cuts)
     if batch.routing is not None:
         _set_replay(model, batch, plan, groups, cfg)
     microbatches = plan.microbatches
@@ -365,14 +376,22 @@ def wait_for_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
+def run_step(
+    model,
+    batch: ScoreBatch,
+    groups: StepGroups,
+    cfg: StepConfig,
+    cuts: MicrobatchPlan | None = None,
+) -> StepResult:
     """Runs one forward step on this rank and agrees on its outcome with every rank.
 
     Args:
         model: the (eval-mode) Megatron model of this rank.
-        batch: the batch, identical on every rank.
+        batch: the batch of this rank's TP x CP x PP group (with data-parallel ranks,
+            this rank's part of the step: :mod:`megascore.engine.data_parallel`).
         groups: process groups of the step.
         cfg: per-replica step constants.
+        cuts: the microbatches to run (None: :meth:`MicrobatchPlan.split` of the batch).
 
     Returns:
         This rank's :class:`StepResult`.
@@ -384,7 +403,7 @@ def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> S
     error: BaseException | None = None
     result = None
     try:
-        result = _local_results(model, batch, groups, cfg)
+        result = _local_results(model, batch, groups, cfg, cuts)
         wait_for_device(cfg.device)
     except Exception as e:  # reported to every rank through the status all-reduce
         logger.exception("rank %d: step failed", dist.get_rank())
