@@ -44,6 +44,7 @@ import mfu
 import option_cost
 import packed_vs_hf
 import pipeline
+import prefix_sharing
 import routing_cost
 import startup
 import weight_push
@@ -473,6 +474,7 @@ def main() -> int:
         families_cpu,
         batch_invariance,
         option_cost,
+        prefix_sharing,
         startup,
         data_parallel,
     )

@@ -74,6 +74,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from megascore.config import METRICS_REDUCTIONS
 from megascore.engine import step_metrics
 from megascore.packing import PackedSequences, cp_shard_indices, roll_within_segments
+from megascore.segment_packing import full_positions, rope_positions
 
 logger = logging.getLogger(__name__)
 
@@ -179,20 +180,24 @@ def mtp_metric_names(cfg) -> list[str]:
     return names
 
 
-def packed_position_ids(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int):
-    """Position of every token inside its padded segment, CP-sharded.
+def packed_position_ids(
+    cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int, params=None
+) -> torch.Tensor:
+    """Position of every token in its sequence, CP-sharded.
 
     Args:
         cu_seqlens_padded: ``[B+1]`` padded boundaries.
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
+        params: the packing's ``PackedSeqParams``: positions of segments that continue
+            a shared prefix continue from it
+            (:class:`megascore.segment_packing.SharedPrefixParams`).
 
     Returns:
         int64 ``[1, T / cp_size]`` (positions restart at 0 for every sequence).
     """
     cu = cu_seqlens_padded.to("cpu", torch.long)
-    lens = cu[1:] - cu[:-1]
-    pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+    pos = full_positions(cu, params)
     return pos[cp_shard_indices(cu, cp_rank, cp_size)].unsqueeze(0)
 
 
@@ -413,7 +418,8 @@ def forward_microbatch(
     before = None if before is None else before.clone()
     weigh_mtp = metrics_forward and bool(model.config.mtp_num_layers)
     mtp_before = _mtp_tracker_values() if weigh_mtp else None
-    output = model(**kwargs)
+    with rope_positions(model, packed):
+        output = model(**kwargs)
     if weigh:
         _token_weight_z_loss(model, packed, before)
     if weigh_mtp:
@@ -506,7 +512,7 @@ def model_inputs(
     p = packed.packed_seq_params
     kwargs = dict(
         input_ids=packed.input_ids_cp_sharded.to(device, torch.long),  # [1, T_local]
-        position_ids=packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size).to(device),
+        position_ids=packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size, p).to(device),
         attention_mask=None,
         packed_seq_params=dataclasses.replace(
             p,

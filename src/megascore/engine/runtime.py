@@ -85,6 +85,7 @@ from megascore.errors import (
     WorkerLostError,
 )
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
+from megascore.segment_packing import check_prefix_sharing_device, min_shared_prefix
 from megascore.types import (
     Limits,
     ModelInfo,
@@ -226,6 +227,7 @@ class DistributedEngine:
             output_rank=data_parallel.output_rank(),
             lm_head_dtype=engine_cfg.lm_head_dtype,
             metrics_reduction=engine_cfg.metrics_reduction,
+            min_shared_prefix=min_shared_prefix(engine_cfg, self.device, loaded.model),
             result_rank=result_rank(
                 self.world_size,
                 engine_cfg.pipeline_model_parallel_size,
@@ -278,6 +280,7 @@ class DistributedEngine:
         """
         parse_model_string(engine_cfg.model)  # bad strings fail alike everywhere, early
         device = resolve_device(engine_cfg)
+        check_prefix_sharing_device(engine_cfg, device)
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             device = resolve_device(engine_cfg)
