@@ -27,7 +27,7 @@ from megascore_client.splitting import Part, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
 from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
 from megascore_client.transport import SyncTransport
-from megascore_client.waiting import ServerWait, check_wait
+from megascore_client.waiting import ServerWait, check_wait, pinned_version
 
 __all__ = ["ClientBase", "ScoringClient"]
 
@@ -133,10 +133,17 @@ class ClientBase:
         server = self._server_message_bytes
         return min(own, server) if server > 0 else own
 
-    def _resend_delay(self, error: ScoringError, wait: bool, deadline, schedule):
+    def _resend_delay(self, error: ScoringError, wait: bool, deadline, schedule, request=None):
         """After a failed attempt: ``(schedule, delay)`` before re-sending the request;
         raises ``error`` when it is not to be re-sent (``wait`` False, option off, not
-        UNAVAILABLE) and the schedule's final error when the wait is over."""
+        UNAVAILABLE, and not a pinned ``request`` refused by a replica serving another
+        weights version) and the schedule's final error when the wait is over."""
+        if error.code is grpc.StatusCode.FAILED_PRECONDITION and pinned_version(request):
+            schedule = schedule or ServerWait(self.wait_for_server_s, deadline)
+            delay = schedule.next_pin_delay()
+            if delay is None:
+                raise error
+            return schedule, delay
         if not (wait and self.wait_for_server_s > 0 and error.retryable):
             raise error
         schedule = schedule or ServerWait(self.wait_for_server_s, deadline)
@@ -248,7 +255,7 @@ class ScoringClient(ClientBase):
         schedule = None
         while True:
             if error is not None:
-                schedule, delay = self._resend_delay(error, wait, deadline, schedule)
+                schedule, delay = self._resend_delay(error, wait, deadline, schedule, request)
                 if self.transport.sleep(delay):
                     raise closed_error()
             try:
@@ -280,6 +287,7 @@ class ScoringClient(ClientBase):
         return_logprobs: bool = True,
         return_routing: bool = False,
         routing=None,
+        weights_version: str = "",
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -303,6 +311,11 @@ class ScoringClient(ClientBase):
                 ``[L_i, num_moe_layers, topk]`` array per sequence (a
                 ``ScoreResult.routing``): the forward uses these experts (Megatron's
                 RouterReplay), e.g. the rollout engine's routes. MoE models only.
+            weights_version: score with exactly these weights (a ``weights_version``
+                of a push, a load or a result; "" = whatever is served). A replica
+                serving another version refuses the request (FAILED_PRECONDITION naming
+                both); it is re-sent up to 3 times within ``timeout`` (0.1, 0.2, 0.4 s
+                apart; the next replica under ``round_robin``), then the error is raised.
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -325,6 +338,7 @@ class ScoringClient(ClientBase):
             return_logprobs=return_logprobs,
             return_routing=return_routing,
             routing=routing,
+            weights_version=weights_version,
             request_id=request_id,
         )
         parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())
@@ -367,7 +381,8 @@ class ScoringClient(ClientBase):
         Args:
             input_ids: int ``[B, S]`` (numpy, torch or array-like).
             input_lengths: int ``[B]``, each in ``[0, S]``.
-            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
+            **kwargs: ``temperature``, ``weights_version``, ``request_id``, ``timeout``
+                as for :meth:`score`.
 
         Returns:
             float32 ``[B, S]``: entry ``[b, t]`` is ``log p(x_t | x_<t)`` of row b for
@@ -383,7 +398,8 @@ class ScoringClient(ClientBase):
 
         Args:
             input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
-            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
+            **kwargs: ``temperature``, ``weights_version``, ``request_id``, ``timeout``
+                as for :meth:`score`.
 
         Returns:
             float32 ``[B, R]``: entry ``[b, j]`` is the logprob of ``responses[b, j]``

@@ -63,6 +63,7 @@ class ScoreOptions:
     metrics: tuple[str, ...] = ()
     return_logprobs: bool = True
     return_routing: bool = False
+    weights_version: str = ""
 
     def __post_init__(self):
         losses = (self.losses,) if isinstance(self.losses, str) else tuple(self.losses)
@@ -88,6 +89,7 @@ class ScoreOptions:
             return_mtp_metrics="mtp" in self.metrics,
             temperature=float(self.temperature),
             return_routing=bool(self.return_routing),
+            weights_version=str(self.weights_version or ""),
         )
 
 

@@ -37,6 +37,7 @@ from megascore.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    WrongVersionError,
     clip,
 )
 
@@ -52,6 +53,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),  # includes WorkerLostError
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
+    (WrongVersionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ABORTED),
 )
 

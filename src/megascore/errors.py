@@ -54,6 +54,12 @@ class ConflictError(MegascoreError):
     push (-> ABORTED: retry once the other finished)."""
 
 
+class WrongVersionError(MegascoreError):
+    """A request pinned to a weights version reached a replica serving another one
+    (-> FAILED_PRECONDITION: another replica, or this one after its next swap, may
+    serve it)."""
+
+
 class CheckpointError(MegascoreError):
     """A checkpoint is missing, corrupt or does not match the model (names the tensor)."""
 
