@@ -5,6 +5,7 @@ layouts)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 
@@ -22,6 +23,7 @@ from megascore_client.push import (
     push_requests,
     weights_version_argument,
 )
+from megascore_client.replica_push import push_to_replicas, replica_targets
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
@@ -176,6 +178,7 @@ class ClientBase:
         names: str = "hf",
         partial: bool = False,
         progress=None,
+        prepare_timeout_s: float | None = None,
     ):
         """A ``push_weights`` call's requests (encoded as they are consumed), the counters
         they fill and the deadline (arguments: those of ``push_weights``)."""
@@ -188,6 +191,7 @@ class ClientBase:
             chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
             progress=progress,
             counters=counters,
+            prepare_timeout_s=prepare_timeout_s,
         )
         deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         return requests, counters, deadline
@@ -464,8 +468,15 @@ class ScoringClient(ClientBase):
         progress=None,
         timeout: float | None = None,
         version: str | None = None,
+        replicas=None,
+        prepare_timeout_s: float = 60.0,
     ) -> PushResult:
         """Streams new weights into the server (``UpdateWeights``), then swaps them in.
+
+        To several replicas (a target of several addresses: ``ipv4:a,b``, a ``dns:///``
+        name resolving to several; or ``replicas``), all or none: every replica stages
+        the push, and only when all did is it committed on each
+        (:mod:`megascore_client.replica_push`).
 
         Args:
             named_tensors: iterable of ``(name, tensor)``: numpy arrays, torch tensors
@@ -479,9 +490,14 @@ class ScoringClient(ClientBase):
             progress: ``progress(bytes_sent, tensor_name)`` after each chunk.
             timeout: deadline of the whole push in seconds (default 1800).
             version: deprecated name of ``weights_version`` (a ``DeprecationWarning``).
+            replicas: targets to push to, all or none (default: the replicas of the
+                client's target; one replica: a plain one-phase push).
+            prepare_timeout_s: several replicas: how long each holds the staged push
+                for its commit before dropping it (a client that died in between).
 
         Returns:
-            A :class:`~megascore_client.push.PushResult` (version, bytes, seconds, bytes/s).
+            A :class:`~megascore_client.push.PushResult` (version, bytes, seconds, bytes/s;
+            of the first replica when several, ``replicas`` holding each one's).
 
         Raises:
             InvalidInputError: a tensor that cannot be pushed (the server keeps its weights).
@@ -489,11 +505,20 @@ class ScoringClient(ClientBase):
                 name / shape / dtype the model does not have, tensors missing), ABORTED
                 (another push in progress), ... Never re-sent.
         """
+        targets = replica_targets(self.target) if replicas is None else list(replicas)
+        several = replicas is not None or len(targets) > 1
         requests, counters, deadline = self._push_requests(
             named_tensors, timeout,
             weights_version=weights_version, version=version, names=names, partial=partial,
             chunk_bytes=chunk_bytes, progress=progress,
+            prepare_timeout_s=prepare_timeout_s if several else None,
         )  # fmt: skip
+        if several:
+            try:
+                first, each = push_to_replicas(self.settings, targets, requests, deadline)
+            except ScoringError as exc:
+                finish(exc, counters, 0.0)  # the requests' own error first
+            return dataclasses.replace(first, replicas=each)
         start = time.perf_counter()
         future = self.transport.start(self.transport.stub.UpdateWeights, requests, deadline)
         try:

@@ -84,6 +84,7 @@ class PushResult:
         bytes_per_s: ``num_bytes / seconds``.
         server_stream_ms: the server's time from the first message to the commit.
         server_swap_ms: the server's time for the swap.
+        replicas: a push to several replicas: each one's result, in order (empty else).
     """
 
     weights_version: str
@@ -94,6 +95,7 @@ class PushResult:
     bytes_per_s: float
     server_stream_ms: float
     server_swap_ms: float
+    replicas: list[PushResult] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_proto(cls, msg: pb.UpdateWeightsResponse, seconds: float) -> PushResult:
@@ -183,22 +185,26 @@ def push_requests(
     chunk_bytes: int,
     progress: Progress | None,
     counters: dict,
+    prepare_timeout_s: float | None = None,
 ) -> Iterator[pb.UpdateWeightsRequest]:
-    """The messages of one push (``counters`` gets ``tensors`` and ``bytes`` sent).
+    """The messages of one push (``counters`` gets ``tensors`` and ``bytes`` sent); with
+    ``prepare_timeout_s`` its commit only prepares (``megascore_client.replica_push``).
 
     An exception while producing them (a tensor that cannot be pushed, the caller's
     iterable failing) ends the stream without a commit, so that the server drops what
     it staged, and is stored in ``counters["error"]`` for the caller to raise.
     """
     try:
-        yield from _requests(
-            named_tensors, names, weights_version, partial, chunk_bytes, progress, counters
-        )
+        yield from _requests(named_tensors, names, chunk_bytes, progress, counters)
+        commit = pb.UpdateWeightsCommit(weights_version=weights_version, partial=partial)
+        if prepare_timeout_s is not None:
+            commit.prepare, commit.prepare_timeout_s = True, prepare_timeout_s
+        yield pb.UpdateWeightsRequest(commit=commit)
     except Exception as exc:  # noqa: BLE001 - raised by the caller after the call ends
         counters["error"] = exc
 
 
-def _requests(named_tensors, names, weights_version, partial, chunk_bytes, progress, counters):
+def _requests(named_tensors, names, chunk_bytes, progress, counters):
     if names not in _NAMES:
         raise InvalidInputError(f"names must be one of {sorted(_NAMES)}, got {names!r}")
     yield pb.UpdateWeightsRequest(begin=pb.UpdateWeightsBegin(names=_NAMES[names]))
@@ -225,8 +231,6 @@ def _requests(named_tensors, names, weights_version, partial, chunk_bytes, progr
                 break
         counters["tensors"] = counters.get("tensors", 0) + 1
         counters["bytes"] = sent
-    commit = pb.UpdateWeightsCommit(weights_version=weights_version, partial=partial)
-    yield pb.UpdateWeightsRequest(commit=commit)
 
 
 def chunk_size(chunk_bytes: int | None, message_limit: int) -> int:

@@ -213,7 +213,17 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         async with self._gate.call():
             self._gate.check(serving=False)
             response, info = await self._pusher.push(request_iterator, self._batcher)
-        self._info = info
+        self._info = info or self._info
+        return response
+
+    async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest, context):
+        """Commits or aborts the push an UpdateWeights prepared (``weight_push``)."""
+        async with self._gate.call():
+            self._gate.check(serving=False)
+            response, info = await self._pusher.finish(
+                request.push_id, request.commit, self._batcher
+            )
+        self._info = info or self._info
         return response
 
 

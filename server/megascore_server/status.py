@@ -33,11 +33,11 @@ import grpc
 from megascore.errors import (
     CheckpointError,
     ConflictError,
+    FailedPreconditionError,
     InvalidRequestError,
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
-    WrongVersionError,
     clip,
 )
 
@@ -53,7 +53,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),  # includes WorkerLostError
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
-    (WrongVersionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ABORTED),
 )
 

@@ -14,19 +14,31 @@ drops the staged tensors on every rank and leaves the old weights serving.
 One push at a time per server: a second one is refused with
 :class:`~megascore.errors.ConflictError` (ABORTED) until the first has ended
 (and its staged tensors were dropped).
+
+Two phases (``commit.prepare``): the stream ends once every tensor is staged and the
+push checked complete, answering ``prepared`` and a ``push_id``; the staged tensors
+stay on the ranks (and the push keeps the server's one push slot) until
+:meth:`WeightPusher.finish` commits or aborts it, or ``prepare_timeout_s`` passes
+without one and it is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 import re
 import time
 import uuid
 
-from megascore.errors import ConflictError, InvalidRequestError, quoted
+from megascore.errors import (
+    ConflictError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    quoted,
+)
 from megascore.types import (
     LAYOUT_COMMON,
     LAYOUT_PER_EXPERT,
@@ -190,16 +202,44 @@ class PushSession:
             )
 
 
+PREPARE_TIMEOUT_S = 60.0
+"""How long a prepared push is held without a FinishWeightUpdate (``prepare_timeout_s``
+0); at most :data:`MAX_PREPARE_TIMEOUT_S`."""
+MAX_PREPARE_TIMEOUT_S = 3600.0
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A push staged on every rank, waiting for its commit or abort."""
+
+    push_id: str
+    version: str
+    partial: bool
+    response: pb.UpdateWeightsResponse
+    expiry: asyncio.TimerHandle
+
+
+def _prepare_timeout(commit: pb.UpdateWeightsCommit) -> float:
+    timeout = commit.prepare_timeout_s
+    if not (math.isfinite(timeout) and 0 <= timeout <= MAX_PREPARE_TIMEOUT_S):
+        raise InvalidRequestError(
+            f"commit.prepare_timeout_s: {timeout} is outside [0, {MAX_PREPARE_TIMEOUT_S:g}]"
+        )
+    return timeout or PREPARE_TIMEOUT_S
+
+
 class WeightPusher:
     """Runs UpdateWeights streams against the batcher's engine, one at a time."""
 
     def __init__(self):
         self._busy = False
+        self._prepared: _Prepared | None = None
 
     async def push(
         self, requests, batcher: DynamicBatcher
-    ) -> tuple[pb.UpdateWeightsResponse, ModelInfo]:
-        """Consumes one UpdateWeights stream; returns the response and the model info after.
+    ) -> tuple[pb.UpdateWeightsResponse, ModelInfo | None]:
+        """Consumes one UpdateWeights stream; returns the response and the model info after
+        the swap (None when the push was only prepared).
 
         Raises:
             ConflictError: another push is in progress, or the stream ended without commit.
@@ -230,6 +270,20 @@ class WeightPusher:
             check_length("commit.weights_version", commit.weights_version, MAX_ID_CHARS)
             stream_ms = (time.monotonic() - start) * 1e3
             version = commit.weights_version or new_weights_version()
+            if commit.prepare:
+                hold_s = _prepare_timeout(commit)
+                response = pb.UpdateWeightsResponse(
+                    weights_version=version,
+                    previous_weights_version=batcher.weights_version,
+                    num_tensors=len(session.received),
+                    num_bytes=session.num_bytes,
+                    stream_ms=stream_ms,
+                    prepared=True,
+                    push_id=uuid.uuid4().hex,
+                )
+                self._hold(response, commit.partial, hold_s, batcher)
+                settled, release = True, False  # held until finish() or the timeout
+                return response, None
             settled = True  # the commit drops the staged tensors on every rank, ok or not
             new, previous, info = await batcher.swap_weights(
                 lambda e: e.commit_weights(version, commit.partial)
@@ -265,6 +319,70 @@ class WeightPusher:
             stream_ms=stream_ms,
             swap_ms=swap_ms,
         )
+        return response, info
+
+    def _hold(self, response, partial: bool, hold_s: float, batcher: DynamicBatcher) -> None:
+        push_id = response.push_id
+        expiry = asyncio.get_running_loop().call_later(
+            hold_s, lambda: asyncio.ensure_future(self._expire(push_id, hold_s, batcher))
+        )
+        self._prepared = _Prepared(push_id, response.weights_version, partial, response, expiry)
+        logger.info(
+            "weights %r prepared (push %s): %d tensors, %d bytes; held %.0f s for its commit",
+            response.weights_version, push_id, response.num_tensors, response.num_bytes, hold_s,
+        )  # fmt: skip
+
+    async def _expire(self, push_id: str, hold_s: float, batcher: DynamicBatcher) -> None:
+        prepared = self._prepared
+        if prepared is None or prepared.push_id != push_id:
+            return
+        self._prepared = None
+        logger.warning(
+            "prepared push %s (weights %r) heard nothing for %.0f s: dropped",
+            push_id, prepared.version, hold_s,
+        )  # fmt: skip
+        try:
+            await self._abort(batcher)
+        finally:
+            self._busy = False
+
+    async def finish(
+        self, push_id: str, commit: bool, batcher: DynamicBatcher
+    ) -> tuple[pb.UpdateWeightsResponse, ModelInfo | None]:
+        """Commits (swaps in) or aborts (drops) the prepared push ``push_id``; returns the
+        response and the model info after a commit (None after an abort).
+
+        Raises:
+            FailedPreconditionError: no push of that id is prepared.
+            CheckpointError: some rank could not commit (nothing changed).
+        """
+        prepared = self._prepared
+        if prepared is None or prepared.push_id != push_id:
+            raise FailedPreconditionError(
+                f"push_id: no prepared push {quoted(push_id)} on this replica (never "
+                "prepared, already finished, or dropped after its prepare_timeout_s)"
+            )
+        self._prepared = None
+        prepared.expiry.cancel()
+        response = pb.UpdateWeightsResponse()
+        response.CopyFrom(prepared.response)
+        response.prepared = False
+        start = time.monotonic()
+        try:
+            if not commit:
+                await self._abort(batcher)
+                response.weights_version = batcher.weights_version
+                response.previous_weights_version = response.weights_version
+                logger.info("prepared push %s aborted", push_id)
+                return response, None
+            new, previous, info = await batcher.swap_weights(
+                lambda e: e.commit_weights(prepared.version, prepared.partial)
+            )
+        finally:
+            self._busy = False
+        response.weights_version, response.previous_weights_version = new, previous
+        response.swap_ms = (time.monotonic() - start) * 1e3
+        logger.info("weights %r -> %r committed (push %s)", previous, new, push_id)
         return response, info
 
     async def _stage_all(self, iterator, session: PushSession, batcher: DynamicBatcher):

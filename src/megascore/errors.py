@@ -54,7 +54,11 @@ class ConflictError(MegascoreError):
     push (-> ABORTED: retry once the other finished)."""
 
 
-class WrongVersionError(MegascoreError):
+class FailedPreconditionError(MegascoreError):
+    """The replica is not in the state the request needs (-> FAILED_PRECONDITION)."""
+
+
+class WrongVersionError(FailedPreconditionError):
     """A request pinned to a weights version reached a replica serving another one
     (-> FAILED_PRECONDITION: another replica, or this one after its next swap, may
     serve it)."""

@@ -5,14 +5,22 @@
   the replica serving it (the other refuses it and the SDK re-sends it), with that
   replica's own numbers; a pin no replica serves fails with FAILED_PRECONDITION
   naming both versions, and both replicas keep serving.
+* One push to both (``ipv4:a,b``, two phases): a partial push of the final norm
+  (Megatron name) switches both; every later response carries the new version and
+  the same logprobs from either replica, different from the old ones. When one
+  replica refuses (a push of its own is open there: ABORTED), the push fails naming
+  it and neither switches; both keep scoring with the old weights.
 """
 
 from __future__ import annotations
+
+import threading
 
 import grpc
 import numpy as np
 import pytest
 
+from megascore.v1 import scoring_pb2 as pb
 from megascore_client import ScoringClient, ScoringError
 from tests.e2e.serve import ServeProcess
 
@@ -62,3 +70,60 @@ def test_pinned_requests_are_answered_by_the_replica_serving_their_version(repli
         assert {client.score(SEQS).weights_version for _ in range(4)} == {old, seeded}
     with ScoringClient(second.target, timeout=120) as direct:
         assert direct.load_weights("builtin:tiny@1234").weights_version == old
+
+
+NORM = "decoder.final_layernorm.weight"
+HIDDEN = 64  # the built-in tiny model
+
+
+def scored_by_each(replicas) -> list:
+    out = []
+    for server in replicas:
+        with ScoringClient(server.target, timeout=60) as direct:
+            out.append(direct.score(SEQS, losses=()))
+    return out
+
+
+def test_one_push_switches_every_replica_or_none(replicas):
+    before = scored_by_each(replicas)
+    old = before[0].weights_version
+    norm = np.full(HIDDEN, 1.5, dtype=np.float32)
+    with round_robin(replicas) as client:
+        result = client.push_weights(
+            [(NORM, norm)], names="megatron", partial=True, weights_version="both-1"
+        )
+        assert [r.weights_version for r in result.replicas] == ["both-1", "both-1"]
+        answers = [client.score(SEQS, losses=()) for _ in range(4)]
+    assert {a.weights_version for a in answers} == {"both-1"}
+    after = scored_by_each(replicas)
+    for got in after:
+        assert got.weights_version == "both-1"
+        for a, b in zip(got.logprobs, after[0].logprobs, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(after[0].logprobs[0], before[0].logprobs[0])
+
+    # the second replica refuses: a push of its own holds its one push slot
+    release = threading.Event()
+
+    def held():
+        yield pb.UpdateWeightsRequest(begin=pb.UpdateWeightsBegin(names=pb.WEIGHT_NAMES_MEGATRON))
+        release.wait(60)
+
+    holder = replicas[1].stub().UpdateWeights.future(held(), timeout=120)
+    try:
+        with round_robin(replicas) as client:
+            with pytest.raises(ScoringError) as info:
+                client.push_weights(
+                    [(NORM, norm * 2)], names="megatron", partial=True, weights_version="both-2"
+                )
+            assert info.value.code is grpc.StatusCode.ABORTED
+            assert f"replica {replicas[1].target}" in info.value.details
+            assert "no replica switched" in info.value.details
+    finally:
+        release.set()
+        holder.cancel()
+    for got in scored_by_each(replicas):
+        assert got.weights_version == "both-1"
+        for a, b in zip(got.logprobs, after[0].logprobs, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert old == "builtin:tiny@1234"

@@ -241,12 +241,16 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[Array, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsCommit(_message.Message):
-    __slots__ = ("weights_version", "partial")
+    __slots__ = ("weights_version", "partial", "prepare", "prepare_timeout_s")
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     weights_version: str
     partial: bool
-    def __init__(self, weights_version: _Optional[str] = ..., partial: _Optional[bool] = ...) -> None: ...
+    prepare: bool
+    prepare_timeout_s: float
+    def __init__(self, weights_version: _Optional[str] = ..., partial: _Optional[bool] = ..., prepare: _Optional[bool] = ..., prepare_timeout_s: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("begin", "chunk", "commit")
@@ -259,17 +263,29 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, begin: _Optional[_Union[UpdateWeightsBegin, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[UpdateWeightsCommit, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("weights_version", "previous_weights_version", "num_tensors", "num_bytes", "stream_ms", "swap_ms")
+    __slots__ = ("weights_version", "previous_weights_version", "num_tensors", "num_bytes", "stream_ms", "swap_ms", "prepared", "push_id")
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_MS_FIELD_NUMBER: _ClassVar[int]
     SWAP_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     weights_version: str
     previous_weights_version: str
     num_tensors: int
     num_bytes: int
     stream_ms: float
     swap_ms: float
-    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stream_ms: _Optional[float] = ..., swap_ms: _Optional[float] = ...) -> None: ...
+    prepared: bool
+    push_id: str
+    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stream_ms: _Optional[float] = ..., swap_ms: _Optional[float] = ..., prepared: _Optional[bool] = ..., push_id: _Optional[str] = ...) -> None: ...
+
+class FinishWeightUpdateRequest(_message.Message):
+    __slots__ = ("push_id", "commit")
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    push_id: str
+    commit: bool
+    def __init__(self, push_id: _Optional[str] = ..., commit: _Optional[bool] = ...) -> None: ...
