@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 
@@ -23,13 +24,15 @@ from megascore_client.push import (
     push_requests,
     weights_version_argument,
 )
-from megascore_client.replica_push import push_to_replicas, replica_targets
+from megascore_client.replica_push import new_push_version, push_to_replicas, replica_targets
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
 from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
 from megascore_client.transport import SyncTransport
 from megascore_client.waiting import ServerWait, check_wait, pinned_version
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ClientBase", "ScoringClient"]
 
@@ -114,6 +117,7 @@ class ClientBase:
         self.wait_for_server_s = check_wait(wait_for_server_s, timeout)
         self.max_concurrency = max_concurrency
         self._token_limit = UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
+        self._delta_bases: dict[tuple[str, ...], tuple[str, dict]] = {}  # targets -> kept
         self._server_message_bytes = 0  # ModelInfo.max_message_bytes, with "auto" (0 = unknown)
 
     @property
@@ -179,6 +183,8 @@ class ClientBase:
         partial: bool = False,
         progress=None,
         prepare_timeout_s: float | None = None,
+        base=None,
+        kept=None,
     ):
         """A ``push_weights`` call's requests (encoded as they are consumed), the counters
         they fill and the deadline (arguments: those of ``push_weights``)."""
@@ -192,6 +198,8 @@ class ClientBase:
             progress=progress,
             counters=counters,
             prepare_timeout_s=prepare_timeout_s,
+            base=base,
+            kept=kept,
         )
         deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         return requests, counters, deadline
@@ -470,6 +478,7 @@ class ScoringClient(ClientBase):
         version: str | None = None,
         replicas=None,
         prepare_timeout_s: float = 60.0,
+        delta: bool = False,
     ) -> PushResult:
         """Streams new weights into the server (``UpdateWeights``), then swaps them in.
 
@@ -494,6 +503,13 @@ class ScoringClient(ClientBase):
                 client's target; one replica: a plain one-phase push).
             prepare_timeout_s: several replicas: how long each holds the staged push
                 for its commit before dropping it (a client that died in between).
+            delta: send only what changed since this client's last ``delta=True`` push
+                to the same replicas (whole tensors whose bytes changed; (index, value)
+                patches of tensors with few changed elements). The first such push is
+                in full and makes the replicas keep a host copy of the weights (and this
+                client one too); a replica that does not hold that base any more
+                (another push or load since) refuses the delta and the push is redone
+                in full. ``named_tensors`` is listed once (references, no copy).
 
         Returns:
             A :class:`~megascore_client.push.PushResult` (version, bytes, seconds, bytes/s;
@@ -507,12 +523,40 @@ class ScoringClient(ClientBase):
         """
         targets = replica_targets(self.target) if replicas is None else list(replicas)
         several = replicas is not None or len(targets) > 1
-        requests, counters, deadline = self._push_requests(
-            named_tensors, timeout,
+        options = dict(
             weights_version=weights_version, version=version, names=names, partial=partial,
             chunk_bytes=chunk_bytes, progress=progress,
             prepare_timeout_s=prepare_timeout_s if several else None,
         )  # fmt: skip
+        if several and not (weights_version or version):
+            options["weights_version"] = new_push_version()  # one label for every replica
+        if not delta:
+            self._delta_bases.pop(tuple(targets), None)
+            return self._push(named_tensors, timeout, targets, options)
+        named, base = list(named_tensors), self._delta_bases.pop(tuple(targets), None)
+        result = None
+        if base is not None:
+            kept = {}
+            try:
+                result = self._push(named, timeout, targets, options, base=base, kept=kept)
+                kept = {**base[1], **kept}
+            except ScoringError as exc:
+                if exc.code is not grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                logger.info("delta push refused (%s): pushing in full", exc.details)
+        if result is None:
+            kept = {}
+            result = self._push(named, timeout, targets, options, kept=kept)
+            base = None
+        self._delta_bases[tuple(targets)] = (result.weights_version, kept)
+        return dataclasses.replace(result, delta=base is not None)
+
+    def _push(self, named_tensors, timeout, targets, options, base=None, kept=None) -> PushResult:
+        """One push of ``push_weights`` (to ``targets``, all or none when several)."""
+        several = options["prepare_timeout_s"] is not None
+        requests, counters, deadline = self._push_requests(
+            named_tensors, timeout, base=base, kept=kept, **options
+        )
         if several:
             try:
                 first, each = push_to_replicas(self.settings, targets, requests, deadline)

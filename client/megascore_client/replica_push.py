@@ -27,6 +27,7 @@ import dataclasses
 import queue
 import socket
 import time
+import uuid
 from urllib.parse import urlsplit
 
 import grpc
@@ -37,10 +38,16 @@ from megascore_client.errors import ScoringError
 from megascore_client.push import PushResult
 from megascore_client.transport import SyncTransport
 
-__all__ = ["push_to_replicas", "replica_targets"]
+__all__ = ["new_push_version", "push_to_replicas", "replica_targets"]
 
 _QUEUE_MESSAGES = 4  # messages waiting per replica (each up to one chunk)
 _END = None
+
+
+def new_push_version() -> str:
+    """The version of a push to several replicas that names none: ``push-`` + 12 hex
+    digits, chosen by the client so that every replica serves the same label."""
+    return "push-" + uuid.uuid4().hex[:12]
 
 
 def replica_targets(target: str) -> list[str]:

@@ -183,6 +183,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         async with self._gate.call():
             self._gate.check(serving=False)
             new, previous, info = await self._load_weights(request)
+        self._pusher.forget_kept()
         self._info = info
         load_ms = (time.monotonic() - start) * 1000.0
         logger.info("weights %r -> %r loaded in %.0f ms", previous, new, load_ms)

@@ -20,6 +20,14 @@ push checked complete, answering ``prepared`` and a ``push_id``; the staged tens
 stay on the ranks (and the push keeps the server's one push slot) until
 :meth:`WeightPusher.finish` commits or aborts it, or ``prepare_timeout_s`` passes
 without one and it is dropped.
+
+Deltas (``begin.base_weights_version``): a push with ``begin.keep`` leaves rank 0 a host
+copy of its tensors (in their pushed dtype); a later delta against the version it
+produced sends only what changed — whole tensors, or one-chunk patches of (index,
+value) pairs applied to the kept copy bit for bit — and is then staged and swapped
+as any push (tensors not sent keep their values). A delta against a version the
+replica does not serve, or did not keep, is refused at ``begin`` with
+FAILED_PRECONDITION (the SDK then pushes in full).
 """
 
 from __future__ import annotations
@@ -33,10 +41,13 @@ import re
 import time
 import uuid
 
+import numpy as np
+
 from megascore.errors import (
     ConflictError,
     FailedPreconditionError,
     InvalidRequestError,
+    WrongVersionError,
     quoted,
 )
 from megascore.types import (
@@ -48,6 +59,7 @@ from megascore.types import (
     WeightTarget,
 )
 from megascore.v1 import scoring_pb2 as pb
+from megascore.wire import decode_array
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.validation import MAX_ID_CHARS, check_length
 
@@ -102,11 +114,24 @@ class PushSession:
     Args:
         targets: every tensor name the push may carry (``Engine.begin_weight_update``).
         names: the name format, for messages.
+        base: a delta push: the replica's kept tensors (name -> ``(dtype, shape,
+            bytes)``) that its patches (chunks with ``indices``) apply to.
+        keep: keep a copy of every complete tensor (:attr:`kept`) for later deltas.
     """
 
-    def __init__(self, targets: dict[str, WeightTarget], names: int):
+    def __init__(
+        self,
+        targets: dict[str, WeightTarget],
+        names: int,
+        *,
+        base: dict[str, tuple] | None = None,
+        keep: bool = False,
+    ):
         self.targets = targets
         self.names = "HF" if names == WEIGHT_NAMES_HF else "Megatron"
+        self.base = base  # a delta: the kept copies its patches apply to
+        self.keep = keep
+        self.kept: dict[str, tuple] = {}  # with keep: name -> (dtype, shape, bytes)
         self.received: set[str] = set()
         self.layout = LAYOUT_COMMON  # the expert layout, once a tensor fixed it
         self.num_bytes = 0
@@ -122,11 +147,13 @@ class PushSession:
         name, shape = chunk.name, tuple(chunk.shape)
         where = f"message {index}, tensor {quoted(name)}"
         current = self._open
-        if current is not None and name != current.name:
+        if current is not None and (name != current.name or chunk.HasField("indices")):
             raise InvalidRequestError(
                 f"{where}: tensor {current.name!r} got {current.received} of its "
                 f"{current.total} bytes before the next tensor began"
             )
+        if chunk.HasField("indices"):
+            return self._patch(chunk, where)
         if current is None:
             current = self._start(name, shape, chunk.data.dtype, where)
         elif shape != current.shape or chunk.data.dtype != current.dtype:
@@ -147,8 +174,45 @@ class PushSession:
             self._open = current
             return None
         self._open = None
-        self.received.add(name)
+        self._received(current)
         return current
+
+    def _received(self, tensor: _Tensor) -> None:
+        self.received.add(tensor.name)
+        if self.keep and not tensor.ignored:
+            self.kept[tensor.name] = (tensor.dtype, tensor.shape, bytes(tensor.data))
+
+    def _patch(self, chunk: pb.TensorChunk, where: str) -> _Tensor:
+        """A delta's patch: the kept copy of the tensor with the chunk's elements set."""
+        if self.base is None:
+            raise InvalidRequestError(f"{where}: indices (a patch) in a push that is not a delta")
+        tensor = self._start(chunk.name, tuple(chunk.shape), chunk.data.dtype, where)
+        kept = self.base.get(tensor.name)
+        if kept is None or kept[:2] != (tensor.dtype, tensor.shape):
+            has = "none" if kept is None else f"{pb.Dtype.Name(kept[0])} {list(kept[1])}"
+            raise InvalidRequestError(
+                f"{where}: a patch needs this replica's kept copy in the same dtype and "
+                f"shape (kept: {has}); send the tensor whole"
+            )
+        if chunk.offset:
+            raise InvalidRequestError(f"{where}: a patch is one chunk at offset 0")
+        indices = decode_array(chunk.indices, f"{where} indices", (pb.DTYPE_INT32, pb.DTYPE_INT64))
+        size = _DTYPES[tensor.dtype][1]
+        data = chunk.data.data
+        if len(data) != indices.size * size:
+            raise InvalidRequestError(
+                f"{where}: {indices.size} indices need {indices.size * size} bytes of "
+                f"values, got {len(data)}"
+            )
+        numel = math.prod(tensor.shape)
+        if indices.size and not (0 <= int(indices.min()) and int(indices.max()) < numel):
+            raise InvalidRequestError(f"{where}: an index outside [0, {numel})")
+        patched = bytearray(kept[2])
+        np.frombuffer(patched, dtype=f"<u{size}")[indices] = np.frombuffer(data, f"<u{size}")
+        tensor.put(patched)
+        self.num_bytes += len(data) + len(chunk.indices.data)
+        self._received(tensor)
+        return tensor
 
     def _start(self, name: str, shape: tuple[int, ...], dtype: int, where: str) -> _Tensor:
         target = self.targets.get(name)
@@ -217,6 +281,8 @@ class _Prepared:
     partial: bool
     response: pb.UpdateWeightsResponse
     expiry: asyncio.TimerHandle
+    session: PushSession
+    base_version: str
 
 
 def _prepare_timeout(commit: pb.UpdateWeightsCommit) -> float:
@@ -234,6 +300,7 @@ class WeightPusher:
     def __init__(self):
         self._busy = False
         self._prepared: _Prepared | None = None
+        self._kept: tuple[str, dict[str, tuple]] | None = None  # (version, tensors)
 
     async def push(
         self, requests, batcher: DynamicBatcher
@@ -262,11 +329,14 @@ class WeightPusher:
             names = _NAMES.get(first.begin.names)
             if names is None:
                 raise InvalidRequestError("begin.names: WEIGHT_NAMES_HF or WEIGHT_NAMES_MEGATRON")
+            base_version = first.begin.base_weights_version
+            base = self._delta_base(base_version, batcher) if base_version else None
             opened = True
             targets = await batcher.run_on_engine(lambda e: e.begin_weight_update(names))
-            session = PushSession(targets, names)
+            session = PushSession(targets, names, base=base, keep=first.begin.keep)
             commit = await self._stage_all(iterator, session, batcher)
-            session.check_complete(commit.partial)
+            partial = commit.partial or base is not None
+            session.check_complete(partial)
             check_length("commit.weights_version", commit.weights_version, MAX_ID_CHARS)
             stream_ms = (time.monotonic() - start) * 1e3
             version = commit.weights_version or new_weights_version()
@@ -281,13 +351,14 @@ class WeightPusher:
                     prepared=True,
                     push_id=uuid.uuid4().hex,
                 )
-                self._hold(response, commit.partial, hold_s, batcher)
+                self._hold(response, partial, hold_s, batcher, session, base_version)
                 settled, release = True, False  # held until finish() or the timeout
                 return response, None
             settled = True  # the commit drops the staged tensors on every rank, ok or not
             new, previous, info = await batcher.swap_weights(
-                lambda e: e.commit_weights(version, commit.partial)
+                _commit_call(version, partial, base_version)
             )
+            self._remember(new, session)
             swap_ms = (time.monotonic() - start) * 1e3 - stream_ms
         except asyncio.CancelledError:
             if opened and not settled:  # the next push may start once every rank dropped it
@@ -321,12 +392,48 @@ class WeightPusher:
         )
         return response, info
 
-    def _hold(self, response, partial: bool, hold_s: float, batcher: DynamicBatcher) -> None:
+    def _delta_base(self, base_version: str, batcher: DynamicBatcher) -> dict[str, tuple]:
+        """The kept tensors a delta against ``base_version`` patches.
+
+        Raises:
+            WrongVersionError: the replica serves another version.
+            FailedPreconditionError: it kept no copy of the version it serves.
+        """
+        served = batcher.weights_version
+        if base_version != served:
+            raise WrongVersionError(
+                f"begin.base_weights_version: a delta against weights {quoted(base_version)}, "
+                f"this replica serves {quoted(served)}; push in full"
+            )
+        if self._kept is None or self._kept[0] != served:
+            raise FailedPreconditionError(
+                f"begin.base_weights_version: this replica kept no copy of weights "
+                f"{quoted(served)} (a push with begin.keep makes one); push in full"
+            )
+        return self._kept[1]
+
+    def forget_kept(self) -> None:
+        """Drops the kept copies (the weights were loaded from elsewhere)."""
+        self._kept = None
+
+    def _remember(self, version: str, session: PushSession) -> None:
+        """After a commit: the kept copies are this push's (over its base's for a delta),
+        or none without ``keep``."""
+        if session.keep:
+            self._kept = (version, {**(session.base or {}), **session.kept})
+        else:
+            self._kept = None
+
+    def _hold(
+        self, response, partial: bool, hold_s: float, batcher: DynamicBatcher, session, base
+    ) -> None:
         push_id = response.push_id
         expiry = asyncio.get_running_loop().call_later(
             hold_s, lambda: asyncio.ensure_future(self._expire(push_id, hold_s, batcher))
         )
-        self._prepared = _Prepared(push_id, response.weights_version, partial, response, expiry)
+        self._prepared = _Prepared(
+            push_id, response.weights_version, partial, response, expiry, session, base
+        )
         logger.info(
             "weights %r prepared (push %s): %d tensors, %d bytes; held %.0f s for its commit",
             response.weights_version, push_id, response.num_tensors, response.num_bytes, hold_s,
@@ -376,8 +483,9 @@ class WeightPusher:
                 logger.info("prepared push %s aborted", push_id)
                 return response, None
             new, previous, info = await batcher.swap_weights(
-                lambda e: e.commit_weights(prepared.version, prepared.partial)
+                _commit_call(prepared.version, prepared.partial, prepared.base_version)
             )
+            self._remember(new, prepared.session)
         finally:
             self._busy = False
         response.weights_version, response.previous_weights_version = new, previous
@@ -423,6 +531,23 @@ class WeightPusher:
             await batcher.run_on_engine(lambda e: e.abort_weight_update())
         except Exception as exc:  # noqa: BLE001 - the batcher reports a lost engine itself
             logger.warning("dropping an unfinished weight push failed: %s", exc)
+
+
+def _commit_call(version: str, partial: bool, base_version: str):
+    """The swap of a push's commit; a delta's base must still be the version served
+    (else its staged tensors are dropped and :class:`WrongVersionError` raised)."""
+
+    def commit(engine) -> str:
+        served = engine.info().weights_version
+        if base_version and served != base_version:
+            engine.abort_weight_update()
+            raise WrongVersionError(
+                f"begin.base_weights_version: weights {quoted(served)} were loaded during "
+                f"the delta against {quoted(base_version)}; push in full"
+            )
+        return engine.commit_weights(version, partial)
+
+    return commit
 
 
 def _stage_call(tensor: _Tensor):

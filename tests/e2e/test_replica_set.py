@@ -10,6 +10,10 @@
   the same logprobs from either replica, different from the old ones. When one
   replica refuses (a push of its own is open there: ABORTED), the push fails naming
   it and neither switches; both keep scoring with the old weights.
+* Delta pushes (bf16 tensors, Megatron names, to both): after a full push that the
+  replicas keep, a delta of the same tensors with 1% of the elements changed sends
+  <= 5% of the full push's bytes, and the logprobs it serves are bit-identical to a
+  full push of the same weights.
 """
 
 from __future__ import annotations
@@ -127,3 +131,38 @@ def test_one_push_switches_every_replica_or_none(replicas):
         for a, b in zip(got.logprobs, after[0].logprobs, strict=True):
             np.testing.assert_array_equal(a, b)
     assert old == "builtin:tiny@1234"
+
+
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def test_a_delta_push_sends_little_and_serves_what_a_full_push_serves(replicas):
+    import torch
+
+    gen = torch.Generator().manual_seed(25)
+    weights = {
+        EMBEDDING: (torch.randn(512, HIDDEN, generator=gen) * 0.05).to(torch.bfloat16),
+        NORM: (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(torch.bfloat16),
+    }
+    with round_robin(replicas) as client:
+        full = client.push_weights(
+            weights.items(), names="megatron", partial=True, delta=True, weights_version="d0"
+        )
+        assert not full.delta
+        base = client.score(SEQS, losses=(), weights_version="d0")
+        changed = {name: t.clone() for name, t in weights.items()}
+        flat = changed[EMBEDDING].view(-1)
+        picked = torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 100]
+        flat[picked] += 0.25  # 1% of the embedding's elements (bf16 bits change)
+        delta = client.push_weights(
+            changed.items(), names="megatron", partial=True, delta=True, weights_version="d1"
+        )
+        assert delta.delta and delta.weights_version == "d1"
+        assert delta.num_bytes <= 0.05 * full.num_bytes, (delta.num_bytes, full.num_bytes)
+        by_delta = [client.score(SEQS, losses=(), weights_version="d1") for _ in range(2)]
+        client.push_weights(changed.items(), names="megatron", partial=True, weights_version="f1")
+        by_full = [client.score(SEQS, losses=(), weights_version="f1") for _ in range(2)]
+    for got in by_delta + by_full[1:]:
+        for a, b in zip(got.logprobs, by_full[0].logprobs, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(by_full[0].logprobs[0], base.logprobs[0])  # the change shows

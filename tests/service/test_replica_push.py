@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from megascore.types import WeightTarget
+from megascore.v1 import scoring_pb2 as pb
 from megascore_client import ScoringClient, ScoringError
 from megascore_client.replica_push import replica_targets
 from tests.service.harness import ServerThread
@@ -106,3 +107,56 @@ def test_replica_targets():
     assert resolved and set(resolved) <= {"127.0.0.1:5005", "[::1]:5005"}
     assert replica_targets("dns://8.8.8.8/localhost:7") == replica_targets("dns:localhost:7")
     assert set(TARGETS) >= set(TENSORS)
+
+
+# ---- delta pushes ------------------------------------------------------------------------------
+
+
+def test_a_delta_sends_only_what_changed_and_stages_the_same_bytes(replicas):
+    bf16 = {name: t.astype(np.float32) for name, t in TENSORS.items()}
+    big = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    with ScoringClient(target(replicas), timeout=30) as client:
+        first = client.push_weights({**bf16, "embed": big}.items(), delta=True)
+        assert not first.delta and first.num_bytes == 48 + 20 + 16
+        patched = big.copy()
+        patched[2, 1] = 7.0  # one element: a patch
+        second = client.push_weights(
+            {**bf16, "embed": patched}.items(), delta=True, weights_version="d2"
+        )
+        assert second.delta and second.num_bytes == 4 + 4  # one int32 index, one float32
+        assert [score_version(s) for s in replicas] == ["d2"] * 3
+        for server in replicas:
+            staged = server.engine.staged
+            assert set(staged) == {"embed"}  # the unchanged tensors were not sent
+            assert staged["embed"][2] == patched.tobytes()  # the kept copy, patched
+            commits = [e for e in server.engine.events if e[0] == "commit"]
+            assert commits[-1] == ("commit", "d2", True)  # a delta is partial
+        norm = bf16["norm"] + 1  # every element: whole
+        third = client.push_weights({**bf16, "embed": patched, "norm": norm}.items(), delta=True)
+        assert third.delta and third.num_bytes == 20
+        assert replicas[0].engine.staged["norm"][2] == norm.tobytes()
+
+
+def test_a_delta_a_replica_cannot_take_falls_back_to_a_full_push(replicas):
+    with ScoringClient(target(replicas), timeout=30) as client:
+        client.push_weights(TENSORS.items(), delta=True, weights_version="k1")
+        replicas[1].stub().LoadWeights(
+            pb.LoadWeightsRequest(model="builtin:tiny", weights_version="loaded"), timeout=10
+        )
+        changed = {**TENSORS, "norm": TENSORS["norm"] * 3}
+        result = client.push_weights(changed.items(), delta=True, weights_version="k2")
+    assert not result.delta and result.num_bytes == 48 + 20 + 16
+    assert [score_version(s) for s in replicas] == ["k2"] * 3
+    assert all(s.engine.staged["norm"][2] == changed["norm"].tobytes() for s in replicas)
+
+
+def test_a_delta_against_a_version_not_served_is_refused_at_begin(replicas):
+    server = replicas[0]
+    request = pb.UpdateWeightsRequest(
+        begin=pb.UpdateWeightsBegin(names=pb.WEIGHT_NAMES_HF, base_weights_version="old")
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub().UpdateWeights(iter([request]), timeout=10)
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "'old'" in info.value.details() and "'v0'" in info.value.details()
+    assert server.engine.events == [] or server.engine.events[-1][0] != "begin"

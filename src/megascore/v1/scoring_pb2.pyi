@@ -223,22 +223,28 @@ class LoadWeightsResponse(_message.Message):
     def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., load_ms: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsBegin(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "base_weights_version", "keep")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    BASE_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     names: WeightNames
-    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ...) -> None: ...
+    base_weights_version: str
+    keep: bool
+    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ..., base_weights_version: _Optional[str] = ..., keep: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("name", "shape", "data", "offset")
+    __slots__ = ("name", "shape", "data", "offset", "indices")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: Array
     offset: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[Array, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+    indices: Array
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[Array, _Mapping]] = ..., offset: _Optional[int] = ..., indices: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsCommit(_message.Message):
     __slots__ = ("weights_version", "partial", "prepare", "prepare_timeout_s")
