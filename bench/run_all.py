@@ -40,6 +40,7 @@ import e2e_vs_engine
 import families_cpu
 import memory
 import mfu
+import option_cost
 import packed_vs_hf
 import pipeline
 import routing_cost
@@ -463,7 +464,7 @@ def main() -> int:
     previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
     # sections their own scripts write: kept
-    for own in (pipeline, weight_push, routing_cost, families_cpu, batch_invariance):
+    for own in (pipeline, weight_push, routing_cost, families_cpu, batch_invariance, option_cost):
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]
             common.write_section(args.output, own.BEGIN, own.END, kept + own.END)

@@ -20,7 +20,11 @@ Both servers serve the trainer's architecture from its initial save (``hf:DIR``)
 one reference: ``megascore serve`` subprocesses on free ports, stopped at the end);
 otherwise give ``--policy`` (one address, ``ipv4:a,b`` or a ``dns:///`` name of
 several replicas) / ``--reference`` targets and the ``--init-dir`` all were started
-from::
+from.
+
+Needs: pip install 'megascore[examples]' (``transformers`` for the trainer, and the
+server; in a checkout: ``pip install -e '.[examples]'``). The commands below assume
+the virtual environment is active (``source .venv/bin/activate``)::
 
     python examples/grpo_loop.py --launch --steps 4
     python examples/grpo_loop.py --init-dir /ckpt/init --policy ipv4:10.0.0.5:50051,10.0.0.6:50051 \
@@ -98,12 +102,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched_servers(init_dir: Path, log_dir: Path, policy_replicas: int):
-    """``megascore serve --model hf:init_dir`` subprocesses: (policy target of every
-    policy replica, reference target)."""
+def launched_servers(init_dir: Path, log_dir: Path, names=("policy", "reference")):
+    """One ``megascore serve --model hf:init_dir`` subprocess per name: their targets."""
     procs, targets = [], []
     try:
-        for name in [f"policy{i}" for i in range(policy_replicas)] + ["reference"]:
+        for name in names:
             port = free_port()
             log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
             cmd = [sys.executable, "-m", "megascore_server.main", "--model", f"hf:{init_dir}"]
@@ -120,6 +123,15 @@ def launched_servers(init_dir: Path, log_dir: Path, policy_replicas: int):
                 proc.kill()
                 proc.wait()
             log.close()
+
+
+@contextlib.contextmanager
+def launched_policy_and_reference(init_dir: Path, log_dir: Path, policy_replicas: int):
+    """``policy_replicas`` policy servers and a reference server: (the policy replicas'
+    ``ipv4:a,b`` target, the reference target)."""
+    names = [f"policy{i}" for i in range(policy_replicas)] + ["reference"]
+    with launched_servers(init_dir, log_dir, names) as targets:
+        yield "ipv4:" + ",".join(targets[:-1]), targets[-1]
 
 
 def sample(model, prompts: torch.Tensor, length: int, gen: torch.Generator) -> torch.Tensor:
@@ -218,7 +230,7 @@ def main(argv=None) -> int:
             init_dir = Path(tmp) / "init"
             trainer = tiny_llama(args.seed)
             trainer.save_pretrained(init_dir)
-            servers = launched_servers(init_dir, Path(tmp), args.policy_replicas)
+            servers = launched_policy_and_reference(init_dir, Path(tmp), args.policy_replicas)
         else:
             if not (args.init_dir and args.policy and args.reference):
                 raise SystemExit("give --launch, or --init-dir, --policy and --reference")

@@ -65,12 +65,21 @@ class Batch:
         lengths: int64 ``[B]``, all >= 1.
         loss_mask: uint8 ``[T]`` of 0/1, or None (all ones).
         routing: int32 ``[T, num_moe_layers, topk]`` MoE routing to replay, or None.
+        target_ids: int64 ``[T, K]`` ids whose logprobs to return at each token, or None.
+        rollout_logprobs: float64 ``[T]`` the rollout engine's logprobs, or None.
     """
 
     token_ids: np.ndarray
     lengths: np.ndarray
     loss_mask: np.ndarray | None = None
     routing: np.ndarray | None = None
+    target_ids: np.ndarray | None = None
+    rollout_logprobs: np.ndarray | None = None
+
+    @property
+    def target_ids_per_token(self) -> int:
+        """K of the target ids (0 without)."""
+        return 0 if self.target_ids is None else int(self.target_ids.shape[1])
 
     @property
     def routing_values_per_token(self) -> int:
@@ -99,6 +108,10 @@ class Batch:
             lengths=self.lengths[start:stop],
             loss_mask=None if self.loss_mask is None else self.loss_mask[lo:hi],
             routing=None if self.routing is None else self.routing[lo:hi],
+            target_ids=None if self.target_ids is None else self.target_ids[lo:hi],
+            rollout_logprobs=None
+            if self.rollout_logprobs is None
+            else self.rollout_logprobs[lo:hi],
         )
 
 
@@ -162,17 +175,53 @@ def _routing(routing, seq_lengths: np.ndarray) -> np.ndarray:
         )
     rows = [as_numpy(r) for r in routing]
     for i, (row, length) in enumerate(zip(rows, seq_lengths, strict=True)):
-        if row.ndim != 3 or row.shape[0] != length or row.shape[1:] != rows[0].shape[1:]:
+        if row.ndim != 3:
             raise InvalidInputError(
-                f"routing[{i}]: shape {row.shape}, expected ({length}, num_moe_layers, topk) "
-                f"like routing[0] {rows[0].shape}"
+                f"routing[{i}]: shape {row.shape}, expected 3 dimensions "
+                f"({length}, num_moe_layers, topk)"
+            )
+        if row.shape[0] != length:
+            raise InvalidInputError(
+                f"routing[{i}]: {row.shape[0]} rows for sequence {i} of {length} tokens "
+                f"(shape {row.shape}, expected ({length}, num_moe_layers, topk))"
+            )
+        if row.shape[1:] != rows[0].shape[1:]:
+            raise InvalidInputError(
+                f"routing[{i}]: (num_moe_layers, topk) = {row.shape[1:]} differs from "
+                f"routing[0]'s {rows[0].shape[1:]} (every sequence has the same layers and topk)"
             )
         if row.size and (row.dtype.kind not in "iu" or row.min() < 0 or row.max() > _INT32_MAX):
             raise InvalidInputError(f"routing[{i}]: expert ids must be integers >= 0")
     return np.concatenate(rows).astype(np.int32, copy=False)
 
 
-def make_batch(sequences, loss_mask=None, lengths=None, routing=None) -> Batch:
+def _per_sequence(values, seq_lengths: np.ndarray, what: str, ndim: int) -> np.ndarray:
+    """Checks a list of one ``[L_i, ...]`` array per sequence (``ndim`` dims each, the
+    same trailing shape) and concatenates it."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise InvalidInputError(
+            f"{what}: expected a list with one array per sequence, got {type(values).__name__}"
+        )
+    if len(values) != len(seq_lengths):
+        raise InvalidInputError(f"{what}: {len(values)} arrays for {len(seq_lengths)} sequences")
+    rows = [as_numpy(v) for v in values]
+    for i, (row, length) in enumerate(zip(rows, seq_lengths, strict=True)):
+        if row.ndim != ndim or row.shape[0] != length or row.shape[1:] != rows[0].shape[1:]:
+            raise InvalidInputError(
+                f"{what}[{i}]: shape {row.shape}, expected {ndim} dimensions, "
+                f"{length} rows (the sequence length), like {what}[0] {rows[0].shape}"
+            )
+    return np.concatenate(rows)
+
+
+def make_batch(
+    sequences,
+    loss_mask=None,
+    lengths=None,
+    routing=None,
+    target_ids=None,
+    rollout_logprobs=None,
+) -> Batch:
     """Validates and flattens ``score`` arguments into a :class:`Batch`.
 
     Args:
@@ -181,6 +230,10 @@ def make_batch(sequences, loss_mask=None, lengths=None, routing=None) -> Batch:
         lengths: optional ``[B]`` row lengths, only with a 2-D ``sequences``.
         routing: optional MoE routing to replay, one ``[L_i, num_moe_layers, topk]``
             integer array per sequence (the server checks the expert ids).
+        target_ids: optional ids whose logprobs to return, one integer ``[L_i, K]``
+            array per sequence (the server checks the ids).
+        rollout_logprobs: optional rollout-engine logprobs, one float ``[L_i]`` array per
+            sequence (entry 0 ignored; the server checks they are finite).
 
     Returns:
         The batch in wire layout.
@@ -218,9 +271,22 @@ def make_batch(sequences, loss_mask=None, lengths=None, routing=None) -> Batch:
         if mask.dtype.kind not in "biu" or not np.isin(mask, (0, 1)).all():
             raise InvalidInputError("loss_mask: values must be 0/1 (or bool)")
         mask = mask.astype(np.uint8, copy=False)
+    targets = rollout = None
+    if target_ids is not None:
+        targets = _per_sequence(target_ids, seq_lengths, "target_ids", 2)
+        if targets.dtype.kind not in "iu":
+            raise InvalidInputError(f"target_ids: ids must be integers, got {targets.dtype}")
+        targets = targets.astype(np.int64, copy=False)
+    if rollout_logprobs is not None:
+        rollout = _per_sequence(rollout_logprobs, seq_lengths, "rollout_logprobs", 1)
+        if rollout.dtype.kind not in "fiu":
+            raise InvalidInputError(f"rollout_logprobs: expected floats, got {rollout.dtype}")
+        rollout = rollout.astype(np.float64, copy=False)
     return Batch(
         token_ids=ids,
         lengths=seq_lengths.astype(np.int64, copy=False),
         loss_mask=mask,
         routing=routes,
+        target_ids=targets,
+        rollout_logprobs=rollout,
     )

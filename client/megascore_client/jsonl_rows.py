@@ -14,7 +14,10 @@ Row forms (one JSON value per line; blank lines are ignored)::
 A row without ``id`` is identified by its index among the non-blank lines. An object
 row may carry ``"routing"``, a MoE routing to replay: per token, per MoE layer, the
 ``topk`` expert ids (``[[[e, ...], ...], ...]``, ``[num_tokens][num_moe_layers][topk]``,
-as ``megascore score --return-routing`` writes it); the server checks the ids.
+as ``megascore score --return-routing`` writes it); the server checks the ids. It may
+carry ``"rollout_logprobs"``, the rollout engine's logprob of every token (entry 0
+ignored): the output row then holds ``"mismatch"``, the train/inference mismatch
+statistics of the row (docs/client.md).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "Row",
     "RowLimits",
     "check_loss_mask",
+    "check_rollout",
     "check_routing",
     "check_token_ids",
     "key",
@@ -69,13 +73,15 @@ class RowLimits:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """A checked row: ``token_ids`` and ``loss_mask`` (None = all ones) are lists of ints;
-    ``routing`` (None = route) is int32 ``[num_tokens, num_moe_layers, topk]``."""
+    ``routing`` (None = route) is int32 ``[num_tokens, num_moe_layers, topk]``;
+    ``rollout_logprobs`` (None = none) float64 ``[num_tokens]``."""
 
     line: int
     id: object
     token_ids: list[int]
     loss_mask: list[int] | None = None
     routing: np.ndarray | None = None
+    rollout_logprobs: np.ndarray | None = None
 
 
 class BadRow(Exception):
@@ -147,6 +153,19 @@ def check_loss_mask(mask, num_tokens: int) -> str | None:
     return None
 
 
+def check_rollout(rollout, num_tokens: int) -> tuple[np.ndarray | None, str | None]:
+    """A row's rollout logprobs as float64 ``[num_tokens]`` and what is wrong with them
+    (None when nothing is; the server checks they are finite)."""
+    kinds = (int, float)
+    if not isinstance(rollout, list) or not all(
+        isinstance(v, kinds) and not isinstance(v, bool) for v in rollout
+    ):
+        return None, f"rollout_logprobs is {_kind(rollout)}; expected a list of numbers"
+    if len(rollout) != num_tokens:
+        return None, f"rollout_logprobs has {len(rollout)} entries for {num_tokens} tokens"
+    return np.asarray(rollout, dtype=np.float64), None
+
+
 def check_routing(routing, num_tokens: int) -> tuple[np.ndarray | None, str | None]:
     """A row's routing as int32 ``[num_tokens, L, k]`` and what is wrong with it (None
     when nothing)."""
@@ -207,24 +226,25 @@ def read_rows(
                 if skip(key(row_id)):
                     continue
             try:
-                ids, mask, routing = _content(value, limits, tokenize)
+                ids, mask, routing, rollout = _content(value, limits, tokenize)
             except ValueError as exc:
                 yield BadRow(path, number, row_id, str(exc))
                 continue
-            yield Row(number, row_id, ids, mask, routing)
+            yield Row(number, row_id, ids, mask, routing, rollout)
 
 
 def _content(value, limits: RowLimits, tokenize):
-    """The checked ``(token_ids, loss_mask, routing)`` of a parsed line.
+    """The checked ``(token_ids, loss_mask, routing, rollout_logprobs)`` of a parsed line.
 
     Raises:
         ValueError: what is wrong with the row.
     """
-    mask = routing = None
+    mask = routing = rollout = None
     if isinstance(value, list):
         ids = value
     elif isinstance(value, dict):
         mask, routing = value.get("loss_mask"), value.get("routing")
+        rollout = value.get("rollout_logprobs")
         if "token_ids" in value:
             ids = value["token_ids"]
         elif "text" in value:
@@ -242,6 +262,8 @@ def _content(value, limits: RowLimits, tokenize):
         reason = check_loss_mask(mask, len(ids))
     if reason is None and routing is not None:
         routing, reason = check_routing(routing, len(ids))
+    if reason is None and rollout is not None:
+        rollout, reason = check_rollout(rollout, len(ids))
     if reason is not None:
         raise ValueError(reason)
-    return ids, None if mask is None else [int(v) for v in mask], routing
+    return ids, None if mask is None else [int(v) for v in mask], routing, rollout

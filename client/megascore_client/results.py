@@ -75,6 +75,17 @@ class ScoreResult:
             topk]`` array: row t holds the experts token t was routed to in each MoE
             layer of the decoder (the router's top-k order); None otherwise. Pass it
             back as ``routing=`` to replay it.
+        entropy: with ``return_entropy``, per sequence a float32 ``[L]`` array: entry t
+            (t >= 1) the entropy (nats) of the temperature-scaled distribution of token
+            t given x_<t; entry 0 is 0.0. None otherwise.
+        target_logprobs: with ``target_ids``, per sequence a float32 ``[L, K]`` array:
+            entry [t, j] is log p(target_ids[t, j] | x_<t); row 0 all 0.0.
+        mismatch_stats: with ``rollout_logprobs``, statistic name -> float64 ``[B]``
+            (:attr:`mismatch` gives them per sequence; docs/client.md,
+            "Train/inference mismatch"); empty otherwise.
+        importance_weights: with ``rollout_logprobs`` and ``return_importance_weights``,
+            per sequence a float32 ``[L]`` array ``min(exp(scored - rollout), cap)``
+            (entry 0 is 0.0); None otherwise.
         weights_version: the weights that scored the batch. If a split batch was
             scored across a weight swap, the distinct versions joined by ``","``.
         timings: see :class:`Timings`.
@@ -90,11 +101,25 @@ class ScoreResult:
     moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     routing: list[np.ndarray] | None = None
+    entropy: list[np.ndarray] | None = None
+    target_logprobs: list[np.ndarray] | None = None
+    mismatch_stats: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    importance_weights: list[np.ndarray] | None = None
     weights_version: str = ""
     timings: Timings = dataclasses.field(default_factory=Timings)
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
+
+    @property
+    def mismatch(self) -> list[dict[str, float]] | None:
+        """Per sequence, the mismatch statistics as a dict (None without rollout logprobs)."""
+        if not self.mismatch_stats:
+            return None
+        return [
+            {name: float(values[i]) for name, values in self.mismatch_stats.items()}
+            for i in range(len(self))
+        ]
 
     @property
     def top_k(self) -> int:

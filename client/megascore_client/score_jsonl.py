@@ -7,7 +7,8 @@ need ``--tokenizer DIR``, a local Hugging Face tokenizer directory:
 
     {"id": ..., "num_tokens": L, "num_loss_tokens": n, "nll": sum, "logprobs": [...],
      "top_k_ids": [[...]], "top_k_logprobs": [[...]],   # top-k only with --top-k
-     "routing": [[[...]]]}                               # only with --return-routing
+     "routing": [[[...]]],                               # only with --return-routing
+     "mismatch": {"max_abs_diff": ..., ...}}             # only for a row with rollout_logprobs
 
 ``routing`` is, per token, per MoE layer of the decoder, the expert ids its router
 chose (the replayed ones for a row that gave a ``routing``); fed back as the row's
@@ -70,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per batch")
     parser.add_argument("--concurrency", type=int, default=2, help="batches in flight")
     parser.add_argument("--top-k", type=int, default=0, help="top-k alternatives per token")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="softmax temperature (> 0)"
+    )
     parser.add_argument(
         "--return-routing",
         action="store_true",
@@ -95,7 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write bad rows to OUT.rejected.jsonl (line, id, reason) and go on, instead "
         "of stopping at the first one with exit code 1",
     )
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    parser.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress line (rows, tokens/s) on stderr",
+    )
 
 
 def rejected_path(output: Path) -> Path:
@@ -202,8 +210,8 @@ def _batches(rows: Iterator[Row], batch_tokens: int, limit: int | None) -> Itera
         for row in rows:
             if limit is not None and count >= limit:
                 break
-            if batch and (row.routing is None) != (batch[0].routing is None):
-                yield batch  # a request replays the routing of all its rows or of none
+            if batch and _inputs(row) != _inputs(batch[0]):
+                yield batch  # a request carries a routing / rollout of all its rows or none
                 batch, tokens = [], 0
             batch.append(row)
             tokens += len(row.token_ids)
@@ -217,6 +225,11 @@ def _batches(rows: Iterator[Row], batch_tokens: int, limit: int | None) -> Itera
         raise
     if batch:
         yield batch
+
+
+def _inputs(row: Row) -> tuple[bool, bool]:
+    """Which optional per-token inputs a row carries (routing, rollout logprobs)."""
+    return row.routing is not None, row.rollout_logprobs is not None
 
 
 def _floats(values: np.ndarray) -> str:
@@ -245,6 +258,8 @@ def _format_rows(batch: list[Row], result, args) -> tuple[str, list[tuple[int, i
             parts.append(f'"top_k_logprobs": [{rows_lps}]')
         if result.routing is not None:
             parts.append(f'"routing": {json.dumps(result.routing[i].tolist())}')
+        if result.mismatch is not None:
+            parts.append(f'"mismatch": {json.dumps(result.mismatch[i])}')
         lines.append("{" + ", ".join(parts) + "}\n")
         stats.append((len(row.token_ids), n_loss, nll))
     return "".join(lines), stats
@@ -313,11 +328,12 @@ def _scorer(client, args) -> Callable[[list[Row]], object]:
     def score(batch: list[Row]):
         has_mask = any(row.loss_mask is not None for row in batch)
         masks = [row.loss_mask or [1] * len(row.token_ids) for row in batch]
-        replay = batch[0].routing is not None  # all rows or none (see _batches)
+        replay, rollout = _inputs(batch[0])  # all rows or none (see _batches)
         return client.score(
             [row.token_ids for row in batch],
             loss_mask=masks if has_mask else None,
             routing=[row.routing for row in batch] if replay else None,
+            rollout_logprobs=[row.rollout_logprobs for row in batch] if rollout else None,
             return_routing=args.return_routing,
             top_k=args.top_k,
             temperature=args.temperature,

@@ -5,9 +5,10 @@ A call's batch is cut, in order, into consecutive runs of sequences whose reques
 ``ModelInfo.max_message_bytes`` when known and smaller; the server uses one limit
 for what it receives and sends) and, when known, the server's
 ``max_request_tokens``. Sizes are estimated per token and per sequence from the
-options: request ``itemsize(ids) + 1 (mask) + 4 * L * k (routing to replay)`` bytes
-per token; response ``4 (logprob) + 12 * top_k + 4 * L * k (routing)`` bytes per
-token and ``16 + 8 * len(losses)`` per sequence; a fixed reserve covers headers,
+options: request ``itemsize(ids) + 1 (mask) + 4 * L * k (routing to replay) + 8 * K
+(target ids) + 8 (rollout logprobs)`` bytes per token; response ``4 (logprob) + 12 *
+top_k + 4 * L * k (routing) + 4 * K + 4 (entropy) + 4 (importance weights)`` bytes per
+token and ``16 + 8 * len(losses) + 48 (mismatch)`` per sequence; a fixed reserve covers headers,
 strings and metric maps. A routing asked for without one to replay has ``L * k``
 unknown before the answer: ``ROUTING_VALUES_GUESS`` (64 MoE layers x top-8) stands in,
 for cutting only (a sequence over the guessed size still goes alone, and the server
@@ -63,6 +64,9 @@ class ScoreOptions:
     metrics: tuple[str, ...] = ()
     return_logprobs: bool = True
     return_routing: bool = False
+    return_entropy: bool = False
+    mismatch_ratio_cap: float | None = None
+    return_importance_weights: bool = False
     weights_version: str = ""
 
     def __post_init__(self):
@@ -76,12 +80,15 @@ class ScoreOptions:
         object.__setattr__(self, "temperature", float(self.temperature))
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise InvalidInputError(f"temperature must be finite and > 0, got {self.temperature}")
+        cap = self.mismatch_ratio_cap
+        if cap is not None and not (math.isfinite(float(cap)) and float(cap) > 1):
+            raise InvalidInputError(f"mismatch_ratio_cap must be finite and > 1, got {cap}")
         unknown = set(metrics) - set(METRIC_GROUPS)
         if unknown:
             raise InvalidInputError(f"metrics must be among {METRIC_GROUPS}, got {sorted(unknown)}")
 
     def to_proto(self) -> pb.ScoreOptions:
-        return pb.ScoreOptions(
+        options = pb.ScoreOptions(
             return_logprobs=self.return_logprobs,
             top_k=self.top_k,
             losses=list(self.losses),
@@ -89,8 +96,13 @@ class ScoreOptions:
             return_mtp_metrics="mtp" in self.metrics,
             temperature=float(self.temperature),
             return_routing=bool(self.return_routing),
+            return_entropy=bool(self.return_entropy),
+            return_importance_weights=bool(self.return_importance_weights),
             weights_version=str(self.weights_version or ""),
         )
+        if self.mismatch_ratio_cap is not None:
+            options.mismatch_ratio_cap = float(self.mismatch_ratio_cap)
+        return options
 
 
 @dataclasses.dataclass
@@ -155,13 +167,16 @@ def plan(
     lengths = batch.lengths
     # The reserve shrinks under 32 KiB so that a server's small limit stays usable.
     budget = int(max_message_bytes * _SAFETY) - min(_RESERVE_BYTES, max_message_bytes // 4)
-    routes = batch.routing_values_per_token
+    routes, k_ids = batch.routing_values_per_token, batch.target_ids_per_token
+    rollout = batch.rollout_logprobs is not None
     req_tok = batch.token_ids.itemsize + (1 if batch.loss_mask is not None else 0) + 4 * routes
-    resp_tok = (4 if options.return_logprobs else 0) + 12 * options.top_k
+    req_tok += 8 * k_ids + 8 * rollout
+    resp_tok = (4 if options.return_logprobs else 0) + 12 * options.top_k + 4 * k_ids
+    resp_tok += 4 * options.return_entropy + 4 * (rollout and options.return_importance_weights)
     guessed = options.return_routing and not routes
     if options.return_routing:
         resp_tok += 4 * (routes or ROUTING_VALUES_GUESS)
-    resp_seq = 16 + 8 * len(options.losses)
+    resp_seq = 16 + 8 * len(options.losses) + 48 * rollout
     zero = np.zeros(1, dtype=np.int64)
     request_cost = np.cumsum(lengths * req_tok + 8)
     response_cost = np.cumsum(lengths * resp_tok + resp_seq)
@@ -220,11 +235,22 @@ def build_parts(
             request.loss_mask.CopyFrom(encode_array(sub.loss_mask))
         if sub.routing is not None:
             request.routing.CopyFrom(encode_array(sub.routing))
+        if sub.target_ids is not None:
+            request.target_ids.CopyFrom(encode_array(sub.target_ids))
+        if sub.rollout_logprobs is not None:
+            request.rollout_logprobs.CopyFrom(encode_array(sub.rollout_logprobs))
         parts.append(Part(request=request, lengths=sub.lengths, options=options, start=start))
     return parts
 
 
-BATCH_ARGUMENTS = ("loss_mask", "lengths", "routing", "request_id")
+BATCH_ARGUMENTS = (
+    "loss_mask",
+    "lengths",
+    "routing",
+    "target_ids",
+    "rollout_logprobs",
+    "request_id",
+)
 """``score`` arguments that describe the batch; the others are :class:`ScoreOptions`."""
 
 
@@ -288,6 +314,21 @@ def _decode(array: pb.Array, field: str, dtype: int, count: int) -> np.ndarray:
     return decode_array(array, field, allowed=(dtype,)).copy()
 
 
+class Asked:
+    """What a request asked for, as the output table's ``wanted`` / ``keys`` read it:
+    its options by name, and each input array (``target_ids``, ...) as True when the
+    request carries it, else None."""
+
+    def __init__(self, request: pb.ScoreRequest):
+        self._request = request
+
+    def __getattr__(self, name: str):
+        options = self.__dict__["_request"].options
+        if name in options.DESCRIPTOR.fields_by_name:
+            return getattr(options, name)
+        return True if self._request.HasField(name) else None
+
+
 def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
     """One output of :data:`megascore.schema.OUTPUTS` of a response, in the
     ``ScoreResult`` layout (per token: one array per sequence)."""
@@ -296,7 +337,7 @@ def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
     if out.keys is not None:
         field = getattr(response, out.wire)
         decoded = {}
-        for key in out.keys(part.request.options):
+        for key in out.keys(Asked(part.request)):
             if key not in field:
                 raise malformed_response(f"{out.wire}[{key}] missing")
             decoded[key] = _decode(field[key], f"{out.wire}[{key}]", dtype, num_seqs)
@@ -331,7 +372,7 @@ def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:
     for out in schema.OUTPUTS:
         if out.optional and not response.HasField(out.wire):
             continue
-        if out.wanted(part.request.options):
+        if out.wanted(Asked(part.request)):
             setattr(result, out.sdk, _decode_output(response, out, part))
     result.moe_metrics = dict(response.moe_metrics)
     result.mtp_metrics = dict(response.mtp_metrics)

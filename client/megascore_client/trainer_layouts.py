@@ -29,7 +29,14 @@ import numpy as np
 from megascore_client.errors import InvalidInputError
 from megascore_client.inputs import as_numpy
 
-__all__ = ["PaddedLayout", "nemo_rl_layout", "verl_layout"]
+__all__ = ["PaddedLayout", "nemo_rl_layout", "prompt_groups", "verl_layout"]
+
+
+def _floats(value):
+    """A float array-like (torch tensors detached to the host) as numpy."""
+    if _is_torch(value):
+        value = value.detach().cpu().double()
+    return np.asarray(value)
 
 
 def _is_torch(value) -> bool:
@@ -76,6 +83,45 @@ class PaddedLayout:
         columns = [np.flatnonzero(mask[b]) for b in rows]
         sequences = [ids[b, c] for b, c in zip(rows, columns, strict=True)]
         return cls(ids.shape, rows, columns, sequences, keep, torch_like)
+
+    def score_arguments(self, kwargs: dict) -> dict:
+        """``score`` arguments of the layout's sequences from an adapter's ``kwargs``:
+        a ``rollout_logprobs`` in the trainer's layout (``[B, S]``, or ``[B, R]`` with
+        ``keep``) becomes one array per sequence, and the loss mask keeps only the
+        ``keep`` columns (the mismatch statistics count the response tokens only)."""
+        arguments = {"losses": (), **kwargs}
+        rollout = kwargs.get("rollout_logprobs")
+        if rollout is None:
+            return arguments
+        values = np.asarray(_floats(rollout), dtype=np.float64)
+        width = self.shape[1] - (self.keep.start or 0)
+        if values.shape != (self.shape[0], width):
+            raise InvalidInputError(
+                f"rollout_logprobs: shape {values.shape}, expected {(self.shape[0], width)} "
+                "(the layout of the returned logprobs)"
+            )
+        full = np.zeros(self.shape)
+        full[:, self.keep] = values
+        pairs = zip(self.rows, self.columns, strict=True)
+        arguments["rollout_logprobs"] = [full[b, c] for b, c in pairs]
+        if self.keep != slice(None):
+            in_keep = np.zeros(self.shape[1], bool)
+            in_keep[self.keep] = True
+            arguments["loss_mask"] = [in_keep[c].astype(np.uint8) for c in self.columns]
+        return arguments
+
+    def answer(self, scored, kwargs: dict):
+        """What an adapter returns: the logprobs in the layout (:meth:`logprobs`); with
+        ``rollout_logprobs``, ``(logprobs, mismatch)``, ``mismatch`` a statistic name ->
+        float64 ``[B]`` (0.0 for a row not scored)."""
+        logprobs = self.logprobs(None if scored is None else scored.logprobs)
+        if kwargs.get("rollout_logprobs") is None:
+            return logprobs
+        stats = {}
+        for name, values in (scored.mismatch_stats if scored is not None else {}).items():
+            stats[name] = np.zeros(self.shape[0])
+            stats[name][self.rows] = values
+        return logprobs, stats
 
     def logprobs(self, scored: list[np.ndarray] | None):
         """Puts the logprobs of the scored sequences (``ScoreResult.logprobs``, in the
@@ -150,3 +196,33 @@ def verl_layout(input_ids, attention_mask, responses) -> PaddedLayout:
         keep=slice(prompt, width),
         torch_like=input_ids if _is_torch(input_ids) else None,
     )
+
+
+def prompt_groups(layout: PaddedLayout) -> np.ndarray:
+    """Runs of consecutive scored sequences of a verl layout that share their prompt
+    (GRPO's n rollouts of one prompt, which verl keeps in consecutive rows).
+
+    The prompt of a sequence is its real tokens before the response columns
+    (``layout.keep``); a run ends where the next sequence's prompt differs (the same
+    prompt again after another one starts a new run).
+
+    Args:
+        layout: a :func:`verl_layout`.
+
+    Returns:
+        int64 ``[G]``: the number of sequences in each run, in order; they sum to
+        ``len(layout.sequences)`` (rows with an empty response are not scored, so not
+        counted).
+    """
+    start = layout.keep.start or 0
+    prompts = [
+        seq[: int((cols < start).sum())]
+        for seq, cols in zip(layout.sequences, layout.columns, strict=True)
+    ]
+    sizes: list[int] = []
+    for i, prompt in enumerate(prompts):
+        if i and np.array_equal(prompt, prompts[i - 1]):
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return np.array(sizes, dtype=np.int64)

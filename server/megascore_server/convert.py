@@ -88,6 +88,7 @@ def model_info_to_proto(
         weights_version=weights_version,
         has_tokenizer=info.has_tokenizer,
         max_top_k=limits.max_top_k,
+        max_target_ids=limits.max_target_ids,
         max_request_tokens=limits.max_request_tokens or 0,
         loss_names=list(limits.loss_names),
         moe_metric_names=list(info.moe_metric_names),

@@ -95,11 +95,16 @@ def merge_batches(pieces: list[tuple[ScoreBatch, np.ndarray]]) -> ScoreBatch:
             continue
         if spec.fill is None and not all(given):
             raise ValueError(f"a step carries the {spec.name} of all its pieces or of none")
+        # trailing dims: the widest piece's (narrower ones are padded with the fill)
+        values = [getattr(batch, spec.name) for batch, _ in pieces]
+        dims = np.max([np.shape(v)[1:] for v in values if v is not None], axis=0).astype(int)
         rows = []
-        for (batch, idx), at, lens in zip(pieces, tokens, lengths, strict=True):
-            value = getattr(batch, spec.name)
-            take = at if spec.per == schema.TOKEN else idx
+        for value, (_, idx), at, lens in zip(values, pieces, tokens, lengths, strict=True):
             count = int(lens.sum()) if spec.per == schema.TOKEN else lens.size
-            rows.append(np.full(count, spec.fill, spec.dtype) if value is None else value[take])
-        merged[spec.name] = np.concatenate(rows).astype(spec.dtype, copy=False)
+            row = np.full((count, *dims), spec.fill or 0, spec.dtype)
+            if value is not None:
+                part = value[at if spec.per == schema.TOKEN else idx]
+                row[(slice(None), *(slice(0, n) for n in part.shape[1:]))] = part
+            rows.append(row)
+        merged[spec.name] = np.concatenate(rows)
     return ScoreBatch(**merged)

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from megascore import layout, schema
+from megascore import layout, mismatch, schema
 from megascore.errors import InvalidRequestError, ResourceExhaustedError, quoted
 from megascore.schema import MAX_ID_CHARS
 from megascore.types import (
@@ -24,6 +24,7 @@ from megascore.types import (
     check_lengths,
     check_options,
     check_routing,
+    check_scored_inputs,
     check_token_ids,
 )
 from megascore.v1 import scoring_pb2 as pb
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _INT_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
 _MASK_DTYPES = (pb.DTYPE_UINT8, pb.DTYPE_INT32, pb.DTYPE_INT64)
+_FLOAT_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_MODEL_CHARS = 4096
@@ -117,6 +119,14 @@ def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:
                 "(representable as float32)"
             )
         kwargs["temperature"] = temperature
+    kwargs["mismatch_ratio_cap"] = mismatch.DEFAULT_RATIO_CAP
+    if options.HasField("mismatch_ratio_cap"):
+        cap = options.mismatch_ratio_cap
+        if not (math.isfinite(cap) and 1 < cap <= _FLOAT32_MAX):
+            raise InvalidRequestError(
+                f"options.mismatch_ratio_cap: {cap} is invalid; it must be finite and > 1"
+            )
+        kwargs["mismatch_ratio_cap"] = cap
     return kwargs
 
 
@@ -168,19 +178,34 @@ def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
         raw = decode_array(request.loss_mask, "loss_mask", _MASK_DTYPES)
         mask = validate_loss_mask(raw, offsets)
     temperature = np.full(lengths.size, options.pop("temperature"), dtype=np.float32)
+    cap = options.pop("mismatch_ratio_cap")
     routing = decode_routing(request, ids.size, limits.routing)
+    target_ids = rollout = None
+    if request.HasField("target_ids"):
+        target_ids = decode_array(request.target_ids, "target_ids", _INT_DTYPES)
+        if target_ids.size and target_ids.size % ids.size == 0:  # else the check names it
+            target_ids = target_ids.reshape(ids.size, -1)
+    if request.HasField("rollout_logprobs"):
+        rollout = decode_array(request.rollout_logprobs, "rollout_logprobs", _FLOAT_DTYPES)
     batch = ScoreBatch(
         token_ids=ids,
         lengths=lengths,
         loss_mask=mask,
         temperature=temperature,
         routing=routing,
+        target_ids=target_ids,
+        rollout_logprobs=rollout,
+        mismatch_ratio_cap=None if rollout is None else np.full(lengths.size, cap, np.float32),
         **options,
     )
     check_routing(batch, limits)  # names the field and the sequence
-    if routing is not None:
-        batch = dataclasses.replace(batch, routing=routing.astype(np.int32, copy=False))
-    return batch
+    check_scored_inputs(batch, limits)
+    return dataclasses.replace(
+        batch,
+        routing=None if routing is None else routing.astype(np.int32, copy=False),
+        target_ids=None if target_ids is None else target_ids.astype(np.int64, copy=False),
+        rollout_logprobs=None if rollout is None else rollout.astype(np.float64),
+    )
 
 
 def validate_load_request(request: pb.LoadWeightsRequest) -> None:

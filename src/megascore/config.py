@@ -17,10 +17,15 @@ class EngineConfig:
     """How one model replica is built and run. Identical on every rank."""
 
     model: str = "tiny"
-    """Built-in model name (tiny, tiny-moe, bench), ``hf:DIR`` or ``megatron:DIR``."""
+    """Built-in model name (tiny, tiny-moe, tiny-deep, bench; ``NAME@SEED`` picks the
+    weight seed), ``hf:DIR`` or ``megatron:DIR``."""
     tensor_model_parallel_size: int = 1
+    """Tensor-parallel size: ranks each weight matrix is split over."""
     context_parallel_size: int = 1
+    """Context-parallel size: ranks each sequence is split over (in 2 x CP chunks)."""
     expert_model_parallel_size: int = 1
+    """Expert-parallel size of a MoE model: ranks the experts are spread over (divides the
+    data-parallel x context-parallel ranks)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages: each holds a contiguous run of decoder layers (any split; the
     first and last stage take the remainder when layers do not divide evenly)."""
@@ -36,6 +41,7 @@ class EngineConfig:
     device: str = "auto"
     """"cpu", "cuda" or "auto" (cuda when available)."""
     dtype: str = "float32"
+    """Parameter and activation dtype of the model."""
     attention_backend: str = "auto"
     """"te" (TransformerEngine, GPU; bfloat16 / float16), "torch" (portable SDPA) or "auto".
 
@@ -50,18 +56,25 @@ class EngineConfig:
     dtype), "fp32" or "fp64" (Megatron's ``moe_router_dtype``)."""
     pad_to_multiple_of: int = 1
     """Extra per-sequence pad multiple (combined with what CP / SP require)."""
-    max_top_k: int = 64
+    max_top_k: int = 256
+    """Largest ``top_k`` a request may ask for (distillation asks for wide top-k)."""
+    max_target_ids: int = 256
+    """Largest number of caller-chosen target ids per token (``ScoreRequest.target_ids``)."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the vocab-parallel log-softmax (bounds peak memory)."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective; a hung rank fails the step instead of hanging."""
     seed: int | None = None
     """Overrides the model config's seed for built-in random weights."""
+    ignore_mtp_layers: bool = False
+    """Serve without the model's MTP layers even where the checkpoint holds them (``hf:``
+    checkpoints and built-ins); MTP layers the files do not hold are always left out."""
     batch_invariant: bool | None = None
     """Bit-identical results for a sequence whatever else is in the step (every token-axis
-    matmul padded to a multiple of 64 rows, ``megascore.model.batch_invariant``). Unset: on
-    for the CPU, off on CUDA; True on CUDA is refused at start-up (no batch-invariant
-    kernels there yet, docs/deploy.md)."""
+    matmul padded to a multiple of 64 rows). Unset: on for the CPU, off on CUDA; True on
+    CUDA is refused at start-up (no batch-invariant kernels there yet, docs/deploy.md).
+
+    Implemented in ``megascore.model.batch_invariant``."""
 
     def __post_init__(self):
         for name in (
@@ -71,6 +84,7 @@ class EngineConfig:
             "pipeline_model_parallel_size",
             "pad_to_multiple_of",
             "max_top_k",
+            "max_target_ids",
             "logprob_chunk_tokens",
         ):
             if getattr(self, name) < 1:

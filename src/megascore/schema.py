@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from megascore import mismatch
 from megascore.errors import quoted
 
 TOKEN = "token"
@@ -88,6 +89,23 @@ def _check_metrics(value, limits) -> str | None:
     return None
 
 
+def _check_metric_group(group: str, layers: str):
+    """The check of ``return_<group>_metrics``: refused on a model without those layers
+    (as routing on a dense model; for MTP layers a checkpoint declares but does not hold,
+    saying so), then :func:`_check_metrics`."""
+
+    def check(value, limits) -> str | None:
+        if value and group == "mtp" and limits.mtp_not_served:
+            return f"the served model has no MTP layers: {limits.mtp_not_served}"
+        if value and group not in limits.metric_groups:
+            return (
+                f"the served model has no {layers} layers (ModelInfo.{group}_metric_names is empty)"
+            )
+        return _check_metrics(value, limits)
+
+    return check
+
+
 def _check_routing(value, limits) -> str | None:
     if value and limits.routing is None:
         return "the served model has no MoE layers to route"
@@ -126,9 +144,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("return_logprobs", True, any, convert=bool),
     Option("top_k", 0, max, _check_top_k, int, flag=False),
     Option("losses", (), _union, _check_losses, lambda names: _union([names]), flag=False),
-    Option("return_moe_metrics", False, _one, _check_metrics, bool),
-    Option("return_mtp_metrics", False, _one, _check_metrics, bool),
+    Option("return_moe_metrics", False, _one, _check_metric_group("moe", "MoE"), bool),
+    Option("return_mtp_metrics", False, _one, _check_metric_group("mtp", "MTP"), bool),
     Option("return_routing", False, any, _check_routing, bool),
+    Option("return_entropy", False, any, convert=bool),
+    Option("return_importance_weights", False, any, convert=bool),
     Option("weights_version", "", _pinned, _check_version, str, flag=False, broadcast=False),
 )
 
@@ -166,6 +186,9 @@ INPUTS: tuple[Input, ...] = (
     Input("loss_mask", TOKEN, "uint8", fill=1),
     Input("temperature", SEQUENCE, "float32", fill=1.0),
     Input("routing", TOKEN, "int32", ndim=2),
+    Input("target_ids", TOKEN, "int64", ndim=1, fill=0),
+    Input("rollout_logprobs", TOKEN, "float64", fill=float("nan")),
+    Input("mismatch_ratio_cap", SEQUENCE, "float32", fill=mismatch.DEFAULT_RATIO_CAP),
 )
 
 
@@ -193,6 +216,8 @@ class Output:
             prediction there).
         keys: ``options -> names`` of a map output (one ``[B]`` array per name).
         optional: the client accepts a response without it (None in the result).
+        finish: computed on the output rank from the batch and the step's other outputs
+            (``(batch, values) -> array``), after the head outputs and the losses.
         head: computed on the last pipeline stage from each chunk of the output
             head's logits (``megascore.engine.logprobs.ChunkScores``):
             ``chunk -> [C, *dims]`` tensor; it is then CP-gathered, sent to the output
@@ -211,6 +236,7 @@ class Output:
     keys: Callable[[Any], tuple[str, ...]] | None = None
     optional: bool = False
     head: Callable[[Any], Any] | None = None
+    finish: Callable[[Any, dict], Any] | None = None
 
 
 OUTPUTS: tuple[Output, ...] = (
@@ -274,6 +300,53 @@ OUTPUTS: tuple[Output, ...] = (
         wanted=lambda o: True,
         optional=True,
     ),
+    Output(
+        "entropy",
+        TOKEN,
+        "float32",
+        "entropy",
+        "entropy",
+        wanted=lambda o: o.return_entropy,
+        head=lambda chunk: chunk.entropy(),
+    ),
+    Output(
+        "target_logprobs",
+        TOKEN,
+        "float32",
+        "target_logprobs",
+        "target_logprobs",
+        wanted=lambda o: o.target_ids is not None,
+        dims=lambda o: (o.num_target_ids,),
+        wire_dims=("num_target_ids",),
+        head=lambda chunk: chunk.target_id_logprobs(),
+    ),
+    Output(
+        "mismatch",
+        SEQUENCE,
+        "float64",
+        "mismatch",
+        "mismatch_stats",
+        wanted=lambda o: o.rollout_logprobs is not None,
+        keys=lambda o: mismatch.NAMES,
+        finish=lambda batch, values: mismatch.statistics(
+            values["logprobs"],
+            batch.rollout_logprobs,
+            batch.lengths,
+            batch.loss_mask,
+            batch.mismatch_ratio_cap,
+        ),
+    ),
+    Output(
+        "importance_weights",
+        TOKEN,
+        "float32",
+        "importance_weights",
+        "importance_weights",
+        wanted=lambda o: o.return_importance_weights and o.rollout_logprobs is not None,
+        finish=lambda batch, values: mismatch.importance_weights(
+            values["logprobs"], batch.rollout_logprobs, batch.lengths, batch.mismatch_ratio_cap
+        ),
+    ),
 )
 
 
@@ -290,12 +363,16 @@ def outputs(per: str | None = None) -> tuple[Output, ...]:
 def head_outputs(options) -> list[Output]:
     """The outputs the output head computes for a step with ``options``.
 
-    The logprobs are computed whenever losses need them, even when not returned.
+    The logprobs are computed whenever losses or a ``finish`` output need them, even
+    when not returned.
     """
+    needs_logprobs = bool(options.losses) or any(
+        o.finish is not None and o.wanted(options) for o in OUTPUTS
+    )
     return [
         o
         for o in OUTPUTS
-        if o.head is not None and (o.wanted(options) or (o.name == "logprobs" and options.losses))
+        if o.head is not None and (o.wanted(options) or (o.name == "logprobs" and needs_logprobs))
     ]
 
 

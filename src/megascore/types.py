@@ -82,20 +82,29 @@ class Limits:
         vocab_size: token ids must be below it.
         max_sequence_length: longest sequence accepted.
         max_top_k: largest ``top_k`` accepted.
+        max_target_ids: largest number of target ids per token accepted (0: none).
         loss_names: the losses the engine computes.
         metrics_supported: whether MoE / MTP metrics can be computed in this layout
             (:meth:`megascore.config.EngineConfig.metrics_supported`).
         routing: the model's MoE routing shape; None for a model without MoE layers.
         max_request_tokens: most tokens in one request (the server's); None: no limit.
+        mtp_not_served: why the MTP layers the checkpoint declares are not served ("" when
+            none are left out); MTP metrics are then refused with it.
+        metric_groups: the metric groups the model reports: "moe" (it has MoE layers),
+            "mtp" (MTP layers). Asking for another is refused, like routing of a dense
+            model (the engine sets them from the model).
     """
 
     vocab_size: int
     max_sequence_length: int
     max_top_k: int
     loss_names: tuple[str, ...]
+    max_target_ids: int = 0
     metrics_supported: bool = True
     routing: RoutingShape | None = None
     max_request_tokens: int | None = None
+    mtp_not_served: str = ""
+    metric_groups: tuple[str, ...] = ("moe", "mtp")
 
 
 def check_options(values, limits: Limits) -> None:
@@ -177,6 +186,63 @@ def check_routing(batch: ScoreBatch, limits: Limits) -> None:
     limits.routing.check(np.asarray(batch.routing), np.asarray(batch.lengths))
 
 
+def _first_row(bad: np.ndarray, bounds: np.ndarray) -> str:
+    """``sequence i position j`` of the first flat row marked in ``bad``."""
+    pos = int(np.flatnonzero(bad)[0])
+    seq = layout.sequence_at(bounds, pos)
+    return f"sequence {seq} position {pos - int(bounds[seq])}"
+
+
+def check_scored_inputs(batch: ScoreBatch, limits: Limits) -> None:
+    """Checks the target ids, rollout logprobs and ratio cap of a batch: the one check of
+    each (the wire gate and the engine run it).
+
+    Raises:
+        InvalidRequestError: naming the field and the sequence (and position).
+    """
+    bounds = layout.offsets(np.asarray(batch.lengths))
+    num_tokens = int(bounds[-1])
+    if batch.target_ids is not None:
+        ids = np.asarray(batch.target_ids)
+        k = ids.shape[1] if ids.ndim == 2 else 0
+        if ids.ndim != 2 or ids.shape[0] != num_tokens or k < 1:
+            raise InvalidRequestError(
+                f"target_ids: shape must be [num_tokens={num_tokens}, K], got {list(ids.shape)}"
+            )
+        if k > limits.max_target_ids:
+            raise InvalidRequestError(
+                f"target_ids: {k} ids per token, more than max_target_ids {limits.max_target_ids}"
+            )
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidRequestError(f"target_ids: ids must be integers, got {ids.dtype}")
+        bad = ((ids < 0) | (ids >= limits.vocab_size)).any(axis=1)
+        bad[bounds[:-1]] = False  # row 0 of a sequence is ignored
+        if bad.any():
+            raise InvalidRequestError(
+                f"target_ids: {_first_row(bad, bounds)}: ids must be in [0, {limits.vocab_size})"
+            )
+    if batch.rollout_logprobs is not None:
+        rollout = np.asarray(batch.rollout_logprobs)
+        if rollout.shape != (num_tokens,):
+            raise InvalidRequestError(
+                f"rollout_logprobs: {rollout.size} values, expected {num_tokens} (one per token)"
+            )
+        bad = ~np.isfinite(rollout)
+        bad[bounds[:-1]] = False  # entry 0 of a sequence is ignored
+        if bad.any():
+            raise InvalidRequestError(
+                f"rollout_logprobs: {_first_row(bad, bounds)}: not finite (NaN or inf)"
+            )
+    elif batch.return_importance_weights:
+        raise InvalidRequestError(
+            "options.return_importance_weights: needs rollout_logprobs in the request"
+        )
+    if batch.mismatch_ratio_cap is not None:
+        cap = np.asarray(batch.mismatch_ratio_cap, dtype=np.float64)
+        if cap.shape != (bounds.size - 1,) or not (np.isfinite(cap) & (cap > 1)).all():
+            raise InvalidRequestError("options.mismatch_ratio_cap: must be finite and > 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreBatch:
     """One engine step's worth of sequences.
@@ -201,6 +267,15 @@ class ScoreBatch:
             ("" = any; rank 0 only, see :func:`check_pinned_version`).
         routing: integer ``[T, num_moe_layers, topk]`` expert ids to replay instead of
             routing (:class:`RoutingShape`, ``megascore.engine.routing``), or None to route.
+        return_entropy: whether to return the per-token entropy.
+        return_importance_weights: whether to return the truncated importance weights
+            (with ``rollout_logprobs``).
+        target_ids: int64 ``[T, K]`` caller-chosen ids whose logprobs to return at
+            every position (row 0 of each sequence ignored), or None.
+        rollout_logprobs: float64 ``[T]`` the rollout engine's logprobs of the tokens
+            (entry 0 of each sequence ignored), or None.
+        mismatch_ratio_cap: float32 ``[B]`` the importance-ratio cap of each sequence
+            (:mod:`megascore.mismatch`), or None (the default cap).
     """
 
     token_ids: np.ndarray
@@ -215,6 +290,11 @@ class ScoreBatch:
     return_routing: bool = False
     weights_version: str = ""
     routing: np.ndarray | None = None
+    return_entropy: bool = False
+    return_importance_weights: bool = False
+    target_ids: np.ndarray | None = None
+    rollout_logprobs: np.ndarray | None = None
+    mismatch_ratio_cap: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -223,6 +303,11 @@ class ScoreBatch:
     @property
     def num_sequences(self) -> int:
         return int(self.lengths.shape[0])
+
+    @property
+    def num_target_ids(self) -> int:
+        """K of ``target_ids`` (0 without)."""
+        return 0 if self.target_ids is None else int(np.shape(self.target_ids)[1])
 
     def offsets(self) -> np.ndarray:
         """int64 ``[B+1]`` start of each sequence in ``token_ids`` (:func:`layout.offsets`)."""
@@ -262,6 +347,7 @@ class ScoreBatch:
             raise InvalidRequestError("temperature must be finite and > 0, one per sequence")
         check_options(self, limits)
         check_routing(self, limits)
+        check_scored_inputs(self, limits)
 
 
 @dataclasses.dataclass

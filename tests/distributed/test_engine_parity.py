@@ -83,8 +83,10 @@ def assert_outputs_match(got, want, *, metrics_rtol: float = 1e-5) -> None:
     assert sorted(arrays) == sorted(ref_arrays)
     np.testing.assert_array_equal(arrays["top_k_ids"], ref_arrays["top_k_ids"])
     np.testing.assert_array_equal(arrays["num_loss_tokens"], ref_arrays["num_loss_tokens"])
-    for key in ("logprobs", "top_k_logprobs"):
+    for key in ("logprobs", "top_k_logprobs", "entropy", "target_logprobs"):
         np.testing.assert_allclose(arrays[key], ref_arrays[key], rtol=0, atol=ATOL, err_msg=key)
+    for key in (k for k in ref_arrays if k.startswith("mismatch_")):
+        np.testing.assert_allclose(arrays[key], ref_arrays[key], rtol=1e-5, atol=ATOL, err_msg=key)
     for key in (k for k in ref_arrays if k.startswith("loss_")):
         np.testing.assert_allclose(arrays[key], ref_arrays[key], rtol=1e-5, atol=ATOL, err_msg=key)
     for group in ("moe_metrics", "mtp_metrics"):

@@ -134,3 +134,31 @@ def test_cli_names_bad_rows_and_sets_them_aside(tp1, tmp_path):
         ref = client.score([r["token_ids"] for r in rows], top_k=2)
     for i, out_row in enumerate(got):
         np.testing.assert_array_equal(np.asarray(out_row["logprobs"], np.float32), ref.logprobs[i])
+
+
+def test_cli_rows_with_rollout_logprobs_get_their_mismatch(tp1, tmp_path):
+    """A row's ``rollout_logprobs`` comes back as its ``mismatch`` (the SDK's numbers);
+    rows without one (scored in other requests) have none."""
+    rows = _rows(seed=5, num=5)
+    rng = np.random.default_rng(7)
+    for row in rows[::2]:
+        row["rollout_logprobs"] = rng.normal(-6.0, 1.0, len(row["token_ids"])).tolist()
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = _cli(tp1.target, src, out)
+    assert done.returncode == 0, done.stderr
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    with ScoringClient(tp1.target, timeout=120) as client:
+        for row, got in zip(rows, written, strict=True):
+            assert got["id"] == row["id"]
+            if "rollout_logprobs" not in row:
+                assert "mismatch" not in got
+                continue
+            want = client.score(
+                [row["token_ids"]],
+                loss_mask=[row["loss_mask"]] if "loss_mask" in row else None,
+                rollout_logprobs=[row["rollout_logprobs"]],
+            ).mismatch[0]
+            assert got["mismatch"].keys() == want.keys()
+            for name, value in want.items():
+                assert math.isclose(got["mismatch"][name], value, rel_tol=1e-6, abs_tol=1e-6)

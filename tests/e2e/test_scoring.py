@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
 import pytest
 
@@ -110,3 +111,117 @@ def test_invalid_input_is_rejected_by_the_real_server(tp2):
         assert info.value.code.name == "INVALID_ARGUMENT"
         # The replica is unharmed: a valid call still scores.
         assert client.score([[1, 2, 3]]).logprobs[0].shape == (3,)
+
+
+@pytest.mark.timeout(300)
+def test_dense_model_refuses_every_moe_only_option_alike(tp1):
+    """``tiny`` is dense without MTP: routing, MoE metrics and MTP metrics are all
+    INVALID_ARGUMENT naming the option (documented in docs/client.md), and the server
+    keeps serving."""
+    with ScoringClient(tp1.target, timeout=120) as client:
+        info = client.model_info()
+        assert not info.moe_metric_names and not info.mtp_metric_names
+        for options, field in (
+            ({"metrics": ("moe",)}, "options.return_moe_metrics"),
+            ({"metrics": ("mtp",)}, "options.return_mtp_metrics"),
+            ({"return_routing": True}, "options.return_routing"),
+        ):
+            with pytest.raises(ScoringError) as exc:
+                client.score([[1, 2, 3]], **options)
+            assert exc.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert f"{field}: the served model has no" in exc.value.details
+        assert client.score([[1, 2, 3]]).lengths.tolist() == [3]
+
+
+def _scored_outputs(client, seqs, rollout):
+    rng = np.random.default_rng(5)
+    targets = [rng.integers(0, VOCAB, (len(s), 3)) for s in seqs]
+    result = client.score(
+        seqs,
+        top_k=256,
+        return_entropy=True,
+        target_ids=targets,
+        rollout_logprobs=rollout,
+        return_importance_weights=True,
+        mismatch_ratio_cap=1.5,
+    )
+    return result, targets
+
+
+@pytest.mark.timeout(600)
+def test_entropy_target_ids_top_256_and_mismatch_through_the_sdk(tp1, tp2):
+    """Issue 22 through the wire: TP2 equals TP1; the target logprobs agree with the
+    top-256 where they meet; the mismatch statistics equal numpy on the returned
+    logprobs (the engine's parity with plain torch: tests/unit/test_scored_outputs.py)."""
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(0, VOCAB, n) for n in (12, 1, 30, 5)]
+    with ScoringClient(tp1.target, timeout=120) as client:
+        plain = client.score(seqs)
+        rollout = [lp + rng.normal(0, 0.3, lp.size) for lp in plain.logprobs]
+        one, targets = _scored_outputs(client, seqs, rollout)
+    with ScoringClient(tp2.target, timeout=120) as client:
+        two, _ = _scored_outputs(client, seqs, rollout)
+    for name in ("logprobs", "entropy", "target_logprobs", "top_k_logprobs"):
+        for a, b in zip(getattr(one, name), getattr(two, name), strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    for i, seq in enumerate(seqs):
+        assert one.entropy[i][0] == 0.0 and (one.entropy[i][1:] > 0).all()
+        assert one.top_k_ids[i].shape == (len(seq), 256)
+        # a target id inside the top-256 has the top-256's logprob
+        for t in range(1, len(seq)):
+            row = dict(zip(one.top_k_ids[i][t].tolist(), one.top_k_logprobs[i][t], strict=True))
+            for j, tid in enumerate(targets[i][t].tolist()):
+                if tid in row:
+                    assert abs(one.target_logprobs[i][t, j] - row[tid]) < 1e-5
+        d = one.logprobs[i][1:].astype(np.float64) - rollout[i][1:]
+        stats = one.mismatch[i]
+        if d.size == 0:
+            assert all(v == 0.0 for v in stats.values())
+            continue
+        assert abs(stats["max_abs_diff"] - np.abs(d).max()) < 1e-6
+        assert abs(stats["mean_abs_diff"] - np.abs(d).mean()) < 1e-6
+        assert abs(stats["kl_k3"] - np.mean(np.expm1(d) - d)) < 1e-6
+        assert abs(stats["mean_log_ratio"] - d.mean()) < 1e-6
+        outside = np.mean((np.exp(d) > 1.5) | (np.exp(d) < 1 / 1.5))
+        assert abs(stats["ratio_outside_cap"] - outside) < 1e-6
+        weights = np.minimum(np.exp(d), 1.5)
+        np.testing.assert_allclose(one.importance_weights[i][1:], weights, rtol=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_rollout_logprobs_through_the_stream_and_the_verl_adapter(tp1):
+    """The streaming helper and ``score_responses`` (verl layout, ``[B, R]`` rollout
+    logprobs) give the statistics of ``score`` over the response tokens."""
+    rng = np.random.default_rng(6)
+    prompt, resp = 4, 6
+    ids = rng.integers(0, VOCAB, (3, prompt + resp))
+    mask = np.ones_like(ids)
+    mask[0, :2] = 0  # left-padded prompt
+    mask[2, -2:] = 0  # right-padded response
+    rollout = rng.normal(-3.0, 1.0, (3, resp))
+    with ScoringClient(tp1.target, timeout=120) as client:
+        logprobs, stats = client.score_responses(
+            ids, mask, ids[:, prompt:], rollout_logprobs=rollout
+        )
+        seqs = [ids[b][mask[b] == 1] for b in range(3)]
+        with client.stream() as stream:
+            streamed = stream.submit(
+                seqs,
+                rollout_logprobs=[
+                    np.concatenate([np.zeros(int(mask[b, :prompt].sum())), rollout[b]])[
+                        : len(seqs[b])
+                    ]
+                    for b in range(3)
+                ],
+                loss_mask=[
+                    (np.arange(len(seqs[b])) >= int(mask[b, :prompt].sum())).astype(np.uint8)
+                    for b in range(3)
+                ],
+            ).result()
+    for b in range(3):
+        real = mask[b, prompt:] == 1
+        d = logprobs[b][real].astype(np.float64) - rollout[b][real]
+        assert abs(stats["mean_log_ratio"][b] - d.mean()) < 1e-6
+        assert abs(stats["max_abs_diff"][b] - np.abs(d).max()) < 1e-6
+        for name, values in streamed.mismatch_stats.items():
+            assert abs(values[b] - stats[name][b]) < 1e-6, name

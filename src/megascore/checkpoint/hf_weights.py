@@ -39,6 +39,7 @@ import torch
 from megascore.checkpoint import fp8
 from megascore.checkpoint.hf_config import read_hf_config
 from megascore.checkpoint.hf_names import ParamMapper, mtp_copies
+from megascore.checkpoint.optional_parts import explain_missing
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.safetensors_io import SafetensorsDir
@@ -109,12 +110,9 @@ def plan_hf_load(
         try:
             recipe.validate(reader, name)
         except CheckpointError as e:
-            if name.startswith("mtp.") and "missing tensor" in str(e):
-                raise CheckpointError(
-                    f"{e}: config.json declares {model_cfg.mtp_num_layers} MTP layer(s) "
-                    f"(num_nextn_predict_layers) stored as model.layers.{model_cfg.num_layers}+; "
-                    "checkpoints saved by transformers drop them"
-                ) from None
+            why = [explain_missing(model_cfg, s) for s in recipe.sources() if s not in reader]
+            if any(why):
+                raise CheckpointError(f"{e}: {next(filter(None, why))}") from None
             raise
         if tuple(tensor.shape) != recipe.local_shape():
             raise CheckpointError(
@@ -128,8 +126,6 @@ def plan_hf_load(
     unused = [n for n in reader.names() if n not in used and not _IGNORED_HF.match(n)]
     if only is not None:
         unused = []
-    if model_cfg.share_embeddings_and_output_weights:
-        unused = [n for n in unused if n != "lm_head.weight"]
     if unused:
         logger.warning(
             "%s: %d HF tensors unused, e.g. %s", reader.directory, len(unused), unused[:5]

@@ -300,8 +300,10 @@ class ChunkScores:
         shard: VocabShard,
         work: torch.Tensor,
         top_k_size: int,
+        target_ids: torch.Tensor | None = None,
     ):
         self.logits, self.shard, self.work, self.top_k_size = logits, shard, work, top_k_size
+        self.target_ids = target_ids
         self.global_max, sum_exp = _chunk_log_normalizer(logits, shard.group, shard.size, work)
         # One SUM for both reductions: [2, C] (the target logit from the rank owning it)
         packed = sum_exp.unsqueeze(0)
@@ -323,6 +325,22 @@ class ChunkScores:
     def target_logprobs(self) -> torch.Tensor:
         """float32 ``[C]`` log-probability of each row's target."""
         return self._target_logit - self.lse
+
+    def _sum_over_tp(self, values: torch.Tensor) -> torch.Tensor:
+        if self.shard.size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.shard.group)
+        return values
+
+    def entropy(self) -> torch.Tensor:
+        """float32 ``[C]`` entropy of each row's distribution: ``lse - sum_v p_v * l_v``
+        (this shard's sum, then one SUM over TP; the scratch holds ``p``)."""
+        probs = torch.sub(self.logits, self.lse.unsqueeze(-1), out=self.work[: len(self.lse)])
+        expected = probs.exp_().mul_(self.logits).sum(dim=-1)
+        return self.lse - self._sum_over_tp(expected)
+
+    def target_id_logprobs(self) -> torch.Tensor:
+        """float32 ``[C, K]`` log-probabilities of the rows' caller-chosen ids."""
+        return self._sum_over_tp(self._owned_logits(self.target_ids)) - self.lse.unsqueeze(-1)
 
     def top_k(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids [C, k] int64, logprobs [C, k] float32)``, most likely first (computed once)."""
@@ -346,6 +364,7 @@ class HeadOptions:
     """The request options the head outputs' trailing shapes read (``Output.dims``)."""
 
     top_k: int = 0
+    num_target_ids: int = 0
 
 
 def _default_outputs(targets: torch.Tensor | None, top_k: int) -> list[schema.Output]:
@@ -389,6 +408,7 @@ def score_tokens(
     chunk_tokens: int = 1024,
     vocab_size: int | None = None,
     outputs: list[schema.Output] | None = None,
+    target_ids: torch.Tensor | None = None,
 ) -> TokenScores:
     """Per-token outputs (logprobs of ``targets``, top-k, ...) from vocab-parallel logits.
 
@@ -414,6 +434,8 @@ def score_tokens(
             normaliser, as in Megatron's vocab-parallel cross-entropy.
         outputs: the head outputs to compute (:func:`megascore.schema.head_outputs`);
             None: the logprobs when ``targets`` is given and the top-k when ``top_k > 0``.
+        target_ids: int64 ``[T, K]`` caller-chosen global ids whose logprobs the
+            ``target_logprobs`` output returns, or None.
 
     Returns:
         A :class:`TokenScores` with float32 / int64 tensors on the logits' device.
@@ -429,7 +451,8 @@ def score_tokens(
     shard = VocabShard(tp_group, tp_size, tp_rank * v_local, vocab_size)
     outputs = _default_outputs(targets, top_k) if outputs is None else outputs
     device = source.device
-    scores = _allocate(outputs, HeadOptions(top_k), num_tokens, device)
+    k_ids = 0 if target_ids is None else target_ids.shape[1]
+    scores = _allocate(outputs, HeadOptions(top_k, k_ids), num_tokens, device)
     # Scratch reused by every chunk: the exp pass (and the padding mask of the top-k),
     # and the temperature-scaled logits.
     rows = min(chunk_tokens, num_tokens)
@@ -447,7 +470,8 @@ def score_tokens(
                 temp = temperature[start:end].to(device, torch.float32).unsqueeze(-1)
                 chunk = torch.div(chunk, temp, out=scaled[: end - start])
             tgt = targets[start:end] if needs_targets else None
-            context = ChunkScores(chunk, tgt, shard, work, top_k)
+            ids = None if target_ids is None else target_ids[start:end]
+            context = ChunkScores(chunk, tgt, shard, work, top_k, ids)
             for out in outputs:
                 scores[out.name][start:end] = out.head(context)
             # Free this chunk's logits before the head computes the next one (peak: one

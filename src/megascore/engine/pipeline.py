@@ -99,6 +99,8 @@ class Microbatch:
             (:func:`megascore.engine.routing.local_replay_targets`), or None.
         recorded_routes: set by the forward step when the step records the routing:
             int64 ``[n, L_stage, k]`` (None on a stage without MoE layers).
+        target_ids: int64 ``[T_local, K]`` caller-chosen ids scored at each position
+            (those given for the token the position predicts), or None.
     """
 
     packed: PackedSequences
@@ -108,6 +110,7 @@ class Microbatch:
     mtp_loss_mask: torch.Tensor | None
     replay_routes: torch.Tensor | None = None
     recorded_routes: torch.Tensor | None = None
+    target_ids: torch.Tensor | None = None
 
 
 def build_microbatch(
@@ -121,6 +124,7 @@ def build_microbatch(
     cp_rank: int,
     cp_size: int,
     has_request_mask: bool,
+    target_ids: np.ndarray | None = None,
 ) -> Microbatch:
     """Packs one microbatch for this rank's CP rank.
 
@@ -134,6 +138,7 @@ def build_microbatch(
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
         has_request_mask: the request carried a loss mask (MTP then uses it).
+        target_ids: int64 ``[T_mb, K]`` token-aligned caller-chosen ids, or None.
 
     Returns:
         The :class:`Microbatch`.
@@ -168,7 +173,24 @@ def build_microbatch(
         temperature=temps,
         loss_mask=mask.to(device),
         mtp_loss_mask=mask.unsqueeze(0).to(device) if has_request_mask else None,
+        target_ids=None
+        if target_ids is None
+        else _predicting_rows(target_ids, lengths, packed, pad_to),
     )
+
+
+def _predicting_rows(
+    values: np.ndarray, lengths: np.ndarray, packed: PackedSequences, pad_to: int
+) -> torch.Tensor:
+    """Token-aligned ``[T_mb, K]`` rows moved to the packed position that predicts their
+    token (one before it; a sequence's first row has none and is dropped), this CP
+    rank's shard of them, on the ids' device."""
+    rows = torch.zeros((pad_to, values.shape[1]), dtype=torch.int64)
+    positions = packed.token_positions
+    predicted = torch.ones(positions.numel(), dtype=torch.bool)
+    predicted[layout.offsets(lengths)[:-1]] = False  # each sequence's first token
+    rows[positions[predicted] - 1] = torch.from_numpy(np.asarray(values, np.int64))[predicted]
+    return rows[packed.shard_indices].to(packed.input_ids.device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +209,7 @@ class ScoreSpec:
             (:func:`megascore.engine.forward.model_inputs`).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
+        num_target_ids: K of the batch's target ids (0 without).
     """
 
     outputs: tuple[schema.Output, ...]
@@ -199,6 +222,7 @@ class ScoreSpec:
     metrics_forward: bool
     lm_head_dtype: str = "model"
     record_routes: bool = False
+    num_target_ids: int = 0
 
 
 def _score_microbatch(
@@ -214,6 +238,7 @@ def _score_microbatch(
         top_k=spec.top_k,
         chunk_tokens=spec.chunk_tokens,
         vocab_size=spec.vocab_size,
+        target_ids=mb.target_ids,
         # the logprobs always: Megatron's schedule takes a loss from every microbatch
         outputs=list(dict.fromkeys([schema.output("logprobs"), *spec.outputs])),
     )

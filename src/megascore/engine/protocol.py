@@ -179,6 +179,7 @@ _TORCH_DTYPES = {
     "int32": torch.int32,
     "int64": torch.int64,
     "float32": torch.float32,
+    "float64": torch.float64,
 }
 
 

@@ -129,9 +129,14 @@ def load_served_model(
         CheckpointError: a checkpoint that is missing, corrupt or does not fit, or an
             architecture other than ``expected``.
     """
-    if expected is not None:  # from the config alone, before the weight files' headers
-        check_same_architecture(read_model_config(model), expected, model)
-    config, load_weights, meta = resolve_model(model, seed=engine_cfg.seed)
+    ignore_mtp = engine_cfg.ignore_mtp_layers
+    if expected is not None:  # from the config (+ headers for optional parts), no tensor read
+        check_same_architecture(
+            read_model_config(model, ignore_mtp_layers=ignore_mtp), expected, model
+        )
+    config, load_weights, meta = resolve_model(
+        model, seed=engine_cfg.seed, ignore_mtp_layers=ignore_mtp
+    )
     built = build_model(config, dataclasses.replace(engine_cfg, seed=config.seed), pg_collection)
     if engine_cfg.batch_invariant_on(resolve_device(engine_cfg).type):
         make_batch_invariant(built)

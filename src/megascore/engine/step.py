@@ -162,7 +162,7 @@ def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Pla
     ranges, pad_to = split_microbatches(lengths, cfg.pad_multiple, cfg.microbatches)
     ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).to(cfg.device)
     target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
-    temps = batch.temperature
+    temps, target_ids = batch.temperature, batch.target_ids
     microbatches = [
         build_microbatch(
             ids[offsets[a] : offsets[b]],
@@ -174,6 +174,7 @@ def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Pla
             cp_rank=dist.get_rank(groups.cp),
             cp_size=dist.get_world_size(groups.cp),
             has_request_mask=batch.loss_mask is not None,
+            target_ids=None if target_ids is None else target_ids[offsets[a] : offsets[b]],
         )
         for a, b in ranges
     ]
@@ -193,6 +194,7 @@ def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Pla
         metrics_forward=want_moe or want_mtp,
         lm_head_dtype=cfg.lm_head_dtype,
         record_routes=record,
+        num_target_ids=batch.num_target_ids,
     )
     return _Plan(microbatches, ranges, pad_to, spec, record, want_moe, want_mtp)
 
@@ -417,6 +419,9 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         values["routing"] = np.asarray(batch.routing, dtype=np.int32)
     elif batch.return_routing:
         values["routing"] = result.routing.numpy()[result.token_positions.numpy()].astype(np.int32)
+    for out in schema.OUTPUTS:
+        if out.finish is not None and out.wanted(batch):
+            values[out.name] = out.finish(batch, values)
     if not batch.return_logprobs:
         values.pop("logprobs", None)
     return ScoreOutput(

@@ -94,6 +94,10 @@ class ModelConfig:
     # --- MTP ---
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1
+    mtp_not_served: str = ""
+    """Why MTP layers the checkpoint's config declares are not served ("" when none are
+    left out; :func:`megascore.checkpoint.optional_parts.served_mtp_layers`). A request
+    for MTP metrics is refused with it."""
     # --- init ---
     init_method_std: float = 0.02
     seed: int = 1234

@@ -44,7 +44,7 @@ class Array(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ScoreOptions(_message.Message):
-    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "weights_version")
+    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "return_entropy", "mismatch_ratio_cap", "return_importance_weights", "weights_version")
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,9 @@ class ScoreOptions(_message.Message):
     RETURN_MTP_METRICS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTING_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_RATIO_CAP_FIELD_NUMBER: _ClassVar[int]
+    RETURN_IMPORTANCE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     return_logprobs: bool
     top_k: int
@@ -60,24 +63,31 @@ class ScoreOptions(_message.Message):
     return_mtp_metrics: bool
     temperature: float
     return_routing: bool
+    return_entropy: bool
+    mismatch_ratio_cap: float
+    return_importance_weights: bool
     weights_version: str
-    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ..., return_routing: _Optional[bool] = ..., weights_version: _Optional[str] = ...) -> None: ...
+    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ..., return_routing: _Optional[bool] = ..., return_entropy: _Optional[bool] = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: _Optional[bool] = ..., weights_version: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing")
+    __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing", "target_ids", "rollout_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: Array
     lengths: Array
     loss_mask: Array
     options: ScoreOptions
     routing: Array
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., options: _Optional[_Union[ScoreOptions, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    target_ids: Array
+    rollout_logprobs: Array
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., options: _Optional[_Union[ScoreOptions, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., target_ids: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "total_ms", "num_steps")
@@ -92,7 +102,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings", "routing", "routing_num_moe_layers", "routing_topk")
+    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings", "routing", "routing_num_moe_layers", "routing_topk", "entropy", "target_logprobs", "num_target_ids", "mismatch", "importance_weights")
     class SequenceLossesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +124,13 @@ class ScoreResponse(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MismatchEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Array
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +146,11 @@ class ScoreResponse(_message.Message):
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     ROUTING_NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_TOPK_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lengths: Array
     token_logprobs: Array
@@ -144,7 +166,12 @@ class ScoreResponse(_message.Message):
     routing: Array
     routing_num_moe_layers: int
     routing_topk: int
-    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., routing_num_moe_layers: _Optional[int] = ..., routing_topk: _Optional[int] = ...) -> None: ...
+    entropy: Array
+    target_logprobs: Array
+    num_target_ids: int
+    mismatch: _containers.MessageMap[str, Array]
+    importance_weights: Array
+    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., routing_num_moe_layers: _Optional[int] = ..., routing_topk: _Optional[int] = ..., entropy: _Optional[_Union[Array, _Mapping]] = ..., target_logprobs: _Optional[_Union[Array, _Mapping]] = ..., num_target_ids: _Optional[int] = ..., mismatch: _Optional[_Mapping[str, Array]] = ..., importance_weights: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -165,7 +192,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., tensor_model_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., expert_model_parallel_size: _Optional[int] = ..., pipeline_model_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch", "max_message_bytes")
+    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch", "max_message_bytes", "max_target_ids")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +211,7 @@ class ModelInfo(_message.Message):
     MTP_METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_parameters: int
@@ -202,7 +230,8 @@ class ModelInfo(_message.Message):
     mtp_metric_names: _containers.RepeatedScalarFieldContainer[str]
     max_tokens_per_batch: int
     max_message_bytes: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    max_target_ids: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("model", "weights_version")

@@ -21,9 +21,11 @@ from megascore.errors import WorkerLostError
 from megascore.types import ScoreBatch, ScoreOutput
 
 # Edge cases: length-1 sequences, one at the tiny models' max length (1024), one long
-# and many short ones.
+# and many short ones. Every layout also returns the entropy, the logprobs of
+# TARGET_IDS caller-chosen ids per token and the rollout-mismatch statistics (issue 22).
 LENGTHS = (1, 5, 1024, 1, 17, 3, 2, 40, 1, 9, 2)
 TOP_K = 8
+TARGET_IDS = 6
 VOCAB = 512
 
 
@@ -44,6 +46,9 @@ def edge_case_batch(
         return_logprobs=True,
         return_moe_metrics=moe,
         return_mtp_metrics=moe,
+        return_entropy=True,
+        target_ids=rng.integers(0, VOCAB, (total, TARGET_IDS)),
+        rollout_logprobs=rng.normal(-6.0, 1.0, total),
     )
 
 
@@ -54,8 +59,11 @@ def save_output(path: Path, out: ScoreOutput, **extra) -> None:
         "top_k_ids": out.top_k_ids,
         "top_k_logprobs": out.top_k_logprobs,
         "num_loss_tokens": out.num_loss_tokens,
+        "entropy": out.entropy,
+        "target_logprobs": out.target_logprobs,
     }
     arrays.update({f"loss_{k}": v for k, v in out.losses.items()})
+    arrays.update({f"mismatch_{k}": v for k, v in out.mismatch.items()})
     np.savez(path.with_suffix(".npz"), **{k: v for k, v in arrays.items() if v is not None})
     meta = {
         "moe_metrics": out.moe_metrics,

@@ -35,6 +35,8 @@ def sequence_slice(batch: ScoreBatch, i: int) -> ScoreBatch:
         lengths=batch.lengths[i : i + 1],
         loss_mask=batch.loss_mask[s:e],
         temperature=batch.temperature[i : i + 1],
+        target_ids=batch.target_ids[s:e],
+        rollout_logprobs=batch.rollout_logprobs[s:e],
     )
 
 
@@ -55,6 +57,11 @@ def check_batch_composition_does_not_matter(engine, batch, out):
         np.testing.assert_allclose(alone.logprobs, out.logprobs[s:e], rtol=0, atol=ATOL)
         np.testing.assert_allclose(alone.top_k_logprobs, out.top_k_logprobs[s:e], rtol=0, atol=ATOL)
         np.testing.assert_array_equal(alone.top_k_ids, out.top_k_ids[s:e])
+        for name in ("entropy", "target_logprobs"):
+            got, want = getattr(alone, name), getattr(out, name)[s:e]
+            np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=name)
+        for name, value in out.mismatch.items():
+            np.testing.assert_allclose(alone.mismatch[name], value[i : i + 1], rtol=0, atol=ATOL)
         for name, value in out.losses.items():
             np.testing.assert_allclose(alone.losses[name], value[i : i + 1], rtol=1e-6, atol=ATOL)
         assert alone.num_loss_tokens[0] == out.num_loss_tokens[i]
@@ -117,7 +124,9 @@ def check_output_switches(engine, batch, out):
 def check_invalid_batches_raise_before_any_collective(engine, batch):
     for bad in (
         dataclasses.replace(batch, token_ids=np.full(batch.num_tokens, 512)),
-        dataclasses.replace(batch, top_k=65),
+        dataclasses.replace(batch, top_k=257),  # max_top_k 256
+        dataclasses.replace(batch, target_ids=np.zeros((batch.num_tokens, 257), np.int64)),
+        dataclasses.replace(batch, rollout_logprobs=np.full(batch.num_tokens, np.nan)),
         dataclasses.replace(batch, losses=("bogus",)),
         ScoreBatch(token_ids=np.zeros(1025, np.int64), lengths=np.array([1025])),
         dataclasses.replace(batch, temperature=np.zeros(batch.num_sequences, np.float32)),
