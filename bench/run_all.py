@@ -43,6 +43,7 @@ import mfu
 import option_cost
 import packed_vs_hf
 import pipeline
+import replica_scaling
 import routing_cost
 import weight_push
 import wire_cost
@@ -464,7 +465,11 @@ def main() -> int:
     previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
     # sections their own scripts write: kept
-    for own in (pipeline, weight_push, routing_cost, families_cpu, batch_invariance, option_cost):
+    own_sections = (
+        pipeline, weight_push, routing_cost, families_cpu, batch_invariance, option_cost,
+        replica_scaling,
+    )  # fmt: skip
+    for own in own_sections:
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]
             common.write_section(args.output, own.BEGIN, own.END, kept + own.END)

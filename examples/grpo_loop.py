@@ -113,7 +113,7 @@ def launched_servers(init_dir: Path, log_dir: Path, names=("policy", "reference"
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--grace-s", "2"]
             procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
             targets.append(f"127.0.0.1:{port}")
-        yield "ipv4:" + ",".join(targets[:-1]), targets[-1]
+        yield targets
     finally:
         for proc, log in procs:
             proc.terminate()

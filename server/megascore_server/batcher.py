@@ -339,6 +339,8 @@ class DynamicBatcher:
     def _pinned_to_served(self, window: list[PendingRequest]) -> list[PendingRequest]:
         """The requests of ``window`` the served version may score; those pinned to
         another version fail (FAILED_PRECONDITION) and leave the queue."""
+        if not any(item.batch.weights_version for item in window):
+            return window
         served, kept = self.weights_version, []
         for item in window:
             try:
