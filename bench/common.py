@@ -27,8 +27,10 @@ import os
 import platform
 import pstats
 import socket
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from packed_forward import PeakMemory, linear_fit, token_budget_batches
@@ -255,6 +257,25 @@ def write_section(path, begin: str, end: str, section: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
     path.write_text(text)
+
+
+def run_own_section(
+    prefix: str,
+    markers: tuple[str, str],
+    output,
+    measure: Callable[[Path], dict],
+    section: Callable[[dict, dict, float], str],
+) -> None:
+    """The main of a benchmark that keeps its own section of RESULTS.md: ``measure(tmp)``
+    in a temporary directory, then ``section(results, machine, elapsed_s)`` written
+    between ``markers`` of ``output`` and printed."""
+    machine = machine_info("cpu")
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        res = measure(Path(tmp))
+    text = section(res, machine, time.time() - start)
+    write_section(output, *markers, text)
+    print(text)
 
 
 # ---- machine --------------------------------------------------------------------------------

@@ -63,9 +63,17 @@ class Server:
         max_tokens: ``--max-tokens-per-batch``.
         log_path: where the server's stdout / stderr go.
         model: ``--model``.
+        extra_args: more ``megascore serve`` flags.
     """
 
-    def __init__(self, device: str, max_tokens: int, log_path: Path, model: str = "bench"):
+    def __init__(
+        self,
+        device: str,
+        max_tokens: int,
+        log_path: Path,
+        model: str = "bench",
+        extra_args: tuple[str, ...] = (),
+    ):
         import common
 
         self.port = common.free_port()
@@ -91,6 +99,7 @@ class Server:
             str(max_tokens),
             "--metrics-port",
             str(self.metrics_port),
+            *extra_args,
         ]
         self.proc: subprocess.Popen | None = None
 

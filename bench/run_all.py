@@ -36,6 +36,7 @@ from pathlib import Path
 
 import batch_invariance
 import common
+import data_parallel
 import e2e_vs_engine
 import families_cpu
 import memory
@@ -43,8 +44,10 @@ import mfu
 import option_cost
 import packed_vs_hf
 import pipeline
+import prefix_sharing
 import replica_scaling
 import routing_cost
+import startup
 import weight_push
 import wire_cost
 from common import Row
@@ -466,9 +469,17 @@ def main() -> int:
     args.output.write_text(text)
     # sections their own scripts write: kept
     own_sections = (
-        pipeline, weight_push, routing_cost, families_cpu, batch_invariance, option_cost,
+        pipeline,
+        weight_push,
+        routing_cost,
+        families_cpu,
+        batch_invariance,
+        option_cost,
+        prefix_sharing,
+        startup,
+        data_parallel,
         replica_scaling,
-    )  # fmt: skip
+    )
     for own in own_sections:
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]

@@ -32,7 +32,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -292,13 +291,13 @@ def main() -> int:
         run_sink(args.sink)
         return 0
     common.quiet_logs()
-    machine = common.machine_info("cpu")
-    start = time.time()
-    with tempfile.TemporaryDirectory(prefix="megascore-push-bench-") as tmp:
-        res = measure(args.reps, Path(tmp))
-    text = section(res, args.reps, machine, time.time() - start)
-    common.write_section(args.output, BEGIN, END, text)
-    print(text)
+    common.run_own_section(
+        "megascore-push-bench-",
+        (BEGIN, END),
+        args.output,
+        lambda workdir: measure(args.reps, workdir),
+        lambda res, machine, elapsed: section(res, args.reps, machine, elapsed),
+    )
     return 0
 
 

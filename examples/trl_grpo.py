@@ -13,7 +13,11 @@ and prints, per step, how far apart the two runs' per-token reference logprobs (
 completion tokens) and losses are. ``--launch`` starts the server here (``megascore
 serve --model hf:DIR`` on a free port, stopped at the end); otherwise give
 ``--reference`` (a server started from ``--init-dir``, which holds the model and its
-tokenizer)::
+tokenizer).
+
+Needs: pip install 'megascore[trl,server]' (TRL and its transformers for the trainer,
+the server for ``--launch``; in a checkout: ``pip install -e '.[trl,server]'``). The
+commands below assume the virtual environment is active (``source .venv/bin/activate``)::
 
     python examples/trl_grpo.py --launch
     python examples/trl_grpo.py --init-dir /ckpt/init --reference host:50051

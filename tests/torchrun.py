@@ -6,6 +6,7 @@ test then compares; a failure anywhere fails the test with the ranks' output.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +40,24 @@ def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 30
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}:\n{out[-8000:]}")
     return out
+
+
+def run_check_script(
+    script: Path | str, nproc: int, out_dir: Path, results: str, *args: str, timeout: float = 600
+) -> dict:
+    """Runs a script that records named checks per rank (``engine_common.CheckLog``) into
+    ``out_dir / f"{results}{rank}.json"`` (its first argument is ``out_dir``).
+
+    Returns:
+        ``{"error": the launch's failure output or None, "checks": {rank: {name: outcome}}}``.
+    """
+    try:
+        run_torchrun(script, nproc, str(out_dir), *args, timeout=timeout)
+        error = None
+    except AssertionError as e:
+        error = str(e)
+    checks = {}
+    for rank in range(nproc):
+        path = out_dir / f"{results}{rank}.json"
+        checks[rank] = json.loads(path.read_text()) if path.exists() else {}
+    return {"error": error, "checks": checks}

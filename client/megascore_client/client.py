@@ -29,7 +29,12 @@ from megascore_client.replica_push import new_push_version, push_to_replicas, re
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
-from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
+from megascore_client.trainer_layouts import (
+    PaddedLayout,
+    group_sequences,
+    nemo_rl_layout,
+    verl_layout,
+)
 from megascore_client.transport import SyncTransport
 from megascore_client.waiting import ServerWait, check_wait, pinned_version
 
@@ -257,6 +262,31 @@ class ClientBase:
                 weights_version=weights_version,
             ),
         )
+
+    def score_groups(self, prompts, continuations, **options):
+        """Scores groups (awaitable on ``AsyncScoringClient``): each prompt followed by
+        each of its continuations (GRPO's n responses to one prompt, agentic turns after
+        one history).
+
+        The sequences ``prompts[g] + continuations[g][j]`` go to the server in this order
+        with the loss mask on the continuations; the server computes a prompt that its
+        sequences share once when they land in one engine step (docs/engine.md, "Shared
+        prefixes").
+
+        Args:
+            prompts: ``G`` token sequences.
+            continuations: ``G`` lists of token sequences (at least one per prompt).
+            **options: as for :meth:`score` (``top_k``, ``temperature``, ``losses``,
+                ...); not ``loss_mask`` (the continuations').
+
+        Returns:
+            The :class:`ScoreResult` of the ``sum(len(c) for c in continuations)``
+            sequences, group after group; the losses are the continuations' (e.g. the NLL
+            of each response), entry ``t >= len(prompts[g])`` of a sequence's logprobs is
+            its continuation's token ``t - len(prompts[g])``.
+        """
+        sequences, masks = group_sequences(prompts, continuations)
+        return self.score(sequences, loss_mask=masks, **options)
 
     def prepare_call(self, sequences, arguments: dict, limit) -> tuple[list[Part], str]:
         """The requests of one ``score`` / ``submit`` call (:func:`splitting.prepare`)."""

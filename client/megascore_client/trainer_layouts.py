@@ -9,6 +9,8 @@ logprobs back in the trainer's layout:
   ``input_lengths [B]``; the result is ``[B, S]`` with entry ``[b, t]`` =
   ``log p(input_ids[b, t] | input_ids[b, :t])`` for ``1 <= t < input_lengths[b]``, 0.0
   at ``t = 0`` and past the length (NeMo-RL's ``get_logprobs`` convention).
+* groups (:func:`group_sequences`): GRPO-style prompts with n continuations each,
+  scored as the sequences prompt + continuation, the loss mask on the continuations.
 * verl (:func:`verl_layout`): ``input_ids [B, P + R]`` = left-padded prompts
   followed by right-padded ``responses [B, R]``, and ``attention_mask [B, P + R]`` (1
   on real tokens); the result is ``[B, R]`` with entry ``[b, j]`` = ``log p(responses[b,
@@ -29,7 +31,7 @@ import numpy as np
 from megascore_client.errors import InvalidInputError
 from megascore_client.inputs import as_numpy
 
-__all__ = ["PaddedLayout", "nemo_rl_layout", "prompt_groups", "verl_layout"]
+__all__ = ["PaddedLayout", "group_sequences", "nemo_rl_layout", "prompt_groups", "verl_layout"]
 
 
 def _floats(value):
@@ -196,6 +198,41 @@ def verl_layout(input_ids, attention_mask, responses) -> PaddedLayout:
         keep=slice(prompt, width),
         torch_like=input_ids if _is_torch(input_ids) else None,
     )
+
+
+def group_sequences(prompts, continuations) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The sequences of groups (one prompt, its continuations) and their loss masks.
+
+    Args:
+        prompts: ``G`` token sequences (each 1-D, array-like).
+        continuations: ``G`` lists of token sequences, one list per prompt.
+
+    Returns:
+        ``(sequences, masks)``: ``prompts[g] + continuations[g][j]`` for every group ``g``
+        and continuation ``j``, in that order, and for each a uint8 mask that is 1 on the
+        continuation's tokens.
+
+    Raises:
+        InvalidInputError: a count that does not match, or a group without continuations
+            (named by group).
+    """
+    prompts = list(prompts)
+    continuations = list(continuations)
+    if len(prompts) != len(continuations):
+        raise InvalidInputError(
+            f"continuations: {len(continuations)} groups for {len(prompts)} prompts"
+        )
+    sequences, masks = [], []
+    for g, (prompt, conts) in enumerate(zip(prompts, continuations, strict=True)):
+        conts = list(conts)
+        if not conts:
+            raise InvalidInputError(f"continuations[{g}]: a group needs at least one continuation")
+        head = _ints(prompt, f"prompts[{g}]", 1)
+        for j, cont in enumerate(conts):
+            tail = _ints(cont, f"continuations[{g}][{j}]", 1) if len(cont) else head[:0]
+            sequences.append(np.concatenate([head, tail]))
+            masks.append(np.r_[np.zeros(len(head), np.uint8), np.ones(len(tail), np.uint8)])
+    return sequences, masks
 
 
 def prompt_groups(layout: PaddedLayout) -> np.ndarray:

@@ -178,7 +178,8 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         )
 
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context):
-        """Swaps weights between steps; on failure the old weights keep serving."""
+        """Loads weights between steps; a refused checkpoint leaves the old ones serving
+        (a read failing midway breaks the replica: docs/checkpoints.md, Hot reload)."""
         start = time.monotonic()
         async with self._gate.call():
             self._gate.check(serving=False)

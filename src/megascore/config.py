@@ -75,6 +75,14 @@ class EngineConfig:
     CUDA is refused at start-up (no batch-invariant kernels there yet, docs/deploy.md).
 
     Implemented in ``megascore.model.batch_invariant``."""
+    prefix_sharing: bool | None = None
+    """Compute a prefix that sequences of a step share once (GRPO groups); unset: on for CPU.
+
+    None (auto) is on for the CPU and off on GPU; True on GPU is refused at start-up (no
+    tested varlen kernel returning the log-sum-exp yet); False is the dense forward.
+    Context parallelism, multi-latent attention and the TE backend run dense."""
+    min_shared_prefix: int = 16
+    """Shortest shared prefix (in tokens) computed once when ``prefix_sharing`` is on."""
 
     def __post_init__(self):
         for name in (
@@ -86,6 +94,7 @@ class EngineConfig:
             "max_top_k",
             "max_target_ids",
             "logprob_chunk_tokens",
+            "min_shared_prefix",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,7 +1,7 @@
 """Hot reload (LoadWeights) through the real engine and servicer, one gloo rank, CPU.
 
 * A checkpoint of another architecture is refused from its ``config.json`` alone:
-  FAILED_PRECONDITION naming the differing field, no model built, no weight file
+  FAILED_PRECONDITION naming the differing field, no checkpoint resolved, no weight file
   opened (the checkpoint here has none), the served model untouched.
 * Expected load failures (bad path, other architecture, a checkpoint without its
   weights) are logged as one line without a traceback; an unexpected exception
@@ -69,10 +69,10 @@ def test_other_architecture_refused_from_its_config_alone(server, tmp_path, monk
     (other / "config.json").write_text(json.dumps(_llama_config(intermediate_size=96)))
     served = server.engine.loaded
 
-    def no_build(*args, **kwargs):
-        raise AssertionError("a model was built for a checkpoint of another architecture")
+    def no_resolve(*args, **kwargs):
+        raise AssertionError("a checkpoint of another architecture was resolved")
 
-    monkeypatch.setattr(served_model, "build_model", no_build)
+    monkeypatch.setattr(served_model, "resolve_model", no_resolve)
     with caplog.at_level(logging.INFO):
         error = _load(server, f"hf:{other}")
     assert isinstance(error, grpc.RpcError), error
@@ -112,10 +112,10 @@ def test_expected_load_errors_are_one_line_without_traceback(
 
 
 def test_unexpected_load_error_keeps_its_traceback(server, monkeypatch, caplog):
-    def broken_build(*args, **kwargs):
+    def broken_resolve(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(served_model, "build_model", broken_build)
+    monkeypatch.setattr(served_model, "resolve_model", broken_resolve)
     with caplog.at_level(logging.INFO):
         error = _load(server, "builtin:tiny@7")
     assert isinstance(error, grpc.RpcError), error

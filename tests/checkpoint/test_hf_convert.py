@@ -19,8 +19,10 @@ from megascore.checkpoint.hf_weights import load_hf_weights, plan_hf_load
 from megascore.checkpoint.recipes import ParallelRanks, Src, VocabRows
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.config import EngineConfig
-from megascore.engine.served_model import load_served_model
+from megascore.engine.served_model import load_served_model, reload_served_model
 from megascore.errors import CheckpointError
+from megascore.model.config import builtin_model
+from megascore.model.weights import canonical_name
 from tests.checkpoint.scripts.ckpt_common import FAMILIES, megatron_logprobs, token_batch
 
 TOL = 1e-4
@@ -134,6 +136,42 @@ def test_truncated_file_names_file_and_tensor(hf_dirs, tmp_path):
         resolve_model(f"hf:{directory}")
 
 
+def test_reader_slices_equal_torch_indexing_directly_or_converted(tmp_path):
+    """``read`` of any basic index equals torch's; ``read_into`` fills a parameter straight
+    from the file where the slice is one span of it, else converts, with the same values."""
+    gen = torch.Generator().manual_seed(0)
+    stored = {
+        "w": torch.randn(3, 6, 5, generator=gen),
+        "b": torch.randn(7, 4, generator=gen).to(torch.bfloat16),
+    }
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    cases = {
+        "w": [(), (1,), (slice(1, 3),), (0, slice(2, 5)), (slice(None), slice(None), slice(1, 3))],
+        "b": [(slice(2, 6),), (slice(None), slice(1, 3)), (slice(3, 3),)],
+    }
+    direct = []  # the tensors the file's bytes went into
+    with SafetensorsDir(tmp_path) as reader:
+        real = reader._read_span
+
+        def spy(name, first, out):
+            direct.append(out.data_ptr())
+            real(name, first, out)
+
+        reader._read_span = spy
+        for name, indices in cases.items():
+            for index in indices:
+                want = stored[name][index]  # a view: contiguous iff one span of the file
+                assert torch.equal(reader.read(name, index), want), (name, index)
+                for dtype in (want.dtype, torch.float32):
+                    out = torch.full(want.shape, float("nan"), dtype=dtype)
+                    direct.clear()
+                    reader.read_into(name, out, index)
+                    assert torch.equal(out, want.to(dtype)), (name, index, dtype)
+                    straight = dtype == want.dtype and want.is_contiguous()
+                    if want.numel():  # an empty tensor has no address to tell
+                        assert (out.data_ptr() in direct) == straight, (name, index, dtype)
+
+
 def test_missing_shard_and_no_weights(hf_dirs, tmp_path):
     directory = tmp_path / "sharded"
     shutil.copytree(hf_dirs["llama_sharded"], directory)
@@ -149,14 +187,15 @@ def test_missing_shard_and_no_weights(hf_dirs, tmp_path):
         resolve_model(f"hf:{empty}")
 
 
-def test_reload_path_loads_new_weights_and_refuses_bad_checkpoints(hf_dirs, tmp_path, pgs):
-    """The engine's one load path (start-up and reload) on HF checkpoints."""
+def test_reload_writes_the_served_parameters_in_place_and_refuses_bad_checkpoints(
+    hf_dirs, tmp_path, pgs
+):
+    """The engine's load paths on HF checkpoints: start-up, then reloads into the served
+    parameters themselves (no second model); a checkpoint that does not fit is refused
+    before anything is written."""
     engine_cfg = EngineConfig(device="cpu")
     served = load_served_model(f"hf:{hf_dirs['llama']}", engine_cfg, pgs)
-    new = load_served_model(f"hf:{hf_dirs['llama_b']}", engine_cfg, pgs, expected=served.config)
-    assert new.spec.path == str(hf_dirs["llama_b"])
-    got = megatron_logprobs(new.model, token_batch(), pgs.tp)
-    assert np.abs(got - _reference(hf_dirs["llama_b"])).max() <= TOL
+    storage = {n: t.data_ptr() for n, t in served.model.named_parameters()}
 
     _rewrite(
         hf_dirs["llama"],
@@ -164,11 +203,17 @@ def test_reload_path_loads_new_weights_and_refuses_bad_checkpoints(hf_dirs, tmp_
         lambda t: {k: v for k, v in t.items() if "layers.1.mlp" not in k},
     )
     with pytest.raises(CheckpointError, match="model.layers.1.mlp"):
-        load_served_model(f"hf:{tmp_path / 'bad'}", engine_cfg, pgs, expected=served.config)
+        reload_served_model(served, f"hf:{tmp_path / 'bad'}", engine_cfg, pgs)
     with pytest.raises(CheckpointError, match="architecture differs"):
-        load_served_model(f"hf:{hf_dirs['qwen2']}", engine_cfg, pgs, expected=served.config)
+        reload_served_model(served, f"hf:{hf_dirs['qwen2']}", engine_cfg, pgs)
     got = megatron_logprobs(served.model, token_batch(), pgs.tp)
     assert np.abs(got - _reference(hf_dirs["llama"])).max() <= TOL
+
+    new = reload_served_model(served, f"hf:{hf_dirs['llama_b']}", engine_cfg, pgs)
+    assert new.model is served.model and new.spec.path == str(hf_dirs["llama_b"])
+    assert {n: t.data_ptr() for n, t in new.model.named_parameters()} == storage
+    got = megatron_logprobs(new.model, token_batch(), pgs.tp)
+    assert np.abs(got - _reference(hf_dirs["llama_b"])).max() <= TOL
 
 
 def _te_name(name: str, is_moe: bool) -> str:
@@ -181,7 +226,7 @@ def _te_name(name: str, is_moe: bool) -> str:
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe"])
 def test_te_parameter_names_map_like_local_ones(hf_dirs, build, family):
     cfg, _, _ = resolve_model(f"hf:{hf_dirs[family]}")
     model = build(cfg)
@@ -193,6 +238,23 @@ def test_te_parameter_names_map_like_local_ones(hf_dirs, build, family):
             te.fit(recipe.target_shape)
             assert te.sources() == recipe.sources(), name
             assert type(te) is type(recipe) and te.local_shape() == recipe.local_shape()
+
+
+def test_te_grouped_expert_names_are_canonical(build):
+    """TE's grouped experts (``experts.linear_fc1.weight{i}``, the TE backend's
+    moe_grouped_gemm) have the canonical names of the local spec's ``local_experts.{i}``:
+    built-in weights, weight pushes and the every-parameter checks see the same tensors."""
+    cfg = builtin_model("tiny-moe")
+    names = [n for n, _ in build(cfg).named_parameters()]
+    experts = [n for n in names if ".local_experts." in n]
+    assert experts
+    for name in names:
+        kw = dict(ep_rank=1, num_local_experts=cfg.num_moe_experts)
+        assert canonical_name(_te_name(name, True), **kw) == canonical_name(name, **kw), name
+    assert canonical_name("decoder.layers.2.mlp.experts.linear_fc2.weight3", ep_rank=1,
+                          num_local_experts=4) == (
+        "decoder.layers.2.mlp.experts.local_experts.7.linear_fc2.weight"
+    )  # fmt: skip
 
 
 def test_vocab_padding_rows_are_zero(hf_dirs):

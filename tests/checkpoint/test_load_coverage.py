@@ -107,10 +107,7 @@ class FakeAutoBridge:
         FakeAutoBridge.loads.append(self.directory)
         cfg = resolve_model(f"hf:{self.directory}").model_config
         only = {t.param_name for t in self.get_conversion_tasks(models) if t is not None}
-        with SafetensorsDir(self.directory) as reader:
-            plan = hf_weights.plan_hf_load(models[0], cfg, reader, only)
-            staged = hf_weights.stage_hf_weights(plan, reader, models[0])
-        hf_weights.copy_into_model(models[0], staged)
+        hf_weights.load_hf_weights(models[0], cfg, self.directory, only=only)
 
 
 @pytest.fixture

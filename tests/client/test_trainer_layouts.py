@@ -244,3 +244,26 @@ def test_constructor_arguments_show_in_help(cls):
     )
     text = pydoc.render_doc(cls)
     assert "wait_for_server_s: 'float' = 0.0" in text and "ride out a server" in text
+
+
+def test_group_sequences_put_each_continuation_after_its_prompt():
+    from megascore_client.trainer_layouts import group_sequences
+
+    seqs, masks = group_sequences([[1, 2], np.array([7])], [[[3], [4, 5], []], [[8, 9]]])
+    assert [s.tolist() for s in seqs] == [[1, 2, 3], [1, 2, 4, 5], [1, 2], [7, 8, 9]]
+    assert [m.tolist() for m in masks] == [[0, 0, 1], [0, 0, 1, 1], [0, 0], [0, 1, 1]]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "continuations", "match"),
+    [
+        ([[1]], [[[2]], [[3]]], "2 groups for 1 prompts"),
+        ([[1], [2]], [[[2]], []], r"continuations\[1\]: a group needs"),
+        ([[1]], [[[2.5]]], r"continuations\[0\]\[0\]: expected integers"),
+    ],
+)
+def test_group_sequences_name_the_bad_group(prompts, continuations, match):
+    from megascore_client.trainer_layouts import group_sequences
+
+    with pytest.raises(InvalidInputError, match=match):
+        group_sequences(prompts, continuations)

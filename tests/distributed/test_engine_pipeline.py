@@ -19,7 +19,7 @@ import pytest
 
 from tests.distributed.scripts.engine_common import load_output
 from tests.distributed.test_engine_parity import assert_outputs_match
-from tests.torchrun import run_torchrun
+from tests.torchrun import run_check_script
 
 SCRIPTS = Path(__file__).parent / "scripts"
 NPROC = 4
@@ -43,16 +43,10 @@ CHECKS = (
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("engine_pipeline")
-    try:
-        run_torchrun(SCRIPTS / "engine_pipeline.py", NPROC, str(out_dir), timeout=900)
-        error = None
-    except AssertionError as e:
-        error = str(e)
-    checks = {}
-    for rank in range(NPROC):
-        path = out_dir / f"pipeline_rank{rank}.json"
-        checks[rank] = json.loads(path.read_text()) if path.exists() else {}
-    return {"dir": out_dir, "error": error, "checks": checks}
+    result = run_check_script(
+        SCRIPTS / "engine_pipeline.py", NPROC, out_dir, "pipeline_rank", timeout=900
+    )
+    return {"dir": out_dir, **result}
 
 
 def test_launch_succeeds(pipeline):

@@ -8,13 +8,12 @@ recorded routes of every layout equal the reference's.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.torchrun import run_torchrun
+from tests.torchrun import run_check_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "routing_layouts.py"
 NPROC = 2
@@ -24,16 +23,7 @@ LAYOUTS = ("ref", "tp2_sp", "tp2_nosp", "cp2", "ep2", "pp2")  # as in the script
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("routing")
-    try:
-        run_torchrun(SCRIPT, NPROC, str(out_dir), timeout=600)
-        error = None
-    except AssertionError as e:
-        error = str(e)
-    checks = {}
-    for rank in range(NPROC):
-        path = out_dir / f"routing_rank{rank}.json"
-        checks[rank] = json.loads(path.read_text()) if path.exists() else {}
-    return {"dir": out_dir, "error": error, "checks": checks}
+    return {"dir": out_dir, **run_check_script(SCRIPT, NPROC, out_dir, "routing_rank")}
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

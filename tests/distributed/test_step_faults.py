@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_torchrun
+from tests.torchrun import run_check_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "step_faults.py"
 NPROC = 2
@@ -24,18 +24,10 @@ CHECKS = ("device_error", "raise_in_forward")
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("step_faults")
-    try:
-        run_torchrun(SCRIPT, NPROC, str(out_dir), timeout=300)
-        error = None
-    except AssertionError as e:
-        error = str(e)
-    checks = {}
-    for rank in range(NPROC):
-        path = out_dir / f"faults_rank{rank}.json"
-        checks[rank] = json.loads(path.read_text()) if path.exists() else {}
+    result = run_check_script(SCRIPT, NPROC, out_dir, "faults_rank", timeout=300)
     timing_path = out_dir / "faults_timing.json"
     timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
-    return {"error": error, "checks": checks, "timing": timing}
+    return {**result, "timing": timing}
 
 
 def test_launch_succeeds(faults):

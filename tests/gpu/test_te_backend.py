@@ -69,3 +69,16 @@ def test_te_matches_torch_backend(pgs, model_name):
     for name, value in metrics_torch.items():
         atol = flip if name.endswith("acceptance_rate") else 1e-3
         assert metrics_te[name] == pytest.approx(value, rel=METRIC_REL_TOL, abs=atol), name
+
+
+def test_te_backend_uses_fused_rope_grouped_experts_and_alltoall(pgs):
+    """The TE build runs TE's fused RoPE (THD: no per-layer host sync), grouped-GEMM
+    experts and the alltoall MoE dispatcher; test_te_matches_torch_backend checks their
+    numbers (same seed: the grouped experts' weights are the sequential ones)."""
+    engine_cfg = EngineConfig(device="cuda", dtype="bfloat16", attention_backend="te")
+    model = build_model(builtin_model("tiny-moe"), engine_cfg, pgs)
+    assert model.config.apply_rope_fusion and model.config.moe_grouped_gemm
+    assert model.config.moe_token_dispatcher_type == "alltoall"
+    experts = [m for m in model.modules() if type(m).__name__ == "TEGroupedMLP"]
+    assert experts, "no TEGroupedMLP in the TE model"
+    assert any(n.endswith("experts.linear_fc1.weight0") for n, _ in model.named_parameters())

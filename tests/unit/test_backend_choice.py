@@ -9,6 +9,7 @@ branches on this CPU machine; the device is only inspected, never used.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from megascore.config import EngineConfig
 from megascore.model import build
 from megascore.model.build import resolve_attention_backend
+from megascore.model.config import builtin_model
 from megascore_server.config_loader import load_serve_config
 from megascore_server.main import main
 
@@ -90,3 +92,30 @@ def test_gpu_image_default_command_runs_te_in_bfloat16(monkeypatch):
     assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
     monkeypatch.setattr(build, "HAVE_TE", True)
     assert resolve_attention_backend(config.engine, CUDA) == "te"
+
+
+def test_moe_tokens_dispatched_with_alltoall_on_cuda_allgather_on_cpu():
+    """Data-parallel ranks score different tokens: on CUDA each EP rank sends its tokens to
+    the experts' ranks (alltoall); the CPU keeps the allgather dispatcher (alltoall creates
+    CUDA streams). Only the config is built: nothing touches the device."""
+    model_cfg = builtin_model("tiny-moe")
+    engine_cfg = EngineConfig(model="tiny-moe")
+    cuda = build.make_transformer_config(model_cfg, engine_cfg, CUDA)
+    cpu = build.make_transformer_config(model_cfg, engine_cfg, CPU)
+    assert cuda.moe_token_dispatcher_type == "alltoall"
+    assert cpu.moe_token_dispatcher_type == "allgather"
+
+
+def test_te_backend_fuses_rope_except_for_mla_and_groups_experts():
+    """TE's fused RoPE on the TE backend (not for MLA: 0.19 fuses MLA RoPE in training only)
+    and grouped-GEMM experts for MoE models; the torch backend keeps Megatron's unfused
+    RoPE and one GEMM per expert (both fused kernels are TE's)."""
+    dense = builtin_model("tiny")
+    mla = dataclasses.replace(dense, multi_latent_attention=True)
+    assert build.te_fusions(dense) == {"apply_rope_fusion": True, "moe_grouped_gemm": False}
+    assert build.te_fusions(mla)["apply_rope_fusion"] is False
+    assert build.te_fusions(builtin_model("tiny-moe"))["moe_grouped_gemm"] is True
+    torch_cfg = build.make_transformer_config(dense, EngineConfig(), CUDA, "torch")
+    assert torch_cfg.apply_rope_fusion is False
+    moe_cfg = build.make_transformer_config(builtin_model("tiny-moe"), EngineConfig(), CUDA)
+    assert moe_cfg.moe_grouped_gemm is False

@@ -11,6 +11,7 @@ from megascore.config import EngineConfig
 from megascore.engine.pipeline import build_microbatch
 from megascore.engine.step import PredictionIndex
 from megascore.packing import pack_sequences
+from megascore.prefix_tree import dense_layout
 
 
 def test_prediction_index_shifts_right_within_each_sequence():
@@ -76,10 +77,10 @@ def test_microbatch_loss_mask_is_aligned_with_targets():
     lengths = np.array([1, 3])
     mask = layout.effective_loss_mask(lengths, np.array([1, 1, 0, 1], np.uint8)).astype(np.float32)
     mb = build_microbatch(
-        torch.tensor([1, 2, 3, 4]),
-        lengths,
+        dense_layout(np.array([1, 2, 3, 4]), lengths),
         None,
         mask,
+        device=torch.device("cpu"),
         pad_multiple=2,
         pad_to=8,
         cp_rank=0,
@@ -98,11 +99,13 @@ def test_microbatch_padding_is_a_segment_of_its_own():
     segment of pad tokens: the last sequence keeps its own segment, so no pad token
     attends to (or is attended by) a real one and the longest segment is a sequence's."""
     lengths = np.array([3, 5])
-    ids = torch.arange(1, 9)
-    common = dict(pad_multiple=2, cp_rank=0, cp_size=1, has_request_mask=False)
+    segments = dense_layout(np.arange(1, 9), lengths)
+    common = dict(
+        pad_multiple=2, cp_rank=0, cp_size=1, has_request_mask=False, device=torch.device("cpu")
+    )
     mask = np.ones(8, np.float32)
     temps = np.array([0.5, 2.0], np.float32)
-    mb = build_microbatch(ids, lengths, temps, mask, pad_to=20, **common)
+    mb = build_microbatch(segments, temps, mask, pad_to=20, **common)
     assert mb.packed.cu_seqlens_padded.tolist() == [0, 4, 10, 20]
     assert mb.packed.cu_seqlens.tolist() == [0, 3, 8, 8]  # the padding holds no token
     assert mb.packed.packed_seq_params.max_seqlen_q == 10  # not 16: sequence 1 + padding
@@ -121,5 +124,5 @@ def test_microbatch_padding_is_a_segment_of_its_own():
         7,
         8,
     ]
-    exact = build_microbatch(ids, lengths, temps, mask, pad_to=10, **common)
+    exact = build_microbatch(segments, temps, mask, pad_to=10, **common)
     assert exact.packed.cu_seqlens_padded.tolist() == [0, 4, 10]  # no padding: no segment

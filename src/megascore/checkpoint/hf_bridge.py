@@ -129,7 +129,7 @@ def written_by_megascore(module) -> dict[str, str]:
     return {}
 
 
-def load_with_bridge(model, directory: str | Path, model_cfg) -> None:
+def load_with_bridge(model, directory: str | Path, model_cfg, before_write=None) -> None:
     """Loads ``directory`` with ``AutoBridge`` after checking its mappings cover the model.
 
     Args:
@@ -137,6 +137,7 @@ def load_with_bridge(model, directory: str | Path, model_cfg) -> None:
         directory: HF checkpoint directory.
         model_cfg: the architecture (megascore's reader writes what the bridge does not:
             :func:`written_by_megascore`).
+        before_write: called (if given) after that check, before the bridge writes.
 
     Raises:
         CheckpointError: a parameter the bridge would not write, or would write twice
@@ -159,6 +160,8 @@ def load_with_bridge(model, directory: str | Path, model_cfg) -> None:
     ]
     source = f"{directory} (megatron-bridge)"
     check_every_parameter_written(model_tensor_names(module), [*written, *own], source)
+    if before_write is not None:
+        before_write()
     bridge.load_hf_weights([module])
     if own:
         load_hf_weights(model, model_cfg, directory, only=set(own))

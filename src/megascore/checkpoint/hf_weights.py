@@ -22,8 +22,9 @@ rank's shard is cut out of them:
   parameter's dtype like any other tensor.
 
 Everything is checked from the file headers (names, shapes, sizes) before any
-data is read, and the full set of local shards is staged on the host before the
-first parameter is overwritten, so a bad checkpoint leaves the model untouched.
+data is read, so a checkpoint that does not fit leaves the model untouched; then each
+local shard is read and copied into its parameter in turn (the model plus one shard in
+memory).
 (Where megatron-bridge applies, ``megascore.checkpoint.hf_bridge`` loads instead.)
 """
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -148,43 +150,31 @@ def _check_copies(plan: HFLoadPlan, reader: SafetensorsDir, ranks: ParallelRanks
             )
 
 
-def stage_hf_weights(
-    plan: HFLoadPlan, reader: SafetensorsDir, model: torch.nn.Module
-) -> dict[str, torch.Tensor]:
-    """Reads this rank's shards into host tensors in the parameters' dtypes."""
-    _check_copies(plan, reader, ParallelRanks.from_model(unwrap_model(model)))
-    targets = unwrap_model(model).state_dict(keep_vars=True)
-    staged = {}
-    for name, recipe in plan.recipes.items():
-        staged[name] = recipe.read(reader).to(targets[name].dtype)
-    return staged
-
-
-def copy_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copies staged tensors into the model's parameters/buffers (same names, same shapes)."""
-    targets = unwrap_model(model).state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, value in tensors.items():
-            targets[name].copy_(value, non_blocking=False)
-
-
 def load_hf_weights(
     model: torch.nn.Module,
     model_cfg: ModelConfig,
     directory: str | Path,
+    before_write: Callable[[], None] | None = None,
     only: set[str] | None = None,
 ) -> None:
     """Validates, then loads a HF safetensors checkpoint into ``model`` on this rank.
+
+    Each parameter is read (this rank's shard only) and copied into the model's own
+    tensor before the next one is read: peak memory is the model plus one shard.
 
     Args:
         model: the built (possibly wrapped) GPTModel of this rank.
         model_cfg: the architecture the model was built from.
         directory: HF checkpoint directory (``config.json`` + safetensors).
+        before_write: called once everything was checked, before the first parameter
+            is written (the engine agrees with the other ranks there); what it raises
+            ends the load with the model untouched.
         only: load these parameters only (megatron-bridge wrote the others).
 
     Raises:
         CheckpointError: the checkpoint does not fit the model, or a parameter has no
-            recipe. Found before any parameter is written: the model is then unchanged.
+            recipe (found before any parameter is written: the model is then unchanged);
+            or a read failed midway (the model is then partly written).
     """
     directory = Path(directory)
     block = fp8.block_size(read_hf_config(directory))
@@ -192,6 +182,11 @@ def load_hf_weights(
         plan = plan_hf_load(model, model_cfg, reader, only)
         expected = model_tensor_names(unwrap_model(model)) if only is None else sorted(only)
         check_every_parameter_written(expected, plan.recipes, str(directory))
-        staged = stage_hf_weights(plan, reader, model)
-    copy_into_model(model, staged)
-    logger.info("loaded %d tensors from %s", len(staged), directory)
+        _check_copies(plan, reader, ParallelRanks.from_model(unwrap_model(model)))
+        if before_write is not None:
+            before_write()
+        targets = unwrap_model(model).state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, recipe in plan.recipes.items():
+                recipe.read_into(reader, targets[name])
+    logger.info("loaded %d tensors from %s", len(plan.recipes), directory)

@@ -17,8 +17,9 @@ are neither saved nor loaded: megascore keeps no FP8 state, and a checkpoint
 saved with one backend would otherwise miss the other's entries.
 
 ``megascore.json`` is written last, so a directory without it is incomplete.
-Loading reads into fresh host buffers and copies into the model only after the
-whole checkpoint has been read: a failed load leaves the model unchanged.
+Loading first checks the checkpoint's metadata against the model (every tensor there
+with its global shape, no data file cut short), so such a checkpoint leaves the model
+unchanged; then Megatron reads each shard straight into the model's own tensors.
 
 All functions here are collective over the default process group (the replica).
 """
@@ -30,15 +31,18 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megascore.checkpoint.megatron_names import te_keys
@@ -198,41 +202,93 @@ def save_checkpoint(
     logger.info("saved Megatron checkpoint to %s", directory)
 
 
-def _fresh_host_buffer(x: Any) -> Any:
-    """Points a sharded entry at an empty host tensor so loading never writes the model."""
-    if isinstance(x, (ShardedTensor, ShardedTensorFactory)) and isinstance(x.data, torch.Tensor):
-        x.data = torch.empty(x.data.shape, dtype=x.data.dtype, device="cpu")
-    return x
+def _check_against_checkpoint(module: torch.nn.Module, directory: Path) -> set[str]:
+    """Checks, from the checkpoint's metadata alone, that a load would fill every tensor
+    of this rank: each shard's key (as :func:`_to_te_keys` maps it) stored with the
+    global shape the model expects, and every data file long enough for the byte ranges
+    the metadata names (a truncated file). Nothing is read but the metadata.
+
+    Returns:
+        The checkpoint's tensor keys.
+    """
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(directory))
+        storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    except (Exception, CheckpointException) as e:  # see load_checkpoint
+        raise CheckpointError(f"{directory}: cannot read checkpoint metadata: {e}") from e
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for rel, end in sorted(needed.items()):
+        size = (directory / rel).stat().st_size if (directory / rel).is_file() else -1
+        if size < end:
+            raise CheckpointError(
+                f"{directory}: cannot load distributed checkpoint: {rel} holds {max(size, 0)} "
+                f"bytes, the metadata names bytes up to {end} (truncated or missing)"
+            )
+    raw = _weights_only(module.sharded_state_dict())
+    _to_te_keys(raw, set(stored))
+    sharded, _, _ = load_preprocess(raw)
+    written, wrong = [], []
+    for name, entry in sharded.items():
+        values = nested_values(entry) if isinstance(entry, dict | list) else [entry]
+        shards = [s for s in values if isinstance(s, ShardedTensor)]
+        if not shards or any(s.key not in stored for s in shards):
+            continue
+        bad = [s for s in shards if tuple(stored[s.key].global_shape) != tuple(s.global_shape)]
+        if bad:
+            s = bad[0]
+            wrong.append(f"{s.key} {tuple(stored[s.key].global_shape)} != {tuple(s.global_shape)}")
+        written.append(name)
+    if wrong:
+        raise CheckpointError(
+            f"{directory}: tensors stored with other shapes than the model's: {wrong[:8]}"
+        )
+    check_every_parameter_written(model_tensor_names(module), written, str(directory))
+    return set(stored)
 
 
 def load_checkpoint(
-    model: torch.nn.Module, model_cfg: ModelConfig, directory: str | Path
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    directory: str | Path,
+    before_write: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Loads a checkpoint written by :func:`save_checkpoint` into ``model`` (any layout).
 
-    Collective over the replica. Reads everything into host buffers first; the
-    model's parameters change only once the whole checkpoint was read.
+    Collective over the replica. First checks the checkpoint's config and metadata
+    against the model (architecture, every tensor present with its global shape, no
+    data file shorter than its metadata says); then Megatron reads each shard straight
+    into the model's own tensor (no second copy of the model).
 
     Args:
         model: the built (possibly wrapped) GPTModel of this rank.
         model_cfg: the architecture the model was built from.
         directory: the checkpoint directory.
+        before_write: called once the checks passed, before anything is written (the
+            engine agrees with the other ranks there); what it raises ends the load with
+            the model untouched.
 
     Returns:
         The checkpoint's ``megascore.json`` object.
 
     Raises:
         CheckpointError: incomplete or corrupt checkpoint, different architecture,
-            a tensor missing from the checkpoint, or a shape mismatch.
+            a tensor missing from the checkpoint, or a shape mismatch: found before
+            anything is written, the model is then unchanged. Damaged data found while
+            reading (or tensors the model does not have) leave the model partly written.
     """
     directory = Path(directory)
     ckpt_cfg, data = read_checkpoint_config(directory)
     check_same_architecture(ckpt_cfg, model_cfg, str(directory))
     module = unwrap_model(model)
+    stored = _check_against_checkpoint(module, directory)
+    if before_write is not None:
+        before_write()
     sharded = _weights_only(module.sharded_state_dict())
-    dict_list_map_inplace(_fresh_host_buffer, sharded)
     try:
-        _to_te_keys(sharded, set(dist_checkpointing.load_tensors_metadata(str(directory))))
+        _to_te_keys(sharded, stored)
         loaded, missing, _ = dist_checkpointing.load(
             sharded, str(directory), strict=StrictHandling.RETURN_ALL
         )
@@ -242,24 +298,14 @@ def load_checkpoint(
     # CheckpointingException; a damaged file surfaces as OSError / pickle errors.
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{directory}: cannot load distributed checkpoint: {e}") from e
-    # Megatron's "missing" keys are in the checkpoint but not in the model (its
-    # "unexpected" ones, in the model but not the checkpoint, are not loaded: the
-    # coverage check below names them).
+    # Megatron's "missing" keys are in the checkpoint but not in the model.
     extra = sorted(k for k in missing if not k.endswith("_extra_state"))
     if extra:
         raise CheckpointError(f"{directory}: tensors the model does not have: {extra[:8]}")
     state = module.state_dict(keep_vars=True)
-    names = model_tensor_names(module)
-    written = [n for n in names if isinstance(loaded.get(n), torch.Tensor)]
-    check_every_parameter_written(names, written, str(directory))
-    for name in names:
-        if loaded[name].shape != state[name].shape:
-            raise CheckpointError(
-                f"{directory}: tensor {name!r} loaded as {tuple(loaded[name].shape)}, "
-                f"model has {tuple(state[name].shape)}"
-            )
     with torch.no_grad():
-        for name in names:
-            state[name].copy_(loaded[name])
+        for name in model_tensor_names(module):
+            if loaded[name].data_ptr() != state[name].data_ptr():  # merged by a factory
+                state[name].copy_(loaded[name])
     logger.info("loaded Megatron checkpoint %s", directory)
     return data

@@ -96,6 +96,18 @@ class Src:
     def all(self, reader: SafetensorsDir) -> torch.Tensor:
         return self.rows(reader, 0, self.shape[0])
 
+    def rows_into(self, reader: SafetensorsDir, start: int, stop: int, out: torch.Tensor) -> None:
+        """Writes rows ``[start, stop)`` of the view into ``out`` (straight from the file
+        where it can: :meth:`SafetensorsDir.read_into`)."""
+        index = (*self.lead, slice(self.row0 + start, self.row0 + stop))
+        reader.read_into(self.name, out, index)
+
+    def cols_into(self, reader: SafetensorsDir, start: int, stop: int, out: torch.Tensor) -> None:
+        """Writes columns ``[start, stop)`` of a 2-D view into ``out`` (straight from the
+        file when they are all its columns)."""
+        rows = slice(self.row0, self.row0 + self.shape[0])
+        reader.read_into(self.name, out, (*self.lead, rows, slice(start, stop)))
+
 
 def _split(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
     if total % size:
@@ -127,6 +139,11 @@ class Recipe(abc.ABC):
     @abc.abstractmethod
     def read(self, reader: SafetensorsDir) -> torch.Tensor: ...
 
+    def read_into(self, reader: SafetensorsDir, out: torch.Tensor) -> None:
+        """Writes this rank's tensor into ``out`` (the parameter; ``local_shape()``).
+        Recipes whose pieces are row ranges read them into place, without a staging copy."""
+        out.copy_(self.read(reader))
+
 
 class Replicated(Recipe):
     """The whole tensor on every rank (norms, router)."""
@@ -139,6 +156,9 @@ class Replicated(Recipe):
 
     def read(self, reader):
         return self.srcs[0].all(reader)
+
+    def read_into(self, reader, out):
+        self.srcs[0].rows_into(reader, 0, self.srcs[0].shape[0], out)
 
 
 class Split(Recipe):
@@ -158,6 +178,12 @@ class Split(Recipe):
         if self.dim == 0:
             return src.rows(reader, self.start, self.stop)
         return src.cols(reader, self.start, self.stop)
+
+    def read_into(self, reader, out):
+        if self.dim == 0:
+            self.srcs[0].rows_into(reader, self.start, self.stop, out)
+        else:
+            self.srcs[0].cols_into(reader, self.start, self.stop, out)
 
 
 class VocabRows(Recipe):
@@ -193,6 +219,14 @@ class VocabRows(Recipe):
             out[: stop - start] = real
         return out
 
+    def read_into(self, reader, out):
+        vocab = self.srcs[0].shape[0]
+        start = self.rank * self.per_rank
+        stop = min(start + self.per_rank, vocab)
+        if stop > start:
+            self.srcs[0].rows_into(reader, start, stop, out[: stop - start])
+        out[max(stop - start, 0) :].zero_()
+
 
 class QKV(Recipe):
     """Fused QKV: per local query group, its q heads then k then v (weight or bias)."""
@@ -220,6 +254,15 @@ class QKV(Recipe):
         # fused: [n, (heads_per_group + 2) * d, *tail] -> [n * (hpg + 2) * d, *tail]
         return torch.cat([qs, ks, vs], dim=1).reshape(-1, *tail)
 
+    def read_into(self, reader, out):
+        q, k, v = self.srcs
+        hd, d = self.per_group * self.d, self.d
+        groups = out.view(self.g1 - self.g0, hd + 2 * d, *q.shape[1:])
+        for i, g in enumerate(range(self.g0, self.g1)):
+            q.rows_into(reader, g * hd, (g + 1) * hd, groups[i, :hd])
+            k.rows_into(reader, g * d, (g + 1) * d, groups[i, hd : hd + d])
+            v.rows_into(reader, g * d, (g + 1) * d, groups[i, hd + d :])
+
 
 class GatedFC1(Recipe):
     """SwiGLU ``linear_fc1``: this rank's gate rows, then its up rows."""
@@ -236,6 +279,12 @@ class GatedFC1(Recipe):
         g = gate.rows(reader, self.start, self.stop)
         u = up.rows(reader, self.start, self.stop).to(g.dtype)
         return torch.cat([g, u], dim=0)
+
+    def read_into(self, reader, out):
+        gate, up = self.srcs
+        n = self.stop - self.start
+        gate.rows_into(reader, self.start, self.stop, out[:n])
+        up.rows_into(reader, self.start, self.stop, out[n:])
 
 
 class RowsOrReplicated(Recipe):
@@ -257,3 +306,6 @@ class RowsOrReplicated(Recipe):
 
     def read(self, reader):
         return self.srcs[0].rows(reader, self.start, self.stop)
+
+    def read_into(self, reader, out):
+        self.srcs[0].rows_into(reader, self.start, self.stop, out)

@@ -15,8 +15,10 @@ grammar of megascore):
 (:func:`check_same_architecture`, the one architecture comparison of megascore).
 :func:`resolve_model` reads only configs and file metadata (cheap, no weights),
 so rank 0 can describe a model before building it. The returned ``load_weights``
-runs on every rank after ``build_model`` and loads that rank's shards; it checks
-the whole checkpoint against the model before overwriting any parameter.
+runs on every rank after ``build_model`` (which then draws no random weights) and
+loads that rank's shards into the model's own parameters, one at a time; it checks
+the whole checkpoint against the model before overwriting any parameter, and calls
+its ``before_write`` hook (the engine's agreement of the ranks) in between.
 
 Every loader (megascore's HF recipes, megatron-bridge's mappings, Megatron
 checkpoints) must write every parameter of the model exactly once:
@@ -51,7 +53,9 @@ NON_ARCHITECTURE_FIELDS = ("seed", "init_method_std", "architecture", "mtp_not_s
 """ModelConfig fields that do not change the function the weights compute. The max length
 is not one of them: the server's request limits come from it and stay fixed across reloads."""
 
-WeightLoader = Callable[["torch.nn.Module"], None]  # noqa: F821 - torch stays unimported here
+WeightLoader = Callable[..., None]
+"""``load_weights(model, before_write=None)``: loads this rank's shards into ``model``;
+``before_write()`` runs once the checkpoint was checked, before the first write."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,14 +197,14 @@ def _resolve_hf(directory: Path, ignore_mtp_layers: bool) -> ResolvedModel:
     )
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
 
-    def load_weights(model) -> None:
+    def load_weights(model, before_write: Callable[[], None] | None = None) -> None:
         from megascore.checkpoint import hf_bridge
         from megascore.checkpoint.hf_weights import load_hf_weights
 
         if hf_bridge.choose_hf_loader(model, directory) == "bridge":
-            hf_bridge.load_with_bridge(model, directory, model_cfg)
+            hf_bridge.load_with_bridge(model, directory, model_cfg, before_write)
         else:  # megascore's recipes: every architecture hf_config accepts
-            load_hf_weights(model, model_cfg, directory)
+            load_hf_weights(model, model_cfg, directory, before_write=before_write)
 
     meta = CheckpointMetadata(
         "hf", directory.name, str(directory), version, _has_tokenizer(directory), dtype
@@ -214,8 +218,8 @@ def _resolve_megatron(directory: Path) -> ResolvedModel:
     model_cfg, data = megatron_ckpt.read_checkpoint_config(directory)
     version = data.get("weights_version") or megatron_ckpt.checkpoint_fingerprint(directory)
 
-    def load_weights(model) -> None:
-        megatron_ckpt.load_checkpoint(model, model_cfg, directory)
+    def load_weights(model, before_write: Callable[[], None] | None = None) -> None:
+        megatron_ckpt.load_checkpoint(model, model_cfg, directory, before_write)
 
     meta = CheckpointMetadata(
         "megatron",

@@ -3,9 +3,11 @@
 :class:`SafetensorsDir` resolves tensor names to files (``model.safetensors`` or a
 sharded ``model.safetensors.index.json``), checks every file header against the
 file size *before* any data is read (a truncated download is reported with the
-first tensor it cuts off), and reads *slices* of tensors through safetensors'
-``get_slice`` so that a tensor-parallel rank touches only the bytes of its own
-shard (the files are memory-mapped; nothing else is materialised).
+first tensor it cuts off), and reads *slices* of tensors with plain positioned
+reads of the byte span that holds them: a tensor-parallel rank reads only the rows of
+its own shard (a column slice reads the rows it spans, then keeps its columns). The
+files are not memory-mapped: the read pages stay in the page cache, not in the
+process's resident memory, so a load's peak RSS is the model plus the shard in flight.
 
 Block-scaled FP8 tensors (DeepSeek-V3's ``F8_E4M3`` weights with ``weight_scale_inv``,
 ``megascore.checkpoint.fp8``) read as float32 real values: the slice of the FP8
@@ -18,12 +20,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
-from safetensors import safe_open
 
 from megascore.checkpoint import fp8
 from megascore.errors import CheckpointError
@@ -48,12 +50,30 @@ _DTYPE_BYTES = {
     "F8_E5M2": 1,
 }
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 # The header is a few kB to a few MB; anything larger is a corrupt length field.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-def _read_header(path: Path) -> dict[str, dict[str, Any]]:
-    """Parses and validates one file's header; returns name -> {dtype, shape, data_offsets}."""
+def _read_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """Parses and validates one file's header.
+
+    Returns:
+        ``(name -> {dtype, shape, data_offsets}, file offset of the data section)``.
+    """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -88,7 +108,7 @@ def _read_header(path: Path) -> dict[str, dict[str, Any]]:
                 f"{path}: truncated: tensor {name!r} needs bytes [{begin}, {end}) of the data "
                 f"section but the file holds only {data_bytes}"
             )
-    return header
+    return header, 8 + header_len
 
 
 class SafetensorsDir:
@@ -110,10 +130,12 @@ class SafetensorsDir:
         self.fp8_block = fp8_block
         self._file_of: dict[str, Path] = {}
         self._info: dict[str, dict[str, Any]] = {}
-        self._handles: dict[Path, Any] = {}
+        self._data_start: dict[Path, int] = {}
+        self._handles: dict[Path, BinaryIO] = {}
         self.files = self._resolve_files()
         for path in self.files:
-            for name, info in _read_header(path).items():
+            header, self._data_start[path] = _read_header(path)
+            for name, info in header.items():
                 if name in self._info:
                     raise CheckpointError(f"{path}: tensor {name!r} also in {self._file_of[name]}")
                 self._info[name] = info
@@ -191,14 +213,14 @@ class SafetensorsDir:
     # --- data ---
 
     def read(self, name: str, index: tuple[slice | int, ...] = ()) -> torch.Tensor:
-        """Reads ``tensor[index]`` without materialising the rest of the tensor.
+        """Reads ``tensor[index]``, reading only the byte span that holds it.
 
         Args:
             name: tensor name.
             index: basic indexing (ints and step-1 slices), one per leading dim.
 
         Returns:
-            A CPU tensor in the file's dtype (an FP8 tensor: its real values in float32).
+            A new CPU tensor in the file's dtype (an FP8 tensor: its real values in float32).
         """
         entry = self._entry(name)
         if self._is_fp8(entry):
@@ -238,18 +260,63 @@ class SafetensorsDir:
         return out
 
     def _read_raw(self, name: str, index: tuple[slice | int, ...]) -> torch.Tensor:
+        dtype, span, sizes, squeeze = self._locate(name, index)
+        out = torch.empty(span[1] - span[0], dtype=dtype)
+        self._read_span(name, span[0], out)
+        view = out.as_strided(sizes, _contiguous_strides(self._info[name]["shape"]))
+        if view.numel() != out.numel():  # a column slice: keep only its columns
+            view = view.contiguous()
+        return view.reshape([n for n, drop in zip(sizes, squeeze, strict=True) if not drop])
+
+    def read_into(self, name: str, out: torch.Tensor, index: tuple[slice | int, ...] = ()) -> None:
+        """Writes ``tensor[index]`` into ``out`` (a tensor of its shape, e.g. a parameter).
+
+        The file's bytes go straight into ``out``'s memory when ``out`` is a contiguous
+        CPU tensor in the file's dtype and the selection is one contiguous span of the
+        file (whole tensors, row ranges); otherwise through :meth:`read` and a copy that
+        converts the dtype (and moves the data to ``out``'s device).
+        """
+        if self._entry(name)["dtype"] in _FLOAT_DTYPES:
+            dtype, span, sizes, squeeze = self._locate(name, index)
+            shape = [n for n, drop in zip(sizes, squeeze, strict=True) if not drop]
+            direct = dtype == out.dtype and out.device.type == "cpu" and out.is_contiguous()
+            if direct and list(out.shape) == shape and span[1] - span[0] == out.numel():
+                self._read_span(name, span[0], out.detach())
+                return
+        out.copy_(self.read(name, index))
+
+    def _locate(self, name: str, index) -> tuple[torch.dtype, tuple[int, int], list, list]:
+        """``(dtype, element span, sizes, dropped dims)`` of ``tensor[index]`` (:func:`_span`)."""
+        entry = self._entry(name)
+        try:
+            return (_TORCH_DTYPES[entry["dtype"]], *_span(entry["shape"], index))
+        except (IndexError, ValueError) as e:
+            raise CheckpointError(f"{self._file_of[name]}: cannot read {name!r}: {e}") from e
+
+    def _read_span(self, name: str, first: int, out: torch.Tensor) -> None:
+        """Fills ``out`` with tensor ``name``'s bytes from element ``first`` on (positioned
+        reads, no mmap)."""
         path = self._file_of[name]
+        offset = self._data_start[path] + self._info[name]["data_offsets"][0]
+        offset += first * out.element_size()
+        buf = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        done = 0
         try:
             handle = self._handles.get(path)
             if handle is None:
-                handle = self._handles[path] = safe_open(str(path), framework="pt")
-            sl = handle.get_slice(name)
-            return sl[index] if index else sl[:]
-        except Exception as e:  # safetensors raises its own SafetensorError types
+                handle = self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115
+            while done < len(buf):
+                n = os.preadv(handle.fileno(), [buf[done:]], offset + done)
+                if not n:
+                    raise OSError(f"file ends before byte {offset + len(buf)}")
+                done += n
+        except OSError as e:
             raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
 
     def close(self) -> None:
-        """Releases the memory maps."""
+        """Closes the files."""
+        for handle in self._handles.values():
+            handle.close()
         self._handles.clear()
 
     def __enter__(self) -> SafetensorsDir:
@@ -265,3 +332,46 @@ class SafetensorsDir:
             st = path.stat()
             out.append((path.name, st.st_size, st.st_mtime_ns))
         return out
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return strides[::-1]
+
+
+def _span(
+    shape: list[int], index: tuple[slice | int, ...]
+) -> tuple[tuple[int, int], list[int], list[bool]]:
+    """The elements ``tensor[index]`` lies in, for a contiguous tensor of ``shape``.
+
+    Returns:
+        ``((first, stop) span of flat element indices, from the selection's first element
+        to its last; the selection's size per dim; which dims an int index drops)``.
+    """
+    if len(index) > len(shape):
+        raise IndexError(f"{len(index)} indices for a {len(shape)}-d tensor")
+    strides = _contiguous_strides(shape)
+    starts, sizes, squeeze = [], [], []
+    for dim, n in enumerate(shape):
+        ix = index[dim] if dim < len(index) else slice(None)
+        if isinstance(ix, int):
+            ix = ix + n if ix < 0 else ix
+            if not 0 <= ix < n:
+                raise IndexError(f"index {ix} out of range for dim {dim} of size {n}")
+            start, stop, drop = ix, ix + 1, True
+        else:
+            start, stop, step = ix.indices(n)
+            if step != 1:
+                raise ValueError(f"slice step {step} (only step 1)")
+            stop, drop = max(start, stop), False
+        starts.append(start)
+        sizes.append(stop - start)
+        squeeze.append(drop)
+    if 0 in sizes:
+        return (0, 0), sizes, squeeze
+    first = sum(s * st for s, st in zip(starts, strides, strict=True))
+    last = sum((s + k - 1) * st for s, k, st in zip(starts, sizes, strides, strict=True))
+    return (first, last + 1), sizes, squeeze

@@ -33,9 +33,12 @@ Semantics are Megatron's, including where they depend on the layout:
   ``megascore.model.mtp``): MoE metrics do not depend on the per-sequence pad multiple,
   hence not on the TP / CP layout either;
 * an MTP loss is the token-weighted mean over the DP x CP ranks (each rank's masked
-  mean weighted by its share of the target tokens: equal to CP = 1); acceptance rates
-  sum the counts (percent, as Megatron logs them);
-* with DP > 1 every metric is averaged over the DP ranks (their batches);
+  mean of a microbatch weighted by its share of the microbatch's target tokens: equal
+  to CP = 1); acceptance rates sum the counts (percent, as Megatron logs them);
+* with DP > 1 each DP rank scores its own part of the step
+  (:mod:`megascore.engine.data_parallel`); z-loss and MTP losses are token-weighted
+  over the DP ranks, the aux losses count the tokens of every DP rank, so the metrics
+  are those of the whole step;
 * Megatron's MTP loss (``process_mtp_loss``) computes each MTP layer's full
   ``[T_local, V / tp]`` logits: a metrics forward of an MTP model is the one
   place where memory still grows with tokens x vocabulary.
@@ -62,6 +65,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from megascore.packing import PackedSequences, cp_shard_indices, roll_within_segments
+from megascore.segment_packing import full_positions, rope_positions
 
 logger = logging.getLogger(__name__)
 
@@ -167,20 +171,24 @@ def mtp_metric_names(cfg) -> list[str]:
     return names
 
 
-def packed_position_ids(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int):
-    """Position of every token inside its padded segment, CP-sharded.
+def packed_position_ids(
+    cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int, params=None
+) -> torch.Tensor:
+    """Position of every token in its sequence, CP-sharded.
 
     Args:
         cu_seqlens_padded: ``[B+1]`` padded boundaries.
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
+        params: the packing's ``PackedSeqParams``: positions of segments that continue
+            a shared prefix continue from it
+            (:class:`megascore.segment_packing.SharedPrefixParams`).
 
     Returns:
         int64 ``[1, T / cp_size]`` (positions restart at 0 for every sequence).
     """
     cu = cu_seqlens_padded.to("cpu", torch.long)
-    lens = cu[1:] - cu[:-1]
-    pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+    pos = full_positions(cu, params)
     return pos[cp_shard_indices(cu, cp_rank, cp_size)].unsqueeze(0)
 
 
@@ -348,7 +356,34 @@ def _token_weight_z_loss(model, packed: PackedSequences, before: torch.Tensor | 
     total = counts.clone()
     torch.distributed.all_reduce(total, group=group)
     base = torch.zeros_like(values) if before is None else before
-    values.copy_(base + (values - base) * (counts * group.size() / total.clamp(min=1)))
+    # a rank without real tokens (an all-padding microbatch) records 0 / 0: it weighs 0
+    delta = torch.nan_to_num(values - base, nan=0.0)
+    values.copy_(base + delta * (counts * group.size() / total.clamp(min=1)))
+
+
+def _mtp_tracker_values() -> tuple[torch.Tensor, torch.Tensor] | None:
+    tracker = MTPLossLoggingHelper.tracker
+    if "loss_values" not in tracker:
+        return None
+    return tracker["loss_values"].clone(), tracker["total_values"].clone()
+
+
+def _token_weight_mtp_loss(model, before: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Megatron averages each DP x CP rank's MTP loss (a mean over its own target tokens)
+    over those ranks; weight this forward's contribution by the rank's share of the
+    forward's target tokens first: the result is the mean over all of them (a rank
+    without any, an all-padding microbatch, weighs 0)."""
+    group = model.pg_collection.dp_cp
+    after = _mtp_tracker_values()
+    if after is None or group.size() == 1:
+        return
+    loss_before, count_before = (torch.zeros_like(v) for v in after) if before is None else before
+    delta = torch.nan_to_num(after[0] - loss_before, nan=0.0)
+    count = after[1] - count_before
+    total = count.clone()
+    torch.distributed.all_reduce(total, group=group)
+    share = count * group.size() / total.clamp(min=1)
+    MTPLossLoggingHelper.tracker["loss_values"].copy_(loss_before + delta * share)
 
 
 def forward_microbatch(
@@ -359,9 +394,10 @@ def forward_microbatch(
     loss_mask_packed_local: torch.Tensor | None = None,
 ):
     """``model(**model_inputs(...))`` for one packed microbatch, in the step's mode
-    (:func:`scoring_forward`); a metrics forward's z-loss is token-weighted over the ranks
-    (:func:`_token_weight_z_loss`). Returns what the model returns (the
-    :class:`OutputHead` on the last stage, the hidden states elsewhere)."""
+    (:func:`scoring_forward`); a metrics forward's z-loss and MTP losses are token-weighted
+    over the ranks (:func:`_token_weight_z_loss`, :func:`_token_weight_mtp_loss`). Returns
+    what the model returns (the :class:`OutputHead` on the last stage, the hidden states
+    elsewhere)."""
     kwargs = model_inputs(
         model,
         packed,
@@ -371,9 +407,14 @@ def forward_microbatch(
     weigh = metrics_forward and bool(model.config.num_moe_experts)
     before = _z_loss_values() if weigh else None
     before = None if before is None else before.clone()
-    output = model(**kwargs)
+    weigh_mtp = metrics_forward and bool(model.config.mtp_num_layers)
+    mtp_before = _mtp_tracker_values() if weigh_mtp else None
+    with rope_positions(model, packed):
+        output = model(**kwargs)
     if weigh:
         _token_weight_z_loss(model, packed, before)
+    if weigh_mtp:
+        _token_weight_mtp_loss(model, mtp_before)
     return output
 
 
@@ -405,15 +446,9 @@ def _read_mtp_metrics(model, loss_scale: float) -> dict[str, float]:
     # the same all-reduces. Only the last pipeline stage holds the MTP layers.
     zero = torch.zeros((), device=next(model.parameters()).device)
     group = model.pg_collection.dp_cp
+    # (each microbatch's losses were weighted by the rank's token share already:
+    # forward_microbatch, so Megatron's average over the ranks is the token mean)
     MTPLossLoggingHelper.save_metrics_to_tracker(zero, zero, zero, 0, n, avg_group=group)
-    # Megatron averages the ranks' own means; weight each by its share of the target
-    # tokens (``total_values``: this rank's counted positions) so the mean is over tokens.
-    tracker = MTPLossLoggingHelper.tracker
-    if group.size() > 1:
-        counts = tracker["total_values"].clone()
-        torch.distributed.all_reduce(counts, group=group)
-        share = tracker["total_values"] * group.size() / counts.clamp(min=1)
-        tracker["loss_values"].mul_(share)
     writer = _ScalarCollector()
     MTPLossLoggingHelper.track_mtp_metrics(loss_scale, 0, writer)
     out = {}
@@ -468,7 +503,7 @@ def model_inputs(
     p = packed.packed_seq_params
     kwargs = dict(
         input_ids=packed.input_ids_cp_sharded.to(device, torch.long),  # [1, T_local]
-        position_ids=packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size).to(device),
+        position_ids=packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size, p).to(device),
         attention_mask=None,
         packed_seq_params=dataclasses.replace(
             p,

@@ -47,7 +47,15 @@ from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import forward_microbatch
 from megascore.engine.logprobs import Float32Logits, score_tokens
 from megascore.engine.routing import recorded_routes, set_replay_targets
-from megascore.packing import PackedSequences, pack_sequences, roll_within_segments
+from megascore.packing import PackedSequences, roll_within_segments
+from megascore.prefix_tree import (
+    SegmentLayout,
+    concat_layouts,
+    dense_layout,
+    shared_groups,
+    shared_layout,
+)
+from megascore.segment_packing import pack_layout
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +91,128 @@ def split_microbatches(
     return ranges, pad_to
 
 
+@dataclasses.dataclass(frozen=True)
+class MicrobatchPlan:
+    """How one rank cuts its sequences of a step into microbatches.
+
+    Attributes:
+        ranges: ``[first, end)`` sequence ranges in batch order, one per microbatch. An
+            empty one (``first == end``) is a microbatch of ``pad_to`` pad tokens: a
+            data-parallel rank without sequences in it still joins its peers' expert
+            collectives (:mod:`megascore.engine.data_parallel`).
+        pad_to: packed length of every microbatch.
+    """
+
+    ranges: list[tuple[int, int]]
+    pad_to: int
+
+    @classmethod
+    def split(cls, lengths: np.ndarray, pad_multiple: int, count: int) -> MicrobatchPlan:
+        """The plan of a rank that runs its step alone (:func:`split_microbatches`)."""
+        ranges, pad_to = split_microbatches(lengths, pad_multiple, count)
+        return cls(ranges=ranges, pad_to=pad_to)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicrobatchSegments:
+    """Which sequences of a step one microbatch holds, and how they are computed.
+
+    Attributes:
+        sequences: int64 ``[B_mb]`` the step's sequences in the microbatch's order.
+        segments: their :class:`~megascore.prefix_tree.SegmentLayout`.
+    """
+
+    sequences: np.ndarray
+    segments: SegmentLayout
+
+
+def plan_microbatches(
+    token_ids: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    pad_multiple: int,
+    count: int,
+    min_shared: int | None = None,
+    token_keys: np.ndarray | None = None,
+    labels: np.ndarray | None = None,
+    cuts: MicrobatchPlan | None = None,
+) -> tuple[list[MicrobatchSegments], int]:
+    """Splits a step into microbatches, computing shared prefixes once when asked.
+
+    Dense (``min_shared`` None): :func:`split_microbatches` of the sequences in batch
+    order. Shared: the sequences that share a prefix (:func:`~megascore.prefix_tree.
+    shared_groups`) stay in one microbatch; groups are split like sequences, by what
+    their segments occupy (:func:`~megascore.prefix_tree.shared_layout`).
+
+    Args:
+        token_ids: int64 ``[T]`` the step's tokens.
+        lengths: int64 ``[B]``.
+        pad_multiple: per-segment pad multiple.
+        count: microbatches wanted.
+        min_shared: shortest prefix worth sharing, or None for the dense layout.
+        token_keys: int64 ``[T, w]`` what must match for tokens to be shared (None: ids).
+        labels: ``[B]`` sequences of different labels share nothing (None: all equal).
+        cuts: a dense step's given microbatches (a data-parallel rank's share,
+            :mod:`megascore.engine.data_parallel`); None: :meth:`MicrobatchPlan.split`.
+
+    Returns:
+        ``(plans, pad_to)``: the microbatches in order and their common packed length.
+    """
+    token_ids = np.asarray(token_ids, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if min_shared is None:
+        cuts = cuts or MicrobatchPlan.split(lengths, pad_multiple, count)
+        plans = []
+        for a, b in cuts.ranges:
+            seqs = np.arange(a, b, dtype=np.int64)
+            tokens = token_ids[layout.token_index(lengths, seqs)]
+            plans.append(MicrobatchSegments(seqs, dense_layout(tokens, lengths[a:b])))
+        return plans, cuts.pad_to
+    keys = token_ids[:, None] if token_keys is None else token_keys
+    labels = np.zeros(len(lengths)) if labels is None else labels
+    groups = shared_groups(keys, lengths, labels, min_shared)
+    layouts = []
+    for seqs in groups:
+        tok = layout.token_index(lengths, seqs)
+        layouts.append(
+            shared_layout(
+                token_ids[tok],
+                lengths[seqs],
+                min_shared=min_shared,
+                token_keys=keys[tok],
+                labels=labels[seqs],
+            )
+        )
+    costs = np.array(
+        [layout.padded_lengths(g.lengths, pad_multiple).sum() for g in layouts], dtype=np.int64
+    )
+    ranges, pad_to = split_microbatches(costs, pad_multiple, count)
+    plans = [
+        MicrobatchSegments(
+            np.concatenate(groups[a:b]),
+            concat_layouts(layouts[a:b], [lengths[g] for g in groups[a:b]]),
+        )
+        for a, b in ranges
+    ]
+    return plans, pad_to
+
+
 @dataclasses.dataclass
 class Microbatch:
     """One microbatch of a step, packed for this rank (built alike on every stage).
 
     Attributes:
-        packed: the microbatch's sequences, packed and padded to the step's common length.
+        packed: the microbatch's segments (:class:`~megascore.prefix_tree.SegmentLayout`:
+            its sequences, or their shared prefixes and continuations), packed and
+            padded to the step's common length.
+        token_positions: int64 ``[T_mb]`` (CPU) packed row of every token of the
+            microbatch's sequences (in the microbatch's sequence order); rows are
+            shared by the tokens of a shared prefix.
         targets: int64 ``[T_local]`` next-token targets of this CP shard.
         temperature: float32 ``[T_local]`` or None.
         loss_mask: float32 ``[T_local]``: whether the target of each position is a
-            scored token (the request's loss mask, Megatron's alignment).
+            scored token (the request's loss mask, Megatron's alignment; a shared row
+            is scored where any of its sequences scores it).
         mtp_loss_mask: ``[1, T_local]`` the same mask for MTP when the request has one,
             else None (Megatron's default mask).
         replay_routes: int64 ``[n, L_stage, k]`` MoE routes this stage's routers replay
@@ -104,6 +224,7 @@ class Microbatch:
     """
 
     packed: PackedSequences
+    token_positions: torch.Tensor
     targets: torch.Tensor
     temperature: torch.Tensor | None
     loss_mask: torch.Tensor
@@ -114,41 +235,43 @@ class Microbatch:
 
 
 def build_microbatch(
-    token_ids: torch.Tensor,
-    lengths: np.ndarray,
+    segments: SegmentLayout,
     temperature: np.ndarray | None,
     target_mask: np.ndarray,
     *,
+    device: torch.device,
     pad_multiple: int,
     pad_to: int,
     cp_rank: int,
     cp_size: int,
     has_request_mask: bool,
+    lengths: np.ndarray | None = None,
     target_ids: np.ndarray | None = None,
 ) -> Microbatch:
     """Packs one microbatch for this rank's CP rank.
 
     Args:
-        token_ids: int64 ``[T_mb]`` the microbatch's ids, on the model's device.
-        lengths: int64 ``[B_mb]``.
+        segments: the microbatch's segments (its sequences in the dense layout).
         temperature: float32 ``[B_mb]`` or None.
         target_mask: float32 ``[T_mb]`` token-aligned: whether each token is scored.
-        pad_multiple: per-sequence pad multiple.
+        device: the model's device.
+        pad_multiple: per-segment pad multiple.
         pad_to: common packed length of the step's microbatches.
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
         has_request_mask: the request carried a loss mask (MTP then uses it).
+        lengths: int64 ``[B_mb]`` the microbatch's sequence lengths (with ``target_ids``).
         target_ids: int64 ``[T_mb, K]`` token-aligned caller-chosen ids, or None.
 
     Returns:
-        The :class:`Microbatch`.
+        The :class:`Microbatch`. Without sequences (``lengths`` empty) it is the padding
+        segment alone (``pad_to`` pad tokens).
     """
-    device = token_ids.device
-    packed = pack_sequences(
-        token_ids,
-        lengths,
-        pad_individual_seqs_to_multiple_of=pad_multiple,
-        pad_packed_seq_to=pad_to,
+    packed = pack_layout(
+        torch.from_numpy(segments.token_ids).to(device),
+        segments,
+        pad_multiple=pad_multiple,
+        pad_to=pad_to,
         cp_rank=cp_rank,
         cp_size=cp_size,
         pad_segment=True,
@@ -159,34 +282,45 @@ def build_microbatch(
     targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
     temps = None
     if temperature is not None:
-        per_seq = np.ones(len(cu_padded) - 1, dtype=np.float32)  # the padding segment: 1
-        per_seq[: len(lengths)] = temperature
-        temps = torch.repeat_interleave(torch.from_numpy(per_seq), cu_padded.diff())
+        per_segment = np.ones(len(cu_padded) - 1, dtype=np.float32)  # the padding segment: 1
+        per_segment[: len(segments.lengths)] = np.asarray(temperature)[segments.sequences]
+        temps = torch.repeat_interleave(torch.from_numpy(per_segment), cu_padded.diff())
         temps = temps[shard].to(device)
-    # mask: token-aligned on the full axis, then rolled to the targets' alignment
+    # mask: token-aligned on the full axis (a row is scored where any of its tokens is),
+    # then rolled to the targets' alignment
+    row_mask = np.zeros(len(segments.token_ids), dtype=np.float32)
+    if segments.shared:
+        np.maximum.at(row_mask, segments.token_rows, target_mask)
+    else:
+        row_mask[segments.token_rows] = target_mask
     full = torch.zeros(1, pad_to)
-    full[0, packed.token_positions] = torch.from_numpy(target_mask)
+    full[0, packed.token_positions] = torch.from_numpy(row_mask)
     mask = roll_within_segments(full, cu_padded, shifts=-1)[0, shard]
+    positions = packed.token_positions[torch.from_numpy(segments.token_rows)]
     return Microbatch(
         packed=packed,
+        token_positions=positions,
         targets=targets,
         temperature=temps,
         loss_mask=mask.to(device),
         mtp_loss_mask=mask.unsqueeze(0).to(device) if has_request_mask else None,
         target_ids=None
         if target_ids is None
-        else _predicting_rows(target_ids, lengths, packed, pad_to),
+        else _predicting_rows(target_ids, lengths, positions, packed, pad_to),
     )
 
 
 def _predicting_rows(
-    values: np.ndarray, lengths: np.ndarray, packed: PackedSequences, pad_to: int
+    values: np.ndarray,
+    lengths: np.ndarray,
+    positions: torch.Tensor,
+    packed: PackedSequences,
+    pad_to: int,
 ) -> torch.Tensor:
     """Token-aligned ``[T_mb, K]`` rows moved to the packed position that predicts their
-    token (one before it; a sequence's first row has none and is dropped), this CP
-    rank's shard of them, on the ids' device."""
+    token (one before it, ``positions``: each token's packed row; a sequence's first row
+    has none and is dropped), this CP rank's shard of them, on the ids' device."""
     rows = torch.zeros((pad_to, values.shape[1]), dtype=torch.int64)
-    positions = packed.token_positions
     predicted = torch.ones(positions.numel(), dtype=torch.bool)
     predicted[layout.offsets(lengths)[:-1]] = False  # each sequence's first token
     rows[positions[predicted] - 1] = torch.from_numpy(np.asarray(values, np.int64))[predicted]
@@ -210,6 +344,9 @@ class ScoreSpec:
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
         num_target_ids: K of the batch's target ids (0 without).
+        scored_rows_only: compute the output head and log-softmax only at the rows that
+            predict a scored token (``Microbatch.loss_mask``); the other rows' logprobs
+            are 0.0. For steps that return no per-token output (no logprobs, no top-k).
     """
 
     outputs: tuple[schema.Output, ...]
@@ -223,6 +360,7 @@ class ScoreSpec:
     lm_head_dtype: str = "model"
     record_routes: bool = False
     num_target_ids: int = 0
+    scored_rows_only: bool = False
 
 
 def _score_microbatch(
@@ -230,11 +368,17 @@ def _score_microbatch(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """The loss closure (last stage): per-token results and the normalised loss."""
     cu_padded = mb.packed.cu_seqlens_padded.to("cpu", torch.int64)
+    targets, temperature, rows = mb.targets, mb.temperature, None
+    if spec.scored_rows_only:  # the output head runs only where a scored token is predicted
+        rows = mb.loss_mask.nonzero().squeeze(1)
+        head = dataclasses.replace(head, hidden_states=head.hidden_states[rows])
+        targets = targets[rows]
+        temperature = None if temperature is None else temperature[rows]
     scores = score_tokens(
         head if spec.lm_head_dtype == "model" else Float32Logits(head),
-        mb.targets,
+        targets,
         tp_group=tp_group,
-        temperature=mb.temperature,
+        temperature=temperature,
         top_k=spec.top_k,
         chunk_tokens=spec.chunk_tokens,
         vocab_size=spec.vocab_size,
@@ -242,6 +386,18 @@ def _score_microbatch(
         # the logprobs always: Megatron's schedule takes a loss from every microbatch
         outputs=list(dict.fromkeys([schema.output("logprobs"), *spec.outputs])),
     )
+    if rows is not None:  # [T_local, ...]: each output's fill where nothing was scored
+        for name, value in list(scores.items()):
+            if value is None:
+                continue
+            full = torch.full(
+                (len(mb.loss_mask), *value.shape[1:]),
+                schema.output(name).fill,
+                dtype=value.dtype,
+                device=value.device,
+            )
+            full[rows] = value
+            scores[name] = full
     # loss: this CP shard's share of the step's token-mean NLL (NeMo-RL's normalisation
     # by the global valid token count); the CP ranks' shares sum to the microbatch's
     loss = -(scores.logprobs * mb.loss_mask).sum() / spec.global_valid_tokens

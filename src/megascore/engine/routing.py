@@ -22,7 +22,8 @@ This module maps both onto the packed layout of :mod:`megascore.packing`:
   per microbatch, this rank's CP shard (:func:`megascore.packing.cp_shard_indices`)
   and, with sequence parallelism, only the TP rank's contiguous ``1 / tp`` slice of
   it; with EP the routing is computed before the token dispatch, on the rank's own
-  tokens (every EP rank here is a data-parallel copy of the same batch); with PP a
+  tokens (its data-parallel part of the step, :mod:`megascore.engine.data_parallel`;
+  each DP rank records / replays its part's routes); with PP a
   stage holds the routers of its own layers (:func:`stage_moe_layers`, from
   Megatron's layer offsets and MoE layer pattern);
 * the schedule's forward step replays (:func:`set_replay_targets`) or reads

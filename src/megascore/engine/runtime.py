@@ -45,11 +45,15 @@ non-zero so that the launcher tears the replica down).
 Weights: ``EngineConfig.model`` and ``load_weights`` take the model strings of
 :func:`megascore.checkpoint.parse_model_string` (built-in ``tiny``, ``builtin:tiny@7``
 for weight seed 7, ``hf:DIR``, ``megatron:DIR``), loaded by
-:func:`megascore.engine.served_model.load_served_model` at start-up and on reload.
-``load_weights`` first reads the new model's architecture from its config alone
-on rank 0 and refuses another one (or a bad path) before anything is built;
-then it runs on every rank (RELOAD) and swaps the new weights in only after
-every rank loaded them; otherwise the old ones stay.
+:func:`megascore.engine.served_model.load_served_model` at start-up (a checkpoint's
+model drawing no random weights) and :func:`~megascore.engine.served_model.reload_served_model`
+on reload. ``load_weights`` first reads the new model's architecture from its config
+alone on rank 0 and refuses another one (or a bad path) before any weight file is
+opened; then it runs on every rank (RELOAD): each checks the checkpoint against its
+model, the ranks agree, and only then does each overwrite its parameters in place (no
+second model in memory). A failed check anywhere leaves the old weights serving; a
+failure while writing (a file damaged past its headers or removed midway) breaks the
+replica, which never serves a mix of two checkpoints.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -65,11 +71,12 @@ import torch.distributed as dist
 from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
 from megascore.config import EngineConfig
 from megascore.engine import protocol
+from megascore.engine.data_parallel import DataParallelGroup
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.losses import loss_names
 from megascore.engine.routing import routing_shape
-from megascore.engine.served_model import LoadedModel, load_served_model
-from megascore.engine.step import StepConfig, StepGroups, agree_on_status, finish_step, run_step
+from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
+from megascore.engine.step import StepConfig, StepGroups, agree_on_status
 from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
 from megascore.errors import (
     LOAD_FAILURES,
@@ -78,6 +85,7 @@ from megascore.errors import (
     WorkerLostError,
 )
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
+from megascore.segment_packing import check_prefix_sharing_device, min_shared_prefix
 from megascore.types import (
     Limits,
     ModelInfo,
@@ -127,6 +135,49 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     return True
 
 
+def _load_agreeing(
+    load: Callable[[Callable[[], None]], LoadedModel],
+    agree: Callable[[BaseException | None], None],
+    what: str,
+) -> tuple[LoadedModel | None, BaseException | None]:
+    """Every rank: ``load(before_write)`` (start-up or reload), the ranks agreeing once
+    every check passed, before anything is written.
+
+    ``agree(problem)`` is a status all-reduce that raises when any rank has a problem.
+    The loader calls ``before_write`` after its checks: there this rank agrees with
+    none; a rank that fails before (a bad checkpoint, a check) agrees with its error
+    instead, so every rank raises at that one agreement and nothing is written anywhere.
+    A load with nothing to check (a built-in at start-up) may never call it.
+
+    Returns:
+        ``(loaded, None)``; or ``(None, error)`` for a failure once writing may have begun
+        (the caller's next agreement decides what follows).
+
+    Raises:
+        What ``agree`` raises.
+    """
+    phase = "check"  # -> "agree" (in the first agreement) -> "write" (every rank agreed)
+
+    def before_write() -> None:
+        nonlocal phase
+        phase = "agree"
+        agree(None)
+        phase = "write"
+
+    try:
+        return load(before_write), None
+    except WorkerLostError:  # an agreement itself failed
+        raise
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the agreements
+        if phase == "agree":
+            raise  # the agreement found a failed rank: nothing was written
+        if not isinstance(e, LOAD_FAILURES):  # a bug or an I/O surprise: its traceback
+            logger.exception("rank %d: %s failed", dist.get_rank(), what)
+        if phase == "check":
+            agree(e)  # raises: this rank has a problem
+        return None, e
+
+
 def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> None:
     """Destroys Megatron's parallel state, ``groups`` and, if asked, the default group."""
     try:
@@ -138,10 +189,10 @@ def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> 
             dist.destroy_process_group()
 
 
-def result_rank(world_size: int, pp: int) -> int:
-    """Rank 0's peer on the last pipeline stage (Megatron's rank order puts PP outermost:
-    stage ``s`` holds ranks ``[s * world / pp, (s + 1) * world / pp)``)."""
-    return _SRC + (pp - 1) * (world_size // pp)
+def result_rank(world_size: int, pp: int, output_rank: int = _SRC) -> int:
+    """``output_rank``'s peer on the last pipeline stage (Megatron's rank order puts PP
+    outermost: stage ``s`` holds ranks ``[s * world / pp, (s + 1) * world / pp)``)."""
+    return output_rank + (pp - 1) * (world_size // pp)
 
 
 class DistributedEngine:
@@ -154,6 +205,7 @@ class DistributedEngine:
         pg_collection,
         groups: StepGroups,
         command_group: dist.ProcessGroup,
+        data_parallel: DataParallelGroup,
     ):
         """Use :meth:`create`; this only stores what it built."""
         self.engine_cfg = engine_cfg
@@ -161,6 +213,7 @@ class DistributedEngine:
         self.pg_collection = pg_collection
         self.groups = groups
         self.command_group = command_group
+        self.data_parallel = data_parallel
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = resolve_device(engine_cfg)
@@ -172,9 +225,14 @@ class DistributedEngine:
             vocab_size=loaded.config.vocab_size,
             device=self.device,
             microbatches=engine_cfg.microbatches,
-            output_rank=_SRC,
+            output_rank=data_parallel.output_rank(),
             lm_head_dtype=engine_cfg.lm_head_dtype,
-            result_rank=result_rank(self.world_size, engine_cfg.pipeline_model_parallel_size),
+            min_shared_prefix=min_shared_prefix(engine_cfg, self.device, loaded.model),
+            result_rank=result_rank(
+                self.world_size,
+                engine_cfg.pipeline_model_parallel_size,
+                data_parallel.output_rank(),
+            ),
         )
         self.limits = Limits(
             vocab_size=loaded.config.vocab_size,
@@ -196,6 +254,7 @@ class DistributedEngine:
         )
         self._step = 0
         self._push: WeightStaging | None = None  # the open weight push's staged shards
+        self._push_of: LoadedModel | None = None  # what was served when it began
         self._broken: str | None = None
         self._closed = False
         self._owns_default_group = False
@@ -221,6 +280,7 @@ class DistributedEngine:
         """
         parse_model_string(engine_cfg.model)  # bad strings fail alike everywhere, early
         device = resolve_device(engine_cfg)
+        check_prefix_sharing_device(engine_cfg, device)
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             device = resolve_device(engine_cfg)
@@ -245,25 +305,36 @@ class DistributedEngine:
             groups = StepGroups(
                 tp=pg_collection.tp, cp=pg_collection.cp, pp=pg_collection.pp, status=status
             )
-            loaded, error = None, None
-            try:
-                loaded = load_served_model(engine_cfg.model, engine_cfg, pg_collection)
-            except LOAD_FAILURES as e:  # raised below; the caller logs the reason
-                error = e
-            except Exception as e:  # reported to every rank below
-                logger.exception("rank %d: building the model failed", dist.get_rank())
-                error = e
-            failed = agree_on_status(error is not None, status)  # every rank has built it
-            config_error = isinstance(error, LOAD_FAILURES)
-            if failed and config_error and len(failed) == len(world):
-                raise error  # a config / checkpoint error, the same everywhere
-            if failed:
-                raise WorkerLostError(f"building the model failed on ranks {failed}: {error}")
+            data_parallel = DataParallelGroup.create(pg_collection, engine_cfg.collective_timeout_s)
+            if data_parallel.results is not None:
+                own_groups.append(data_parallel.results)
+
+            def agree(problem: BaseException | None) -> None:
+                failed = agree_on_status(problem is not None, status)
+                if failed and isinstance(problem, LOAD_FAILURES) and len(failed) == len(world):
+                    raise problem  # a config / checkpoint error, the same everywhere
+                if failed:
+                    raise WorkerLostError(f"building the model failed on ranks {failed}: {problem}")
+
+            start = time.perf_counter()
+            loaded, error = _load_agreeing(
+                lambda before_write: load_served_model(
+                    engine_cfg.model, engine_cfg, pg_collection, before_write=before_write
+                ),
+                agree,
+                "building the model",
+            )
+            agree(error)  # every rank has built it
         except BaseException:
             _teardown_groups(own_groups, owns_default_group)
             raise
-        logger.info("rank %d: every rank has built %s", dist.get_rank(), loaded.weights_version)
-        engine = cls(engine_cfg, loaded, pg_collection, groups, command)
+        logger.info(
+            "rank %d: every rank has built %s; built and loaded in %.2f s",
+            dist.get_rank(),
+            loaded.weights_version,
+            time.perf_counter() - start,
+        )
+        engine = cls(engine_cfg, loaded, pg_collection, groups, command, data_parallel)
         auto_sp = engine.sequence_parallel and engine_cfg.sequence_parallel is None
         if auto_sp and engine.rank == _SRC:
             logger.info(
@@ -343,8 +414,7 @@ class DistributedEngine:
             )
         except (RuntimeError, OSError) as e:
             raise self._mark_broken(f"broadcasting step {self._step} failed: {e}") from e
-        result = self._run_step(batch)
-        out = finish_step(batch, result)
+        out = self._run_step(batch)
         out.weights_version = self.loaded.weights_version
         return out
 
@@ -452,6 +522,7 @@ class DistributedEngine:
         returns every rank's targets."""
         if command == protocol.Command.WEIGHTS_BEGIN:
             loaded, local = self.loaded, None
+            self._push_of = loaded
             try:
                 self._push = WeightStaging(
                     loaded.model, loaded.config, self.pg_collection, message.names
@@ -475,7 +546,7 @@ class DistributedEngine:
         else:
             push, self._push = self._push, None
             problem = push.problem(message.partial)
-            if push.model is not self.loaded.model:  # a LoadWeights swapped the model meanwhile
+            if self._push_of is not self.loaded:  # a LoadWeights reloaded the model meanwhile
                 problem = "the served model was reloaded (LoadWeights) during the push: push again"
             self._agree_or_raise(problem, "weight commit", "weight push")
             changed = push.apply()
@@ -547,33 +618,48 @@ class DistributedEngine:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _run_step(self, batch: ScoreBatch):
+    def _run_step(self, batch: ScoreBatch) -> ScoreOutput | None:
+        """Every rank: the step, split across the DP ranks; the output on rank 0."""
+        shape = self.limits.routing
+        dims = None if shape is None else (shape.num_moe_layers, shape.topk)
         try:
-            return run_step(self.loaded.model, batch, self.groups, self.step_cfg)
+            model = self.loaded.model
+            return self.data_parallel.run(model, batch, self.groups, self.step_cfg, dims)
         except WorkerLostError as e:
             raise self._mark_broken(str(e)) from e
 
     def _reload(self, model: str, version: str) -> None:
-        """Every rank: loads ``model``, agrees, swaps in the new weights only if all loaded."""
-        new, error = None, None
-        try:
-            # Checks the architecture from the config before building anything (every
-            # rank: rank 0 checked it already, but a worker may see other files).
-            new = load_served_model(
+        """Every rank: checks ``model`` against the served one, agrees, then loads it into
+        the served parameters in place; the ranks agree again once written.
+
+        A failure before the first agreement (any check) leaves the old weights serving
+        (CheckpointError). A failure while writing leaves them partly overwritten: the
+        replica is then broken (WorkerLostError), never serving a mix of two checkpoints.
+        """
+        new, error = _load_agreeing(
+            # Checks the architecture from the config before anything else (every rank:
+            # rank 0 checked it already, but a worker may see other files).
+            lambda before_write: reload_served_model(
+                self.loaded,
                 model,
                 self.engine_cfg,
                 self.pg_collection,
                 weights_version=version,
-                expected=self.loaded.config,
+                before_write=before_write,
+            ),
+            lambda problem: self._agree_or_raise(problem, "reload", f"loading {model!r}"),
+            f"loading {model!r}",
+        )
+        try:
+            failed = agree_on_status(error is not None, self.groups.status)
+        except RuntimeError as e:
+            raise self._mark_broken(f"reload status all-reduce failed: {e}") from e
+        if failed:
+            raise self._mark_broken(
+                f"loading {model!r} failed on ranks {failed} after the weights began to be "
+                f"overwritten: {error if error is not None else 'see the log of those ranks'}"
             )
-        except LOAD_FAILURES as e:  # in the error raised below: one log line there
-            error = e
-        except Exception as e:  # a bug or an I/O surprise: its traceback, then as above
-            logger.exception("rank %d: loading %r failed", self.rank, model)
-            error = e
-        self._agree_or_raise(error, "reload", f"loading {model!r}")
-        old, self.loaded = self.loaded, new
-        del old
+        self.loaded = new
         logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)
 
     def _agree_or_raise(self, problem: object, step: str, what: str) -> None:
@@ -607,4 +693,7 @@ class DistributedEngine:
         if self._closed:
             return
         self._closed = True
-        _teardown_groups([self.groups.status, self.command_group], self._owns_default_group)
+        groups = [self.groups.status, self.command_group]
+        if self.data_parallel.results is not None:
+            groups.append(self.data_parallel.results)
+        _teardown_groups(groups, self._owns_default_group)

@@ -8,16 +8,19 @@ resolved and loaded by :mod:`megascore.checkpoint`, the weights version the
 checkpoint's label or a hash of its files' names, sizes and mtimes).
 
 :func:`load_served_model` is the one path from a model string to a built model with
-weights, at start-up and on every hot reload (the engine then swaps it in once
-every rank has it). With ``expected`` it first reads only the new model's
-architecture (no model built, no weight file opened) and refuses another one
-(:func:`megascore.checkpoint.check_same_architecture`).
+weights at start-up: a checkpoint's model is built without drawing random weights and
+its loader writes every parameter once. :func:`reload_served_model` is the hot reload:
+it first reads only the new model's architecture (no weight file opened) and refuses
+another one (:func:`megascore.checkpoint.check_same_architecture`), then loads the new
+weights into the served model's own parameters (no second model; the engine agrees
+with the other ranks before the first write).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +33,7 @@ from megascore.checkpoint import (
 from megascore.config import EngineConfig
 from megascore.distributed import collective_device
 from megascore.model.batch_invariant import make_batch_invariant
-from megascore.model.build import build_model
+from megascore.model.build import build_model, draw_weights
 from megascore.model.config import ModelConfig
 from megascore.model.parallel import resolve_device
 
@@ -105,12 +108,14 @@ def load_served_model(
     engine_cfg: EngineConfig,
     pg_collection,
     weights_version: str = "",
-    *,
-    expected: ModelConfig | None = None,
+    before_write: Callable[[], None] | None = None,
 ) -> LoadedModel:
-    """Builds the model named by ``model`` on this rank and loads its weights.
+    """Builds the model named by ``model`` on this rank and loads its weights (start-up).
 
-    The one place model strings turn into models (start-up and hot reload).
+    A checkpoint's model is built without random weights (its parameters are only
+    allocated) and the loader writes each of them once, shard by shard; only built-ins
+    draw theirs from the seed. The parameter count (collective over the PP group) is
+    taken right after the build, before the stages spend unequal time loading.
 
     Args:
         model: a model string (:func:`megascore.checkpoint.parse_model_string`).
@@ -118,35 +123,94 @@ def load_served_model(
         pg_collection: Megatron's process groups of this replica (``megatron:`` loading
             is collective over the replica).
         weights_version: label of the weights ("" takes the resolved one).
-        expected: the architecture the model must have (hot reload: the served one),
-            checked from the config before anything is built or read.
+        before_write: passed to a checkpoint's loader: called once the checkpoint was
+            checked against the built model, before its first write (the engine agrees
+            with the other ranks there). Not called for a built-in.
 
     Returns:
         The :class:`LoadedModel`.
 
     Raises:
         ValueError: a malformed model string.
-        CheckpointError: a checkpoint that is missing, corrupt or does not fit, or an
-            architecture other than ``expected``.
+        CheckpointError: a checkpoint that is missing, corrupt or does not fit.
     """
-    ignore_mtp = engine_cfg.ignore_mtp_layers
-    if expected is not None:  # from the config (+ headers for optional parts), no tensor read
-        check_same_architecture(
-            read_model_config(model, ignore_mtp_layers=ignore_mtp), expected, model
-        )
     config, load_weights, meta = resolve_model(
-        model, seed=engine_cfg.seed, ignore_mtp_layers=ignore_mtp
+        model, seed=engine_cfg.seed, ignore_mtp_layers=engine_cfg.ignore_mtp_layers
     )
-    built = build_model(config, dataclasses.replace(engine_cfg, seed=config.seed), pg_collection)
+    built = build_model(
+        config,
+        dataclasses.replace(engine_cfg, seed=config.seed),
+        pg_collection,
+        random_weights=load_weights is None,
+    )
     if engine_cfg.batch_invariant_on(resolve_device(engine_cfg).type):
         make_batch_invariant(built)
+    num_parameters = count_parameters(built, pg_collection)
     if load_weights is not None:
-        load_weights(built)
+        load_weights(built, before_write)
     return LoadedModel(
         spec=ModelSpec(meta.kind, meta.name, path=meta.checkpoint_path),
         config=config,
         model=built,
         weights_version=weights_version or meta.weights_version,
-        num_parameters=count_parameters(built, pg_collection),
+        num_parameters=num_parameters,
+        has_tokenizer=meta.has_tokenizer,
+    )
+
+
+def reload_served_model(
+    served: LoadedModel,
+    model: str,
+    engine_cfg: EngineConfig,
+    pg_collection,
+    weights_version: str = "",
+    before_write: Callable[[], None] | None = None,
+) -> LoadedModel:
+    """Loads the weights ``model`` names into the served model's own parameters (hot reload).
+
+    The architecture is checked from the config first (no weight file opened), then the
+    loader checks the checkpoint against the model and calls ``before_write`` before
+    its first write; each parameter is then overwritten in place, one shard in flight,
+    so no second model is ever built. A built-in (``builtin:NAME@SEED``) redraws its
+    weights from the seed, also in place.
+
+    Args:
+        served: the model being served (its ``model`` is written).
+        model: a model string of the same architecture.
+        engine_cfg: the engine config (the seed of a built-in without ``@SEED``).
+        pg_collection: the replica's process groups.
+        weights_version: label of the weights ("" takes the resolved one).
+        before_write: called once nothing is left to check, before the first write (the
+            engine agrees with the other ranks there); what it raises ends the reload
+            with the weights untouched.
+
+    Returns:
+        A new :class:`LoadedModel` describing ``served.model`` with its new weights.
+
+    Raises:
+        ValueError: a malformed model string.
+        CheckpointError: another architecture, or a checkpoint that is missing,
+            corrupt or does not fit: raised before the first write, the served
+            weights untouched; or a read that failed midway (the weights partly written).
+    """
+    ignore_mtp = engine_cfg.ignore_mtp_layers
+    # from the config (+ headers for optional parts), no tensor read
+    check_same_architecture(
+        read_model_config(model, ignore_mtp_layers=ignore_mtp), served.config, model
+    )
+    config, load_weights, meta = resolve_model(
+        model, seed=engine_cfg.seed, ignore_mtp_layers=ignore_mtp
+    )
+    if load_weights is None:
+        if before_write is not None:
+            before_write()
+        draw_weights(served.model, config, config.seed, pg_collection)
+    else:
+        load_weights(served.model, before_write)
+    return dataclasses.replace(
+        served,
+        spec=ModelSpec(meta.kind, meta.name, path=meta.checkpoint_path),
+        config=config,
+        weights_version=weights_version or meta.weights_version,
         has_tokenizer=meta.has_tokenizer,
     )

@@ -1,7 +1,8 @@
 """One engine step on one rank: pack, forward, score, gather, agree, unpack.
 
-Every rank of the replica runs :func:`run_step` with the same
-:class:`~megascore.types.ScoreBatch` (broadcast by rank 0):
+Every rank of a TP x CP x PP group runs :func:`run_step` with the same
+:class:`~megascore.types.ScoreBatch` (broadcast by rank 0; with data-parallel ranks, the
+DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parallel`):
 
 1. split the batch into microbatches (:func:`megascore.engine.pipeline.split_microbatches`)
    and pack each from the flat ids for this rank's CP rank (NeMo-RL layout), with
@@ -45,10 +46,12 @@ from megascore.engine.forward import mtp_metric_names, scoring_forward
 from megascore.engine.losses import compute_losses
 from megascore.engine.pipeline import (
     Microbatch,
+    MicrobatchPlan,
+    MicrobatchSegments,
     ScoreSpec,
     build_microbatch,
+    plan_microbatches,
     run_schedule,
-    split_microbatches,
 )
 from megascore.engine.routing import (
     gather_routes,
@@ -95,10 +98,13 @@ class StepConfig:
         vocab_size: true vocabulary size (padded logit columns never enter the top-k).
         device: device of the model inputs.
         microbatches: microbatches per step (fewer when a step is small).
-        output_rank: global rank that builds the :class:`ScoreOutput` (first stage).
+        output_rank: global rank that builds the :class:`ScoreOutput` (first stage, TP 0,
+            CP 0 of this rank's DP rank; global rank 0 for DP rank 0).
         result_rank: its peer on the last pipeline stage, where the results are
             computed (the output rank itself at PP = 1).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
+        min_shared_prefix: shortest prefix the step's sequences share that is computed
+            once (:mod:`megascore.prefix_tree`); None: every sequence computed whole.
     """
 
     pad_multiple: int
@@ -109,6 +115,7 @@ class StepConfig:
     output_rank: int = 0
     result_rank: int = 0
     lm_head_dtype: str = "model"
+    min_shared_prefix: int | None = None
 
 
 @dataclasses.dataclass
@@ -125,7 +132,8 @@ class StepResult:
             on the step's packed axis (microbatch ``i`` occupies rows
             ``[i * L, (i + 1) * L)``, ``L`` the common microbatch length).
         loss: token-mean NLL of the step's scored tokens (the sum of the microbatch
-            losses; set where the results are, else None).
+            losses; a shared prefix's rows count once; set where the results are, else
+            None).
         moe_metrics: MoE metric name -> value of this forward (every rank).
         mtp_metrics: MTP metric name -> value of this forward (where the results are).
         routing: int64 ``[T_padded, L, k]`` MoE routes recorded at each position (not
@@ -146,7 +154,8 @@ class _Plan:
     """Stage 1 of a step on this rank: the microbatches and what to compute."""
 
     microbatches: list[Microbatch]
-    ranges: list[tuple[int, int]]
+    layouts: list[MicrobatchSegments]
+    tokens: list[np.ndarray | slice]
     pad_to: int
     spec: ScoreSpec
     record: bool
@@ -154,37 +163,74 @@ class _Plan:
     want_mtp: bool
 
 
-def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Plan:
-    """Stage 1: split into microbatches and pack each for this rank's CP rank; what the
-    last stage computes (:class:`ScoreSpec`)."""
-    lengths = np.asarray(batch.lengths, dtype=np.int64)
-    offsets = layout.offsets(lengths)
-    ranges, pad_to = split_microbatches(lengths, cfg.pad_multiple, cfg.microbatches)
-    ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).to(cfg.device)
-    target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
-    temps, target_ids = batch.temperature, batch.target_ids
-    microbatches = [
-        build_microbatch(
-            ids[offsets[a] : offsets[b]],
-            lengths[a:b],
-            None if temps is None else np.asarray(temps)[a:b],
-            target_mask[offsets[a] : offsets[b]],
-            pad_multiple=cfg.pad_multiple,
-            pad_to=pad_to,
-            cp_rank=dist.get_rank(groups.cp),
-            cp_size=dist.get_world_size(groups.cp),
-            has_request_mask=batch.loss_mask is not None,
-            target_ids=None if target_ids is None else target_ids[offsets[a] : offsets[b]],
-        )
-        for a, b in ranges
+def _min_shared(batch: ScoreBatch, cfg: StepConfig, cp_size: int, metrics: bool) -> int | None:
+    """The step's shortest shared prefix, or None for a dense step: sharing off, context
+    parallelism, or a forward recording MoE / MTP metrics (they are the dense batch's)."""
+    if cfg.min_shared_prefix is None or cp_size > 1 or metrics:
+        return None
+    return cfg.min_shared_prefix
+
+
+def _token_keys(batch: ScoreBatch) -> np.ndarray | None:
+    """What must match for two tokens to be shared: the id, the routes it replays and the
+    target ids scored at it."""
+    extra = [
+        np.asarray(values, dtype=np.int64).reshape(batch.num_tokens, -1)
+        for values in (batch.routing, batch.target_ids)
+        if values is not None
     ]
+    if not extra:
+        return None
+    return np.concatenate([np.asarray(batch.token_ids, dtype=np.int64)[:, None], *extra], 1)
+
+
+def _plan(
+    model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig, cuts: MicrobatchPlan | None
+) -> _Plan:
+    """Stage 1: split into microbatches (``cuts``, a data-parallel rank's share, run dense;
+    else :func:`plan_microbatches`, sharing prefixes when on) and pack each for this rank's
+    CP rank; what the last stage computes (:class:`ScoreSpec`)."""
+    lengths = np.asarray(batch.lengths, dtype=np.int64)
+    cp_size = dist.get_world_size(groups.cp)
     # Metrics of a model without MoE / MTP layers are empty, not an error.
     want_moe = batch.return_moe_metrics and bool(model.config.num_moe_experts)
     want_mtp = batch.return_mtp_metrics and bool(model.config.mtp_num_layers)
+    layouts, pad_to = plan_microbatches(
+        batch.token_ids,
+        lengths,
+        pad_multiple=cfg.pad_multiple,
+        count=cfg.microbatches,
+        min_shared=None
+        if cuts is not None
+        else _min_shared(batch, cfg, cp_size, metrics=want_moe or want_mtp),
+        token_keys=_token_keys(batch),
+        labels=batch.temperatures(),
+        cuts=cuts,
+    )
+    target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
+    temps = None if batch.temperature is None else np.asarray(batch.temperature)
+    tokens = [layout.token_index(lengths, mb.sequences) for mb in layouts]
+    microbatches = [
+        build_microbatch(
+            mb.segments,
+            None if temps is None else temps[mb.sequences],
+            target_mask[tok],
+            device=cfg.device,
+            pad_multiple=cfg.pad_multiple,
+            pad_to=pad_to,
+            cp_rank=dist.get_rank(groups.cp),
+            cp_size=cp_size,
+            has_request_mask=batch.loss_mask is not None,
+            lengths=lengths[mb.sequences],
+            target_ids=None if batch.target_ids is None else batch.target_ids[tok],
+        )
+        for mb, tok in zip(layouts, tokens, strict=True)
+    ]
     last_stage = groups.pp.rank() == groups.pp.size() - 1
     record = batch.return_routing and batch.routing is None  # a replayed routing is known
+    outputs = schema.head_outputs(batch)
     spec = ScoreSpec(
-        outputs=tuple(schema.head_outputs(batch)),
+        outputs=tuple(outputs),
         top_k=batch.top_k,
         chunk_tokens=cfg.chunk_tokens,
         vocab_size=cfg.vocab_size,
@@ -194,18 +240,21 @@ def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Pla
         metrics_forward=want_moe or want_mtp,
         lm_head_dtype=cfg.lm_head_dtype,
         record_routes=record,
+        # only the losses leave the step: the head runs where the loss mask scores a token
+        scored_rows_only=not any(out.wanted(batch) for out in outputs),
         num_target_ids=batch.num_target_ids,
     )
-    return _Plan(microbatches, ranges, pad_to, spec, record, want_moe, want_mtp)
+    return _Plan(microbatches, layouts, tokens, pad_to, spec, record, want_moe, want_mtp)
 
 
 def _set_replay(model, batch: ScoreBatch, plan: _Plan, groups: StepGroups, cfg: StepConfig):
-    """Stage 1b: each microbatch's routes to replay on this stage's routers."""
-    offsets = layout.offsets(np.asarray(batch.lengths, dtype=np.int64))
+    """Stage 1b: each microbatch's routes to replay on this stage's routers (a row of a
+    shared segment replays the routes of the token it computes)."""
     layers = stage_moe_layers(model.config, groups.pp.rank())
-    for mb, (a, b) in zip(plan.microbatches, plan.ranges, strict=True):
+    routing = np.asarray(batch.routing)
+    for mb, layout_, tok in zip(plan.microbatches, plan.layouts, plan.tokens, strict=True):
         mb.replay_routes = local_replay_targets(
-            batch.routing[offsets[a] : offsets[b]],
+            routing[tok][layout_.segments.row_source],
             mb.packed,
             layers,
             tp_group=groups.tp,
@@ -214,9 +263,11 @@ def _set_replay(model, batch: ScoreBatch, plan: _Plan, groups: StepGroups, cfg: 
         )
 
 
-def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
+def _local_results(
+    model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig, cuts: MicrobatchPlan | None
+) -> StepResult:
     """Steps 1-3 of the module docstring on this rank (issues the step's collectives)."""
-    plan = _plan(model, batch, groups, cfg)
+    plan = _plan(model, batch, groups, cfg, cuts)
     if batch.routing is not None:
         _set_replay(model, batch, plan, groups, cfg)
     microbatches = plan.microbatches
@@ -230,9 +281,9 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         ) as metrics,
     ):
         store = run_schedule(model, microbatches, plan.spec)
-    positions = torch.cat(
-        [mb.packed.token_positions + i * plan.pad_to for i, mb in enumerate(microbatches)]
-    )
+    positions = torch.empty(batch.num_tokens, dtype=torch.long)
+    for i, (mb, tok) in enumerate(zip(microbatches, plan.tokens, strict=True)):
+        positions[tok] = mb.token_positions + i * plan.pad_to
     result = StepResult(
         values={},
         token_positions=positions,
@@ -325,14 +376,22 @@ def wait_for_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
+def run_step(
+    model,
+    batch: ScoreBatch,
+    groups: StepGroups,
+    cfg: StepConfig,
+    cuts: MicrobatchPlan | None = None,
+) -> StepResult:
     """Runs one forward step on this rank and agrees on its outcome with every rank.
 
     Args:
         model: the (eval-mode) Megatron model of this rank.
-        batch: the batch, identical on every rank.
+        batch: the batch of this rank's TP x CP x PP group (with data-parallel ranks,
+            this rank's part of the step: :mod:`megascore.engine.data_parallel`).
         groups: process groups of the step.
         cfg: per-replica step constants.
+        cuts: the microbatches to run (None: :meth:`MicrobatchPlan.split` of the batch).
 
     Returns:
         This rank's :class:`StepResult`.
@@ -344,7 +403,7 @@ def run_step(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> S
     error: BaseException | None = None
     result = None
     try:
-        result = _local_results(model, batch, groups, cfg)
+        result = _local_results(model, batch, groups, cfg, cuts)
         wait_for_device(cfg.device)
     except Exception as e:  # reported to every rank through the status all-reduce
         logger.exception("rank %d: step failed", dist.get_rank())

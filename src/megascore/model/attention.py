@@ -14,7 +14,11 @@ constructor and forward arguments and supports what the local module does not:
 * context parallelism: K and V are all-gathered in the CP group and every local
   query chunk attends to the keys that precede it. The layout is Megatron's
   load-balanced one: each (padded) sequence is cut into ``2 * cp`` chunks and CP
-  rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` in that order.
+  rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` in that order;
+* shared prefixes (:class:`megascore.segment_packing.SharedPrefixParams`, CP size 1):
+  a segment that continues a prefix attends to the prefix's rows
+  (:func:`megascore.segment_packing.prefix_rows`) and then causally to its own, in
+  one softmax per query (the prefix's keys come first, as in the dense sequence).
 
 Numbers equal a dense causal softmax attention per sequence within fp32 rounding.
 """
@@ -35,6 +39,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megascore.packing import cp_shard_indices
+from megascore.segment_packing import SharedPrefixParams, prefix_rows
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +68,13 @@ class _Plan:
     buckets: tuple[_Bucket, ...]
 
 
-def _build_plan(seg_lens: list[int], cp_rank: int, cp_size: int, device: torch.device) -> _Plan:
+def _build_plan(
+    seg_lens: list[int],
+    cp_rank: int,
+    cp_size: int,
+    device: torch.device,
+    prefixes: list[torch.Tensor] | None = None,
+) -> _Plan:
     """Groups the local query chunks of every segment by shape.
 
     Args:
@@ -71,10 +82,14 @@ def _build_plan(seg_lens: list[int], cp_rank: int, cp_size: int, device: torch.d
         cp_rank: this rank's index in the CP group.
         cp_size: size of the CP group.
         device: where the index tensors live.
+        prefixes: per segment, the packed rows it attends to before its own
+            (:func:`megascore.segment_packing.prefix_rows`; CP size 1), or None.
 
     Returns:
         The buckets of SDPA calls covering every non-empty segment.
     """
+    if prefixes is not None and cp_size > 1:
+        raise ValueError("shared-prefix segments need context parallel size 1")
     n_chunks = 2 * cp_size if cp_size > 1 else 1
     cu = torch.tensor([0, *seg_lens], dtype=torch.long).cumsum(0)
     if cp_size > 1:
@@ -85,8 +100,8 @@ def _build_plan(seg_lens: list[int], cp_rank: int, cp_size: int, device: torch.d
     else:
         full_to_gathered = torch.arange(int(cu[-1]))
 
-    # (q_len, offset, k_len) -> list of (local query start, global sequence start)
-    groups: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    # (q_len, offset, k_len) -> list of (local query start, key rows in the full packed axis)
+    groups: dict[tuple[int, int, int], list[tuple[int, torch.Tensor]]] = {}
     local_start = 0
     for b, length in enumerate(seg_lens):
         if length == 0:
@@ -97,19 +112,21 @@ def _build_plan(seg_lens: list[int], cp_rank: int, cp_size: int, device: torch.d
             )
         chunk = length // n_chunks
         chunk_ids = (cp_rank, n_chunks - 1 - cp_rank) if cp_size > 1 else (0,)
+        before = prefixes[b] if prefixes is not None else torch.empty(0, dtype=torch.long)
         for slot, chunk_id in enumerate(chunk_ids):
-            offset = chunk_id * chunk
-            groups.setdefault((chunk, offset, offset + chunk), []).append(
-                (local_start + slot * chunk, int(cu[b]))
+            # chunk queries see the segment's prefix rows, then its own rows up to themselves
+            offset = len(before) + chunk_id * chunk
+            keys = torch.cat([before, int(cu[b]) + torch.arange(chunk_id * chunk + chunk)])
+            groups.setdefault((chunk, offset, len(keys)), []).append(
+                (local_start + slot * chunk, keys)
             )
         local_start += len(chunk_ids) * chunk
 
     buckets = []
-    for (q_len, offset, k_len), starts in sorted(groups.items()):
-        q_starts = torch.tensor([s[0] for s in starts], dtype=torch.long)
-        k_starts = torch.tensor([s[1] for s in starts], dtype=torch.long)
+    for (q_len, offset, _), entries in sorted(groups.items()):
+        q_starts = torch.tensor([e[0] for e in entries], dtype=torch.long)
         q_index = q_starts[:, None] + torch.arange(q_len)  # [n, q_len]
-        k_full = k_starts[:, None] + torch.arange(k_len)  # [n, k_len]
+        k_full = torch.stack([e[1] for e in entries])  # [n, k_len]
         buckets.append(
             _Bucket(
                 q_index=q_index.to(device),
@@ -117,7 +134,8 @@ def _build_plan(seg_lens: list[int], cp_rank: int, cp_size: int, device: torch.d
                 offset=offset,
             )
         )
-    return _Plan(key=(tuple(seg_lens), cp_rank, cp_size, str(device)), buckets=tuple(buckets))
+    key = (tuple(seg_lens), cp_rank, cp_size, str(device))
+    return _Plan(key=key, buckets=tuple(buckets))
 
 
 class TorchCoreAttention(MegatronModule):
@@ -180,7 +198,8 @@ class TorchCoreAttention(MegatronModule):
         cached = getattr(params, _PLAN_ATTR, None) if params is not None else None
         if cached is not None and cached.key == key:
             return cached
-        plan = _build_plan(seg_lens, cp_rank, cp_size, device)
+        prefixes = prefix_rows(params) if isinstance(params, SharedPrefixParams) else None
+        plan = _build_plan(seg_lens, cp_rank, cp_size, device, prefixes)
         if params is not None:
             setattr(params, _PLAN_ATTR, plan)
         return plan

@@ -2,7 +2,11 @@
 
 Call :func:`megascore.model.parallel.initialize_parallel` first; :func:`build_model`
 then returns a model in eval mode with deterministic, layout-independent
-weights (see ``megascore.model.weights``) and no parameter requiring grad.
+weights (see ``megascore.model.weights``) and no parameter requiring grad, or, when
+a checkpoint's weights follow (``random_weights=False``), with its parameters
+allocated but never written: no random number is drawn (Megatron's
+``perform_initialization`` is off in every case) and on the CPU the untouched
+pages cost no memory until the loader writes them.
 
 Attention backends:
 
@@ -107,7 +111,7 @@ def resolve_attention_backend(engine_cfg: EngineConfig, device: torch.device) ->
 
 
 def make_transformer_config(
-    model_cfg: ModelConfig, engine_cfg: EngineConfig, device: torch.device
+    model_cfg: ModelConfig, engine_cfg: EngineConfig, device: torch.device, backend: str = "torch"
 ) -> TransformerConfig:
     """Maps the model and engine configs onto Megatron's ``TransformerConfig``.
 
@@ -121,6 +125,7 @@ def make_transformer_config(
         model_cfg: architecture.
         engine_cfg: parallel sizes and dtype.
         device: the model's device (CPU adds ``cpu_compat`` overrides).
+        backend: the attention backend ("te" adds :func:`te_fusions`).
 
     Returns:
         The transformer config.
@@ -174,7 +179,10 @@ def make_transformer_config(
             moe_router_topk_scaling_factor=model_cfg.moe_router_topk_scaling_factor,
             moe_router_dtype=engine_cfg.router_dtype_for(model_cfg.moe_router_dtype),
             moe_expert_capacity_factor=None,
-            moe_token_dispatcher_type="allgather",
+            # each EP rank sends its tokens to the experts' ranks and back (the data-parallel
+            # ranks score different sequences: megascore.engine.data_parallel); the CPU
+            # overrides select "allgather" (alltoall creates CUDA streams)
+            moe_token_dispatcher_type="alltoall",
             # Every router gets a RouterReplay (megascore.engine.routing); idle unless a
             # request records or replays routes.
             moe_enable_routing_replay=True,
@@ -186,6 +194,8 @@ def make_transformer_config(
         )
     if engine_cfg.context_parallel_size > 1:
         kwargs["cp_comm_type"] = "p2p"
+    if backend == "te":
+        kwargs.update(te_fusions(model_cfg))
     if device.type == "cpu":
         overrides = cpu_compat.transformer_config_overrides()
         if not model_cfg.is_moe:
@@ -194,6 +204,24 @@ def make_transformer_config(
     if model_cfg.multi_latent_attention:
         return MLATransformerConfig(**kwargs, **_mla_fields(model_cfg))
     return TransformerConfig(**kwargs)
+
+
+def te_fusions(model_cfg: ModelConfig) -> dict:
+    """``TransformerConfig`` fields of the TE backend's fused kernels.
+
+    * ``apply_rope_fusion``: TE's fused RoPE; on packed (THD) input one kernel per layer
+      that reads the sequence boundaries on the device, where the unfused path splits the
+      packed sequence on the host in every layer (a device sync each). Not for multi-latent
+      attention (Megatron-Core 0.19 supports its fused MLA RoPE in training only).
+    * ``moe_grouped_gemm``: the experts as TE's ``TEGroupedMLP`` (one grouped GEMM over a
+      rank's local experts instead of one GEMM per expert); its ``linear_fc1.weight{i}``
+      names load from the same tensors as ``local_experts.{i}.linear_fc1.weight``
+      (``megascore.checkpoint.hf_names``, ``megascore.model.weights.canonical_name``).
+    """
+    return {
+        "apply_rope_fusion": not model_cfg.multi_latent_attention,
+        "moe_grouped_gemm": bool(model_cfg.is_moe),
+    }
 
 
 def _pipeline_kwargs(num_layers: int, pp: int) -> dict:
@@ -325,10 +353,28 @@ def make_layer_specs(
     return block, mtp
 
 
+def draw_weights(
+    model: GPTModel, model_cfg: ModelConfig, seed: int, pg_collection: ProcessGroupCollection
+) -> None:
+    """Writes a built-in model's random weights from ``seed`` into ``model`` in place
+    (:func:`megascore.model.weights.initialize_weights`, one parameter at a time)."""
+    initialize_weights(
+        model,
+        seed=seed,
+        init_method_std=model_cfg.init_method_std,
+        num_layers=model_cfg.num_layers,
+        num_moe_experts=model_cfg.num_moe_experts,
+        gated_linear_unit=model_cfg.gated_linear_unit,
+        pg_collection=pg_collection,
+    )
+
+
 def build_model(
     model_cfg: ModelConfig,
     engine_cfg: EngineConfig,
     pg_collection: ProcessGroupCollection | None = None,
+    *,
+    random_weights: bool = True,
 ) -> GPTModel:
     """Builds the GPTModel of one replica on this rank.
 
@@ -337,11 +383,15 @@ def build_model(
         engine_cfg: parallel sizes, dtype, device, attention backend, seed override.
         pg_collection: process groups from ``initialize_parallel``; None takes
             Megatron's global ones (``ProcessGroupCollection.use_mpu_process_groups``).
+        random_weights: draw the weights from the seed (built-in models); False leaves
+            the parameters unwritten (uninitialised memory) for a checkpoint loader,
+            which must write every one of them.
 
     Returns:
         The model on its device, in eval mode, parameters not requiring grad,
-        weights drawn from ``engine_cfg.seed`` (or ``model_cfg.seed``). Its
-        attribute ``megascore_attention_backend`` names the backend in use.
+        weights drawn from ``engine_cfg.seed`` (or ``model_cfg.seed``) unless
+        ``random_weights`` is False. Its attribute ``megascore_attention_backend``
+        names the backend in use.
 
     Raises:
         ValueError: the vocabulary or the heads do not split over the TP ranks, or
@@ -364,7 +414,7 @@ def build_model(
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     backend = resolve_attention_backend(engine_cfg, device)
-    config = make_transformer_config(model_cfg, engine_cfg, device)
+    config = make_transformer_config(model_cfg, engine_cfg, device, backend)
     block_spec, mtp_spec = make_layer_specs(config, backend)
     model = GPTModel(
         config=config,
@@ -384,15 +434,8 @@ def build_model(
         pg_collection=pg_collection,
     )
     model.to(device)
-    initialize_weights(
-        model,
-        seed=seed,
-        init_method_std=model_cfg.init_method_std,
-        num_layers=model_cfg.num_layers,
-        num_moe_experts=model_cfg.num_moe_experts,
-        gated_linear_unit=model_cfg.gated_linear_unit,
-        pg_collection=pg_collection,
-    )
+    if random_weights:
+        draw_weights(model, model_cfg, seed, pg_collection)
     model.requires_grad_(False)
     model.eval()
     model.megascore_attention_backend = backend

@@ -24,6 +24,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 logger = logging.getLogger(__name__)
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+# TE's grouped experts (TEGroupedMLP) keep local expert i as ``linear_fc{1,2}.weight{i}``
+_GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # TE fuses the pre-attention / pre-MLP norms into the following linear layer.
 _TE_FUSED_NORMS = (
@@ -66,10 +68,13 @@ def canonical_name(
             stage's own copy of the output weight is the word embedding.
 
     Returns:
-        The name with global layer and expert indices and unfused norm names.
+        The name with global layer and expert indices, unfused norm names and one module
+        per expert (TE's grouped ``experts.linear_fc1.weight{i}`` is
+        ``experts.local_experts.{i}.linear_fc1.weight``).
     """
     for te_name, local_name in _TE_FUSED_NORMS:
         name = name.replace(te_name, local_name)
+    name = _GROUPED_EXPERT.sub(lambda m: f".experts.local_experts.{m[3]}.{m[1]}.{m[2]}", name)
     if layer_offset:
         name = _DECODER_LAYER.sub(
             lambda m: f"decoder.layers.{layer_offset + int(m.group(1))}.", name

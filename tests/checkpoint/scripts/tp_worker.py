@@ -4,8 +4,9 @@
 ``mg_tp1_<family>/`` (Megatron checkpoints saved at TP=1 by the test). Phases:
 
 * TP=2 (expert TP=2): load each HF checkpoint (every family), score; save ``mg_tp2_<family>``;
-  load ``mg_tp1_<family>`` and score; load ``hf_llama_b`` through the engine's load
-  path (``load_served_model`` with the llama architecture expected) and score.
+  load ``mg_tp1_<family>`` and score; serve ``hf_llama`` and reload ``hf_llama_b`` into
+  it through the engine's load paths (``load_served_model``, ``reload_served_model``)
+  and score.
 * TP=1, EP=2: the same for the MoE families (experts split 2 + 2).
 * DistributedEngine at TP=2 serving ``hf:hf_llama``: score, LoadWeights
   ``megatron:mg_tp1_llama_b`` (RELOAD on both ranks), a refused reload (other
@@ -50,7 +51,7 @@ def _record(out: Path, case: str, fn) -> None:
 def _phase(work: Path, out: Path, tag: str, engine_cfg, families: list[str]) -> None:
     from megascore.checkpoint import resolve_model
     from megascore.checkpoint.megatron_ckpt import save_checkpoint
-    from megascore.engine.served_model import load_served_model
+    from megascore.engine.served_model import load_served_model, reload_served_model
     from megascore.model.build import build_model
     from megascore.model.parallel import destroy_parallel, initialize_parallel
 
@@ -77,8 +78,9 @@ def _phase(work: Path, out: Path, tag: str, engine_cfg, families: list[str]) -> 
         _record(out, f"mg_tp1_to_{tag}_{family}", from_megatron)
         if family == "llama":
 
-            def reloaded(cfg=cfg):
-                new = load_served_model(f"hf:{work / 'hf_llama_b'}", engine_cfg, pgs, expected=cfg)
+            def reloaded():
+                served = load_served_model(f"hf:{work / 'hf_llama'}", engine_cfg, pgs)
+                new = reload_served_model(served, f"hf:{work / 'hf_llama_b'}", engine_cfg, pgs)
                 return megatron_logprobs(new.model, ids, pgs.tp)
 
             _record(out, f"reload_{tag}_llama", reloaded)

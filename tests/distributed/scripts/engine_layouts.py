@@ -4,8 +4,9 @@ The script initialises torch.distributed itself, so every layout re-initialises
 only Megatron's parallel state (``DistributedEngine.create`` / ``shutdown``).
 For each layout rank 0 scores the edge-case batch and writes
 ``OUT_DIR/<layout>.npz/.json``; the test compares them with the TP=1 reference
-layout (and the world-size-1 launch). Layouts with world 4 and TP x CP < 4 run
-data-parallel copies of the same batch, which is how the engine uses DP.
+layout (and the world-size-1 launch). Layouts with world 4 and TP x CP < 4 have
+data-parallel ranks: each scores its own part of the batch
+(``megascore.engine.data_parallel``), and rank 0 joins the parts.
 
 Then the failure paths: a worker that reports a failed step, and a worker that
 hangs past the status timeout. Check outcomes: ``OUT_DIR/layouts_rank{r}.json``.

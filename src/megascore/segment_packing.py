@@ -1,0 +1,226 @@
+"""Packing of a :class:`~megascore.prefix_tree.SegmentLayout`: segments continuing a prefix.
+
+The segments are packed like sequences (:func:`megascore.packing.pack_sequences`:
+THD, every segment padded on its own). A layout with shared prefixes gets a
+:class:`SharedPrefixParams` instead of the plain ``PackedSeqParams``: the same
+boundaries plus each segment's parent, real length and first position. Three
+places read it:
+
+* the core attention (:class:`megascore.model.attention.TorchCoreAttention`) lets a
+  segment's rows attend to :func:`prefix_rows` first, then causally to its own;
+* :func:`full_positions` continues positions from the prefix (the model's
+  ``position_ids``: learned position embeddings);
+* :func:`rope_positions` makes the model's RoPE table follow the same positions,
+  through Megatron's packed-frequency path (``freqs`` with one row per packed
+  position, ``_apply_rotary_pos_emb_thd``); dense packings take the same path (one
+  rotation over the batch instead of one per sequence).
+
+Context parallelism is not supported here (the engine runs dense under CP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megascore.config import EngineConfig
+from megascore.packing import PackedSequences, pack_sequences
+from megascore.prefix_tree import SegmentLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SharedPrefixParams(PackedSeqParams):
+    """``PackedSeqParams`` of segments that continue other segments (see the module docstring).
+
+    Attributes:
+        segment_parents: parent of each segment (-1: a root), parents first.
+        segment_lengths: real tokens of each segment (its padded length is in the bounds).
+        segment_offsets: position of each segment's first row in its sequences.
+    """
+
+    segment_parents: tuple[int, ...] = ()
+    segment_lengths: tuple[int, ...] = ()
+    segment_offsets: tuple[int, ...] = ()
+
+
+def prefix_rows(params: SharedPrefixParams) -> list[torch.Tensor]:
+    """Packed rows every segment attends to before its own, in position order.
+
+    A child sees its parent's prefix rows and the parent's rows but the last (the
+    child's lead row repeats that one), so segment ``s`` gets ``segment_offsets[s]`` rows.
+
+    Returns:
+        int64 CPU tensors, one per segment (empty for a root).
+    """
+    starts = params.cu_seqlens_q_padded.tolist()
+    rows: list[torch.Tensor] = []
+    for s, parent in enumerate(params.segment_parents):
+        if parent < 0:
+            rows.append(torch.empty(0, dtype=torch.long))
+            continue
+        own = torch.arange(params.segment_lengths[parent] - 1) + starts[parent]
+        rows.append(torch.cat([rows[parent], own]))
+        if len(rows[s]) != params.segment_offsets[s]:
+            raise ValueError(
+                f"segment {s}: {len(rows[s])} prefix rows, offset {params.segment_offsets[s]}"
+            )
+    return rows
+
+
+def pack_layout(
+    token_ids: torch.Tensor,
+    segments: SegmentLayout,
+    *,
+    pad_multiple: int,
+    pad_to: int,
+    cp_rank: int,
+    cp_size: int,
+    pad_segment: bool = False,
+) -> PackedSequences:
+    """Packs a microbatch's segments.
+
+    Args:
+        token_ids: int64 ``[N]`` the segments' tokens (``segments.token_ids``), on the
+            model's device.
+        segments: the layout.
+        pad_multiple: per-segment pad multiple.
+        pad_to: packed length.
+        cp_rank: this rank in the CP group.
+        cp_size: CP group size (1 for a layout with shared prefixes).
+        pad_segment: the padding up to ``pad_to`` is a segment of its own
+            (:func:`~megascore.packing.pack_sequences`); it continues nothing.
+
+    Returns:
+        The :class:`~megascore.packing.PackedSequences` of the segments: its
+        ``token_positions`` are the packed rows of the segments' tokens (``[N]``).
+    """
+    packed = pack_sequences(
+        token_ids,
+        segments.lengths,
+        pad_individual_seqs_to_multiple_of=pad_multiple,
+        pad_packed_seq_to=pad_to,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        pad_segment=pad_segment,
+    )
+    if not segments.shared:
+        return packed
+    if cp_size > 1:
+        raise ValueError("shared prefixes are not supported with context parallelism")
+    p = packed.packed_seq_params
+    padded = packed.cu_seqlens_padded.diff().tolist()
+    extra = len(padded) - len(segments.lengths)  # the padding's own segment: a root
+    parents = [int(x) for x in segments.parents] + [-1] * extra
+    offsets = [int(x) for x in segments.offsets] + [0] * extra
+    longest = max(o + n for o, n in zip(offsets, padded, strict=True))
+    params = SharedPrefixParams(
+        **{f.name: getattr(p, f.name) for f in dataclasses.fields(PackedSeqParams)},
+        segment_parents=tuple(parents),
+        segment_lengths=tuple(int(x) for x in segments.lengths) + (0,) * extra,
+        segment_offsets=tuple(offsets),
+    )
+    params.max_seqlen_q = params.max_seqlen_kv = longest  # RoPE table length
+    return packed._replace(packed_seq_params=params)
+
+
+def full_positions(cu_seqlens_padded: torch.Tensor, params: PackedSeqParams) -> torch.Tensor:
+    """int64 ``[T]`` position of every packed row in its sequence (full packed axis)."""
+    cu = cu_seqlens_padded.to("cpu", torch.long)
+    lens = cu.diff()
+    pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+    if isinstance(params, SharedPrefixParams):
+        pos += torch.repeat_interleave(torch.tensor(params.segment_offsets, dtype=torch.long), lens)
+    return pos
+
+
+@contextlib.contextmanager
+def rope_positions(model, packed: PackedSequences):
+    """Inside the block the model's RoPE table has one row per packed position, at that
+    row's position in its sequence (:func:`full_positions`).
+
+    Megatron then rotates the whole packed batch in one pass (its packed-frequency THD
+    path, also under CP) instead of one pass per sequence, and a shared prefix's
+    continuation is rotated at the positions that follow the prefix. A no-op for models
+    without GPTModel-level RoPE and with the fused RoPE kernel (its THD kernel indexes
+    the table by position inside the sequence; shared prefixes are refused there).
+    """
+    rotary = getattr(model, "rotary_pos_emb", None)
+    params = packed.packed_seq_params
+    if (
+        rotary is None
+        or model.position_embedding_type != "rope"
+        or model.config.apply_rope_fusion
+        or params.qkv_format != "thd"
+    ):
+        yield
+        return
+    rows = full_positions(packed.cu_seqlens_padded, params)
+
+    def per_row(module, args, output):  # output: [max_seqlen, 1, 1, dim]
+        return output[rows.to(output.device)]  # [T, 1, 1, dim]
+
+    handle = rotary.register_forward_hook(per_row)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+GPU_REFUSAL = (
+    "prefix sharing is not available on GPU yet: it needs a varlen attention kernel that "
+    "returns the log-sum-exp, and none is tested (docs/deploy.md); start with "
+    "--no-prefix-sharing (the default on GPU)"
+)
+
+
+def check_prefix_sharing_device(engine_cfg: EngineConfig, device: torch.device) -> None:
+    """Start-up check: an explicit ``prefix_sharing`` on a CUDA device is refused."""
+    if engine_cfg.prefix_sharing and device.type == "cuda":
+        raise ValueError(GPU_REFUSAL)
+
+
+def _unsupported(model, cp_size: int) -> str | None:
+    """Why a built model cannot compute shared prefixes, or None."""
+    if cp_size > 1:
+        return "context parallelism (steps run dense under CP)"
+    if model.config.multi_latent_attention:
+        return "multi-latent attention (it applies RoPE inside its attention)"
+    if model.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        return f"{model.position_embedding_type!r} position embeddings"
+    if getattr(model, "megascore_attention_backend", "torch") != "torch":
+        return "the TransformerEngine attention backend"
+    if model.position_embedding_type == "rope" and model.config.apply_rope_fusion:
+        return "the fused RoPE kernel"
+    return None
+
+
+def min_shared_prefix(engine_cfg: EngineConfig, device: torch.device, model) -> int | None:
+    """The shortest prefix a replica's steps share, or None when its steps run dense.
+
+    ``prefix_sharing`` None (auto) is on for the CPU, off on GPU; False is off. A model
+    or layout that cannot share (:func:`_unsupported`) runs dense, with a warning when
+    sharing was asked for explicitly.
+
+    Args:
+        engine_cfg: the engine config.
+        device: the model's device.
+        model: this rank's built GPTModel.
+
+    Returns:
+        ``engine_cfg.min_shared_prefix`` or None.
+    """
+    check_prefix_sharing_device(engine_cfg, device)
+    if engine_cfg.prefix_sharing is False or device.type == "cuda":
+        return None
+    reason = _unsupported(model, engine_cfg.context_parallel_size)
+    if reason is not None:
+        log = logger.warning if engine_cfg.prefix_sharing else logger.info
+        log("prefix sharing off: %s", reason)
+        return None
+    return engine_cfg.min_shared_prefix

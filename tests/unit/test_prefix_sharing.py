@@ -1,0 +1,112 @@
+"""Shared prefixes vs the dense forward on one rank (tiny-moe: MoE routing, MTP metrics).
+
+The layouts TP2 / EP2 / PP2 / CP2 are in tests/distributed/test_prefix_sharing.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from megascore.config import EngineConfig
+from megascore.engine.runtime import DistributedEngine
+from megascore.segment_packing import GPU_REFUSAL, check_prefix_sharing_device
+from megascore_server.config_loader import load_serve_config
+from tests.one_rank import one_rank_world
+from tests.prefix_groups import MIN_SHARED, assert_same_scores, prefix_group_batch
+
+BATCH = prefix_group_batch(seed=11, return_routing=True)
+# caller-chosen ids scored at every token: the same for every sequence of a shared prompt
+# except sequence 0's token 5 (that token of its prompt can then not be shared)
+TARGET_IDS = (BATCH.token_ids[:, None] + np.arange(3)) % 512
+TARGET_IDS[5] = (TARGET_IDS[5] + 7) % 512
+
+
+def _moved_route(routing: np.ndarray) -> np.ndarray:
+    """The routes with one token of a shared prompt (sequence 0's token 3, shared by
+    its group) replayed to other experts: that token can no longer be shared."""
+    moved = routing.copy()
+    moved[3] = (moved[3] + 1) % 4
+    return moved
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    """Per engine (dense, shared): the batch recorded, replayed with moved routes, and
+    with MoE / MTP metrics."""
+    results = {}
+    with one_rank_world():
+        for sharing in (False, True):
+            engine = DistributedEngine.create(
+                EngineConfig(model="tiny-moe", prefix_sharing=sharing, min_shared_prefix=MIN_SHARED)
+            )
+            try:
+                recorded = engine.score(BATCH)
+                results[sharing] = {
+                    "min_shared": engine.step_cfg.min_shared_prefix,
+                    "recorded": recorded,
+                    "replayed": engine.score(
+                        dataclasses.replace(BATCH, routing=_moved_route(recorded.routing))
+                    ),
+                    "metrics": engine.score(
+                        dataclasses.replace(BATCH, return_moe_metrics=True, return_mtp_metrics=True)
+                    ),
+                    "targets": engine.score(
+                        dataclasses.replace(BATCH, target_ids=TARGET_IDS, return_entropy=True)
+                    ),
+                }
+            finally:
+                engine.shutdown()
+    return results
+
+
+def test_the_shared_engine_shares(outputs):
+    assert outputs[True]["min_shared"] == MIN_SHARED
+    assert outputs[False]["min_shared"] is None
+
+
+def test_shared_prefixes_score_like_the_dense_forward(outputs):
+    assert_same_scores(outputs[True]["recorded"], outputs[False]["recorded"])
+
+
+def test_tokens_replaying_different_routes_are_not_merged(outputs):
+    # the dense engine replays sequence 0's moved route for it alone; so must the shared one
+    shared, dense = outputs[True]["replayed"], outputs[False]["replayed"]
+    assert np.abs(dense.logprobs - outputs[False]["recorded"].logprobs).max() > 1e-4
+    assert_same_scores(shared, dense)
+
+
+def test_metrics_are_those_of_the_dense_batch(outputs):
+    shared, dense = outputs[True]["metrics"], outputs[False]["metrics"]
+    assert dense.moe_metrics and dense.mtp_metrics
+    for name, value in {**dense.moe_metrics, **dense.mtp_metrics}.items():
+        got = {**shared.moe_metrics, **shared.mtp_metrics}[name]
+        assert got == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    assert_same_scores(shared, dense)
+
+
+def test_explicit_prefix_sharing_is_refused_on_gpu():
+    with pytest.raises(ValueError, match="not available on GPU"):
+        check_prefix_sharing_device(EngineConfig(prefix_sharing=True), torch.device("cuda"))
+    assert "--no-prefix-sharing" in GPU_REFUSAL
+    check_prefix_sharing_device(EngineConfig(), torch.device("cuda"))  # auto: off, no error
+    check_prefix_sharing_device(EngineConfig(prefix_sharing=True), torch.device("cpu"))
+
+
+def test_serve_flags():
+    cfg = load_serve_config(["--no-prefix-sharing", "--min-shared-prefix", "32"], environ={})
+    assert cfg.engine.prefix_sharing is False and cfg.engine.min_shared_prefix == 32
+    assert load_serve_config([], environ={}).engine.prefix_sharing is None
+    with pytest.raises(ValueError, match="min_shared_prefix"):
+        EngineConfig(min_shared_prefix=0)
+
+
+def test_entropy_and_target_ids_match_the_dense_forward(outputs):
+    shared, dense = outputs[True]["targets"], outputs[False]["targets"]
+    assert dense.values.keys() == shared.values.keys() >= {"entropy", "target_logprobs"}
+    for name in ("entropy", "target_logprobs"):
+        np.testing.assert_allclose(shared.values[name], dense.values[name], rtol=0, atol=1e-6)
+    assert_same_scores(shared, dense)
