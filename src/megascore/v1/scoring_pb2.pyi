@@ -44,7 +44,7 @@ class Array(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ScoreOptions(_message.Message):
-    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "return_entropy", "mismatch_ratio_cap", "return_importance_weights")
+    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "return_entropy", "mismatch_ratio_cap", "return_importance_weights", "weights_version")
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class ScoreOptions(_message.Message):
     RETURN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     MISMATCH_RATIO_CAP_FIELD_NUMBER: _ClassVar[int]
     RETURN_IMPORTANCE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     return_logprobs: bool
     top_k: int
     losses: _containers.RepeatedScalarFieldContainer[str]
@@ -65,7 +66,8 @@ class ScoreOptions(_message.Message):
     return_entropy: bool
     mismatch_ratio_cap: float
     return_importance_weights: bool
-    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ..., return_routing: _Optional[bool] = ..., return_entropy: _Optional[bool] = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: _Optional[bool] = ...) -> None: ...
+    weights_version: str
+    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ..., return_routing: _Optional[bool] = ..., return_entropy: _Optional[bool] = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: _Optional[bool] = ..., weights_version: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing", "target_ids", "rollout_logprobs")
@@ -250,30 +252,40 @@ class LoadWeightsResponse(_message.Message):
     def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., load_ms: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsBegin(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "base_weights_version", "keep")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    BASE_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     names: WeightNames
-    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ...) -> None: ...
+    base_weights_version: str
+    keep: bool
+    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ..., base_weights_version: _Optional[str] = ..., keep: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("name", "shape", "data", "offset")
+    __slots__ = ("name", "shape", "data", "offset", "indices")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: Array
     offset: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[Array, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+    indices: Array
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[Array, _Mapping]] = ..., offset: _Optional[int] = ..., indices: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsCommit(_message.Message):
-    __slots__ = ("weights_version", "partial")
+    __slots__ = ("weights_version", "partial", "prepare", "prepare_timeout_s")
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     weights_version: str
     partial: bool
-    def __init__(self, weights_version: _Optional[str] = ..., partial: _Optional[bool] = ...) -> None: ...
+    prepare: bool
+    prepare_timeout_s: float
+    def __init__(self, weights_version: _Optional[str] = ..., partial: _Optional[bool] = ..., prepare: _Optional[bool] = ..., prepare_timeout_s: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("begin", "chunk", "commit")
@@ -286,17 +298,29 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, begin: _Optional[_Union[UpdateWeightsBegin, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[UpdateWeightsCommit, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("weights_version", "previous_weights_version", "num_tensors", "num_bytes", "stream_ms", "swap_ms")
+    __slots__ = ("weights_version", "previous_weights_version", "num_tensors", "num_bytes", "stream_ms", "swap_ms", "prepared", "push_id")
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_MS_FIELD_NUMBER: _ClassVar[int]
     SWAP_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     weights_version: str
     previous_weights_version: str
     num_tensors: int
     num_bytes: int
     stream_ms: float
     swap_ms: float
-    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stream_ms: _Optional[float] = ..., swap_ms: _Optional[float] = ...) -> None: ...
+    prepared: bool
+    push_id: str
+    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stream_ms: _Optional[float] = ..., swap_ms: _Optional[float] = ..., prepared: _Optional[bool] = ..., push_id: _Optional[str] = ...) -> None: ...
+
+class FinishWeightUpdateRequest(_message.Message):
+    __slots__ = ("push_id", "commit")
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    push_id: str
+    commit: bool
+    def __init__(self, push_id: _Optional[str] = ..., commit: _Optional[bool] = ...) -> None: ...

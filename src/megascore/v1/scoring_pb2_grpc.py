@@ -60,6 +60,11 @@ class ScorerStub:
                 request_serializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.FinishWeightUpdate = channel.unary_unary(
+                '/megascore.v1.Scorer/FinishWeightUpdate',
+                request_serializer=megascore_dot_v1_dot_scoring__pb2.FinishWeightUpdateRequest.SerializeToString,
+                response_deserializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class ScorerServicer:
@@ -111,6 +116,24 @@ class ScorerServicer:
         without a commit; CANCELLED / DEADLINE_EXCEEDED when the client breaks it
         off; FAILED_PRECONDITION when some rank failed to stage, or a LoadWeights
         replaced the model while the push was open.
+
+        With `commit.prepare` the stream only prepares: the tensors are staged and
+        checked complete, the response (`prepared` set, a `push_id`) comes back
+        and the replica holds the staged tensors, still serving the old weights,
+        until FinishWeightUpdate commits or aborts them (a client pushing to
+        several replicas commits only once every one prepared). A prepared push
+        that hears nothing for `commit.prepare_timeout_s` is dropped; until then
+        another push is refused (ABORTED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishWeightUpdate(self, request, context):
+        """Commits (swaps in, as an UpdateWeights commit does) or aborts (drops) the
+        push an UpdateWeights prepared. FAILED_PRECONDITION when no push of that
+        id is prepared (never prepared, already finished, or dropped after its
+        timeout): nothing changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,6 +165,11 @@ def add_ScorerServicer_to_server(servicer, server):
             'UpdateWeights': grpc.stream_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'FinishWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishWeightUpdate,
+                    request_deserializer=megascore_dot_v1_dot_scoring__pb2.FinishWeightUpdateRequest.FromString,
                     response_serializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
@@ -280,6 +308,33 @@ class Scorer:
             target,
             '/megascore.v1.Scorer/UpdateWeights',
             megascore_dot_v1_dot_scoring__pb2.UpdateWeightsRequest.SerializeToString,
+            megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/megascore.v1.Scorer/FinishWeightUpdate',
+            megascore_dot_v1_dot_scoring__pb2.FinishWeightUpdateRequest.SerializeToString,
             megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
