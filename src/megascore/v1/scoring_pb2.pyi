@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -59,7 +58,7 @@ class ScoreOptions(_message.Message):
     return_mtp_metrics: bool
     temperature: float
     return_routing: bool
-    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ..., return_routing: _Optional[bool] = ...) -> None: ...
+    def __init__(self, return_logprobs: bool = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: bool = ..., return_mtp_metrics: bool = ..., temperature: _Optional[float] = ..., return_routing: bool = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing")
@@ -200,7 +199,7 @@ class ModelInfo(_message.Message):
     mtp_metric_names: _containers.RepeatedScalarFieldContainer[str]
     max_tokens_per_batch: int
     max_message_bytes: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: bool = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("model", "weights_version")
@@ -244,7 +243,7 @@ class UpdateWeightsCommit(_message.Message):
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     weights_version: str
     partial: bool
-    def __init__(self, weights_version: _Optional[str] = ..., partial: _Optional[bool] = ...) -> None: ...
+    def __init__(self, weights_version: _Optional[str] = ..., partial: bool = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("begin", "chunk", "commit")
