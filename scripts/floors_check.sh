@@ -24,7 +24,7 @@ PYEOF
 # shellcheck disable=SC2086  # one pin per word
 "$VENV/bin/pip" install -q --disable-pip-version-check --only-binary :all: $PINS \
   pytest pytest-timeout hypothesis cryptography
-"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall .
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall . && rm -rf build
 echo "floors: $(echo $PINS)"
 # Fails if pip resolved anything other than the floors.
 "$VENV/bin/pip" check
