@@ -23,6 +23,10 @@ KEEP=0
 [[ "${1:-}" == "--keep" ]] && KEEP=1
 PY=${PYTHON:-.venv/bin/python}
 TAG=${IMAGE_TAG:-localhost/megascore:cpu-check}
+GPU_TAG=localhost/megascore:gpu-check
+TORCH_TAG=localhost/megascore-torch:check
+NGC_TAG=localhost/megascore-ngc-like:check
+NGC_PROTOBUF=4.25.8 NGC_GRPCIO=1.62.3  # the GPU image's stand-in constraints
 NAME=megascore-image-check-$$
 BASE_TAG=localhost/megascore-base:trixie
 CPU_INDEX=$(sed -n 's/^ARG TORCH_INDEX=//p' docker/Dockerfile.cpu)
@@ -50,7 +54,8 @@ CONF
 fi
 cleanup() {
   "${ENGINE[@]}" rm -f "$NAME" >/dev/null 2>&1 || true
-  ((KEEP)) || "${ENGINE[@]}" rmi -f "$TAG" >/dev/null 2>&1 || true
+  ((KEEP)) || "${ENGINE[@]}" rmi -f "$TAG" "$GPU_TAG" "$NGC_TAG" "$TORCH_TAG" >/dev/null 2>&1 \
+    || true
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -78,19 +83,18 @@ if [[ -z "${TORCH_INDEX:-}" ]] && ! curl -fsS -m 20 -o /dev/null "$CPU_INDEX/tor
   log "$CPU_INDEX does not answer: torch from $TORCH_INDEX (the CUDA build)"
 fi
 [[ -n "${TORCH_INDEX:-}" ]] && build_args+=(--build-arg "TORCH_INDEX=$TORCH_INDEX")
-[[ ${ENGINE[0]} == podman ]] && build_args+=(--format docker)  # keeps HEALTHCHECK
+fmt=()
+[[ ${ENGINE[0]} == podman ]] && fmt=(--format docker)  # keeps HEALTHCHECK
 
-start=$SECONDS
-"${ENGINE[@]}" build --network host -f docker/Dockerfile.cpu "${build_args[@]}" -t "$TAG" . \
-  >"$WORK/build.log" 2>&1 || { tail -20 "$WORK/build.log" >&2; exit 1; }
-size=$("${ENGINE[@]}" image inspect --format '{{.Size}}' "$TAG" \
-  | awk '{printf "%.2fGB", $1 / 1e9}')
-log "built $TAG ($size) in $((SECONDS - start)) s"
 
-port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-# podman without systemd says it cannot add the health check timer: it runs it on demand.
-"${ENGINE[@]}" run -d --name "$NAME" -p "127.0.0.1:$port:50051" "$TAG" --model tiny \
-  >"$WORK/run.log" 2>&1 || { cat "$WORK/run.log" >&2; exit 1; }
+build() {  # build TAG ARGS...: the image, its size on stdout
+  local tag=$1 t=$SECONDS
+  shift
+  "${ENGINE[@]}" build --network host "${fmt[@]}" "$@" -t "$tag" >"$WORK/build.log" 2>&1 \
+    || { tail -20 "$WORK/build.log" >&2; exit 1; }
+  log "built $tag in $((SECONDS - t)) s"
+  "${ENGINE[@]}" image inspect --format '{{.Size}}' "$tag" | awk '{printf "%.2fGB", $1 / 1e9}'
+}
 health() {
   if [[ ${ENGINE[0]} == podman ]]; then
     podman healthcheck run "$NAME" >/dev/null 2>&1 && echo healthy
@@ -98,29 +102,60 @@ health() {
     docker inspect --format '{{.State.Health.Status}}' "$NAME"
   fi
 }
-deadline=$((SECONDS + 300))
-until [[ "$(health)" == healthy ]]; do
-  if ((SECONDS > deadline)) || [[ "$("${ENGINE[@]}" inspect --format '{{.State.Running}}' "$NAME")" != true ]]; then
+check() {  # check TAG SIZE SERVE-ARGS...: run, health, user, SDK scoring, SIGTERM drain
+  local tag=$1 size=$2 port deadline uid procs summary code
+  shift 2
+  port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # podman without systemd cannot add the health check's timer: it is run on demand here.
+  "${ENGINE[@]}" run -d --name "$NAME" -p "127.0.0.1:$port:50051" "$tag" "$@" \
+    >"$WORK/run.log" 2>&1 || { cat "$WORK/run.log" >&2; exit 1; }
+  deadline=$((SECONDS + 300))
+  until [[ "$(health)" == healthy ]]; do
+    if ((SECONDS > deadline)) \
+       || [[ "$("${ENGINE[@]}" inspect --format '{{.State.Running}}' "$NAME")" != true ]]; then
+      "${ENGINE[@]}" logs "$NAME" 2>&1 | tail -20 >&2
+      log "$tag never turned healthy"; exit 1
+    fi
+    sleep 2
+  done
+  log "$tag healthy after $((SECONDS - deadline + 300)) s"
+  uid=$("${ENGINE[@]}" exec "$NAME" id -u)
+  procs=$("${ENGINE[@]}" top "$NAME" user | awk 'NR > 1 {print $1}' | sort -u | xargs)
+  [[ "$uid" == 10001 && ("$procs" == 10001 || "$procs" == megascore) ]] \
+    || { log "$tag runs as UID $uid, processes as $procs: not 10001"; exit 1; }
+  summary=$(PYTHONPATH="$ROOT/src:$ROOT/client" "$PY" scripts/image_check_client.py \
+    --target "127.0.0.1:$port" --stop-command "${ENGINE[*]} kill --signal TERM $NAME")
+  code=$("${ENGINE[@]}" wait "$NAME")
+  if [[ "$code" != 0 ]]; then
     "${ENGINE[@]}" logs "$NAME" 2>&1 | tail -20 >&2
-    log "the container never turned healthy"; exit 1
+    log "$tag exited $code after SIGTERM"; exit 1
   fi
-  sleep 2
-done
-log "healthy after $((SECONDS - deadline + 300)) s"
+  "${ENGINE[@]}" rm -f "$NAME" >/dev/null
+  log "$tag: user $uid; drain $summary"
+  echo "image-check: built $tag $size, scored $(summary_field "$summary" scored) sequences, exit $code"
+}
+summary_field() { "$PY" -c 'import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$@"; }
 
-uid=$("${ENGINE[@]}" exec "$NAME" id -u)
-[[ "$uid" == 10001 ]] || { log "the server runs as UID $uid, not 10001"; exit 1; }
-server_uid=$("${ENGINE[@]}" top "$NAME" user | awk 'NR > 1 {print $1}' | sort -u | xargs)
-[[ "$server_uid" == 10001 || "$server_uid" == megascore ]] \
-  || { log "container processes run as $server_uid"; exit 1; }
-log "user: exec id -u $uid, processes $server_uid"
+# The CPU image.
+size=$(build "$TAG" -f docker/Dockerfile.cpu "${build_args[@]}" .)
+cpu_line=$(check "$TAG" "$size" --model tiny)
 
-export PYTHONPATH="$ROOT/src:$ROOT/client${PYTHONPATH:+:$PYTHONPATH}"
-summary=$("$PY" scripts/image_check_client.py --target "127.0.0.1:$port" \
-  --stop-command "${ENGINE[*]} kill --signal TERM $NAME")
-code=$("${ENGINE[@]}" wait "$NAME")
-[[ "$code" == 0 ]] || { "${ENGINE[@]}" logs "$NAME" 2>&1 | tail -20 >&2
-  log "exit status $code after SIGTERM"; exit 1; }
-scored=$("$PY" -c 'import json, sys; print(json.loads(sys.argv[1])["scored"])' "$summary")
-log "drain: $summary"
-echo "image-check: built $TAG $size, scored $scored sequences, exit $code"
+# The GPU image (docker/Dockerfile) on a stand-in for the NGC base: the CPU image's
+# "torch" stage plus a pip constraint file pinning torch, protobuf and grpcio as NGC
+# pins its own (older than PyPI's newest). Its install step must keep all three.
+pins=("torch==$(sed -n 's/^ARG TORCH_VERSION=//p' docker/Dockerfile.cpu)"
+      "protobuf==$NGC_PROTOBUF" "grpcio==$NGC_GRPCIO")
+build "$TORCH_TAG" -f docker/Dockerfile.cpu "${build_args[@]}" --target torch . >/dev/null
+cat >"$WORK/Containerfile.ngc" <<NGC
+FROM $TORCH_TAG
+RUN mkdir -p /etc/pip && printf '%s\n' ${pins[*]} >/etc/pip/constraint.txt
+ENV PIP_CONSTRAINT=/etc/pip/constraint.txt
+NGC
+build "$NGC_TAG" -f "$WORK/Containerfile.ngc" "$WORK" >/dev/null
+gpu_size=$(build "$GPU_TAG" -f docker/Dockerfile --build-arg "BASE=$NGC_TAG" .)
+kept=$("${ENGINE[@]}" run --rm --entrypoint python "$GPU_TAG" -c \
+  'from importlib.metadata import version as v; print(*(f"{p}=={v(p).split("+")[0]}" for p in ("torch", "protobuf", "grpcio")))')
+[[ "$kept" == "${pins[*]}" ]] || { log "GPU image: $kept, not the constraints ${pins[*]}"; exit 1; }
+log "GPU image kept the constraints: $kept"
+check "$GPU_TAG" "$gpu_size" --model tiny --device cpu --dtype float32
+echo "$cpu_line"
