@@ -508,8 +508,10 @@ def host_syncs(device: str) -> tuple[str, str]:
     common = _bench()
     engine = common.create_engine(device, "bench" if device == "cuda" else "tiny")
     try:
-        workload = common.make_workloads(8, 0, engine.info().vocab_size)[0]
-        batch = common.score_batch([workload.sequences[i] for i in range(8)])
+        info = engine.info()
+        workload = common.make_workloads(8, 0, info.vocab_size)[0]
+        limit = info.max_sequence_length
+        batch = common.score_batch([seq[:limit] for seq in workload.sequences[:8]])
         engine.score(batch)  # warm-up
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=activities) as prof:
@@ -517,7 +519,6 @@ def host_syncs(device: str) -> tuple[str, str]:
             if device == "cuda":
                 torch.cuda.synchronize()
         layers = engine.loaded.config.num_layers
-        model = engine.info().name
     finally:
         engine.shutdown()
     counts = {e.key: e.count for e in prof.key_averages() if e.key in _SYNC_CALLS + _SYNC_OPS}
@@ -526,7 +527,7 @@ def host_syncs(device: str) -> tuple[str, str]:
     where = ", ".join(f"{k.split('::')[-1]} {n}" for k, n in sorted(counts.items())) or "none"
     what = f"{calls} blocking CUDA calls, " if device == "cuda" else ""
     detail = (
-        f"one step of {model}, 8 sequences, {layers} layers: {what}{ops} host reads of "
+        f"one step of {info.name}, 8 sequences, {layers} layers: {what}{ops} host reads of "
         f"device values ({ops / layers:.1f} per layer): {where}"
     )
     return "PASS", detail

@@ -26,7 +26,7 @@ TAG=${IMAGE_TAG:-localhost/megascore:cpu-check}
 GPU_TAG=localhost/megascore:gpu-check
 TORCH_TAG=localhost/megascore-torch:check
 NGC_TAG=localhost/megascore-ngc-like:check
-NGC_PROTOBUF=4.25.8 NGC_GRPCIO=1.62.3  # the GPU image's stand-in constraints
+NGC_PROTOBUF=4.25.8 NGC_GRPCIO=1.66.2  # the stand-in constraints (wheels for cp312 and cp313)
 NAME=megascore-image-check-$$
 BASE_TAG=localhost/megascore-base:trixie
 CPU_INDEX=$(sed -n 's/^ARG TORCH_INDEX=//p' docker/Dockerfile.cpu)
