@@ -85,16 +85,18 @@ def wire_cases(results, with_routing: bool) -> list:
             lengths=lengths,
             top_k=common.TOP_K,
             losses=common.LOSSES,
-            want_routing=with_routing,
+            return_routing=with_routing,
         )
-        output = ScoreOutput(
-            logprobs=np.concatenate(res.logprobs),
-            top_k_ids=np.concatenate(res.top_k_ids),
-            top_k_logprobs=np.concatenate(res.top_k_logprobs),
-            losses={name: res.loss[name] for name in common.LOSSES},
-            num_loss_tokens=res.num_tokens,
-            routing=np.concatenate(res.routing) if with_routing else None,
-        )
+        values = {
+            "logprobs": np.concatenate(res.logprobs),
+            "top_k_ids": np.concatenate(res.top_k_ids),
+            "top_k_logprobs": np.concatenate(res.top_k_logprobs),
+            "losses": {name: res.loss[name] for name in common.LOSSES},
+            "num_loss_tokens": res.num_tokens,
+        }
+        if with_routing:
+            values["routing"] = np.concatenate(res.routing)
+        output = ScoreOutput(values=values)
         (part,) = build_parts(
             make_batch([np.zeros(n, np.int64) for n in lengths]),
             options,

@@ -72,33 +72,34 @@ def _fake_output(step, top_k: int, rng: np.random.Generator):
     from megascore.types import ScoreOutput
 
     t, b = step.num_tokens, step.num_sequences
-    return ScoreOutput(
-        logprobs=-rng.exponential(2.0, t).astype(np.float32),
-        top_k_ids=rng.integers(0, 32000, (t, top_k)),
-        top_k_logprobs=-rng.exponential(2.0, (t, top_k)).astype(np.float32),
-        losses={"nll": rng.random(b) * 100.0},
-        num_loss_tokens=step.lengths - 1,
-        weights_version="builtin:bench@1234",
-    )
+    values = {
+        "logprobs": -rng.exponential(2.0, t).astype(np.float32),
+        "top_k_ids": rng.integers(0, 32000, (t, top_k)),
+        "top_k_logprobs": -rng.exponential(2.0, (t, top_k)).astype(np.float32),
+        "losses": {"nll": rng.random(b) * 100.0},
+        "num_loss_tokens": step.lengths - 1,
+    }
+    return ScoreOutput(values=values, weights_version="builtin:bench@1234")
 
 
 def round_trip(sequences: list[np.ndarray], vocab_size: int, top_k: int = 5) -> dict[str, float]:
     """One timed round trip; returns seconds per phase (see the module docstring)."""
     from megascore.layout import concat_outputs, select_sequences
+    from megascore.types import Limits
     from megascore.v1 import scoring_pb2 as pb
     from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES
     from megascore_client.inputs import make_batch
     from megascore_client.splitting import ScoreOptions, build_parts, decode_part, merge
     from megascore_server.convert import build_response
     from megascore_server.step_planner import merge_batches
-    from megascore_server.validation import RequestLimits, validate_request
+    from megascore_server.validation import validate_request
 
-    limits = RequestLimits(
+    limits = Limits(
         vocab_size=vocab_size,
         max_sequence_length=4096,
         max_request_tokens=1 << 20,
         max_top_k=64,
-        loss_names=frozenset({"nll", "mean_nll"}),
+        loss_names=("nll", "mean_nll"),
     )
     rng = np.random.default_rng(0)
     times = {}
@@ -132,14 +133,7 @@ def round_trip(sequences: list[np.ndarray], vocab_size: int, top_k: int = 5) -> 
     for batch, plan, outs in zip(batches, plans, outputs, strict=True):
         pieces = []
         for (idx, step), out in zip(plan, outs, strict=True):
-            part = select_sequences(
-                out,
-                step.lengths,
-                np.arange(idx.size),
-                top_k=batch.top_k,
-                losses=batch.losses,
-                want_logprobs=batch.want_logprobs,
-            )
+            part = select_sequences(out, step.lengths, np.arange(idx.size), batch)
             pieces.append((idx, part))
         output = concat_outputs(pieces, batch.lengths)
         response = build_response("bench", batch, output, pb.Timings(num_steps=len(plan)))

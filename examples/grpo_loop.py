@@ -144,7 +144,9 @@ def run(args, policy: ScoringClient, reference: ScoringClient, trainer) -> list[
     history = []
     for step in range(args.steps):
         # 1. the current policy into the policy server
-        pushed = policy.push_weights(trainer.state_dict().items(), version=f"grpo-step{step}")
+        pushed = policy.push_weights(
+            trainer.state_dict().items(), weights_version=f"grpo-step{step}"
+        )
         # 2. rollouts from the trainer
         prompts = torch.randint(0, vocab, (args.prompts, p_len), generator=gen)
         prompts = prompts.repeat_interleave(args.group, dim=0)  # [N, P], N = prompts x group

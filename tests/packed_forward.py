@@ -39,8 +39,8 @@ def forward_packed(
     model,
     packed: PackedSequences,
     *,
-    want_moe_metrics: bool = False,
-    want_mtp_metrics: bool = False,
+    return_moe_metrics: bool = False,
+    return_mtp_metrics: bool = False,
     loss_mask_packed_local: torch.Tensor | None = None,
 ) -> ModelOutputs:
     """Runs the model on this rank's shard of a packed batch (one stage, no schedule).
@@ -52,8 +52,8 @@ def forward_packed(
         model: a ``GPTModel`` from ``megascore.model.build.build_model`` (eval mode).
         packed: the batch, packed for this rank's CP rank (``input_ids_cp_sharded``
             is the model input; ``input_ids`` the full packed ids).
-        want_moe_metrics: compute the MoE aux-loss metrics (MoE models only).
-        want_mtp_metrics: compute the MTP metrics (MTP models only).
+        return_moe_metrics: compute the MoE aux-loss metrics (MoE models only).
+        return_mtp_metrics: compute the MTP metrics (MTP models only).
         loss_mask_packed_local: ``[1, T_local]`` or ``[T_local]`` Megatron-style loss
             mask for the MTP metrics (entry t: whether the target of position t
             counts), CP-sharded. None: every target that is a real token of the
@@ -69,12 +69,12 @@ def forward_packed(
             requests up front, :meth:`megascore.config.EngineConfig.metrics_supported`.)
     """
     with scoring_forward(
-        model, want_moe_metrics=want_moe_metrics, want_mtp_metrics=want_mtp_metrics
+        model, return_moe_metrics=return_moe_metrics, return_mtp_metrics=return_mtp_metrics
     ) as metrics:
         head = forward_microbatch(
             model,
             packed,
-            metrics_forward=want_moe_metrics or want_mtp_metrics,
+            metrics_forward=return_moe_metrics or return_mtp_metrics,
             loss_mask_packed_local=loss_mask_packed_local,
         )
     return ModelOutputs(head=head, moe_metrics=metrics.moe, mtp_metrics=metrics.mtp)

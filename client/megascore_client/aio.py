@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import health as health_codec
 from megascore_client.client import (
-    _UNRESOLVED,
     LOAD_WEIGHTS_TIMEOUT_S,
+    UNRESOLVED,
     ClientBase,
-    _finish,
+    ScoringClient,
+    finish_score,
 )
 from megascore_client.errors import ScoringError, closed_error
 from megascore_client.push import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
-from megascore_client.splitting import Part, ScoreOptions, decode_part
+from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import AsyncScoreStream
 from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
 from megascore_client.transport import AsyncTransport
@@ -71,44 +73,20 @@ class AsyncScoringClient(ClientBase):
         """The per-request token limit used for splitting (resolves "auto" once, which
         also learns the server's message size limit, see :attr:`message_limit`)."""
         async with self._limit_lock:
-            if self._token_limit is _UNRESOLVED:
+            if self._token_limit is UNRESOLVED:
                 try:
                     await self.model_info()
                 except ScoringError as exc:
                     self._lookup_failed(exc)
             return self._token_limit
 
-    async def score(
-        self,
-        sequences,
-        *,
-        loss_mask=None,
-        lengths=None,
-        top_k: int = 0,
-        temperature: float = 1.0,
-        losses=("nll",),
-        metrics=(),
-        return_logprobs: bool = True,
-        return_routing: bool = False,
-        routing=None,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ) -> ScoreResult:
-        """Scores a batch; arguments, result and errors as ``ScoringClient.score``."""
+    async def score(self, sequences, *, timeout: float | None = None, **arguments) -> ScoreResult:
+        """Scores a batch; arguments (those of ``ScoringClient.score``), result and errors
+        as ``ScoringClient.score``."""
         start = time.perf_counter()
-        options = ScoreOptions(
-            top_k=top_k,
-            temperature=temperature,
-            losses=losses,
-            metrics=metrics,
-            return_logprobs=return_logprobs,
-            return_routing=return_routing,
-        )
-        parts, rid = self._prepare(
-            sequences, options, await self.request_token_limit(),
-            loss_mask=loss_mask, lengths=lengths, routing=routing, request_id=request_id,
-        )  # fmt: skip
-        return _finish(await self._send(parts, timeout), rid, start)
+        limit = await self.request_token_limit()
+        parts, rid = self.prepare_call(sequences, arguments, limit)
+        return finish_score(await self._send(parts, timeout), rid, start)
 
     async def _send(self, parts: list[Part], timeout: float | None) -> list[ScoreResult]:
         semaphore = asyncio.Semaphore(self.max_concurrency)
@@ -175,23 +153,12 @@ class AsyncScoringClient(ClientBase):
         return LoadWeightsResult.from_proto(msg)
 
     async def push_weights(
-        self,
-        named_tensors,
-        *,
-        version: str = "",
-        names: str = "hf",
-        partial: bool = False,
-        chunk_bytes: int | None = None,
-        progress=None,
-        timeout: float | None = None,
+        self, named_tensors, *, timeout: float | None = None, **arguments
     ) -> PushResult:
-        """Streams new weights into the server and swaps them in (see
-        ``ScoringClient.push_weights``; the tensors are encoded on the event loop)."""
-        requests, counters, deadline = self._push_requests(
-            named_tensors, timeout,
-            names=names, version=version, partial=partial, chunk_bytes=chunk_bytes,
-            progress=progress,
-        )  # fmt: skip
+        """Streams new weights into the server and swaps them in; arguments (those of
+        ``ScoringClient.push_weights``) as there (the tensors are encoded on the event
+        loop)."""
+        requests, counters, deadline = self._push_requests(named_tensors, timeout, **arguments)
         start = time.perf_counter()
         try:
             response = await self.transport.call(
@@ -219,14 +186,18 @@ class AsyncScoringClient(ClientBase):
         while True:
             try:
                 status = await self.health(timeout=max(0.1, min(5.0, deadline - loop.time())))
-                if status.serving:
-                    return status
-                last = status.status
             except ScoringError as exc:
-                if self.transport.closed:  # closed before or during the probe
-                    raise closed_error() from None
-                last = str(exc)
+                status = self._failed_probe(exc)
+            if status.serving:
+                return status
             if loop.time() + interval > deadline:
-                raise self._not_serving(timeout, last)
+                raise self._not_serving(timeout, status.status)
             if await self.transport.sleep(interval):
                 raise closed_error()
+
+
+# help() and IDEs show the sync client's arguments: one signature for both.
+for _name in ("score", "push_weights"):
+    getattr(AsyncScoringClient, _name).__signature__ = inspect.signature(
+        getattr(ScoringClient, _name)
+    )

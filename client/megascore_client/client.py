@@ -14,9 +14,16 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore_client import health as health_codec
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, TlsConfig
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push import PUSH_TIMEOUT_S, PushResult, chunk_size, finish, push_requests
+from megascore_client.push import (
+    PUSH_TIMEOUT_S,
+    PushResult,
+    chunk_size,
+    finish,
+    push_requests,
+    weights_version_argument,
+)
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
-from megascore_client.splitting import Part, ScoreOptions, decode_part, merge, prepare
+from megascore_client.splitting import Part, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
 from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
 from megascore_client.transport import SyncTransport
@@ -24,7 +31,7 @@ from megascore_client.waiting import ServerWait, check_wait
 
 __all__ = ["ClientBase", "ScoringClient"]
 
-_UNRESOLVED = object()
+UNRESOLVED = object()
 LOAD_WEIGHTS_TIMEOUT_S = 600.0
 
 
@@ -104,7 +111,7 @@ class ClientBase:
         self.timeout = timeout
         self.wait_for_server_s = check_wait(wait_for_server_s, timeout)
         self.max_concurrency = max_concurrency
-        self._token_limit = _UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
+        self._token_limit = UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
         self._server_message_bytes = 0  # ModelInfo.max_message_bytes, with "auto" (0 = unknown)
 
     @property
@@ -138,25 +145,50 @@ class ClientBase:
             raise schedule.gave_up(error)
         return schedule, delay
 
-    def _prepare(self, sequences, options: ScoreOptions, limit, **batch) -> tuple[list[Part], str]:
+    def prepare_call(self, sequences, arguments: dict, limit) -> tuple[list[Part], str]:
+        """The requests of one ``score`` / ``submit`` call (:func:`splitting.prepare`)."""
         return prepare(
-            sequences, options, max_message_bytes=self.message_limit, max_request_tokens=limit,
-            **batch,
-        )  # fmt: skip
+            sequences, arguments, max_message_bytes=self.message_limit, max_request_tokens=limit
+        )
 
-    def _push_requests(self, named_tensors, timeout: float | None, *, chunk_bytes, **kwargs):
+    def _failed_probe(self, exc: ScoringError) -> HealthStatus:
+        """A health probe of ``wait_until_serving`` that failed: not serving, the error as
+        its status; raises CANCELLED when the client was closed before or during it."""
+        if self.transport.closed:
+            raise closed_error() from None
+        return HealthStatus(serving=False, status=str(exc))
+
+    def _push_requests(
+        self,
+        named_tensors,
+        timeout: float | None,
+        *,
+        chunk_bytes: int | None = None,
+        weights_version: str = "",
+        version: str | None = None,
+        names: str = "hf",
+        partial: bool = False,
+        progress=None,
+    ):
         """A ``push_weights`` call's requests (encoded as they are consumed), the counters
-        they fill and the deadline (``kwargs``: the rest of ``push_requests``')."""
+        they fill and the deadline (arguments: those of ``push_weights``)."""
         counters: dict = {}
-        size = chunk_size(chunk_bytes, self.message_limit)
-        requests = push_requests(named_tensors, chunk_bytes=size, counters=counters, **kwargs)
+        requests = push_requests(
+            named_tensors,
+            names=names,
+            weights_version=weights_version_argument(weights_version, version),
+            partial=partial,
+            chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
+            progress=progress,
+            counters=counters,
+        )
         deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         return requests, counters, deadline
 
     def _learn_limits(self, info: ModelInfo) -> ModelInfo:
         """Resolves ``max_request_tokens="auto"`` from a GetModelInfo answer: the server's
         token limit and message size limit (0 = not reported: the client's applies)."""
-        if self._token_limit is _UNRESOLVED:
+        if self._token_limit is UNRESOLVED:
             self._server_message_bytes = max(int(info.max_message_bytes), 0)
             self._token_limit = info.max_request_tokens or None
         return info
@@ -174,7 +206,7 @@ class ClientBase:
         )
 
 
-def _finish(results: list[ScoreResult], request_id: str, start: float) -> ScoreResult:
+def finish_score(results: list[ScoreResult], request_id: str, start: float) -> ScoreResult:
     """The call's result: its parts merged, with the client's wall time."""
     result = merge(results, request_id)
     result.timings.client_ms = (time.perf_counter() - start) * 1e3
@@ -228,7 +260,7 @@ class ScoringClient(ClientBase):
         """The per-request token limit used for splitting (resolves "auto" once, which
         also learns the server's message size limit, see :attr:`message_limit`)."""
         with self._lock:
-            if self._token_limit is _UNRESOLVED:
+            if self._token_limit is UNRESOLVED:
                 try:
                     self.model_info()
                 except ScoringError as exc:
@@ -283,19 +315,20 @@ class ScoringClient(ClientBase):
                 ``sequence_index`` the sequence an INVALID_ARGUMENT names).
         """
         start = time.perf_counter()
-        options = ScoreOptions(
+        arguments = dict(
+            loss_mask=loss_mask,
+            lengths=lengths,
             top_k=top_k,
             temperature=temperature,
             losses=losses,
             metrics=metrics,
             return_logprobs=return_logprobs,
             return_routing=return_routing,
+            routing=routing,
+            request_id=request_id,
         )
-        parts, rid = self._prepare(
-            sequences, options, self.request_token_limit(),
-            loss_mask=loss_mask, lengths=lengths, routing=routing, request_id=request_id,
-        )  # fmt: skip
-        return _finish(self._send(parts, timeout), rid, start)
+        parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())
+        return finish_score(self._send(parts, timeout), rid, start)
 
     def _send(self, parts: list[Part], timeout: float | None) -> list[ScoreResult]:
         score = self.transport.stub.Score
@@ -408,12 +441,13 @@ class ScoringClient(ClientBase):
         self,
         named_tensors,
         *,
-        version: str = "",
+        weights_version: str = "",
         names: str = "hf",
         partial: bool = False,
         chunk_bytes: int | None = None,
         progress=None,
         timeout: float | None = None,
+        version: str | None = None,
     ) -> PushResult:
         """Streams new weights into the server (``UpdateWeights``), then swaps them in.
 
@@ -421,12 +455,14 @@ class ScoringClient(ClientBase):
             named_tensors: iterable of ``(name, tensor)``: numpy arrays, torch tensors
                 (bf16 kept) or :class:`~megascore_client.push.RawTensor`, full (unsharded)
                 float tensors; consumed once, lazily (a generator keeps one in memory).
-            version: label of the new weights ("" = the server generates one).
+            weights_version: label of the new weights ("" = the server generates one),
+                the same keyword as ``load_weights``.
             names: "hf" (transformers names) or "megatron" (see docs/client.md).
             partial: update only the tensors sent (otherwise all must be sent).
             chunk_bytes: tensor bytes per message (default 8 MiB, under the message limit).
             progress: ``progress(bytes_sent, tensor_name)`` after each chunk.
             timeout: deadline of the whole push in seconds (default 1800).
+            version: deprecated name of ``weights_version`` (a ``DeprecationWarning``).
 
         Returns:
             A :class:`~megascore_client.push.PushResult` (version, bytes, seconds, bytes/s).
@@ -439,8 +475,8 @@ class ScoringClient(ClientBase):
         """
         requests, counters, deadline = self._push_requests(
             named_tensors, timeout,
-            names=names, version=version, partial=partial, chunk_bytes=chunk_bytes,
-            progress=progress,
+            weights_version=weights_version, version=version, names=names, partial=partial,
+            chunk_bytes=chunk_bytes, progress=progress,
         )  # fmt: skip
         start = time.perf_counter()
         future = self.transport.start(self.transport.stub.UpdateWeights, requests, deadline)
@@ -478,14 +514,11 @@ class ScoringClient(ClientBase):
         while True:
             try:
                 status = self.health(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-                if status.serving:
-                    return status
-                last = status.status
             except ScoringError as exc:
-                if self.transport.closed:  # closed before or during the probe
-                    raise closed_error() from None
-                last = str(exc)
+                status = self._failed_probe(exc)
+            if status.serving:
+                return status
             if time.monotonic() + interval > deadline:
-                raise self._not_serving(timeout, last)
+                raise self._not_serving(timeout, status.status)
             if self.transport.sleep(interval):
                 raise closed_error()

@@ -119,8 +119,7 @@ def check_token_ids(ids, limits: RowLimits) -> str | None:
         return "empty token sequence (a row needs at least one token)"
     if len(ids) > limits.max_tokens:
         return (
-            f"{len(ids)} tokens, more than the model's {limits.max_tokens_name} "
-            f"{limits.max_tokens}"
+            f"{len(ids)} tokens, more than the model's {limits.max_tokens_name} {limits.max_tokens}"
         )
     if all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < limits.vocab_size:
         return None

@@ -1,6 +1,6 @@
 """Weight pushes (``UpdateWeights``): a trainer's named tensors into a running server.
 
-``client.push_weights(named_tensors, version=...)`` streams ``(name, tensor)``
+``client.push_weights(named_tensors, weights_version=...)`` streams ``(name, tensor)``
 pairs as ``begin``, chunks under the message limit, ``commit``. A tensor is a
 numpy array, a torch tensor (torch is never imported here: a torch tensor is
 recognised by its type's module, so torch stays optional; bf16 travels as its raw
@@ -15,6 +15,7 @@ import json
 import math
 import struct
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -150,11 +151,34 @@ def _torch_raw(tensor) -> RawTensor:
     return RawTensor(dtype, tuple(t.shape), data)
 
 
+def weights_version_argument(weights_version: str, version: str | None) -> str:
+    """The version label of ``push_weights``: ``weights_version=``, the SDK's one name for
+    it (as ``load_weights``); ``version=``, its old name, still works with a
+    ``DeprecationWarning``.
+
+    Raises:
+        InvalidInputError: both given, different.
+    """
+    if version is None:
+        return weights_version
+    warnings.warn(
+        "push_weights(version=...) is deprecated; pass weights_version=...",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if weights_version and weights_version != version:
+        raise InvalidInputError(
+            f"weights_version={weights_version!r} and version={version!r} disagree; "
+            "pass weights_version only"
+        )
+    return version
+
+
 def push_requests(
     named_tensors: Iterable[tuple[str, object]],
     *,
     names: str,
-    version: str,
+    weights_version: str,
     partial: bool,
     chunk_bytes: int,
     progress: Progress | None,
@@ -168,13 +192,13 @@ def push_requests(
     """
     try:
         yield from _requests(
-            named_tensors, names, version, partial, chunk_bytes, progress, counters
+            named_tensors, names, weights_version, partial, chunk_bytes, progress, counters
         )
     except Exception as exc:  # noqa: BLE001 - raised by the caller after the call ends
         counters["error"] = exc
 
 
-def _requests(named_tensors, names, version, partial, chunk_bytes, progress, counters):
+def _requests(named_tensors, names, weights_version, partial, chunk_bytes, progress, counters):
     if names not in _NAMES:
         raise InvalidInputError(f"names must be one of {sorted(_NAMES)}, got {names!r}")
     yield pb.UpdateWeightsRequest(begin=pb.UpdateWeightsBegin(names=_NAMES[names]))
@@ -201,7 +225,7 @@ def _requests(named_tensors, names, version, partial, chunk_bytes, progress, cou
                 break
         counters["tensors"] = counters.get("tensors", 0) + 1
         counters["bytes"] = sent
-    commit = pb.UpdateWeightsCommit(weights_version=version, partial=partial)
+    commit = pb.UpdateWeightsCommit(weights_version=weights_version, partial=partial)
     yield pb.UpdateWeightsRequest(commit=commit)
 
 
@@ -296,7 +320,7 @@ def run_cli(args, client) -> int:
     try:
         result = client.push_weights(
             read_safetensors(args.path),
-            version=args.weights_version,
+            weights_version=args.weights_version,
             names=args.names,
             partial=args.partial,
             progress=bar,

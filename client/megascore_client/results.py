@@ -61,7 +61,6 @@ class ScoreResult:
         lengths: int64 ``[B]`` sequence lengths.
         logprobs: per sequence a float32 ``[L]`` array (NeMo-RL layout: entry 0 is
             0.0, entry t is ``log p(x_t | x_<t)``); None when ``return_logprobs=False``.
-        top_k: the k of ``top_k_ids`` / ``top_k_logprobs`` (0 = not requested).
         top_k_ids: per sequence an int64 ``[L, k]`` array of the k most likely ids
             at each position, most likely first (row 0 all -1); None when k = 0.
         top_k_logprobs: per sequence a float32 ``[L, k]`` array of their logprobs
@@ -84,7 +83,6 @@ class ScoreResult:
     request_id: str
     lengths: np.ndarray
     logprobs: list[np.ndarray] | None
-    top_k: int = 0
     top_k_ids: list[np.ndarray] | None = None
     top_k_logprobs: list[np.ndarray] | None = None
     loss: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -97,6 +95,11 @@ class ScoreResult:
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
+
+    @property
+    def top_k(self) -> int:
+        """The k of ``top_k_ids`` / ``top_k_logprobs`` (0 = not requested)."""
+        return 0 if self.top_k_ids is None else int(self.top_k_ids[0].shape[1])
 
     def mean_nll_per_token(self) -> float:
         """Summed ``loss["nll"]`` over summed ``num_tokens`` (needs the "nll" loss)."""
@@ -122,55 +125,50 @@ class ParallelLayout:
         return cls(**_fields(msg))
 
 
-@dataclasses.dataclass
 class ModelInfo:
-    """The served model and the limits requests must respect (mirrors ``ModelInfo``)."""
+    """The served model and the limits requests must respect: the ``ModelInfo`` message
+    read as it came (no copy of its fields here, so a field the server adds is there).
 
-    name: str
-    architecture: str
-    num_parameters: int
-    vocab_size: int
-    max_sequence_length: int
-    dtype: str
-    parallel: ParallelLayout
-    attention_backend: str
-    checkpoint_path: str
-    weights_version: str
-    has_tokenizer: bool
-    max_top_k: int
-    max_request_tokens: int
-    loss_names: tuple[str, ...]
-    moe_metric_names: tuple[str, ...]
-    mtp_metric_names: tuple[str, ...]
-    max_tokens_per_batch: int
-    max_message_bytes: int
+    Attributes are the message's fields (``vocab_size``, ``max_sequence_length``,
+    ``max_top_k``, ``max_request_tokens``, ``max_message_bytes``, ...); repeated fields
+    read as tuples and ``parallel`` as a :class:`ParallelLayout`.
+    """
+
+    def __init__(self, msg: pb.ModelInfo):
+        self._msg = pb.ModelInfo()
+        self._msg.CopyFrom(msg)
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
-        return cls(
-            name=msg.name,
-            architecture=msg.architecture,
-            num_parameters=msg.num_parameters,
-            vocab_size=msg.vocab_size,
-            max_sequence_length=msg.max_sequence_length,
-            dtype=msg.dtype,
-            parallel=ParallelLayout.from_proto(msg.parallel),
-            attention_backend=msg.attention_backend,
-            checkpoint_path=msg.checkpoint_path,
-            weights_version=msg.weights_version,
-            has_tokenizer=msg.has_tokenizer,
-            max_top_k=msg.max_top_k,
-            max_request_tokens=msg.max_request_tokens,
-            loss_names=tuple(msg.loss_names),
-            moe_metric_names=tuple(msg.moe_metric_names),
-            mtp_metric_names=tuple(msg.mtp_metric_names),
-            max_tokens_per_batch=msg.max_tokens_per_batch,
-            max_message_bytes=msg.max_message_bytes,
-        )
+        return cls(msg)
+
+    def __getattr__(self, name: str):
+        msg = self.__dict__["_msg"]
+        field = msg.DESCRIPTOR.fields_by_name.get(name)
+        if field is None:
+            raise AttributeError(f"ModelInfo has no field {name!r}")
+        value = getattr(msg, name)
+        if name == "parallel":
+            return ParallelLayout.from_proto(value)
+        if isinstance(value, str | bytes | int | float):  # bool is an int
+            return value
+        return tuple(value)  # a repeated field
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ModelInfo) and self._msg == other._msg
+
+    def __repr__(self) -> str:
+        return f"ModelInfo({self.to_dict()})"
 
     def to_dict(self) -> dict:
-        """JSON-ready dict (tuples become lists)."""
-        return dataclasses.asdict(self)
+        """JSON-ready dict of every field (``parallel`` a nested dict, repeated ones lists)."""
+        out = {}
+        for field in self._msg.DESCRIPTOR.fields:
+            value = getattr(self, field.name)
+            if field.name == "parallel":
+                value = dataclasses.asdict(value)
+            out[field.name] = list(value) if isinstance(value, tuple) else value
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ import uuid
 
 import numpy as np
 
+from megascore import schema
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array, encode_array
 from megascore_client.errors import InvalidInputError, ScoringError, malformed_response
@@ -221,14 +222,14 @@ def build_parts(
     return parts
 
 
+BATCH_ARGUMENTS = ("loss_mask", "lengths", "routing", "request_id")
+"""``score`` arguments that describe the batch; the others are :class:`ScoreOptions`."""
+
+
 def prepare(
     sequences,
-    options: ScoreOptions,
+    arguments: dict,
     *,
-    loss_mask=None,
-    lengths=None,
-    routing=None,
-    request_id: str | None = None,
     max_message_bytes: int,
     max_request_tokens: int | None = None,
 ) -> tuple[list[Part], str]:
@@ -236,9 +237,9 @@ def prepare(
     streams' ``submit``).
 
     Args:
-        sequences, loss_mask, lengths, routing: as for ``ScoringClient.score``.
-        options: what to compute.
-        request_id: the call's id (None = a new one).
+        sequences: as for ``ScoringClient.score``.
+        arguments: the call's other keyword arguments (those of ``ScoringClient.score``
+            but ``timeout``): :data:`BATCH_ARGUMENTS` and the :class:`ScoreOptions`.
         max_message_bytes: the message size limit (see :func:`plan`).
         max_request_tokens: the server's per-request token limit (None = none).
 
@@ -247,11 +248,13 @@ def prepare(
 
     Raises:
         InvalidInputError: the input is rejected.
+        TypeError: an unknown argument.
     """
-    batch = make_batch(sequences, loss_mask=loss_mask, lengths=lengths, routing=routing)
-    rid = request_id or new_request_id()
+    options = ScoreOptions(**{k: v for k, v in arguments.items() if k not in BATCH_ARGUMENTS})
+    batch = {k: arguments.get(k) for k in BATCH_ARGUMENTS}
+    rid = batch.pop("request_id") or new_request_id()
     parts = build_parts(
-        batch,
+        make_batch(sequences, **batch),
         options,
         rid,
         max_message_bytes=max_message_bytes,
@@ -261,6 +264,12 @@ def prepare(
 
 
 _ITEMSIZE = {pb.DTYPE_INT32: 4, pb.DTYPE_INT64: 8, pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
+_DTYPES = {  # schema dtype -> wire dtype
+    "int32": pb.DTYPE_INT32,
+    "int64": pb.DTYPE_INT64,
+    "float32": pb.DTYPE_FLOAT32,
+    "float64": pb.DTYPE_FLOAT64,
+}
 
 
 def _decode(array: pb.Array, field: str, dtype: int, count: int) -> np.ndarray:
@@ -277,8 +286,33 @@ def _decode(array: pb.Array, field: str, dtype: int, count: int) -> np.ndarray:
     return decode_array(array, field, allowed=(dtype,)).copy()
 
 
+def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
+    """One output of :data:`megascore.schema.OUTPUTS` of a response, in the
+    ``ScoreResult`` layout (per token: one array per sequence)."""
+    num_seqs, num_tokens = int(part.lengths.shape[0]), part.num_tokens
+    dtype = _DTYPES[out.dtype]
+    if out.keys is not None:
+        field = getattr(response, out.wire)
+        decoded = {}
+        for key in out.keys(part.request.options):
+            if key not in field:
+                raise malformed_response(f"{out.wire}[{key}] missing")
+            decoded[key] = _decode(field[key], f"{out.wire}[{key}]", dtype, num_seqs)
+        return decoded
+    if out.per == schema.SEQUENCE:
+        return _decode(getattr(response, out.wire), out.wire, dtype, num_seqs)
+    dims = tuple(getattr(response, name) for name in out.wire_dims)
+    if dims and min(dims) <= 0:
+        raise malformed_response(
+            f"{out.wire} shape {(num_tokens, *dims)} for a request asking for it"
+        )
+    flat = _decode(getattr(response, out.wire), out.wire, dtype, num_tokens * math.prod(dims))
+    return np.split(flat.reshape(num_tokens, *dims), np.cumsum(part.lengths)[:-1])
+
+
 def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:
-    """Decodes the response to one part into a :class:`ScoreResult`.
+    """Decodes the response to one part into a :class:`ScoreResult`: every output of
+    :data:`megascore.schema.OUTPUTS` the request asked for, checked for dtype and size.
 
     Raises:
         ScoringError: (INTERNAL) the response does not match the request.
@@ -286,42 +320,17 @@ def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:
     sent_id = part.request.request_id
     if response.request_id != sent_id:
         raise malformed_response(f"request_id {response.request_id!r} answers {sent_id!r}")
-    lengths, options = part.lengths, part.options
-    num_seqs, num_tokens = int(lengths.shape[0]), part.num_tokens
+    lengths = part.lengths
     if response.HasField("lengths"):
-        echoed = _decode(response.lengths, "lengths", pb.DTYPE_INT64, num_seqs)
+        echoed = _decode(response.lengths, "lengths", pb.DTYPE_INT64, int(lengths.shape[0]))
         if not np.array_equal(echoed, lengths):
             raise malformed_response("lengths differ from the request's")
-    split_at = np.cumsum(lengths)[:-1]
     result = ScoreResult(request_id=sent_id, lengths=lengths.copy(), logprobs=None)
-    if options.return_logprobs:
-        flat = _decode(response.token_logprobs, "token_logprobs", pb.DTYPE_FLOAT32, num_tokens)
-        result.logprobs = np.split(flat, split_at)
-    if options.top_k:
-        k = response.top_k
-        if k <= 0:
-            raise malformed_response(f"top_k is {k} for a request with top_k={options.top_k}")
-        ids = _decode(response.top_k_ids, "top_k_ids", pb.DTYPE_INT64, num_tokens * k)
-        lps = _decode(response.top_k_logprobs, "top_k_logprobs", pb.DTYPE_FLOAT32, num_tokens * k)
-        result.top_k = k
-        result.top_k_ids = np.split(ids.reshape(num_tokens, k), split_at)
-        result.top_k_logprobs = np.split(lps.reshape(num_tokens, k), split_at)
-    if options.return_routing:
-        shape = (num_tokens, response.routing_num_moe_layers, response.routing_topk)
-        if min(shape[1:]) <= 0:
-            raise malformed_response(f"routing shape {shape} for a request with return_routing")
-        routes = _decode(response.routing, "routing", pb.DTYPE_INT32, int(np.prod(shape)))
-        result.routing = np.split(routes.reshape(shape), split_at)
-    for name in options.losses:
-        if name not in response.sequence_losses:
-            raise malformed_response(f"loss {name!r} missing")
-        result.loss[name] = _decode(
-            response.sequence_losses[name], f"sequence_losses[{name}]", pb.DTYPE_FLOAT64, num_seqs
-        )
-    if response.HasField("num_loss_tokens"):
-        result.num_tokens = _decode(
-            response.num_loss_tokens, "num_loss_tokens", pb.DTYPE_INT64, num_seqs
-        )
+    for out in schema.OUTPUTS:
+        if out.optional and not response.HasField(out.wire):
+            continue
+        if out.wanted(part.request.options):
+            setattr(result, out.sdk, _decode_output(response, out, part))
     result.moe_metrics = dict(response.moe_metrics)
     result.mtp_metrics = dict(response.mtp_metrics)
     result.weights_version = response.weights_version
@@ -339,8 +348,15 @@ def _weighted_metrics(dicts: list[dict[str, float]], weights: list[int]) -> dict
     return {name: num / den if den else 0.0 for name, (num, den) in totals.items()}
 
 
-def _concat(lists):
-    return None if lists[0] is None else [item for sub in lists for item in sub]
+def _join(values: list, out: schema.Output):
+    """The values of one output over a call's parts, in part order."""
+    if values[0] is None:
+        return None
+    if out.keys is not None:
+        return {key: np.concatenate([v[key] for v in values]) for key in values[0]}
+    if out.per == schema.SEQUENCE:
+        return np.concatenate(values)
+    return [item for sub in values for item in sub]
 
 
 def merge(results: list[ScoreResult], request_id: str) -> ScoreResult:
@@ -351,18 +367,11 @@ def merge(results: list[ScoreResult], request_id: str) -> ScoreResult:
         return result
     weights = [int(r.lengths.sum()) for r in results]
     versions = list(dict.fromkeys(r.weights_version for r in results))
-    loss_names = results[0].loss.keys()
-    num_tokens = [r.num_tokens for r in results]
+    joined = {out.sdk: _join([getattr(r, out.sdk) for r in results], out) for out in schema.OUTPUTS}
     return ScoreResult(
         request_id=request_id,
         lengths=np.concatenate([r.lengths for r in results]),
-        logprobs=_concat([r.logprobs for r in results]),
-        top_k=results[0].top_k,
-        top_k_ids=_concat([r.top_k_ids for r in results]),
-        top_k_logprobs=_concat([r.top_k_logprobs for r in results]),
-        routing=_concat([r.routing for r in results]),
-        loss={name: np.concatenate([r.loss[name] for r in results]) for name in loss_names},
-        num_tokens=None if any(n is None for n in num_tokens) else np.concatenate(num_tokens),
+        **joined,
         moe_metrics=_weighted_metrics([r.moe_metrics for r in results], weights),
         mtp_metrics=_weighted_metrics([r.mtp_metrics for r in results], weights),
         weights_version=",".join(versions),

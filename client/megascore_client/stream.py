@@ -24,7 +24,7 @@ import grpc
 
 from megascore_client.errors import ScoringError, closed_error, malformed_response
 from megascore_client.results import ScoreResult
-from megascore_client.splitting import ScoreOptions, decode_part, merge, prepare
+from megascore_client.splitting import decode_part, merge
 
 __all__ = ["AsyncScoreStream", "ScoreStream"]
 
@@ -64,18 +64,6 @@ def _task_cancelling() -> bool:
     opposed to a ``CancelledError`` that grpc.aio raises for a cancelled call."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-def _plan(sequences, kwargs: dict, message_limit: int, token_limit: int | None):
-    """Splits ``submit`` keyword arguments and plans the parts (as ``score`` does)."""
-    batch = {k: kwargs.pop(k, None) for k in ("loss_mask", "lengths", "routing", "request_id")}
-    return prepare(
-        sequences,
-        ScoreOptions(**kwargs),
-        max_message_bytes=message_limit,
-        max_request_tokens=token_limit,
-        **batch,
-    )
 
 
 class _Pending:
@@ -193,7 +181,7 @@ class ScoreStream:
             RuntimeError: the stream is closed.
         """
         limit = self._client.request_token_limit()
-        parts, rid = _plan(sequences, kwargs, self._client.message_limit, limit)
+        parts, rid = self._client.prepare_call(sequences, kwargs, limit)
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()  # ordered results: not cancellable one by one
         assembler = _Assembler(len(parts), rid, future.set_result, future.set_exception)
@@ -261,7 +249,7 @@ class AsyncScoreStream:
         if self._call is None:
             raise RuntimeError("use the stream as 'async with client.stream() as stream'")
         limit = await self._client.request_token_limit()
-        parts, rid = _plan(sequences, kwargs, self._client.message_limit, limit)
+        parts, rid = self._client.prepare_call(sequences, kwargs, limit)
         future = asyncio.get_running_loop().create_future()
 
         def on_result(result: ScoreResult) -> None:

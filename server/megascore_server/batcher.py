@@ -76,7 +76,6 @@ class DynamicBatcher:
         max_queue: most waiting requests.
         max_queue_tokens: most waiting tokens (0 = no token bound).
         pad_multiple: the engine's per-sequence pad multiple (for the budget).
-        weights_version: version of the weights loaded at start.
         metrics: optional Prometheus metrics.
         on_fatal: called once with the error that made the engine unusable (a
             :class:`WorkerLostError` from the engine, or a scheduler failure).
@@ -92,7 +91,6 @@ class DynamicBatcher:
         max_queue: int,
         max_queue_tokens: int = 0,
         pad_multiple: int = 1,
-        weights_version: str = "",
         metrics: ServerMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ):
@@ -103,7 +101,6 @@ class DynamicBatcher:
         self._max_queue = max_queue
         self._max_queue_tokens = max_queue_tokens
         self._pad_multiple = pad_multiple
-        self.weights_version = weights_version
         self._metrics = metrics
         self.on_fatal = on_fatal
         self._queue: collections.deque[PendingRequest | Barrier] = collections.deque()
@@ -160,6 +157,12 @@ class DynamicBatcher:
                 self._drop(item, "cancelled")  # free its queue slot now, not after the step
             self._wake.set()
 
+    @property
+    def weights_version(self) -> str:
+        """The version being served: the engine's (its one owner), which every step's
+        output carries too."""
+        return self._engine.info().weights_version
+
     async def load_weights(self, model: str, weights_version: str) -> tuple[str, str, ModelInfo]:
         """Loads new weights between steps, after every request already accepted.
 
@@ -184,16 +187,15 @@ class DynamicBatcher:
             :class:`UnavailableError` when shutting down or the engine was lost.
         """
         self._check_open()
-        previous = self.weights_version
 
-        def run() -> tuple[str, ModelInfo]:
+        def run() -> tuple[str, str, ModelInfo]:
+            previous = self._engine.info().weights_version
             version = swap(self._engine)
-            return str(version), self._engine.info()
+            return str(version), previous, self._engine.info()
 
         barrier = Barrier(run, asyncio.get_running_loop().create_future())
         self._enqueue(barrier)
-        new_version, info = await barrier.future
-        return new_version, previous, info
+        return await barrier.future
 
     async def run_on_engine(self, fn: Callable[[Engine], object]) -> object:
         """Runs ``fn(engine)`` on the engine thread between two steps, without waiting for
@@ -335,7 +337,6 @@ class DynamicBatcher:
             if not barrier.future.done():
                 barrier.future.set_exception(exc)
             return
-        self.weights_version = result[0]
         if not barrier.future.done():
             barrier.future.set_result(result)
 
@@ -356,17 +357,12 @@ class DynamicBatcher:
 
     async def _run_step(self, loop, window: list[PendingRequest]) -> None:
         pieces = self._plan(window)
-        solo = window[0].solo
         start = time.monotonic()
         for item, _ in pieces:
             if item.first_start is None:
                 item.first_start = start
         while True:
-            step = merge_batches(
-                [(item.batch, idx) for item, idx in pieces],
-                want_moe_metrics=solo and window[0].batch.want_moe_metrics,
-                want_mtp_metrics=solo and window[0].batch.want_mtp_metrics,
-            )
+            step = merge_batches([(item.batch, idx) for item, idx in pieces])
             self._running = [item for item, _ in pieces]
             try:
                 output = await loop.run_in_executor(self._executor, self._engine.score, step)
@@ -396,10 +392,6 @@ class DynamicBatcher:
         self._running = []
 
     def _distribute(self, step: ScoreBatch, output: ScoreOutput, pieces, elapsed: float) -> None:
-        if output.weights_version:
-            self.weights_version = output.weights_version
-        else:
-            output.weights_version = self.weights_version
         first = 0
         for item, idx in pieces:
             item.record_step(step, output, np.arange(first, first + idx.size), idx, elapsed)

@@ -14,7 +14,8 @@ import logging
 
 import numpy as np
 
-from megascore.types import ModelInfo, ScoreBatch, ScoreOutput
+from megascore import schema
+from megascore.types import Limits, ModelInfo, ScoreBatch, ScoreOutput
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import encode_array
 
@@ -25,6 +26,9 @@ def build_response(
     request_id: str, batch: ScoreBatch, output: ScoreOutput, timings: pb.Timings
 ) -> pb.ScoreResponse:
     """Builds the ``ScoreResponse`` of one request from its own output.
+
+    Every output of :data:`megascore.schema.OUTPUTS` the request wants goes into its
+    wire field, with its trailing shape in the ``wire_dims`` fields.
 
     Args:
         request_id: echoed as given by the client.
@@ -41,59 +45,51 @@ def build_response(
         weights_version=output.weights_version,
         timings=timings,
     )
-    if batch.want_logprobs:
-        response.token_logprobs.CopyFrom(
-            encode_array(np.asarray(output.logprobs, dtype=np.float32))
-        )
-    if batch.top_k > 0:
-        response.top_k = batch.top_k
-        response.top_k_ids.CopyFrom(encode_array(np.asarray(output.top_k_ids, dtype=np.int64)))
-        response.top_k_logprobs.CopyFrom(
-            encode_array(np.asarray(output.top_k_logprobs, dtype=np.float32))
-        )
-    for name in batch.losses:
-        response.sequence_losses[name].CopyFrom(
-            encode_array(np.asarray(output.losses[name], dtype=np.float64))
-        )
-    response.num_loss_tokens.CopyFrom(
-        encode_array(np.asarray(output.num_loss_tokens, dtype=np.int64))
-    )
-    if batch.want_moe_metrics:
+    for out in schema.OUTPUTS:
+        if not out.wanted(batch):
+            continue
+        value = output.values[out.name]
+        if out.keys is not None:
+            field = getattr(response, out.wire)
+            for key in out.keys(batch):
+                field[key].CopyFrom(encode_array(np.asarray(value[key], dtype=out.dtype)))
+            continue
+        array = np.asarray(value, dtype=out.dtype)
+        getattr(response, out.wire).CopyFrom(encode_array(array))
+        for name, size in zip(out.wire_dims, array.shape[1:], strict=True):
+            setattr(response, name, size)
+    if batch.return_moe_metrics:
         response.moe_metrics.update(output.moe_metrics)
-    if batch.want_mtp_metrics:
+    if batch.return_mtp_metrics:
         response.mtp_metrics.update(output.mtp_metrics)
-    if batch.want_routing:
-        routing = np.asarray(output.routing, dtype=np.int32)  # [T, L, k]
-        response.routing.CopyFrom(encode_array(routing))
-        response.routing_num_moe_layers, response.routing_topk = routing.shape[1:]
     return response
 
 
 def model_info_to_proto(
     info: ModelInfo,
+    limits: Limits,
     *,
-    max_sequence_length: int,
-    max_request_tokens: int,
     max_tokens_per_batch: int,
     max_message_bytes: int,
     weights_version: str,
 ) -> pb.ModelInfo:
-    """Converts the engine's :class:`ModelInfo` plus the server's limits to the wire message."""
+    """Converts the engine's :class:`ModelInfo`, the server's :class:`Limits` and its
+    step / message sizes to the wire message."""
     return pb.ModelInfo(
         name=info.name,
         architecture=info.architecture,
         num_parameters=info.num_parameters,
-        vocab_size=info.vocab_size,
-        max_sequence_length=max_sequence_length,
+        vocab_size=limits.vocab_size,
+        max_sequence_length=limits.max_sequence_length,
         dtype=info.dtype,
         parallel=pb.ParallelLayout(**dataclasses.asdict(info.parallel)),
         attention_backend=info.attention_backend,
         checkpoint_path=info.checkpoint_path,
         weights_version=weights_version,
         has_tokenizer=info.has_tokenizer,
-        max_top_k=info.max_top_k,
-        max_request_tokens=max_request_tokens,
-        loss_names=list(info.loss_names),
+        max_top_k=limits.max_top_k,
+        max_request_tokens=limits.max_request_tokens or 0,
+        loss_names=list(limits.loss_names),
         moe_metric_names=list(info.moe_metric_names),
         mtp_metric_names=list(info.mtp_metric_names),
         max_tokens_per_batch=max_tokens_per_batch,

@@ -45,14 +45,13 @@ import numpy as np
 
 from megascore.errors import UnavailableError
 from megascore.layout import padded_lengths
-from megascore.types import Engine, ModelInfo
+from megascore.types import Engine, Limits, ModelInfo
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.config import GrpcServerConfig
 from megascore_server.gate import CallGate
 from megascore_server.health import ScorerHealth
 from megascore_server.metrics import ServerMetrics
 from megascore_server.servicer import ScorerServicer
-from megascore_server.validation import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +59,9 @@ PARK_S = 0.2
 """Drain: how long new calls are parked before grpc core shuts down (see module doc)."""
 
 
-def resolve_limits(info: ModelInfo, config: GrpcServerConfig, pad_multiple: int) -> RequestLimits:
-    """The request limits: the model's, tightened by the config and the step budget.
+def resolve_limits(info: ModelInfo, config: GrpcServerConfig, pad_multiple: int) -> Limits:
+    """The request limits: the model's (``info.limits``), tightened by the config and the
+    step budget, with the per-request token limit.
 
     Raises:
         ValueError: ``max_sequence_length`` above the model's or not fitting one step.
@@ -89,13 +89,8 @@ def resolve_limits(info: ModelInfo, config: GrpcServerConfig, pad_multiple: int)
             fits,
         )
         max_len = fits
-    return RequestLimits(
-        vocab_size=int(info.vocab_size),
-        max_sequence_length=max_len,
-        max_request_tokens=config.max_request_tokens,
-        max_top_k=int(info.max_top_k),
-        loss_names=frozenset(info.loss_names),
-        routing=info.routing,
+    return dataclasses.replace(
+        info.limits, max_sequence_length=max_len, max_request_tokens=config.max_request_tokens
     )
 
 
@@ -115,7 +110,7 @@ class ServerHandles:
     executor: concurrent.futures.ThreadPoolExecutor
     engine: Engine | None = None
     batcher: DynamicBatcher | None = None
-    limits: RequestLimits | None = None
+    limits: Limits | None = None
     metrics_port: int | None = None
     fatal: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     fatal_error: BaseException | None = None
@@ -172,7 +167,6 @@ class ServerHandles:
             max_queue=self.config.max_queue,
             max_queue_tokens=self.config.max_queue_tokens,
             pad_multiple=pad_multiple,
-            weights_version=info.weights_version,
             metrics=self.metrics,
             on_fatal=self.on_fatal,
         )

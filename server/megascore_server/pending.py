@@ -88,7 +88,7 @@ class PendingRequest:
 
     @property
     def solo(self) -> bool:
-        return self.batch.want_moe_metrics or self.batch.want_mtp_metrics
+        return self.batch.return_moe_metrics or self.batch.return_mtp_metrics
 
     @property
     def replays(self) -> bool:
@@ -137,16 +137,7 @@ class PendingRequest:
         self.num_steps += 1
         if self.future.done():
             return
-        batch = self.batch
-        part = select_sequences(
-            output,
-            step.lengths,
-            step_idx,
-            top_k=batch.top_k,
-            losses=batch.losses,
-            want_logprobs=batch.want_logprobs,
-            want_routing=batch.want_routing,
-        )
+        part = select_sequences(output, step.lengths, step_idx, self.batch)
         self.parts.append((idx, part))
         if self.solo:
             for kind in ("moe", "mtp"):

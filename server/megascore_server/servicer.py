@@ -16,15 +16,15 @@ import uuid
 
 import grpc
 
-from megascore.errors import CheckpointError, MegascoreError, UnavailableError
-from megascore.types import ModelInfo
+from megascore.errors import CheckpointError, MegascoreError, UnavailableError, clip, quoted
+from megascore.types import Limits, ModelInfo
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.convert import build_response, model_info_to_proto
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE, CallGate
-from megascore_server.status import clip, quoted, request_label
-from megascore_server.validation import RequestLimits, validate_load_request, validate_request
+from megascore_server.status import request_label
+from megascore_server.validation import validate_load_request, validate_request
 from megascore_server.weight_push import WeightPusher
 
 logger = logging.getLogger(__name__)
@@ -63,11 +63,11 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         self._max_message_bytes = max_message_bytes
         self._max_stream_inflight = max_stream_inflight
         self._batcher: DynamicBatcher | None = None
-        self._limits: RequestLimits | None = None
+        self._limits: Limits | None = None
         self._info: ModelInfo | None = None
         self._pusher = WeightPusher()
 
-    def attach(self, batcher: DynamicBatcher, limits: RequestLimits, info: ModelInfo) -> None:
+    def attach(self, batcher: DynamicBatcher, limits: Limits, info: ModelInfo) -> None:
         """Serves the engine behind ``batcher`` (its limits and model description)."""
         self._batcher, self._limits, self._info = batcher, limits, info
 
@@ -171,8 +171,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         self._gate.check(serving=False)
         return model_info_to_proto(
             self._info,
-            max_sequence_length=self._limits.max_sequence_length,
-            max_request_tokens=self._limits.max_request_tokens,
+            self._limits,
             max_tokens_per_batch=self._max_tokens_per_batch,
             max_message_bytes=self._max_message_bytes,
             weights_version=self._batcher.weights_version,

@@ -37,6 +37,7 @@ from megascore.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    clip,
 )
 
 if TYPE_CHECKING:
@@ -55,8 +56,6 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 INTERNAL_MESSAGE = "internal error (see the server log)"
-QUOTE_CHARS = 64
-"""User data quoted in a message: at most this many characters, then the full length."""
 MAX_MESSAGE_CHARS = 1024
 """Longest status message sent (grpc's default client metadata limit is 8 KiB)."""
 DECODE_LOG_EVERY_S = 10.0
@@ -75,21 +74,6 @@ _EXPECTED = frozenset(
 request_label: contextvars.ContextVar[str] = contextvars.ContextVar("request_label", default="")
 """The request a failure belongs to (``request_id``, or ``"id (stream message i)"``):
 set by the servicer in the RPC's task, named by :func:`status_for` in the message."""
-
-
-def clip(text: str, limit: int = QUOTE_CHARS) -> str:
-    """``text`` itself when short, else its first ``limit`` characters and its length."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} characters)"
-
-
-def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
-    """``repr(text)`` when short, else the repr of its first ``limit`` characters and its
-    length: user data in an error message."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 class UndecodableRequestError(InvalidRequestError):

@@ -18,6 +18,7 @@ import logging
 
 import numpy as np
 
+from megascore import schema
 from megascore.layout import offsets, ranges, token_index
 from megascore.types import ScoreBatch
 
@@ -62,55 +63,43 @@ def fill_step(candidates: list[np.ndarray], budget: int) -> list[np.ndarray]:
     return [np.sort(pos[taken & (owner == r)]) for r in range(len(candidates))]
 
 
-def merge_batches(
-    pieces: list[tuple[ScoreBatch, np.ndarray]],
-    *,
-    want_moe_metrics: bool = False,
-    want_mtp_metrics: bool = False,
-) -> ScoreBatch:
+def merge_batches(pieces: list[tuple[ScoreBatch, np.ndarray]]) -> ScoreBatch:
     """Builds one engine step from sequences of several requests.
+
+    Driven by :mod:`megascore.schema`: each option is combined by its ``merge``
+    (the largest top_k, the union of the losses, logprobs / routing when any piece
+    wants them, metrics for a piece alone in its step); each input array is taken
+    from the pieces that sent it and filled for those that did not (an input without
+    a fill, the routing to replay, comes from all pieces or none).
 
     Args:
         pieces: ``(request batch, request-sequence indices)`` in step order.
-        want_moe_metrics: set for a step holding one MoE-metrics request only.
-        want_mtp_metrics: set for a step holding one MTP-metrics request only.
 
     Returns:
-        The merged batch: per-sequence temperatures, the largest top_k of the
-        pieces, the union of their losses, logprobs and routing when any piece wants
-        them, and the pieces' routings to replay (all pieces replay or none does).
+        The merged batch.
     """
-    replays = {b.routing is not None for b, _ in pieces}
-    if len(replays) > 1:
-        raise ValueError("a step replays the routing of all its pieces or of none")
-    ids, lengths, masks, temps, routes = [], [], [], [], []
-    any_mask = any(b.loss_mask is not None for b, _ in pieces)
-    for batch, idx in pieces:
-        tokens = token_index(batch.lengths, idx)
-        ids.append(batch.token_ids[tokens])
-        lens = batch.lengths[idx]
-        lengths.append(lens)
-        temps.append(batch.temperatures()[idx])
-        if batch.routing is not None:
-            routes.append(batch.routing[tokens])
-        if any_mask:
-            if batch.loss_mask is None:
-                masks.append(np.ones(int(lens.sum()), dtype=np.uint8))
-            else:
-                masks.append(batch.loss_mask[tokens])
-    losses: dict[str, None] = {}
-    for batch, _ in pieces:
-        losses.update(dict.fromkeys(batch.losses))
-    return ScoreBatch(
-        token_ids=np.concatenate(ids),
-        lengths=np.concatenate(lengths),
-        loss_mask=np.concatenate(masks) if any_mask else None,
-        temperature=np.concatenate(temps).astype(np.float32, copy=False),
-        top_k=max(b.top_k for b, _ in pieces),
-        losses=tuple(losses),
-        want_logprobs=any(b.want_logprobs for b, _ in pieces),
-        want_moe_metrics=want_moe_metrics,
-        want_mtp_metrics=want_mtp_metrics,
-        want_routing=any(b.want_routing for b, _ in pieces),
-        routing=np.concatenate(routes) if routes else None,
-    )
+    tokens = [token_index(batch.lengths, idx) for batch, idx in pieces]
+    lengths = [batch.lengths[idx] for batch, idx in pieces]
+    merged = {
+        "token_ids": np.concatenate(
+            [batch.token_ids[at] for (batch, _), at in zip(pieces, tokens, strict=True)]
+        ),
+        "lengths": np.concatenate(lengths),
+    }
+    for opt in schema.OPTIONS:
+        merged[opt.name] = opt.merge([getattr(batch, opt.name) for batch, _ in pieces])
+    for spec in schema.INPUTS:
+        given = [getattr(batch, spec.name) is not None for batch, _ in pieces]
+        if not any(given):
+            merged[spec.name] = None
+            continue
+        if spec.fill is None and not all(given):
+            raise ValueError(f"a step carries the {spec.name} of all its pieces or of none")
+        rows = []
+        for (batch, idx), at, lens in zip(pieces, tokens, lengths, strict=True):
+            value = getattr(batch, spec.name)
+            take = at if spec.per == schema.TOKEN else idx
+            count = int(lens.sum()) if spec.per == schema.TOKEN else lens.size
+            rows.append(np.full(count, spec.fill, spec.dtype) if value is None else value[take])
+        merged[spec.name] = np.concatenate(rows).astype(spec.dtype, copy=False)
+    return ScoreBatch(**merged)

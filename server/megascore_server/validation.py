@@ -14,12 +14,19 @@ import math
 
 import numpy as np
 
-from megascore import layout
-from megascore.errors import InvalidRequestError, ResourceExhaustedError
-from megascore.types import RoutingShape, ScoreBatch, check_routing_request
+from megascore import layout, schema
+from megascore.errors import InvalidRequestError, ResourceExhaustedError, quoted
+from megascore.types import (
+    Limits,
+    RoutingShape,
+    ScoreBatch,
+    check_lengths,
+    check_options,
+    check_routing,
+    check_token_ids,
+)
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array
-from megascore_server.status import quoted
 
 logger = logging.getLogger(__name__)
 
@@ -33,26 +40,12 @@ MAX_MODEL_CHARS = 4096
 """Longest ``LoadWeightsRequest.model`` accepted (a path of up to PATH_MAX)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestLimits:
-    """What a request must respect (the server's view of the model and its limits)."""
+def check_length(field: str, text: str, limit: int) -> None:
+    """The one check of an id-like string (request id, weights version, model path).
 
-    vocab_size: int
-    max_sequence_length: int
-    max_request_tokens: int
-    max_top_k: int
-    loss_names: frozenset[str]
-    routing: RoutingShape | None = None
-    """The model's MoE routing shape; None: no MoE layers (routing is refused)."""
-
-
-def _locate(offsets: np.ndarray, position: int) -> tuple[int, int]:
-    """Sequence index and position inside it of flat token ``position``."""
-    seq = int(np.searchsorted(offsets, position, side="right")) - 1
-    return seq, position - int(offsets[seq])
-
-
-def _check_length(field: str, text: str, limit: int) -> None:
+    Raises:
+        InvalidRequestError: ``text`` longer than ``limit``, naming ``field``.
+    """
     if len(text) > limit:
         raise InvalidRequestError(
             f"{field}: {len(text)} characters, more than {limit} ({quoted(text)})"
@@ -65,52 +58,23 @@ def _decode_required(request: pb.ScoreRequest, field: str, allowed) -> np.ndarra
     return decode_array(getattr(request, field), field, allowed)
 
 
-def validate_lengths(lengths: np.ndarray, limits: RequestLimits) -> np.ndarray:
-    """Checks per-sequence lengths; returns them as int64.
+def validate_lengths(lengths: np.ndarray, limits: Limits) -> np.ndarray:
+    """Checks per-sequence lengths (:func:`~megascore.types.check_lengths`) and the
+    request's token total; returns them as int64.
 
     Raises:
         InvalidRequestError: empty batch, a length < 1 or above the maximum.
         ResourceExhaustedError: total tokens above ``max_request_tokens``.
     """
-    if lengths.size == 0:
-        raise InvalidRequestError("lengths: empty batch (at least one sequence is required)")
     lengths = lengths.astype(np.int64, copy=False)
-    bad = np.flatnonzero(lengths < 1)
-    if bad.size:
-        i = int(bad[0])
-        raise InvalidRequestError(
-            f"lengths: sequence {i} has length {int(lengths[i])}; every length must be >= 1"
-        )
-    bad = np.flatnonzero(lengths > limits.max_sequence_length)
-    if bad.size:
-        i = int(bad[0])
-        raise InvalidRequestError(
-            f"lengths: sequence {i} has length {int(lengths[i])}, longer than "
-            f"max_sequence_length {limits.max_sequence_length}"
-        )
+    check_lengths(lengths, limits)
     total = int(lengths.sum())  # no overflow: each length <= max_sequence_length
-    if total > limits.max_request_tokens:
+    if limits.max_request_tokens is not None and total > limits.max_request_tokens:
         raise ResourceExhaustedError(
             f"lengths: request has {total} tokens, more than max_request_tokens "
             f"{limits.max_request_tokens}; split it into several requests"
         )
     return lengths
-
-
-def validate_token_ids(ids: np.ndarray, offsets: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Checks every id is in ``[0, vocab_size)``; returns int64 ids.
-
-    Raises:
-        InvalidRequestError: naming the sequence index and position of the first bad id.
-    """
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        pos = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
-        seq, at = _locate(offsets, pos)
-        raise InvalidRequestError(
-            f"token_ids: sequence {seq} position {at} has id {int(ids[pos])}, "
-            f"outside [0, {vocab_size})"
-        )
-    return ids.astype(np.int64, copy=False)
 
 
 def validate_loss_mask(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -127,7 +91,8 @@ def validate_loss_mask(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     bad = np.flatnonzero((mask != 0) & (mask != 1))
     if bad.size:
         pos = int(bad[0])
-        seq, at = _locate(offsets, pos)
+        seq = layout.sequence_at(offsets, pos)
+        at = pos - int(offsets[seq])
         raise InvalidRequestError(
             f"loss_mask: sequence {seq} position {at} has value {int(mask[pos])}; "
             "values must be 0 or 1"
@@ -135,17 +100,16 @@ def validate_loss_mask(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return mask.astype(np.uint8, copy=False)
 
 
-def validate_options(options: pb.ScoreOptions, limits: RequestLimits) -> dict:
-    """Checks ``ScoreOptions``; returns the matching :class:`ScoreBatch` keyword arguments.
+def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:
+    """Checks ``ScoreOptions`` (:func:`~megascore.types.check_options`, the table's
+    checks); returns the matching :class:`ScoreBatch` keyword arguments.
 
     Raises:
-        InvalidRequestError: top_k out of range, bad temperature, unknown loss.
+        InvalidRequestError: an option out of range, a bad temperature, an unknown loss.
     """
-    if options.top_k < 0 or options.top_k > limits.max_top_k:
-        raise InvalidRequestError(
-            f"options.top_k: {options.top_k} is outside [0, max_top_k={limits.max_top_k}]"
-        )
-    temperature = 1.0
+    check_options(options, limits)
+    kwargs = {opt.name: opt.convert(getattr(options, opt.name)) for opt in schema.OPTIONS}
+    kwargs["temperature"] = 1.0
     if options.HasField("temperature"):
         temperature = options.temperature
         if not (math.isfinite(temperature) and _FLOAT32_TINY <= temperature <= _FLOAT32_MAX):
@@ -153,29 +117,13 @@ def validate_options(options: pb.ScoreOptions, limits: RequestLimits) -> dict:
                 f"options.temperature: {temperature} is invalid; it must be finite and > 0 "
                 "(representable as float32)"
             )
-    losses: list[str] = []
-    for i, name in enumerate(options.losses):
-        if name not in limits.loss_names:
-            known = ", ".join(sorted(limits.loss_names)) or "none"
-            raise InvalidRequestError(
-                f"options.losses[{i}]: unknown loss {quoted(name)} (available: {known})"
-            )
-        if name not in losses:
-            losses.append(name)
-    return {
-        "temperature": temperature,
-        "top_k": int(options.top_k),
-        "losses": tuple(losses),
-        "want_logprobs": bool(options.return_logprobs),
-        "want_moe_metrics": bool(options.return_moe_metrics),
-        "want_mtp_metrics": bool(options.return_mtp_metrics),
-        "want_routing": bool(options.return_routing),
-    }
+        kwargs["temperature"] = temperature
+    return kwargs
 
 
 def decode_routing(request: pb.ScoreRequest, num_tokens: int, shape: RoutingShape | None):
-    """The request's routing to replay as ``[T, L, k]`` (flat when its size does not fit:
-    :func:`~megascore.types.check_routing_request` then names the shape), or None."""
+    """The request's routing to replay as int32 ``[T, L, k]`` (flat when its size does not
+    fit: :func:`~megascore.types.check_routing` then names the shape), or None."""
     if not request.HasField("routing"):
         return None
     routing = decode_array(request.routing, "routing", _INT_DTYPES)
@@ -184,7 +132,7 @@ def decode_routing(request: pb.ScoreRequest, num_tokens: int, shape: RoutingShap
     return routing
 
 
-def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBatch:
+def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
     """Validates a request and converts it into the engine's :class:`ScoreBatch`.
 
     Args:
@@ -199,11 +147,11 @@ def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBa
         InvalidRequestError: anything malformed (names the field and sequence index).
         ResourceExhaustedError: more than ``max_request_tokens`` tokens.
     """
-    _check_length("request_id", request.request_id, MAX_ID_CHARS)
+    check_length("request_id", request.request_id, MAX_ID_CHARS)
     options = validate_options(request.options, limits)
     lengths = validate_lengths(_decode_required(request, "lengths", _INT_DTYPES), limits)
     ids = _decode_required(request, "token_ids", _INT_DTYPES)
-    if ids.size > limits.max_request_tokens:
+    if limits.max_request_tokens is not None and ids.size > limits.max_request_tokens:
         raise ResourceExhaustedError(
             f"token_ids: request has {ids.size} tokens, more than max_request_tokens "
             f"{limits.max_request_tokens}"
@@ -214,7 +162,8 @@ def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBa
             f"token_ids: has {ids.size} ids but lengths sum to {int(offsets[-1])} "
             f"over {lengths.size} sequences"
         )
-    ids = validate_token_ids(ids, offsets, limits.vocab_size)
+    check_token_ids(ids, offsets, limits)
+    ids = ids.astype(np.int64, copy=False)
     mask = None
     if request.HasField("loss_mask"):
         raw = decode_array(request.loss_mask, "loss_mask", _MASK_DTYPES)
@@ -229,7 +178,7 @@ def validate_request(request: pb.ScoreRequest, limits: RequestLimits) -> ScoreBa
         routing=routing,
         **options,
     )
-    check_routing_request(batch, limits.routing)  # names the field and the sequence
+    check_routing(batch, limits)  # names the field and the sequence
     if routing is not None:
         batch = dataclasses.replace(batch, routing=routing.astype(np.int32, copy=False))
     return batch
@@ -245,5 +194,5 @@ def validate_load_request(request: pb.LoadWeightsRequest) -> None:
         raise InvalidRequestError(
             "model: required ('hf:DIR', 'megatron:DIR' or 'builtin:NAME@SEED')"
         )
-    _check_length("model", request.model, MAX_MODEL_CHARS)
-    _check_length("weights_version", request.weights_version, MAX_ID_CHARS)
+    check_length("model", request.model, MAX_MODEL_CHARS)
+    check_length("weights_version", request.weights_version, MAX_ID_CHARS)

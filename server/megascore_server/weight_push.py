@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 
-from megascore.errors import ConflictError, InvalidRequestError
+from megascore.errors import ConflictError, InvalidRequestError, quoted
 from megascore.types import (
     LAYOUT_COMMON,
     LAYOUT_PER_EXPERT,
@@ -37,8 +37,7 @@ from megascore.types import (
 )
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.batcher import DynamicBatcher
-from megascore_server.status import quoted
-from megascore_server.validation import MAX_ID_CHARS
+from megascore_server.validation import MAX_ID_CHARS, check_length
 
 logger = logging.getLogger(__name__)
 
@@ -228,11 +227,7 @@ class WeightPusher:
             session = PushSession(targets, names)
             commit = await self._stage_all(iterator, session, batcher)
             session.check_complete(commit.partial)
-            if len(commit.weights_version) > MAX_ID_CHARS:
-                raise InvalidRequestError(
-                    f"commit.weights_version: {len(commit.weights_version)} characters, more "
-                    f"than {MAX_ID_CHARS} ({quoted(commit.weights_version)})"
-                )
+            check_length("commit.weights_version", commit.weights_version, MAX_ID_CHARS)
             stream_ms = (time.monotonic() - start) * 1e3
             version = commit.weights_version or new_weights_version()
             settled = True  # the commit drops the staged tensors on every rank, ok or not

@@ -2,6 +2,24 @@
 
 from __future__ import annotations
 
+QUOTE_CHARS = 64
+"""User data quoted in a message: at most this many characters, then the full length."""
+
+
+def clip(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``text`` itself when short, else its first ``limit`` characters and its length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``repr(text)`` when short, else the repr of its first ``limit`` characters and its
+    length: user data in an error message."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
 
 class MegascoreError(Exception):
     """Base class: carries a human-readable reason."""

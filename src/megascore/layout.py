@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megascore import schema
+
 if TYPE_CHECKING:  # types.py imports this module (ScoreBatch.check): outputs are built as
     from megascore.types import ScoreOutput  # type(output)(...), not through an import
 
@@ -110,39 +112,37 @@ def count_loss_tokens(lengths: np.ndarray, loss_mask: np.ndarray | None) -> np.n
 
 
 def select_sequences(
-    output: ScoreOutput,
-    lengths: np.ndarray,
-    seq_idx: np.ndarray,
-    *,
-    top_k: int,
-    losses: tuple[str, ...],
-    want_logprobs: bool,
-    want_routing: bool = False,
+    output: ScoreOutput, lengths: np.ndarray, seq_idx: np.ndarray, options
 ) -> ScoreOutput:
     """Cuts sequences ``seq_idx`` of a step's output, trimmed to one request's options.
+
+    Every output of :data:`megascore.schema.OUTPUTS` the request wants is kept: per-token
+    rows of those sequences (the first ``dims(options)`` columns of the step's),
+    per-sequence rows (a map output: the request's keys only).
 
     Args:
         output: the step's output (layout of ``lengths``).
         lengths: the step's sequence lengths.
         seq_idx: step-sequence indices to take, in the order wanted.
-        top_k: the request's k (<= the step's k); top-k columns are sliced to it.
-        losses: the request's loss names (a subset of the step's).
-        want_logprobs: whether to keep per-token logprobs.
-        want_routing: whether to keep the per-token MoE routing.
+        options: the request's options (its ``ScoreBatch``).
 
     Returns:
         The output of those sequences only; MoE / MTP metrics are not copied.
     """
     tokens = token_index(lengths, seq_idx)
-    return type(output)(
-        logprobs=output.logprobs[tokens] if want_logprobs else None,
-        top_k_ids=output.top_k_ids[tokens, :top_k] if top_k > 0 else None,
-        top_k_logprobs=output.top_k_logprobs[tokens, :top_k] if top_k > 0 else None,
-        losses={name: output.losses[name][seq_idx] for name in losses},
-        num_loss_tokens=output.num_loss_tokens[seq_idx],
-        routing=output.routing[tokens] if want_routing else None,
-        weights_version=output.weights_version,
-    )
+    values = {}
+    for out in schema.OUTPUTS:
+        if not out.wanted(options):
+            continue
+        value = output.values[out.name]
+        if out.keys is not None:
+            values[out.name] = {key: value[key][seq_idx] for key in out.keys(options)}
+        elif out.per == schema.SEQUENCE:
+            values[out.name] = value[seq_idx]
+        else:
+            columns = tuple(slice(0, d) for d in schema.flat_dims(out, options))
+            values[out.name] = value[(tokens, *columns)]
+    return type(output)(values=values, weights_version=output.weights_version)
 
 
 def concat_outputs(parts: list[tuple[np.ndarray, ScoreOutput]], lengths: np.ndarray) -> ScoreOutput:
@@ -162,19 +162,15 @@ def concat_outputs(parts: list[tuple[np.ndarray, ScoreOutput]], lengths: np.ndar
     inverse = np.empty_like(order)
     inverse[order] = np.arange(order.size)
     tokens = token_index(lengths[order], inverse)
-
-    def join(values: list[np.ndarray | None], index) -> np.ndarray | None:
-        if values[0] is None:
-            return None
-        return np.concatenate(values)[index]
-
     outs = [out for _, out in parts]
-    return type(outs[-1])(
-        logprobs=join([o.logprobs for o in outs], tokens),
-        top_k_ids=join([o.top_k_ids for o in outs], tokens),
-        top_k_logprobs=join([o.top_k_logprobs for o in outs], tokens),
-        losses={k: join([o.losses[k] for o in outs], inverse) for k in outs[0].losses},
-        num_loss_tokens=join([o.num_loss_tokens for o in outs], inverse),
-        routing=join([o.routing for o in outs], tokens),
-        weights_version=outs[-1].weights_version,
-    )
+    values = {}
+    for name, first in outs[0].values.items():
+        out = next(o for o in schema.OUTPUTS if o.name == name)
+        index = tokens if out.per == schema.TOKEN else inverse
+        if out.keys is not None:
+            values[name] = {
+                k: np.concatenate([o.values[name][k] for o in outs])[index] for k in first
+            }
+        else:
+            values[name] = np.concatenate([o.values[name] for o in outs])[index]
+    return type(outs[-1])(values=values, weights_version=outs[-1].weights_version)

@@ -138,6 +138,60 @@ def cp_shard_indices(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int
     return _ranges(run_starts, run_lens)
 
 
+def _check_cp_layout(multiple: int, cp_rank: int, cp_size: int) -> None:
+    """The pad multiple and CP rank / size fit the layout (``ValueError`` otherwise)."""
+    if multiple < 1:
+        raise ValueError(f"pad_individual_seqs_to_multiple_of must be >= 1, got {multiple}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+    if cp_size > 1 and multiple % (2 * cp_size):
+        raise ValueError(
+            f"pad_individual_seqs_to_multiple_of ({multiple}) must be a multiple of "
+            f"2 * cp_size = {2 * cp_size} with context parallelism"
+        )
+
+
+def _padded_segments(
+    lengths: list[int], multiple: int, pad_packed_seq_to: int | None, cp_size: int
+) -> list[int]:
+    """Each sequence's padded segment; the last one takes the padding up to
+    ``pad_packed_seq_to`` (``ValueError`` when it does not fit)."""
+    padded = [round_up_to_multiple(length, multiple) for length in lengths]
+    natural_total = sum(padded)
+    if pad_packed_seq_to is not None:
+        if pad_packed_seq_to < natural_total:
+            raise ValueError(
+                f"pad_packed_seq_to ({pad_packed_seq_to}) is smaller than the packed length "
+                f"{natural_total} of {len(lengths)} sequences"
+            )
+        if cp_size > 1 and pad_packed_seq_to % (2 * cp_size):
+            raise ValueError(
+                f"sequence {len(lengths) - 1}: pad_packed_seq_to ({pad_packed_seq_to}) must "
+                f"be a multiple of 2 * cp_size = {2 * cp_size}"
+            )
+        padded[-1] += pad_packed_seq_to - natural_total
+    return padded
+
+
+def _thd_params(cu_seqlens_padded: torch.Tensor, max_seqlen: int, total_tokens: int | None):
+    """Megatron's THD ``PackedSeqParams`` over the padded segments."""
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens_padded,
+        cu_seqlens_kv=cu_seqlens_padded,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        # Only Mamba's seq_idx reads this. NeMo-RL passes the CP-local token count,
+        # which with CP builds a seq_idx that matches neither the full layout nor
+        # the shard; we set it only where the boundaries describe the model input.
+        total_tokens=total_tokens,
+    )
+
+
 def pack_sequences(
     token_ids: torch.Tensor,
     seq_lengths: torch.Tensor | Sequence[int],
@@ -173,64 +227,24 @@ def pack_sequences(
     lengths = [
         int(x) for x in (seq_lengths.tolist() if torch.is_tensor(seq_lengths) else seq_lengths)
     ]
-    batch_size = len(lengths)
     multiple = pad_individual_seqs_to_multiple_of
-    if multiple < 1:
-        raise ValueError(f"pad_individual_seqs_to_multiple_of must be >= 1, got {multiple}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
-    if cp_size > 1 and multiple % (2 * cp_size):
-        raise ValueError(
-            f"pad_individual_seqs_to_multiple_of ({multiple}) must be a multiple of "
-            f"2 * cp_size = {2 * cp_size} with context parallelism"
-        )
-
-    padded = [round_up_to_multiple(length, multiple) for length in lengths]
-    natural_total = sum(padded)
-    if pad_packed_seq_to is not None:
-        if pad_packed_seq_to < natural_total:
-            raise ValueError(
-                f"pad_packed_seq_to ({pad_packed_seq_to}) is smaller than the packed length "
-                f"{natural_total} of {batch_size} sequences"
-            )
-        if cp_size > 1 and pad_packed_seq_to % (2 * cp_size):
-            raise ValueError(
-                f"sequence {batch_size - 1}: pad_packed_seq_to ({pad_packed_seq_to}) must be "
-                f"a multiple of 2 * cp_size = {2 * cp_size}"
-            )
-        padded[-1] += pad_packed_seq_to - natural_total
-
+    _check_cp_layout(multiple, cp_rank, cp_size)
+    # 1. segment lengths: each sequence padded, the last one up to pad_packed_seq_to
+    padded = _padded_segments(lengths, multiple, pad_packed_seq_to, cp_size)
     device = token_ids.device
     starts = layout.offsets(padded)  # [B+1]: where each padded segment starts, then T_padded
-    cu_seqlens = torch.from_numpy(layout.offsets(lengths).astype(np.int32))
+    cu_seqlens = torch.from_numpy(layout.offsets(lengths).astype(np.int32)).to(device)
     cu_seqlens_padded = torch.from_numpy(starts.astype(np.int32))
     total = int(starts[-1])
-
-    # Scatter the real tokens to their packed positions; the rest stays pad.
+    # 2. scatter the real tokens to their packed positions; the rest stays pad
     positions = torch.from_numpy(layout.ranges(starts[:-1], lengths))  # [T]
     packed = torch.full((total,), PAD_TOKEN_ID, dtype=token_ids.dtype, device=device)
     packed[positions.to(device)] = token_ids
     packed = packed.unsqueeze(0)  # [1, T_padded]
+    # 3. this CP rank's shard, and Megatron's THD boundaries
     shard = cp_shard_indices(cu_seqlens_padded, cp_rank, cp_size)  # [T_padded / cp]
-
-    cu_seqlens = cu_seqlens.to(device)
     cu_seqlens_padded = cu_seqlens_padded.to(device)
-    max_seqlen = max(padded)
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens_padded,
-        cu_seqlens_kv=cu_seqlens_padded,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-        # Only Mamba's seq_idx reads this. NeMo-RL passes the CP-local token count,
-        # which with CP builds a seq_idx that matches neither the full layout nor
-        # the shard; we set it only where the boundaries describe the model input.
-        total_tokens=total if cp_size == 1 else None,
-    )
+    params = _thd_params(cu_seqlens_padded, max(padded), total if cp_size == 1 else None)
     return PackedSequences(
         input_ids=packed.contiguous(),
         input_ids_cp_sharded=packed[:, shard.to(device)].contiguous() if cp_size > 1 else packed,

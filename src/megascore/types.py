@@ -8,11 +8,11 @@ token layout (offsets, selection, concatenation) is :mod:`megascore.layout`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from megascore import layout
+from megascore import layout, schema
 from megascore.errors import InvalidRequestError
 
 
@@ -70,47 +70,106 @@ class RoutingShape:
             )
 
 
-def check_routing_request(batch: ScoreBatch, routing: RoutingShape | None) -> None:
-    """Checks a batch's ``want_routing`` / ``routing`` against the model's routing shape.
-
-    Raises:
-        InvalidRequestError: routing asked of a model without MoE routing (naming the
-            field), or a routing that does not fit (:meth:`RoutingShape.check`).
-    """
-    if not batch.want_routing and batch.routing is None:
-        return
-    field = "routing" if batch.routing is not None else "options.return_routing"
-    if routing is None:
-        raise InvalidRequestError(f"{field}: the served model has no MoE layers to route")
-    if batch.routing is not None:
-        routing.check(np.asarray(batch.routing), np.asarray(batch.lengths))
-
-
 @dataclasses.dataclass(frozen=True)
-class BatchLimits:
-    """What an engine accepts in one batch (:meth:`ScoreBatch.check`).
+class Limits:
+    """What a request or a batch must respect: the one limits record.
+
+    The engine builds it from the model (``ModelInfo.limits``), the server tightens the
+    length and adds the per-request token limit (``megascore_server.lifecycle``), and
+    the wire gate, :meth:`ScoreBatch.check` and the ``ModelInfo`` message all read it.
 
     Attributes:
         vocab_size: token ids must be below it.
-        max_length: longest sequence accepted.
+        max_sequence_length: longest sequence accepted.
         max_top_k: largest ``top_k`` accepted.
         loss_names: the losses the engine computes.
         metrics_supported: whether MoE / MTP metrics can be computed in this layout
             (:meth:`megascore.config.EngineConfig.metrics_supported`).
         routing: the model's MoE routing shape; None for a model without MoE layers.
+        max_request_tokens: most tokens in one request (the server's); None: no limit.
     """
 
     vocab_size: int
-    max_length: int
+    max_sequence_length: int
     max_top_k: int
     loss_names: tuple[str, ...]
     metrics_supported: bool = True
     routing: RoutingShape | None = None
+    max_request_tokens: int | None = None
+
+
+def check_options(values, limits: Limits) -> None:
+    """Checks request options (attributes named as :data:`megascore.schema.OPTIONS`:
+    a ``ScoreBatch`` or a ``pb.ScoreOptions``) against ``limits``: the one option check.
+
+    Raises:
+        InvalidRequestError: ``options.<name>: ...``.
+    """
+    for opt in schema.OPTIONS:
+        error = opt.check(getattr(values, opt.name), limits) if opt.check else None
+        if error:
+            sep = "" if error.startswith("[") else ": "
+            raise InvalidRequestError(f"options.{opt.name}{sep}{error}")
+
+
+def check_lengths(lengths: np.ndarray, limits: Limits, field: str = "lengths") -> None:
+    """Checks sequence lengths: the one length check.
+
+    Raises:
+        InvalidRequestError: an empty batch or a length outside ``[1, max_sequence_length]``.
+    """
+    if lengths.size == 0:
+        raise InvalidRequestError(f"{field}: empty batch (at least one sequence is required)")
+    bad = np.flatnonzero(lengths < 1)
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidRequestError(
+            f"{field}: sequence {i} has length {int(lengths[i])}; every length must be >= 1"
+        )
+    bad = np.flatnonzero(lengths > limits.max_sequence_length)
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidRequestError(
+            f"{field}: sequence {i} has length {int(lengths[i])}, longer than "
+            f"max_sequence_length {limits.max_sequence_length}"
+        )
+
+
+def check_token_ids(ids: np.ndarray, bounds: np.ndarray, limits: Limits) -> None:
+    """Checks every id is in ``[0, vocab_size)``: the one vocabulary check.
+
+    Raises:
+        InvalidRequestError: naming the sequence and position of the first bad id.
+    """
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limits.vocab_size):
+        pos = int(np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))[0])
+        seq = layout.sequence_at(bounds, pos)
+        raise InvalidRequestError(
+            f"token_ids: sequence {seq} position {pos - int(bounds[seq])} has id "
+            f"{int(ids[pos])}, outside [0, {limits.vocab_size})"
+        )
+
+
+def check_routing(batch: ScoreBatch, limits: Limits) -> None:
+    """Checks a routing to replay against the model's routing shape.
+
+    Raises:
+        InvalidRequestError: naming the field (and the sequence).
+    """
+    if batch.routing is None:
+        return
+    if limits.routing is None:
+        raise InvalidRequestError("routing: the served model has no MoE layers to route")
+    limits.routing.check(np.asarray(batch.routing), np.asarray(batch.lengths))
 
 
 @dataclasses.dataclass(frozen=True)
 class ScoreBatch:
     """One engine step's worth of sequences.
+
+    The options (``top_k``, ``losses``, ``return_*``) are those of
+    :data:`megascore.schema.OPTIONS`, named as in ``ScoreOptions``; the optional
+    arrays those of :data:`megascore.schema.INPUTS`.
 
     Attributes:
         token_ids: int64 ``[T]``, all sequences concatenated.
@@ -120,10 +179,10 @@ class ScoreBatch:
         temperature: float32 ``[B]``, per-sequence softmax temperature (> 0).
         top_k: number of top alternatives per token (0 = none).
         losses: loss names to compute per sequence.
-        want_logprobs: whether per-token logprobs are needed in the output.
-        want_moe_metrics: whether to compute MoE router metrics.
-        want_mtp_metrics: whether to compute MTP metrics.
-        want_routing: whether to return the MoE routing (``ScoreOutput.routing``).
+        return_logprobs: whether per-token logprobs are needed in the output.
+        return_moe_metrics: whether to compute MoE router metrics.
+        return_mtp_metrics: whether to compute MTP metrics.
+        return_routing: whether to return the MoE routing (``ScoreOutput.routing``).
         routing: integer ``[T, num_moe_layers, topk]`` expert ids to replay instead of
             routing (:class:`RoutingShape`, ``megascore.engine.routing``), or None to route.
     """
@@ -134,10 +193,10 @@ class ScoreBatch:
     temperature: np.ndarray | None = None
     top_k: int = 0
     losses: tuple[str, ...] = ()
-    want_logprobs: bool = True
-    want_moe_metrics: bool = False
-    want_mtp_metrics: bool = False
-    want_routing: bool = False
+    return_logprobs: bool = True
+    return_moe_metrics: bool = False
+    return_mtp_metrics: bool = False
+    return_routing: bool = False
     routing: np.ndarray | None = None
 
     @property
@@ -158,11 +217,12 @@ class ScoreBatch:
             return np.ones(self.num_sequences, dtype=np.float32)
         return self.temperature
 
-    def check(self, limits: BatchLimits) -> None:
+    def check(self, limits: Limits) -> None:
         """The engine's one check of a batch, before any collective.
 
-        The wire gate (``megascore_server.validation``) checks requests first; this
-        guards the engine against whatever reaches it (a merged step, a direct caller).
+        The wire gate (``megascore_server.validation``) checks requests first with the
+        same checks; this guards the engine against whatever reaches it (a merged step,
+        a direct caller).
 
         Args:
             limits: what the engine accepts.
@@ -171,70 +231,64 @@ class ScoreBatch:
             InvalidRequestError: naming the offending field (and sequence).
         """
         ids, lengths = np.asarray(self.token_ids), np.asarray(self.lengths)
-        if ids.ndim != 1 or lengths.ndim != 1 or lengths.size == 0:
-            raise InvalidRequestError("token_ids and lengths must be 1-D, lengths non-empty")
-        bad = np.flatnonzero((lengths < 1) | (lengths > limits.max_length))
-        if bad.size:
-            i = int(bad[0])
-            raise InvalidRequestError(
-                f"sequence {i}: length {int(lengths[i])} not in [1, {limits.max_length}]"
-            )
+        if ids.ndim != 1 or lengths.ndim != 1:
+            raise InvalidRequestError("token_ids and lengths must be 1-D")
+        check_lengths(lengths, limits)
         bounds = layout.offsets(lengths)
         if int(bounds[-1]) != ids.size:
             raise InvalidRequestError(f"lengths sum to {int(bounds[-1])}, token_ids has {ids.size}")
-        out_of_vocab = np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))
-        if out_of_vocab.size:
-            seq = layout.sequence_at(bounds, int(out_of_vocab[0]))
-            raise InvalidRequestError(
-                f"sequence {seq}: token ids must be in [0, {limits.vocab_size})"
-            )
+        check_token_ids(ids, bounds, limits)
         if self.loss_mask is not None and np.shape(self.loss_mask) != (ids.size,):
             raise InvalidRequestError(f"loss_mask must have {ids.size} entries")
         temps = self.temperatures()
         if np.shape(temps) != (lengths.size,) or not (np.isfinite(temps) & (temps > 0)).all():
             raise InvalidRequestError("temperature must be finite and > 0, one per sequence")
-        if not 0 <= self.top_k <= limits.max_top_k:
-            raise InvalidRequestError(f"top_k must be in [0, {limits.max_top_k}], got {self.top_k}")
-        unknown = sorted(set(self.losses) - set(limits.loss_names))
-        if unknown:
-            raise InvalidRequestError(f"unknown losses {unknown}; known: {list(limits.loss_names)}")
-        if (self.want_moe_metrics or self.want_mtp_metrics) and not limits.metrics_supported:
-            raise InvalidRequestError(
-                "MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel, which the "
-                "engine config disables (leave it unset to turn it on)"
-            )
-        check_routing_request(self, limits.routing)
+        check_options(self, limits)
+        check_routing(self, limits)
 
 
 @dataclasses.dataclass
 class ScoreOutput:
     """Engine results for one :class:`ScoreBatch`, in the batch's token layout.
 
+    ``values`` holds the outputs of :data:`megascore.schema.OUTPUTS` by name; read them
+    as attributes (``output.logprobs``; None when not computed, ``{}`` for a map
+    output). Today's entries:
+
+    * logprobs: float32 ``[T]``; entry 0 of each sequence is 0.0, entry t is
+      ``log p(x_t | x_<t)``.
+    * top_k_ids: int64 ``[T, k]`` (entry 0 of each sequence all -1); top_k_logprobs:
+      float32 ``[T, k]`` (entry 0 all 0.0).
+    * routing: int32 ``[T, num_moe_layers, topk]``: per token, per MoE layer of the
+      decoder, the expert ids used (the replayed ones when the batch gave them).
+    * losses: name -> float64 ``[B]`` per-sequence loss; num_loss_tokens: int64
+      ``[B]`` tokens that contributed to the losses
+      (:func:`megascore.layout.count_loss_tokens`); every engine sets it.
+
     Attributes:
-        logprobs: float32 ``[T]``; entry 0 of each sequence is 0.0, entry t is
-            ``log p(x_t | x_<t)``. None when not requested.
-        top_k_ids: int64 ``[T, k]`` (entry 0 of each sequence all -1) or None.
-        top_k_logprobs: float32 ``[T, k]`` (entry 0 of each sequence all 0.0) or None.
-        losses: name -> float64 ``[B]`` per-sequence loss.
-        num_loss_tokens: int64 ``[B]`` tokens that contributed to the losses
-            (:func:`megascore.layout.count_loss_tokens`); every engine sets it.
+        values: output name -> array (a map output: name -> dict of ``[B]`` arrays).
         moe_metrics: MoE metric name -> value for this forward.
         mtp_metrics: MTP metric name -> value for this forward.
-        routing: int32 ``[T, num_moe_layers, topk]``: per token, per MoE layer of the
-            decoder, the expert ids used (the replayed ones when the batch gave them),
-            or None when not requested.
         weights_version: version of the weights that produced these numbers.
     """
 
-    logprobs: np.ndarray | None
-    top_k_ids: np.ndarray | None = None
-    top_k_logprobs: np.ndarray | None = None
-    losses: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    num_loss_tokens: np.ndarray | None = None
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
     moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    routing: np.ndarray | None = None
     weights_version: str = ""
+
+    def __getattr__(self, name: str):
+        for out in schema.OUTPUTS:
+            if out.name == name:
+                default = {} if out.keys is not None else None
+                return self.__dict__.get("values", {}).get(name, default)
+        raise AttributeError(f"{type(self).__name__} has no attribute or output {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if any(out.name == name for out in schema.OUTPUTS):
+            self.values[name] = value
+        else:
+            super().__setattr__(name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,25 +302,45 @@ class ParallelLayout:
 
 @dataclasses.dataclass
 class ModelInfo:
-    """What the served model is and what it accepts (mirrors ``megascore.v1.ModelInfo``)."""
+    """What the served model is and what it accepts (``megascore.v1.ModelInfo``).
+
+    The limits live in ``limits`` only; ``vocab_size``, ``max_sequence_length``,
+    ``max_top_k``, ``loss_names`` and ``routing`` read them.
+    """
 
     name: str
     architecture: str
     num_parameters: int
-    vocab_size: int
-    max_sequence_length: int
     dtype: str
     parallel: ParallelLayout
     attention_backend: str
+    limits: Limits
     checkpoint_path: str = ""
     weights_version: str = ""
     has_tokenizer: bool = False
-    max_top_k: int = 64
-    loss_names: tuple[str, ...] = ("nll",)
     moe_metric_names: tuple[str, ...] = ()
     mtp_metric_names: tuple[str, ...] = ()
-    routing: RoutingShape | None = None
-    """The MoE routing shape (None: no MoE layers, routing cannot be asked for)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.limits.max_sequence_length
+
+    @property
+    def max_top_k(self) -> int:
+        return self.limits.max_top_k
+
+    @property
+    def loss_names(self) -> tuple[str, ...]:
+        return self.limits.loss_names
+
+    @property
+    def routing(self) -> RoutingShape | None:
+        """The MoE routing shape (None: no MoE layers, routing cannot be asked for)."""
+        return self.limits.routing
 
 
 WEIGHT_NAMES_HF = 1

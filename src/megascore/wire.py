@@ -31,9 +31,7 @@ def encode_array(values: np.ndarray) -> pb.Array:
     return pb.Array(dtype=_FROM_NUMPY[dtype], data=arr.tobytes())
 
 
-def decode_array(
-    array: pb.Array, field: str, allowed: tuple[int, ...] | None = None
-) -> np.ndarray:
+def decode_array(array: pb.Array, field: str, allowed: tuple[int, ...] | None = None) -> np.ndarray:
     """Decodes an ``Array`` into a read-only flat numpy array.
 
     Args:

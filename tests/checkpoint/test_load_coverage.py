@@ -180,8 +180,10 @@ def test_bridge_not_importable_falls_back(hf_dirs, build, monkeypatch):
 
 @pytest.mark.parametrize(
     ("field", "match"),
-    [("drop", "written by no mapping: \\['decoder.final_layernorm.weight'\\]"),
-     ("repeat", "written more than once: \\['embedding.word_embeddings.weight'\\]")],
+    [
+        ("drop", "written by no mapping: \\['decoder.final_layernorm.weight'\\]"),
+        ("repeat", "written more than once: \\['embedding.word_embeddings.weight'\\]"),
+    ],
 )
 def test_bridge_tasks_must_cover_every_parameter_once(
     hf_dirs, build, fake_bridge, monkeypatch, field, match

@@ -142,7 +142,7 @@ def _batch(seqs) -> ScoreBatch:
     return ScoreBatch(
         token_ids=np.concatenate(seqs),
         lengths=np.array([len(s) for s in seqs], dtype=np.int64),
-        want_mtp_metrics=True,
+        return_mtp_metrics=True,
     )
 
 

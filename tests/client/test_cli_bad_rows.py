@@ -205,7 +205,7 @@ def test_rows_the_server_refuses_are_traced_to_their_line(
     with FakeServer(scorer) as srv:
         assert _score(srv.target, src, out, *batch_tokens) == 1
         err = capsys.readouterr().err
-        assert f"{src}:{BAD_LINE} (id \"r12\"): refused: token_ids: sequence " in err, err
+        assert f'{src}:{BAD_LINE} (id "r12"): refused: token_ids: sequence ' in err, err
         assert f"has id {VOCAB + 12} >= vocab_size" in err
         assert _ids(out) == [r["id"] for r in rows[:12]]
         if server_tokens:

@@ -1,7 +1,8 @@
 """Import boundaries, read from the source trees (AST) and checked at run time.
 
-* The client stands on the wire layer only: the generated stubs (``megascore.v1``) and
-  the array codec (``megascore.wire``, with the ``megascore.errors`` it raises), plus
+* The client stands on the wire layer only: the generated stubs (``megascore.v1``),
+  the array codec (``megascore.wire``, with the ``megascore.errors`` it raises) and the
+  table of options and outputs that says what travels (``megascore.schema``), plus
   the package version; never the server, the engine, ``megascore.types`` or torch
   (torch only lazily, inside a function: the trainer adapters).
 * The server and the engine never import the client.
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "client" / "megascore_client"
 SERVER = ROOT / "server" / "megascore_server"
 LIBRARY = ROOT / "src" / "megascore"
-WIRE_LAYER = ("megascore.v1", "megascore.wire")
+WIRE_LAYER = ("megascore.v1", "megascore.wire", "megascore.schema")
 # the batcher and its helpers: the step planner and the pending-request bookkeeping
 BATCHER = ("batcher.py", "step_planner.py", "pending.py")
 

@@ -97,7 +97,7 @@ def test_numpy_and_torch_tensors_travel_as_their_own_bytes(sink):
     with ScoringClient(f"127.0.0.1:{sink.port}") as client:
         result = client.push_weights(
             [("a32", a32), ("a16", a16), ("a64", a64), ("tb", tb), ("t32", t32)],
-            version="v7",
+            weights_version="v7",
             partial=True,
             chunk_bytes=1000,
             progress=lambda n, name: sent.append((n, name)),
@@ -167,3 +167,16 @@ def test_cli_pushes_a_safetensors_file_with_a_progress_bar(sink, tmp_path, capsy
     got = sink.tensors()
     assert got["w"] == ((300, 70), pb.DTYPE_BFLOAT16, read["w"].data)
     assert got["b"] == ((9,), pb.DTYPE_FLOAT32, tensors["b"].numpy().tobytes())
+
+
+def test_the_old_version_keyword_still_works_and_warns(sink):
+    """``push_weights`` names the label ``weights_version`` like ``load_weights``; the old
+    ``version=`` keyword sends the same commit, with a DeprecationWarning."""
+    tensor = [("a", np.zeros(3, np.float32))]
+    with ScoringClient(f"127.0.0.1:{sink.port}") as client:
+        with pytest.warns(DeprecationWarning, match="weights_version"):
+            result = client.push_weights(tensor, version="old", partial=True)
+        assert sink.calls[-1][-1].commit.weights_version == "old"
+        assert result.weights_version == "old"
+        with pytest.raises(InvalidInputError, match="disagree"):
+            client.push_weights(tensor, weights_version="a", version="b", partial=True)

@@ -48,7 +48,11 @@ def test_reflection_describes_every_service(tp1):
         scorer = DescriptorPool(database).FindServiceByName(SCORER)
         methods = {m.name: m for m in scorer.methods}
         assert set(methods) == {
-            "Score", "ScoreStream", "GetModelInfo", "LoadWeights", "UpdateWeights"
+            "Score",
+            "ScoreStream",
+            "GetModelInfo",
+            "LoadWeights",
+            "UpdateWeights",
         }
         assert methods["Score"].input_type.full_name == "megascore.v1.ScoreRequest"
         assert methods["ScoreStream"].client_streaming and methods["ScoreStream"].server_streaming

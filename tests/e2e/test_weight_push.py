@@ -121,7 +121,7 @@ def test_pushes_after_training_steps_match_the_trainer(servers, name):
             old_refs = reference(trainer)
             train_step(trainer, optimizer, step)
             label = f"{name}-step{step}"
-            pushed = client.push_weights(trainer.state_dict().items(), version=label)
+            pushed = client.push_weights(trainer.state_dict().items(), weights_version=label)
             assert pushed.weights_version == label
             assert pushed.previous_weights_version == versions[-1]
             assert pushed.num_tensors == len(trainer.state_dict())
@@ -163,7 +163,9 @@ def test_megatron_names_push(servers, name, megatron_state, tmp_path):
     if family == "mixtral":  # every expert by its global index
         assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in state
     with ScoringClient(servers[name].target, timeout=120) as client:
-        pushed = client.push_weights(state.items(), names="megatron", version=f"{name}-mcore")
+        pushed = client.push_weights(
+            state.items(), names="megatron", weights_version=f"{name}-mcore"
+        )
         assert pushed.num_tensors == len(state)
         result = client.score(SEQS)
     assert result.weights_version == f"{name}-mcore"
@@ -251,7 +253,7 @@ def test_faults_keep_the_old_weights_serving(servers):
     refs = {v: reference(m) for v, m in models.items()}
     state = {v: m.state_dict() for v, m in models.items()}
     with ScoringClient(server.target, timeout=120) as client:
-        client.push_weights(state["A"].items(), version="A")
+        client.push_weights(state["A"].items(), weights_version="A")
         scorer = Scorer(server.target, refs)
         scorer.start()
         try:
@@ -319,7 +321,7 @@ def test_faults_keep_the_old_weights_serving(servers):
             norm = [("model.norm.weight", state["C"]["model.norm.weight"])]
             details = _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: client.push_weights(norm))
             assert "partial" in details
-            pushed = client.push_weights(norm, version="B+norm", partial=True)
+            pushed = client.push_weights(norm, weights_version="B+norm", partial=True)
             assert pushed.previous_weights_version == "B"
             result = client.score(SEQS)
             assert result.weights_version == "B+norm"

@@ -54,8 +54,8 @@ def _batch(moe: bool) -> ScoreBatch:
         temperature=rng.uniform(0.5, 1.5, len(lens)).astype(np.float32),
         top_k=TOP_K,
         losses=loss_names(),
-        want_moe_metrics=moe,
-        want_mtp_metrics=moe,
+        return_moe_metrics=moe,
+        return_mtp_metrics=moe,
     )
 
 

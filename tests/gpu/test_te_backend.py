@@ -48,7 +48,7 @@ def _run(pgs, model_name: str, backend: str):
     ids = torch.randint(1, 512, (sum(LENGTHS),), generator=gen)  # [T], concatenated
     packed = pack_sequences(ids.cuda(), torch.tensor(LENGTHS), pad_individual_seqs_to_multiple_of=8)
     is_moe = builtin_model(model_name).is_moe
-    out = forward_packed(model, packed, want_moe_metrics=is_moe, want_mtp_metrics=is_moe)
+    out = forward_packed(model, packed, return_moe_metrics=is_moe, return_mtp_metrics=is_moe)
     starts = packed.cu_seqlens_padded.tolist()
     rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, LENGTHS, strict=False)])
     logits = out.head.logits(0, out.head.num_tokens)  # [T, V]: a tiny test batch

@@ -12,7 +12,7 @@ the token after it, so a replayed routing shows in the logprobs.
 
 The engine can be slowed down (``delay_s``), held at a gate (``gate``), made to
 fail one step or every step, or to raise :class:`WorkerLostError`. Like the real
-engine it checks every step against its :class:`BatchLimits` first (``check``);
+engine it checks every step against its :class:`Limits` first (``check``);
 narrowing ``limits`` below what ``info()`` announces lets requests through the
 wire gate that the engine then refuses.
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 from megascore.errors import CheckpointError, InvalidRequestError, WorkerLostError
 from megascore.types import (
-    BatchLimits,
+    Limits,
     ModelInfo,
     ParallelLayout,
     RoutingShape,
@@ -72,18 +72,19 @@ def compute(
         raw += np.float32(0.001) * prev_route.astype(np.float32)
     logprobs = -(raw / temp)
     logprobs[starts] = 0.0
-    out = ScoreOutput(logprobs=logprobs.astype(np.float32), weights_version=weights_version)
-    if batch.want_routing:
-        out.routing = np.asarray(routes, dtype=np.int32)
+    values = {"logprobs": logprobs.astype(np.float32), "losses": {}}
+    out = ScoreOutput(values=values, weights_version=weights_version)
+    if batch.return_routing:
+        values["routing"] = np.asarray(routes, dtype=np.int32)
     if batch.top_k:
         j = np.arange(batch.top_k, dtype=np.int64)
-        out.top_k_ids = (ids[:, None] * 5 + j[None, :] * 11) % VOCAB
-        out.top_k_logprobs = (
+        values["top_k_ids"] = (ids[:, None] * 5 + j[None, :] * 11) % VOCAB
+        values["top_k_logprobs"] = (
             -((j[None, :] + 1).astype(np.float32) * np.float32(0.5) + (ids[:, None] % 7) / 10)
             / temp[:, None]
         ).astype(np.float32)
-        out.top_k_ids[starts] = -1
-        out.top_k_logprobs[starts] = 0.0
+        values["top_k_ids"][starts] = -1
+        values["top_k_logprobs"][starts] = 0.0
     mask = np.ones(ids.size) if batch.loss_mask is None else batch.loss_mask.astype(np.float64)
     mask[starts] = 0.0
     weighted = mask * logprobs.astype(np.float64)
@@ -93,13 +94,13 @@ def compute(
         out.losses["nll"] = nll
     if "mean_nll" in batch.losses:
         out.losses["mean_nll"] = nll / np.maximum(count, 1)
-    out.num_loss_tokens = count
-    if batch.want_moe_metrics:
+    values["num_loss_tokens"] = count
+    if batch.return_moe_metrics:
         out.moe_metrics = {
             "load_balancing_loss": float(ids.mean() / VOCAB),
             "z_loss": float((ids % 10).mean()),
         }
-    if batch.want_mtp_metrics:
+    if batch.return_mtp_metrics:
         out.mtp_metrics = {
             "mtp_1_loss": float((ids % 17).mean() / 17),
             "mtp_1_acceptance_rate": float((ids % 2).mean()),
@@ -136,9 +137,9 @@ class FakeEngine:
         self.gate: threading.Event | None = None
         self.fail_next: BaseException | None = None
         self.fail_always: BaseException | None = None
-        self.limits = BatchLimits(
+        self.limits = Limits(
             vocab_size=VOCAB,
-            max_length=max_len,
+            max_sequence_length=max_len,
             max_top_k=MAX_TOP_K,
             loss_names=LOSS_NAMES,
             routing=routing,
@@ -156,18 +157,14 @@ class FakeEngine:
             name="fake",
             architecture="gpt",
             num_parameters=12345,
-            vocab_size=VOCAB,
-            max_sequence_length=self.max_len,
             dtype="float32",
             parallel=ParallelLayout(),
             attention_backend="torch",
+            limits=self.limits,
             checkpoint_path=f"fake:{self.version}",
             weights_version=self.version,
-            max_top_k=MAX_TOP_K,
-            loss_names=LOSS_NAMES,
             moe_metric_names=("load_balancing_loss", "z_loss"),
             mtp_metric_names=("mtp_1_loss", "mtp_1_acceptance_rate"),
-            routing=self.routing,
         )
 
     def check(self, batch: ScoreBatch) -> None:

@@ -159,9 +159,9 @@ class Req:
             temperature=np.full(lengths.size, self.temperature or 1.0, dtype=np.float32),
             top_k=self.top_k,
             losses=self.losses,
-            want_logprobs=self.logprobs,
-            want_moe_metrics=self.moe,
-            want_mtp_metrics=self.mtp,
+            return_logprobs=self.logprobs,
+            return_moe_metrics=self.moe,
+            return_mtp_metrics=self.mtp,
         )
 
 

@@ -132,7 +132,7 @@ def test_options_honoured_when_merged(server):
     for req, response in zip(reqs, responses, strict=True):
         check_response(response, req)
     (step,) = new_steps(engine, since)
-    assert step.top_k == 5 and set(step.losses) == {"nll", "mean_nll"} and step.want_logprobs
+    assert step.top_k == 5 and set(step.losses) == {"nll", "mean_nll"} and step.return_logprobs
     # Same tokens, other temperatures: different values, each at its own temperature.
     lp = [np.frombuffer(r.token_logprobs.data, "<f4") for r in responses[:2]]
     assert not np.array_equal(lp[0], lp[1])
@@ -157,7 +157,7 @@ def test_moe_and_mtp_requests_get_their_own_steps(server):
     expected_mtp = compute(mtp.batch()).mtp_metrics
     assert dict(responses[1].mtp_metrics) == pytest.approx(expected_mtp, rel=1e-12)
     steps = new_steps(engine, since)
-    metric_steps = [s for s in steps if s.want_moe_metrics or s.want_mtp_metrics]
+    metric_steps = [s for s in steps if s.return_moe_metrics or s.return_mtp_metrics]
     assert len(metric_steps) == 2
     assert {s.num_tokens for s in metric_steps} == {20}  # only their own sequences
     assert len(steps) == 3  # the plain requests shared one step
@@ -201,7 +201,9 @@ def test_request_the_engine_refuses_fails_alone_and_the_others_are_rescored(serv
         with pytest.raises(grpc.RpcError) as info:
             futures[1].result()
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "sequence 1: token ids must be in [0, 500)" in info.value.details()
+        assert (
+            "token_ids: sequence 1 position 1 has id 700, outside [0, 500)" in info.value.details()
+        )
         for req, future in zip(good, (futures[0], futures[2]), strict=True):
             check_response(future.result(), req)
     finally:

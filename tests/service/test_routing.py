@@ -16,20 +16,20 @@ import numpy as np
 import pytest
 
 from megascore.errors import InvalidRequestError
-from megascore.types import RoutingShape
+from megascore.types import Limits, RoutingShape
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array, encode_array
-from megascore_server.validation import RequestLimits, validate_request
+from megascore_server.validation import validate_request
 from tests.service.fake_engine import MAX_LEN, MAX_TOP_K, VOCAB, FakeEngine, compute, fake_routing
 from tests.service.harness import Req, ServerThread
 
 SHAPE = RoutingShape(num_moe_layers=2, topk=2, num_experts=4)
-DENSE = RequestLimits(
+DENSE = Limits(
     vocab_size=VOCAB,
     max_sequence_length=MAX_LEN,
     max_request_tokens=4000,
     max_top_k=MAX_TOP_K,
-    loss_names=frozenset({"nll"}),
+    loss_names=("nll",),
 )
 MOE = dataclasses.replace(DENSE, routing=SHAPE)
 SEQS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -51,7 +51,7 @@ def other_routing(seqs=SEQS) -> np.ndarray:
 def test_validation_accepts_a_routing_and_returns_it_as_int32():
     routes = other_routing()
     batch = validate_request(request(routing=routes, return_routing=True), MOE)
-    assert batch.want_routing and batch.routing.dtype == np.int32
+    assert batch.return_routing and batch.routing.dtype == np.int32
     np.testing.assert_array_equal(batch.routing, routes)
 
 
@@ -108,7 +108,7 @@ def _expected(seqs, *, routing=None, return_routing=False):
     batch = dataclasses.replace(
         batch,
         routing=None if routing is None else np.asarray(routing, np.int32),
-        want_routing=return_routing,
+        return_routing=return_routing,
     )
     return compute(batch, "v0", SHAPE)
 

@@ -63,7 +63,7 @@ def make_batch(seqs, *, top_k=0, losses=(), temperature=1.0, mask=None, logprobs
         temperature=np.full(lengths.size, temperature, dtype=np.float32),
         top_k=top_k,
         losses=losses,
-        want_logprobs=logprobs,
+        return_logprobs=logprobs,
     )
 
 
@@ -73,7 +73,7 @@ def test_merge_select_concat_round_trip():
     c = make_batch([[12, 13]], logprobs=False)
     pieces = [(a, np.array([2, 0])), (b, np.array([0, 1])), (c, np.array([0])), (a, np.array([1]))]
     step = merge_batches(pieces)
-    assert step.top_k == 4 and step.losses == ("nll", "mean_nll") and step.want_logprobs
+    assert step.top_k == 4 and step.losses == ("nll", "mean_nll") and step.return_logprobs
     np.testing.assert_array_equal(step.lengths, [1, 3, 4, 1, 2, 2])
     np.testing.assert_array_equal(step.temperature, [0.5, 0.5, 1, 1, 1, 0.5])
     np.testing.assert_array_equal(step.loss_mask, [1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1])
@@ -82,15 +82,11 @@ def test_merge_select_concat_round_trip():
     parts = [
         (
             np.array([2, 0]),
-            select_sequences(
-                out, step.lengths, np.array([0, 1]), top_k=2, losses=("nll",), want_logprobs=True
-            ),
+            select_sequences(out, step.lengths, np.array([0, 1]), a),
         ),
         (
             np.array([1]),
-            select_sequences(
-                out, step.lengths, np.array([5]), top_k=2, losses=("nll",), want_logprobs=True
-            ),
+            select_sequences(out, step.lengths, np.array([5]), a),
         ),
     ]
     joined = concat_outputs(parts, a.lengths)

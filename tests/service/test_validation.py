@@ -14,19 +14,20 @@ import numpy as np
 import pytest
 
 from megascore.errors import InvalidRequestError, ResourceExhaustedError
+from megascore.types import Limits
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import encode_array
-from megascore_server.validation import RequestLimits, validate_request
+from megascore_server.validation import validate_request
 from tests.service.fake_engine import MAX_LEN, MAX_TOP_K, VOCAB, FakeEngine
 from tests.service.harness import Req, check_response, serving
 
 MAX_REQUEST_TOKENS = 2000
-LIMITS = RequestLimits(
+LIMITS = Limits(
     vocab_size=VOCAB,
     max_sequence_length=MAX_LEN,
     max_request_tokens=MAX_REQUEST_TOKENS,
     max_top_k=MAX_TOP_K,
-    loss_names=frozenset({"nll", "mean_nll"}),
+    loss_names=("nll", "mean_nll"),
 )
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -205,7 +206,7 @@ def test_validate_request_accepts_and_converts():
     assert batch.loss_mask.dtype == np.uint8
     np.testing.assert_array_equal(batch.temperature, np.full(3, 0.5, dtype=np.float32))
     assert batch.top_k == 3 and batch.losses == ("nll", "mean_nll")  # deduplicated, in order
-    assert batch.want_logprobs and not batch.want_moe_metrics
+    assert batch.return_logprobs and not batch.return_moe_metrics
 
 
 def test_validate_million_tokens_is_vectorised():
@@ -215,7 +216,7 @@ def test_validate_million_tokens_is_vectorised():
     ids[-1] = VOCAB  # the very last token is bad: every check scans everything
     request = pb.ScoreRequest(token_ids=encode_array(ids), lengths=encode_array(lengths))
     request.loss_mask.CopyFrom(encode_array(np.ones(ids.size, dtype=np.uint8)))
-    limits = RequestLimits(VOCAB, 16, 2_000_000, 8, frozenset())
+    limits = Limits(VOCAB, 16, 8, (), max_request_tokens=2_000_000)
     start = time.perf_counter()
     with pytest.raises(InvalidRequestError, match="sequence 99999 position 9"):
         validate_request(request, limits)

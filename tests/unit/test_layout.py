@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from megascore import layout
 from megascore.errors import InvalidRequestError
-from megascore.types import BatchLimits, ScoreBatch
+from megascore.types import Limits, ScoreBatch
 
 
 @settings(max_examples=60, deadline=None)
@@ -56,7 +56,7 @@ def test_loss_tokens_count_masked_positions_after_the_first():
         layout.effective_loss_mask(lengths, np.ones(5, np.uint8))
 
 
-LIMITS = BatchLimits(vocab_size=10, max_length=3, max_top_k=4, loss_names=("mean_nll", "nll"))
+LIMITS = Limits(vocab_size=10, max_sequence_length=3, max_top_k=4, loss_names=("mean_nll", "nll"))
 
 
 def _batch(**kw) -> ScoreBatch:
@@ -67,21 +67,21 @@ def _batch(**kw) -> ScoreBatch:
 def test_check_accepts_and_rejects_naming_the_field():
     _batch(top_k=4, losses=("nll",), temperature=np.array([0.5, 2.0], np.float32)).check(LIMITS)
     for bad, match in (
-        (_batch(token_ids=np.array([1, 2, 3, 10])), "sequence 1: token ids"),
-        (_batch(token_ids=np.array([-1, 2, 3, 4])), "sequence 0: token ids"),
+        (_batch(token_ids=np.array([1, 2, 3, 10])), "token_ids: sequence 1 position 2"),
+        (_batch(token_ids=np.array([-1, 2, 3, 4])), "token_ids: sequence 0 position 0"),
         (_batch(lengths=np.array([2, 3])), "lengths sum"),
-        (_batch(token_ids=np.arange(5), lengths=np.array([1, 4])), "sequence 1: length 4"),
+        (_batch(token_ids=np.arange(5), lengths=np.array([1, 4])), "sequence 1 has length 4"),
         (_batch(lengths=np.array([0, 4])), "sequence 0"),
-        (_batch(lengths=np.array([], np.int64), token_ids=np.array([], np.int64)), "non-empty"),
+        (_batch(lengths=np.array([], np.int64), token_ids=np.array([], np.int64)), "empty batch"),
         (_batch(top_k=5), "top_k"),
-        (_batch(losses=("nope",)), "unknown losses"),
+        (_batch(losses=("nope",)), "options.losses.*unknown loss"),
         (_batch(temperature=np.array([1.0, np.inf], np.float32)), "temperature"),
         (_batch(temperature=np.array([1.0], np.float32)), "temperature"),
         (_batch(loss_mask=np.ones(3, np.uint8)), "loss_mask"),
     ):
         with pytest.raises(InvalidRequestError, match=match):
             bad.check(LIMITS)
-    no_metrics = BatchLimits(**{**LIMITS.__dict__, "metrics_supported": False})
+    no_metrics = Limits(**{**LIMITS.__dict__, "metrics_supported": False})
     _batch().check(no_metrics)
     with pytest.raises(InvalidRequestError, match="sequence_parallel"):
-        _batch(want_mtp_metrics=True).check(no_metrics)
+        _batch(return_mtp_metrics=True).check(no_metrics)

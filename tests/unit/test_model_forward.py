@@ -241,7 +241,7 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
     before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     eval_head = forward_packed(model, packed).head
 
-    out = forward_packed(model, packed, want_moe_metrics=True, want_mtp_metrics=True)
+    out = forward_packed(model, packed, return_moe_metrics=True, return_mtp_metrics=True)
     assert set(out.moe_metrics) == {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"}
     assert list(out.mtp_metrics) == mtp_metric_names(model_cfg)
     assert torch.equal(out.head.hidden_states, eval_head.hidden_states)
@@ -251,7 +251,7 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
-    again = forward_packed(model, packed, want_moe_metrics=True, want_mtp_metrics=True)
+    again = forward_packed(model, packed, return_moe_metrics=True, return_mtp_metrics=True)
     assert again.moe_metrics == out.moe_metrics and again.mtp_metrics == out.mtp_metrics
 
     n_moe_layers = model_cfg.num_layers + model_cfg.mtp_num_layers  # every layer is MoE
@@ -262,7 +262,7 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
     assert out.mtp_metrics["mtp_1_loss"] > 0 and out.moe_metrics["z_loss"] > 0
     # pads are masked out of the statistics: the unpadded packing reports the same metrics
     unpadded = forward_packed(
-        model, pack_rows(ids, lens), want_moe_metrics=True, want_mtp_metrics=True
+        model, pack_rows(ids, lens), return_moe_metrics=True, return_mtp_metrics=True
     )
     for name, value in {**unpadded.moe_metrics, **unpadded.mtp_metrics}.items():
         got = {**out.moe_metrics, **out.mtp_metrics}[name]
@@ -273,9 +273,9 @@ def test_metrics_requested_from_dense_model_raise(pgs):
     model = _build(pgs, builtin_model("tiny"))
     packed = pack_rows(*_batch([4], 512))
     with pytest.raises(ValueError, match="dense"):
-        forward_packed(model, packed, want_moe_metrics=True)
+        forward_packed(model, packed, return_moe_metrics=True)
     with pytest.raises(ValueError, match="MTP"):
-        forward_packed(model, packed, want_mtp_metrics=True)
+        forward_packed(model, packed, return_mtp_metrics=True)
 
 
 @pytest.mark.parametrize("cp_size", [1, 2])
@@ -310,10 +310,10 @@ def test_loss_mask_override_reaches_mtp(pgs):
     packed = pack_rows(*_batch([9, 5], 512, seed=8))
     total = packed.input_ids.shape[1]
     none = forward_packed(
-        model, packed, want_mtp_metrics=True, loss_mask_packed_local=torch.zeros(total)
+        model, packed, return_mtp_metrics=True, loss_mask_packed_local=torch.zeros(total)
     )
     assert none.mtp_metrics == {"mtp_1_loss": 0.0, "mtp_1_acceptance_rate": 0.0}
-    default = forward_packed(model, packed, want_mtp_metrics=True)
+    default = forward_packed(model, packed, return_mtp_metrics=True)
     assert default.mtp_metrics["mtp_1_loss"] > 0
 
 
@@ -322,10 +322,10 @@ def test_moe_metrics_of_length_one_sequences_are_finite(pgs):
     no real token and contributes 0 (not 0 / 0) to the mean over layers."""
     model = _build(pgs, builtin_model("tiny-moe"))
     single = forward_packed(
-        model, pack_rows(*_batch([1, 1], 512, seed=3)), want_moe_metrics=True
+        model, pack_rows(*_batch([1, 1], 512, seed=3)), return_moe_metrics=True
     ).moe_metrics
     assert all(math.isfinite(v) for v in single.values()), single
     longer = forward_packed(
-        model, pack_rows(*_batch([1, 4], 512, seed=3)), want_moe_metrics=True
+        model, pack_rows(*_batch([1, 4], 512, seed=3)), return_moe_metrics=True
     ).moe_metrics
     assert all(math.isfinite(v) for v in longer.values()) and longer != single

@@ -80,7 +80,9 @@ def test_chunked_scores_equal_full_logit_scores(pgs, name):
     want = score_tokens(full, targets, chunk_tokens=num_tokens, **scoring)
     outputs = [forward_packed(model, packed)]
     if MODELS[name].is_moe:  # the metrics forward (training mode) hands over the same head
-        outputs.append(forward_packed(model, packed, want_moe_metrics=True, want_mtp_metrics=True))
+        outputs.append(
+            forward_packed(model, packed, return_moe_metrics=True, return_mtp_metrics=True)
+        )
     for out in outputs:
         assert out.head.num_tokens == num_tokens and out.head.vocab_local == model.vocab_size
         for chunk_tokens in (1, 7, 16, 33, 64):
@@ -133,8 +135,8 @@ def test_step_never_materialises_all_rows_of_logits(pgs, monkeypatch, name, metr
         lengths=lengths,
         top_k=TOP_K,
         losses=("nll",),
-        want_logprobs=True,
-        want_moe_metrics=metrics,
+        return_logprobs=True,
+        return_moe_metrics=metrics,
     )
     num_tokens = int(lengths.sum())  # pad multiple 1: T_local = tokens
     assert num_tokens > 7 * chunk_tokens

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
 from megascore.errors import InvalidRequestError
-from megascore.types import BatchLimits, RoutingShape, ScoreBatch
+from megascore.types import Limits, RoutingShape, ScoreBatch
 
 LENGTHS = np.array([5, 1, 17, 3, 9])
 
@@ -39,7 +39,7 @@ def batch() -> ScoreBatch:
         token_ids=rng.integers(0, 512, int(LENGTHS.sum())),
         lengths=LENGTHS,
         top_k=3,
-        want_routing=True,
+        return_routing=True,
     )
 
 
@@ -82,13 +82,13 @@ def test_replaying_another_routing_changes_exactly_the_later_tokens(engine, batc
 def test_routing_does_not_depend_on_the_batch(engine, batch, recorded):
     off = batch.offsets()
     alone = ScoreBatch(token_ids=batch.token_ids[off[2] : off[3]], lengths=LENGTHS[2:3])
-    out = engine.score(dataclasses.replace(alone, want_routing=True))
+    out = engine.score(dataclasses.replace(alone, return_routing=True))
     assert np.array_equal(out.routing, recorded.routing[off[2] : off[3]])
 
 
 def test_metrics_forward_records_the_same_experts(engine, batch, recorded):
     """The training-mode forward of the metrics sorts its top-k; the experts are the same."""
-    out = engine.score(dataclasses.replace(batch, want_moe_metrics=True))
+    out = engine.score(dataclasses.replace(batch, return_moe_metrics=True))
     assert out.moe_metrics
     np.testing.assert_array_equal(np.sort(out.routing, -1), np.sort(recorded.routing, -1))
     replayed = engine.score(dataclasses.replace(batch, routing=out.routing))
@@ -135,12 +135,12 @@ def test_routing_shape_check_names_the_sequence():
 
 
 def test_batch_check_refuses_routing_on_a_model_without_moe():
-    dense = BatchLimits(vocab_size=10, max_length=8, max_top_k=4, loss_names=("nll",))
+    dense = Limits(vocab_size=10, max_sequence_length=8, max_top_k=4, loss_names=("nll",))
     batch = ScoreBatch(token_ids=np.array([1, 2, 3]), lengths=np.array([3]))
     batch.check(dense)
     with pytest.raises(InvalidRequestError, match="options.return_routing: .* no MoE layers"):
-        dataclasses.replace(batch, want_routing=True).check(dense)
+        dataclasses.replace(batch, return_routing=True).check(dense)
     with pytest.raises(InvalidRequestError, match="^routing: .* no MoE layers"):
         dataclasses.replace(batch, routing=_valid(3)).check(dense)
     moe = dataclasses.replace(dense, routing=RoutingShape(2, 2, 4))
-    dataclasses.replace(batch, routing=_valid(3), want_routing=True).check(moe)
+    dataclasses.replace(batch, routing=_valid(3), return_routing=True).check(moe)

@@ -64,7 +64,7 @@ def _batch() -> ScoreBatch:
     rng = np.random.default_rng(7)
     lengths = np.array([6, 1, 21, 9])
     return ScoreBatch(
-        token_ids=rng.integers(0, 512, int(lengths.sum())), lengths=lengths, want_routing=True
+        token_ids=rng.integers(0, 512, int(lengths.sum())), lengths=lengths, return_routing=True
     )
 
 

@@ -87,4 +87,3 @@ def hf_config_to_model_config(config: dict[str, Any]) -> ModelConfig:
         return ModelConfig(**kwargs)
     except ValueError as e:
         raise CheckpointError(f"config.json: inconsistent architecture: {e}") from e
-

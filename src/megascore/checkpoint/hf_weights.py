@@ -39,10 +39,12 @@ from megascore.checkpoint.resolve import check_every_parameter_written, model_te
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
+from megascore.model.weights import decoder_layer_offset, unwrap_model
 
 logger = logging.getLogger(__name__)
 
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
 
 @dataclasses.dataclass
 class HFLoadPlan:
@@ -56,19 +58,6 @@ class HFLoadPlan:
     copies: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """(MTP layer copy, main tensor) pairs that must be equal: Megatron's MTP layers use
     the main model's embedding and output layer."""
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
-def _layer_offset(model: torch.nn.Module) -> int:
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
-    if layers is None or len(layers) == 0:
-        return 0
-    return int(getattr(layers[0], "layer_number", 1)) - 1
 
 
 def plan_hf_load(
@@ -91,7 +80,7 @@ def plan_hf_load(
         CheckpointError: missing tensor, wrong shape, vocabulary mismatch, or a
             model parameter without a known HF source.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     ranks = ParallelRanks.from_model(model)
     embed = "model.embed_tokens.weight"
     if embed in reader and reader.shape(embed)[0] != model_cfg.vocab_size:
@@ -100,7 +89,7 @@ def plan_hf_load(
             f"vocab_size is {model_cfg.vocab_size}"
         )
     mapper = ParamMapper(model_cfg, reader, ranks)
-    offset = _layer_offset(model)
+    offset = decoder_layer_offset(model)
     recipes: dict[str, Recipe] = {}
     used: set[str] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -156,8 +145,8 @@ def stage_hf_weights(
     plan: HFLoadPlan, reader: SafetensorsDir, model: torch.nn.Module
 ) -> dict[str, torch.Tensor]:
     """Reads this rank's shards into host tensors in the parameters' dtypes."""
-    _check_copies(plan, reader, ParallelRanks.from_model(_unwrap(model)))
-    targets = _unwrap(model).state_dict(keep_vars=True)
+    _check_copies(plan, reader, ParallelRanks.from_model(unwrap_model(model)))
+    targets = unwrap_model(model).state_dict(keep_vars=True)
     staged = {}
     for name, recipe in plan.recipes.items():
         staged[name] = recipe.read(reader).to(targets[name].dtype)
@@ -166,7 +155,7 @@ def stage_hf_weights(
 
 def copy_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copies staged tensors into the model's parameters/buffers (same names, same shapes)."""
-    targets = _unwrap(model).state_dict(keep_vars=True)
+    targets = unwrap_model(model).state_dict(keep_vars=True)
     with torch.no_grad():
         for name, value in tensors.items():
             targets[name].copy_(value, non_blocking=False)
@@ -187,7 +176,7 @@ def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: s
     directory = Path(directory)
     with SafetensorsDir(directory) as reader:
         plan = plan_hf_load(model, model_cfg, reader)
-        expected = model_tensor_names(_unwrap(model))
+        expected = model_tensor_names(unwrap_model(model))
         check_every_parameter_written(expected, plan.recipes, str(directory))
         staged = stage_hf_weights(plan, reader, model)
     copy_into_model(model, staged)

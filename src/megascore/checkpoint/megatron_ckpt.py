@@ -45,18 +45,13 @@ from megascore.checkpoint.resolve import (
 from megascore.distributed import collective_device
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
+from megascore.model.weights import unwrap_model
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "megascore.json"
 FORMAT = "megascore-megatron/1"
 _MARKER = "metadata.json"  # written by dist_checkpointing.save when complete
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
 
 
 def _weights_only(sharded: dict[str, Any]) -> dict[str, Any]:
@@ -161,10 +156,10 @@ def save_checkpoint(
         not_empty = int(flag.item())
     if not_empty:
         raise CheckpointError(f"{directory}: not empty; refusing to overwrite")
-    sharded = _weights_only(_unwrap(model).sharded_state_dict())
+    sharded = _weights_only(unwrap_model(model).sharded_state_dict())
     dist_checkpointing.save(sharded, str(directory))
     if _rank() == 0:
-        dtype = next(_unwrap(model).parameters()).dtype
+        dtype = next(unwrap_model(model).parameters()).dtype
         data = {
             "format": FORMAT,
             "model_config": config_to_json(model_cfg),
@@ -209,7 +204,7 @@ def load_checkpoint(
     directory = Path(directory)
     ckpt_cfg, data = read_checkpoint_config(directory)
     check_same_architecture(ckpt_cfg, model_cfg, str(directory))
-    module = _unwrap(model)
+    module = unwrap_model(model)
     sharded = _weights_only(module.sharded_state_dict())
     dict_list_map_inplace(_fresh_host_buffer, sharded)
     try:

@@ -431,11 +431,11 @@ def _clear_trackers() -> None:
     MTPLossLoggingHelper.tracker.clear()
 
 
-def check_metrics_request(cfg, want_moe_metrics: bool, want_mtp_metrics: bool) -> None:
+def check_metrics_request(cfg, return_moe_metrics: bool, return_mtp_metrics: bool) -> None:
     """Raises ValueError for metrics the model cannot report (it has no such layers)."""
-    if want_moe_metrics and not cfg.num_moe_experts:
+    if return_moe_metrics and not cfg.num_moe_experts:
         raise ValueError("MoE metrics requested from a dense model")
-    if want_mtp_metrics and not cfg.mtp_num_layers:
+    if return_mtp_metrics and not cfg.mtp_num_layers:
         raise ValueError("MTP metrics requested from a model without MTP layers")
 
 
@@ -507,7 +507,7 @@ class ForwardMetrics:
 
 @contextlib.contextmanager
 def scoring_forward(
-    model, *, want_moe_metrics: bool, want_mtp_metrics: bool, num_microbatches: int = 1
+    model, *, return_moe_metrics: bool, return_mtp_metrics: bool, num_microbatches: int = 1
 ):
     """The mode every scoring forward of one step runs in (see the module docstring).
 
@@ -519,8 +519,8 @@ def scoring_forward(
 
     Args:
         model: the GPTModel of this rank.
-        want_moe_metrics: compute the MoE aux-loss metrics (MoE models only).
-        want_mtp_metrics: compute the MTP metrics (MTP models only).
+        return_moe_metrics: compute the MoE aux-loss metrics (MoE models only).
+        return_mtp_metrics: compute the MTP metrics (MTP models only).
         num_microbatches: forwards of the step run inside the block
             (:func:`forward_microbatch`).
 
@@ -530,13 +530,13 @@ def scoring_forward(
     Raises:
         ValueError: see :func:`check_metrics_request`.
     """
-    check_metrics_request(model.config, want_moe_metrics, want_mtp_metrics)
+    check_metrics_request(model.config, return_moe_metrics, return_mtp_metrics)
     metrics = ForwardMetrics()
-    if not (want_moe_metrics or want_mtp_metrics):
+    if not (return_moe_metrics or return_mtp_metrics):
         with torch.no_grad(), _mtp_skipped(model):
             yield metrics
         return
-    moe_names = moe_metric_names(model.config) if want_moe_metrics else []
+    moe_names = moe_metric_names(model.config) if return_moe_metrics else []
     _clear_trackers()
     try:
         with _training_forward(model):
@@ -544,8 +544,7 @@ def scoring_forward(
         scale = 1.0 / num_microbatches
         if moe_names:
             metrics.moe = _read_moe_metrics(model, moe_names, scale)
-        if want_mtp_metrics:
+        if return_mtp_metrics:
             metrics.mtp = _read_mtp_metrics(model, scale)
     finally:
         _clear_trackers()
-

@@ -29,23 +29,24 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from megascore import schema
+
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class TokenScores:
-    """Per-token outputs of :func:`score_tokens`.
+class TokenScores(dict):
+    """Per-token outputs of :func:`score_tokens` by :data:`megascore.schema.OUTPUTS` name,
+    also read as attributes (None when not computed):
 
-    Attributes:
-        logprobs: float32 ``[T]``, ``log softmax(logits[t] / temperature[t])[targets[t]]``,
-            or None when not requested.
-        top_k_ids: int64 ``[T, k]`` global vocabulary ids, most likely first, or None.
-        top_k_logprobs: float32 ``[T, k]`` log-probabilities of ``top_k_ids``, or None.
+    * logprobs: float32 ``[T]``, ``log softmax(logits[t] / temperature[t])[targets[t]]``.
+    * top_k_ids: int64 ``[T, k]`` global vocabulary ids, most likely first;
+      top_k_logprobs: float32 ``[T, k]`` their log-probabilities.
     """
 
-    logprobs: torch.Tensor | None
-    top_k_ids: torch.Tensor | None = None
-    top_k_logprobs: torch.Tensor | None = None
+    def __getattr__(self, name: str):
+        if any(out.name == name for out in schema.OUTPUTS):
+            return self.get(name)
+        raise AttributeError(name)
 
 
 class ChunkedLogits(Protocol):
@@ -259,6 +260,122 @@ def _chunk_top_k(
     return torch.gather(cand_ids, -1, val_order), torch.gather(cand_vals, -1, val_order)
 
 
+@dataclasses.dataclass
+class VocabShard:
+    """This rank's slice of the vocabulary and the group that holds the others.
+
+    Attributes:
+        group: tensor-parallel group, or None for unsharded logits.
+        size: size of ``group`` (1 when None).
+        start: global id of this shard's column 0.
+        vocab_size: true vocabulary size (padding columns at or above it never enter a
+            top-k), or None to keep every column.
+    """
+
+    group: dist.ProcessGroup | None
+    size: int
+    start: int
+    vocab_size: int | None
+
+
+class ChunkScores:
+    """One chunk of temperature-scaled vocab-parallel logits, normalised over the TP
+    group, and what each head output of :data:`megascore.schema.OUTPUTS` reads from it
+    (``Output.head``: ``chunk -> [C, *dims]``).
+
+    Attributes:
+        logits: float32 ``[C, V_local]`` scaled logits of this shard.
+        lse: float32 ``[C]`` log-sum-exp over the full vocabulary.
+        global_max: float32 ``[C]`` max over the full vocabulary.
+        top_k_size: alternatives per token of this step.
+    """
+
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor | None,
+        shard: VocabShard,
+        work: torch.Tensor,
+        top_k_size: int,
+    ):
+        self.logits, self.shard, self.work, self.top_k_size = logits, shard, work, top_k_size
+        self.global_max, sum_exp = _chunk_log_normalizer(logits, shard.group, shard.size, work)
+        # One SUM for both reductions: [2, C] (the target logit from the rank owning it)
+        packed = sum_exp.unsqueeze(0)
+        if targets is not None:
+            packed = torch.stack([sum_exp, self._owned_logits(targets.unsqueeze(-1))[:, 0]])
+        if shard.size > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=shard.group)
+        self.lse = self.global_max + torch.log(packed[0])
+        self._target_logit = packed[1] if targets is not None else None
+        self._top_k: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _owned_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[C, n]`` logits of global ``ids [C, n]`` that this shard owns, 0 elsewhere."""
+        local = ids.to(self.logits.device, torch.int64) - self.shard.start
+        owned = (local >= 0) & (local < self.logits.shape[1])
+        values = torch.gather(self.logits, -1, torch.where(owned, local, torch.zeros_like(local)))
+        return torch.where(owned, values, torch.zeros_like(values))
+
+    def target_logprobs(self) -> torch.Tensor:
+        """float32 ``[C]`` log-probability of each row's target."""
+        return self._target_logit - self.lse
+
+    def top_k(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [C, k] int64, logprobs [C, k] float32)``, most likely first (computed once)."""
+        if self._top_k is None:
+            shard = self.shard
+            ids, vals = _chunk_top_k(
+                self.logits,
+                self.top_k_size,
+                shard.start,
+                shard.vocab_size,
+                shard.group,
+                shard.size,
+                self.work,
+            )
+            self._top_k = ids, vals - self.lse.unsqueeze(-1)
+        return self._top_k
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOptions:
+    """The request options the head outputs' trailing shapes read (``Output.dims``)."""
+
+    top_k: int = 0
+
+
+def _default_outputs(targets: torch.Tensor | None, top_k: int) -> list[schema.Output]:
+    """The logprobs when there are targets, the top-k when ``top_k > 0``."""
+    names = (["logprobs"] if targets is not None else []) + (
+        ["top_k_ids", "top_k_logprobs"] if top_k > 0 else []
+    )
+    return [out for out in schema.OUTPUTS if out.name in names]
+
+
+def _check_inputs(source, targets, temperature, top_k, chunk_tokens, full_vocab) -> None:
+    """Stage 1 of :func:`score_tokens`: shapes and ranges, before any collective."""
+    num_tokens = source.num_tokens
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if top_k < 0 or top_k > full_vocab:
+        raise ValueError(f"top_k must be in [0, {full_vocab}], got {top_k}")
+    if targets is not None and targets.shape != (num_tokens,):
+        raise ValueError(f"targets must be [{num_tokens}], got {tuple(targets.shape)}")
+    if temperature is not None and temperature.shape != (num_tokens,):
+        raise ValueError(f"temperature must be [{num_tokens}], got {tuple(temperature.shape)}")
+
+
+def _allocate(outputs: list[schema.Output], options, num_tokens: int, device) -> TokenScores:
+    """Stage 2: one ``[T, *dims]`` buffer per output, filled like entry 0 of a sequence."""
+    scores = TokenScores()
+    for out in outputs:
+        shape = (num_tokens, *schema.flat_dims(out, options))
+        dtype = getattr(torch, out.dtype)
+        scores[out.name] = torch.full(shape, out.fill, dtype=dtype, device=device)
+    return scores
+
+
 def score_tokens(
     logits: torch.Tensor | ChunkedLogits,
     targets: torch.Tensor | None,
@@ -268,12 +385,15 @@ def score_tokens(
     top_k: int = 0,
     chunk_tokens: int = 1024,
     vocab_size: int | None = None,
+    outputs: list[schema.Output] | None = None,
 ) -> TokenScores:
-    """Log-probabilities of ``targets`` and top-k alternatives from vocab-parallel logits.
+    """Per-token outputs (logprobs of ``targets``, top-k, ...) from vocab-parallel logits.
 
     Every rank of ``tp_group`` must call this with the same number of tokens,
-    ``top_k``, ``chunk_tokens`` and whether ``targets`` is given (the
-    collectives are issued per chunk).
+    ``top_k``, ``chunk_tokens``, ``outputs`` and whether ``targets`` is given (the
+    collectives are issued per chunk). Stages: check the inputs, allocate the
+    outputs, then per chunk: the chunk's logits (scaled by the temperature), their
+    normaliser over the TP group (:class:`ChunkScores`), each output's ``head``.
 
     Args:
         logits: this rank's vocabulary slice, ``[T, V_local]`` any float dtype: a
@@ -289,6 +409,8 @@ def score_tokens(
         vocab_size: true vocabulary size; ids at or above it (padding columns)
             are excluded from the top-k. They still count in the softmax
             normaliser, as in Megatron's vocab-parallel cross-entropy.
+        outputs: the head outputs to compute (:func:`megascore.schema.head_outputs`);
+            None: the logprobs when ``targets`` is given and the top-k when ``top_k > 0``.
 
     Returns:
         A :class:`TokenScores` with float32 / int64 tensors on the logits' device.
@@ -297,28 +419,20 @@ def score_tokens(
         ValueError: on inconsistent shapes or a ``top_k`` larger than the vocabulary.
     """
     source = TensorLogits(logits) if isinstance(logits, torch.Tensor) else logits
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     num_tokens, v_local = source.num_tokens, source.vocab_local
     tp_rank, tp_size = _group_rank_size(tp_group)
-    vocab_start = tp_rank * v_local
     full_vocab = v_local * tp_size if vocab_size is None else min(vocab_size, v_local * tp_size)
-    if top_k < 0 or top_k > full_vocab:
-        raise ValueError(f"top_k must be in [0, {full_vocab}], got {top_k}")
-    if targets is not None and targets.shape != (num_tokens,):
-        raise ValueError(f"targets must be [{num_tokens}], got {tuple(targets.shape)}")
-    if temperature is not None and temperature.shape != (num_tokens,):
-        raise ValueError(f"temperature must be [{num_tokens}], got {tuple(temperature.shape)}")
-
+    _check_inputs(source, targets, temperature, top_k, chunk_tokens, full_vocab)
+    shard = VocabShard(tp_group, tp_size, tp_rank * v_local, vocab_size)
+    outputs = _default_outputs(targets, top_k) if outputs is None else outputs
     device = source.device
-    out_lp = torch.zeros(num_tokens, dtype=torch.float32, device=device)
-    out_ids = torch.full((num_tokens, top_k), -1, dtype=torch.int64, device=device)
-    out_top = torch.zeros((num_tokens, top_k), dtype=torch.float32, device=device)
+    scores = _allocate(outputs, HeadOptions(top_k), num_tokens, device)
     # Scratch reused by every chunk: the exp pass (and the padding mask of the top-k),
     # and the temperature-scaled logits.
     rows = min(chunk_tokens, num_tokens)
     work = torch.empty(rows, v_local, dtype=torch.float32, device=device)
     scaled = None if temperature is None else torch.empty_like(work)
+    needs_targets = any(out.name == "logprobs" for out in outputs)
     with torch.no_grad():
         for start in range(0, num_tokens, chunk_tokens):
             end = min(start + chunk_tokens, num_tokens)
@@ -329,35 +443,11 @@ def score_tokens(
             if temperature is not None:
                 temp = temperature[start:end].to(device, torch.float32).unsqueeze(-1)
                 chunk = torch.div(chunk, temp, out=scaled[: end - start])
-            global_max, sum_exp = _chunk_log_normalizer(chunk, tp_group, tp_size, work)
-            if targets is not None:
-                tgt = targets[start:end].to(device, torch.int64) - vocab_start
-                owned = (tgt >= 0) & (tgt < v_local)
-                local_idx = torch.where(owned, tgt, torch.zeros_like(tgt))
-                # target_logit: [C], nonzero only where this rank owns the target
-                target_logit = torch.gather(chunk, -1, local_idx.unsqueeze(-1)).squeeze(-1)
-                target_logit = torch.where(owned, target_logit, torch.zeros_like(target_logit))
-                # One SUM for both reductions: [2, C]
-                packed = torch.stack([sum_exp, target_logit])
-            else:
-                packed = sum_exp.unsqueeze(0)
-            if tp_size > 1:
-                dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-            # lse: [C]
-            lse = global_max + torch.log(packed[0])
-            if targets is not None:
-                out_lp[start:end] = packed[1] - lse
-            if top_k > 0:
-                ids, vals = _chunk_top_k(
-                    chunk, top_k, vocab_start, vocab_size, tp_group, tp_size, work
-                )
-                out_ids[start:end] = ids
-                out_top[start:end] = vals - lse.unsqueeze(-1)
+            tgt = targets[start:end] if needs_targets else None
+            context = ChunkScores(chunk, tgt, shard, work, top_k)
+            for out in outputs:
+                scores[out.name][start:end] = out.head(context)
             # Free this chunk's logits before the head computes the next one (peak: one
             # chunk of logits plus the scratch, whatever the number of chunks).
-            del chunk
-    return TokenScores(
-        logprobs=out_lp if targets is not None else None,
-        top_k_ids=out_ids if top_k > 0 else None,
-        top_k_logprobs=out_top if top_k > 0 else None,
-    )
+            del chunk, context
+    return scores

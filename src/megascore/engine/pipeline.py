@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megascore import layout
+from megascore import layout, schema
 from megascore.distributed import gather_cp_shards
 from megascore.engine.forward import forward_microbatch
 from megascore.engine.logprobs import Float32Logits, score_tokens
@@ -170,7 +170,7 @@ class ScoreSpec:
     """What the last stage computes for every microbatch of a step.
 
     Attributes:
-        want_logprobs: compute the targets' logprobs.
+        outputs: the head outputs to compute (:func:`megascore.schema.head_outputs`).
         top_k: alternatives per position (0 = none).
         chunk_tokens: rows per chunk of the vocab-parallel log-softmax.
         vocab_size: true vocabulary size.
@@ -183,7 +183,7 @@ class ScoreSpec:
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
     """
 
-    want_logprobs: bool
+    outputs: tuple[schema.Output, ...]
     top_k: int
     chunk_tokens: int
     vocab_size: int
@@ -208,6 +208,8 @@ def _score_microbatch(
         top_k=spec.top_k,
         chunk_tokens=spec.chunk_tokens,
         vocab_size=spec.vocab_size,
+        # the logprobs always: Megatron's schedule takes a loss from every microbatch
+        outputs=list(dict.fromkeys([schema.output("logprobs"), *spec.outputs])),
     )
     # loss: this CP shard's share of the step's token-mean NLL (NeMo-RL's normalisation
     # by the global valid token count); the CP ranks' shares sum to the microbatch's
@@ -216,21 +218,15 @@ def _score_microbatch(
     local_loss = loss.detach().clone()
     # cp_normalize, then undo Megatron's (x cp_size / num_microbatches) averaging
     loss = loss / cp_size * spec.num_microbatches / cp_size
-
-    def gathered(local: torch.Tensor | None) -> torch.Tensor | None:
-        """``[T_local, ...]`` -> ``[T_padded, ...]`` on the CPU, same dtype."""
-        if local is None or not spec.gather:
-            return None
-        return gather_cp_shards(local.unsqueeze(0), cu_padded.to(local.device), cp_group)[0].cpu()
-
     if cp_size > 1:
         dist.all_reduce(local_loss, group=cp_group)
-    return loss, {
-        "loss": local_loss.cpu(),
-        "logprobs": gathered(scores.logprobs if spec.want_logprobs else None),
-        "top_k_ids": gathered(scores.top_k_ids),
-        "top_k_logprobs": gathered(scores.top_k_logprobs),
-    }
+    results = {"loss": local_loss.cpu()}
+    for out in spec.outputs:  # [T_local, ...] -> [T_padded, ...] on the CPU, same dtype
+        if spec.gather:
+            local = scores[out.name].unsqueeze(0)
+            gathered = gather_cp_shards(local, cu_padded.to(local.device), cp_group)[0]
+            results[out.name] = gathered.cpu()
+    return loss, results
 
 
 def forward_step(data_iterator, model, *, spec: ScoreSpec):

@@ -14,13 +14,13 @@ slot  name              meaning
 2     step              caller's step id (echoed to workers, for logs)
 3     num_tokens        FORWARD: ``T``
 4     num_sequences     FORWARD: ``B``
-5     top_k             FORWARD: alternatives per token
-6     flags             FORWARD: bitmask of ``FLAG_*``
+5     (forward slot)    FORWARD: see below (``top_k``)
+6     flags             FORWARD: bitmask of the boolean options and the inputs sent
 7     losses            FORWARD: bit ``i`` = ``sorted(loss_names)[i]``
 8     path_bytes        RELOAD: UTF-8 length of the checkpoint path;
-                        FORWARD with ``FLAG_HAS_ROUTING``: routing layers ``L``
+                        FORWARD: see below (routing layers ``L``)
 9     version_bytes     RELOAD, WEIGHTS_COMMIT: UTF-8 length of the weights version;
-                        FORWARD with ``FLAG_HAS_ROUTING``: routing top-k ``k``
+                        FORWARD: see below (routing top-k ``k``)
 10    name_bytes        WEIGHTS_TENSOR: UTF-8 length of the tensor name
 11    dtype             WEIGHTS_TENSOR: index in ``WEIGHT_DTYPES``
 12    ndim              WEIGHTS_TENSOR: number of dimensions
@@ -29,12 +29,18 @@ slot  name              meaning
 15    weights_flags     WEIGHTS_COMMIT: bitmask of ``WEIGHTS_FLAG_*``
 ====  ================  =====================================================
 
+A FORWARD header is laid out from :mod:`megascore.schema`: the boolean options
+(``Option.flag``) are flag bits ``0, 1, ...`` in table order, each input sent sets
+flag bit ``INPUT_FLAG_BASE + i`` (``i`` its index in ``INPUTS``); the integer options,
+then the trailing dimensions of every input (``Input.ndim`` each), take the slots of
+``FORWARD_SLOTS`` in table order (today: ``top_k`` in slot 5, the routing's ``L`` and
+``k`` in slots 8 and 9).
+
 Payloads, in order, after the header:
 
-* FORWARD: int64 ``[T + B]`` (token ids, then lengths); uint8 ``[T]`` loss
-  mask if ``FLAG_HAS_LOSS_MASK``; float32 ``[B]`` temperatures if
-  ``FLAG_HAS_TEMPERATURE``; int32 ``[T * L * k]`` expert ids to replay (the
-  ``[T, L, k]`` routing in C order) if ``FLAG_HAS_ROUTING``.
+* FORWARD: int64 ``[T + B]`` (token ids, then lengths); then every input the flags
+  announce, in ``INPUTS`` order: ``[T, *dims]`` or ``[B]`` values of its dtype, flat
+  (today: uint8 loss mask, float32 temperatures, int32 routing to replay).
 * RELOAD: uint8 ``[path_bytes + version_bytes]``, the two UTF-8 strings
   (nothing when both are empty).
 * SHUTDOWN: nothing.
@@ -65,6 +71,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megascore import schema
 from megascore.types import ScoreBatch
 
 logger = logging.getLogger(__name__)
@@ -89,16 +96,10 @@ _H_NDIM = 12
 _H_DATA_BYTES = 13
 _H_LAYOUT = 14
 _H_WEIGHTS_FLAGS = 15
-_H_ROUTING_LAYERS = _H_PATH_BYTES  # FORWARD's use of the RELOAD slots
-_H_ROUTING_TOPK = _H_VERSION_BYTES
-
-FLAG_WANT_LOGPROBS = 1 << 0
-FLAG_WANT_MOE = 1 << 1
-FLAG_WANT_MTP = 1 << 2
-FLAG_HAS_LOSS_MASK = 1 << 3
-FLAG_HAS_TEMPERATURE = 1 << 4
-FLAG_WANT_ROUTING = 1 << 5
-FLAG_HAS_ROUTING = 1 << 6
+FORWARD_SLOTS = (_H_TOP_K, 8, 9, 10, 11, 12, 13, 14, 15)
+"""Header slots a FORWARD gives to the integer options, then to the inputs' dimensions."""
+INPUT_FLAG_BASE = 16
+"""Flag bit of ``INPUTS[0]`` being sent (the boolean options take the bits below)."""
 WEIGHTS_FLAG_PARTIAL = 1 << 0
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -173,6 +174,24 @@ class Received(NamedTuple):
     extra: Extra
 
 
+_TORCH_DTYPES = {
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float32": torch.float32,
+}
+
+
+def _flag_options() -> list:
+    """The boolean options, in flag-bit order."""
+    return [opt for opt in schema.OPTIONS if opt.flag]
+
+
+def _slot_options() -> list:
+    """The integer options sent in header slots (``losses`` travels as its bitmask)."""
+    return [opt for opt in schema.OPTIONS if not opt.flag and opt.name != "losses"]
+
+
 def _registry(loss_names: Sequence[str]) -> list[str]:
     names = sorted(set(loss_names))
     if len(names) > MAX_LOSSES:
@@ -226,45 +245,31 @@ def send_batch(
             itself was checked by :meth:`~megascore.types.ScoreBatch.check`.
     """
     registry = _registry(loss_names)
-    losses = _loss_bits(batch.losses, registry)
-    flags = (
-        (FLAG_WANT_LOGPROBS if batch.want_logprobs else 0)
-        | (FLAG_WANT_MOE if batch.want_moe_metrics else 0)
-        | (FLAG_WANT_MTP if batch.want_mtp_metrics else 0)
-        | (FLAG_HAS_LOSS_MASK if batch.loss_mask is not None else 0)
-        | (FLAG_HAS_TEMPERATURE if batch.temperature is not None else 0)
-        | (FLAG_WANT_ROUTING if batch.want_routing else 0)
-        | (FLAG_HAS_ROUTING if batch.routing is not None else 0)
-    )
-    _, layers, topk = np.shape(batch.routing) if batch.routing is not None else (0, 0, 0)
-    header = _header(
-        Command.FORWARD,
-        step,
-        {
-            _H_NUM_TOKENS: batch.num_tokens,
-            _H_NUM_SEQUENCES: batch.num_sequences,
-            _H_TOP_K: batch.top_k,
-            _H_FLAGS: flags,
-            _H_LOSSES: losses,
-            _H_ROUTING_LAYERS: layers,
-            _H_ROUTING_TOPK: topk,
-        },
-    )
+    slots = {_H_NUM_TOKENS: batch.num_tokens, _H_NUM_SEQUENCES: batch.num_sequences}
+    slots[_H_LOSSES] = _loss_bits(batch.losses, registry)
+    flags, free = 0, iter(FORWARD_SLOTS)
+    for bit, opt in enumerate(_flag_options()):
+        flags |= (1 << bit) if getattr(batch, opt.name) else 0
+    for opt in _slot_options():
+        slots[next(free)] = int(getattr(batch, opt.name))
+    payloads = []
+    for i, spec in enumerate(schema.INPUTS):
+        value = getattr(batch, spec.name)
+        dims = np.shape(value)[1:] if value is not None else (0,) * spec.ndim
+        for dim in dims:
+            slots[next(free)] = int(dim)
+        if value is not None:
+            flags |= 1 << (INPUT_FLAG_BASE + i)
+            payloads.append(np.ascontiguousarray(value, dtype=spec.dtype).reshape(-1))
+    slots[_H_FLAGS] = flags
     # ids_and_lengths: [T + B], token ids then lengths, one collective for both.
     ids_and_lengths = np.concatenate(
         [batch.token_ids.astype(np.int64, copy=False), batch.lengths.astype(np.int64, copy=False)]
     )
-    _bcast(header.to(device), src, group)
+    _bcast(_header(Command.FORWARD, step, slots).to(device), src, group)
     _bcast(torch.from_numpy(ids_and_lengths).to(device), src, group)
-    if batch.loss_mask is not None:
-        mask = np.array(batch.loss_mask, dtype=np.uint8)
-        _bcast(torch.from_numpy(mask).to(device), src, group)
-    if batch.temperature is not None:
-        temps = np.array(batch.temperature, dtype=np.float32)
-        _bcast(torch.from_numpy(temps).to(device), src, group)
-    if batch.routing is not None:
-        routes = np.ascontiguousarray(batch.routing, dtype=np.int32).reshape(-1)
-        _bcast(torch.from_numpy(routes).to(device), src, group)
+    for payload in payloads:
+        _bcast(torch.from_numpy(payload).to(device), src, group)
     logger.debug("step %d: sent FORWARD T=%d B=%d", step, batch.num_tokens, batch.num_sequences)
 
 
@@ -455,33 +460,27 @@ def recv_command(
     ids_and_lengths = torch.empty(num_tokens + num_sequences, dtype=torch.int64, device=device)
     _bcast(ids_and_lengths, src, group)
     ids_and_lengths_np = ids_and_lengths.cpu().numpy()
-    loss_mask = temperature = None
-    if flags & FLAG_HAS_LOSS_MASK:
-        mask = torch.empty(num_tokens, dtype=torch.uint8, device=device)
-        _bcast(mask, src, group)
-        loss_mask = mask.cpu().numpy()
-    if flags & FLAG_HAS_TEMPERATURE:
-        temps = torch.empty(num_sequences, dtype=torch.float32, device=device)
-        _bcast(temps, src, group)
-        temperature = temps.cpu().numpy()
-    routing = None
-    if flags & FLAG_HAS_ROUTING:
-        shape = (num_tokens, h[_H_ROUTING_LAYERS], h[_H_ROUTING_TOPK])
-        routes = torch.empty(num_tokens * shape[1] * shape[2], dtype=torch.int32, device=device)
-        _bcast(routes, src, group)
-        routing = routes.cpu().numpy().reshape(shape)
-    batch = ScoreBatch(
-        token_ids=ids_and_lengths_np[:num_tokens],
-        lengths=ids_and_lengths_np[num_tokens:],
-        loss_mask=loss_mask,
-        temperature=temperature,
-        top_k=h[_H_TOP_K],
-        losses=tuple(name for i, name in enumerate(registry) if h[_H_LOSSES] >> i & 1),
-        want_logprobs=bool(flags & FLAG_WANT_LOGPROBS),
-        want_moe_metrics=bool(flags & FLAG_WANT_MOE),
-        want_mtp_metrics=bool(flags & FLAG_WANT_MTP),
-        want_routing=bool(flags & FLAG_WANT_ROUTING),
-        routing=routing,
-    )
+    fields = {
+        "token_ids": ids_and_lengths_np[:num_tokens],
+        "lengths": ids_and_lengths_np[num_tokens:],
+        "losses": tuple(name for i, name in enumerate(registry) if h[_H_LOSSES] >> i & 1),
+    }
+    free = iter(FORWARD_SLOTS)
+    for bit, opt in enumerate(_flag_options()):
+        fields[opt.name] = bool(flags >> bit & 1)
+    for opt in _slot_options():
+        fields[opt.name] = h[next(free)]
+    for i, spec in enumerate(schema.INPUTS):
+        dims = tuple(h[next(free)] for _ in range(spec.ndim))
+        fields[spec.name] = None
+        if flags >> (INPUT_FLAG_BASE + i) & 1:
+            rows = num_tokens if spec.per == schema.TOKEN else num_sequences
+            shape = (rows, *dims)
+            buffer = torch.empty(
+                int(np.prod(shape)), dtype=_TORCH_DTYPES[spec.dtype], device=device
+            )
+            _bcast(buffer, src, group)
+            fields[spec.name] = buffer.cpu().numpy().reshape(shape)
+    batch = ScoreBatch(**fields)
     logger.debug("step %d: received FORWARD T=%d B=%d", extra.step, num_tokens, num_sequences)
     return Received(command, batch, extra)

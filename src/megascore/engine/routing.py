@@ -70,9 +70,7 @@ logger = logging.getLogger(__name__)
 
 def decoder_routers(model) -> list[TopKRouter]:
     """The routers of this stage's decoder MoE layers, in layer order (MTP excluded)."""
-    return [
-        layer.mlp.router for layer in model.decoder.layers if isinstance(layer.mlp, MoELayer)
-    ]
+    return [layer.mlp.router for layer in model.decoder.layers if isinstance(layer.mlp, MoELayer)]
 
 
 def stage_moe_layers(config, pp_rank: int) -> list[int]:

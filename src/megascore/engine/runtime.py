@@ -79,7 +79,7 @@ from megascore.errors import (
 )
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
 from megascore.types import (
-    BatchLimits,
+    Limits,
     ModelInfo,
     ParallelLayout,
     ScoreBatch,
@@ -175,9 +175,9 @@ class DistributedEngine:
             lm_head_dtype=engine_cfg.lm_head_dtype,
             result_rank=result_rank(self.world_size, engine_cfg.pipeline_model_parallel_size),
         )
-        self.limits = BatchLimits(
+        self.limits = Limits(
             vocab_size=loaded.config.vocab_size,
-            max_length=loaded.config.max_position_embeddings,
+            max_sequence_length=loaded.config.max_position_embeddings,
             max_top_k=engine_cfg.max_top_k,
             loss_names=loss_names(),
             metrics_supported=engine_cfg.metrics_supported(is_moe),
@@ -280,8 +280,6 @@ class DistributedEngine:
             name=self.loaded.spec.name,
             architecture=cfg.architecture,
             num_parameters=self.loaded.num_parameters,
-            vocab_size=cfg.vocab_size,
-            max_sequence_length=cfg.max_position_embeddings,
             dtype=e.dtype,
             parallel=ParallelLayout(
                 world_size=self.world_size,
@@ -291,14 +289,12 @@ class DistributedEngine:
                 pipeline_model_parallel_size=e.pipeline_model_parallel_size,
             ),
             attention_backend=self.loaded.model.megascore_attention_backend,
+            limits=self.limits,
             checkpoint_path=self.loaded.spec.path,
             weights_version=self.loaded.weights_version,
             has_tokenizer=self.loaded.has_tokenizer,
-            max_top_k=e.max_top_k,
-            loss_names=loss_names(),
             moe_metric_names=tuple(moe_metric_names(cfg)),
             mtp_metric_names=tuple(mtp_metric_names(cfg)),
-            routing=self.limits.routing,
         )
 
     def check(self, batch: ScoreBatch) -> None:

@@ -39,11 +39,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascore import layout
+from megascore import layout, schema
 from megascore.distributed import collective_device
 from megascore.engine.forward import mtp_metric_names, scoring_forward
 from megascore.engine.losses import compute_losses
 from megascore.engine.pipeline import (
+    Microbatch,
     ScoreSpec,
     build_microbatch,
     run_schedule,
@@ -114,14 +115,12 @@ class StepConfig:
 class StepResult:
     """What :func:`run_step` returns on a rank.
 
-    The per-token tensors are in packed order (position ``p`` predicts the token at
-    ``p + 1`` of its segment), gathered over CP, on the CPU, on the ranks of the
-    output rank's CP group; None elsewhere and when not requested.
+    The per-token head outputs (:func:`megascore.schema.head_outputs`) are in packed
+    order (position ``p`` predicts the token at ``p + 1`` of its segment), gathered
+    over CP, on the CPU, on the ranks of the output rank's CP group; absent elsewhere.
 
     Attributes:
-        logprobs: float32 ``[T_padded]`` logprob of each position's target.
-        top_k_ids: int64 ``[T_padded, k]``.
-        top_k_logprobs: float32 ``[T_padded, k]``.
+        values: head output name -> ``[T_padded, *dims]`` tensor.
         token_positions: int64 ``[T]`` packed position of every token of the batch
             on the step's packed axis (microbatch ``i`` occupies rows
             ``[i * L, (i + 1) * L)``, ``L`` the common microbatch length).
@@ -134,9 +133,7 @@ class StepResult:
             when the batch asks to record them; None elsewhere.
     """
 
-    logprobs: torch.Tensor | None
-    top_k_ids: torch.Tensor | None
-    top_k_logprobs: torch.Tensor | None
+    values: dict[str, torch.Tensor]
     token_positions: torch.Tensor
     loss: float | None
     moe_metrics: dict[str, float]
@@ -144,12 +141,22 @@ class StepResult:
     routing: torch.Tensor | None = None
 
 
-def _wants_logprobs(batch: ScoreBatch) -> bool:
-    return batch.want_logprobs or bool(batch.losses)
+@dataclasses.dataclass
+class _Plan:
+    """Stage 1 of a step on this rank: the microbatches and what to compute."""
+
+    microbatches: list[Microbatch]
+    ranges: list[tuple[int, int]]
+    pad_to: int
+    spec: ScoreSpec
+    record: bool
+    want_moe: bool
+    want_mtp: bool
 
 
-def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
-    """Steps 1-3 of the module docstring on this rank (issues the step's collectives)."""
+def _plan(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> _Plan:
+    """Stage 1: split into microbatches and pack each for this rank's CP rank; what the
+    last stage computes (:class:`ScoreSpec`)."""
     lengths = np.asarray(batch.lengths, dtype=np.int64)
     offsets = layout.offsets(lengths)
     ranges, pad_to = split_microbatches(lengths, cfg.pad_multiple, cfg.microbatches)
@@ -170,25 +177,13 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         )
         for a, b in ranges
     ]
-    sequence_parallel = bool(model.config.sequence_parallel)
-    if batch.routing is not None:  # each microbatch replays its tokens' routes
-        layers = stage_moe_layers(model.config, groups.pp.rank())
-        for mb, (a, b) in zip(microbatches, ranges, strict=True):
-            mb.replay_routes = local_replay_targets(
-                batch.routing[offsets[a] : offsets[b]],
-                mb.packed,
-                layers,
-                tp_group=groups.tp,
-                sequence_parallel=sequence_parallel,
-                device=cfg.device,
-            )
-    record = batch.want_routing and batch.routing is None  # a replayed routing is known
     # Metrics of a model without MoE / MTP layers are empty, not an error.
-    want_moe = batch.want_moe_metrics and bool(model.config.num_moe_experts)
-    want_mtp = batch.want_mtp_metrics and bool(model.config.mtp_num_layers)
+    want_moe = batch.return_moe_metrics and bool(model.config.num_moe_experts)
+    want_mtp = batch.return_mtp_metrics and bool(model.config.mtp_num_layers)
     last_stage = groups.pp.rank() == groups.pp.size() - 1
+    record = batch.return_routing and batch.routing is None  # a replayed routing is known
     spec = ScoreSpec(
-        want_logprobs=_wants_logprobs(batch),
+        outputs=tuple(schema.head_outputs(batch)),
         top_k=batch.top_k,
         chunk_tokens=cfg.chunk_tokens,
         vocab_size=cfg.vocab_size,
@@ -199,29 +194,51 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
         lm_head_dtype=cfg.lm_head_dtype,
         record_routes=record,
     )
-    with (
-        routing_replay(model, record=record, replay=batch.routing is not None),
+    return _Plan(microbatches, ranges, pad_to, spec, record, want_moe, want_mtp)
+
+
+def _set_replay(model, batch: ScoreBatch, plan: _Plan, groups: StepGroups, cfg: StepConfig):
+    """Stage 1b: each microbatch's routes to replay on this stage's routers."""
+    offsets = layout.offsets(np.asarray(batch.lengths, dtype=np.int64))
+    layers = stage_moe_layers(model.config, groups.pp.rank())
+    for mb, (a, b) in zip(plan.microbatches, plan.ranges, strict=True):
+        mb.replay_routes = local_replay_targets(
+            batch.routing[offsets[a] : offsets[b]],
+            mb.packed,
+            layers,
+            tp_group=groups.tp,
+            sequence_parallel=bool(model.config.sequence_parallel),
+            device=cfg.device,
+        )
+
+
+def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig) -> StepResult:
+    """Steps 1-3 of the module docstring on this rank (issues the step's collectives)."""
+    plan = _plan(model, batch, groups, cfg)
+    if batch.routing is not None:
+        _set_replay(model, batch, plan, groups, cfg)
+    microbatches = plan.microbatches
+    with (  # stage 2: the forward, the last stage scoring each microbatch
+        routing_replay(model, record=plan.record, replay=batch.routing is not None),
         scoring_forward(
             model,
-            want_moe_metrics=want_moe,
-            want_mtp_metrics=want_mtp,
+            return_moe_metrics=plan.want_moe,
+            return_mtp_metrics=plan.want_mtp,
             num_microbatches=len(microbatches),
         ) as metrics,
     ):
-        store = run_schedule(model, microbatches, spec)
+        store = run_schedule(model, microbatches, plan.spec)
     positions = torch.cat(
-        [mb.packed.token_positions + i * pad_to for i, mb in enumerate(microbatches)]
+        [mb.packed.token_positions + i * plan.pad_to for i, mb in enumerate(microbatches)]
     )
     result = StepResult(
-        logprobs=None,
-        top_k_ids=None,
-        top_k_logprobs=None,
+        values={},
         token_positions=positions,
         loss=None,
         moe_metrics=dict(metrics.moe),
         mtp_metrics=dict(metrics.mtp),
     )
-    if record:  # [M * pad_to, L, k] on the output rank
+    if plan.record:  # stage 3: recorded routes to the output rank, [M * pad_to, L, k]
         result.routing = gather_routes(
             [mb.recorded_routes for mb in microbatches],
             [mb.packed for mb in microbatches],
@@ -229,25 +246,24 @@ def _local_results(model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig
             tp_group=groups.tp,
             cp_group=groups.cp,
             pp_group=groups.pp,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=bool(model.config.sequence_parallel),
             config=model.config,
             output_rank=cfg.output_rank,
         )
-    if spec.gather:
-        for name in ("logprobs", "top_k_ids", "top_k_logprobs"):
-            parts = [out[name] for out in store]
-            setattr(result, name, None if parts[0] is None else torch.cat(parts))
-        result.loss = float(sum(out["loss"] for out in store))
+    if plan.spec.gather:  # stage 3: the microbatches' results, joined
+        for out in plan.spec.outputs:
+            result.values[out.name] = torch.cat([results[out.name] for results in store])
+        result.loss = float(sum(results["loss"] for results in store))
     if groups.pp.size() > 1 and cfg.output_rank in dist.get_process_group_ranks(groups.pp):
-        mtp_names = mtp_metric_names(model.config) if want_mtp else []
-        rows = len(microbatches) * pad_to
-        _send_results_to_output_rank(result, batch, rows, mtp_names, groups.pp, cfg)
+        mtp_names = mtp_metric_names(model.config) if plan.want_mtp else []
+        rows = len(microbatches) * plan.pad_to
+        _send_results_to_output_rank(result, plan.spec, rows, mtp_names, groups.pp, cfg)
     return result
 
 
 def _send_results_to_output_rank(
     result: StepResult,
-    batch: ScoreBatch,
+    spec: ScoreSpec,
     rows: int,
     mtp_names: list[str],
     pp_group: dist.ProcessGroup,
@@ -255,26 +271,20 @@ def _send_results_to_output_rank(
 ) -> None:
     """Broadcasts the results from the result rank over the output rank's pipeline group.
 
-    Typed: every receiver allocates the buffers from the batch (``rows`` packed
-    positions, ``top_k`` columns, the MTP metric names), so only tensors travel.
-    Fills ``result`` in place on the receivers.
+    Typed: every receiver allocates the buffers from the step's head outputs (``rows``
+    packed positions, each output's dtype and trailing shape, the MTP metric names),
+    so only tensors travel. Fills ``result`` in place on the receivers.
     """
     device = collective_device(pp_group)
     is_src = dist.get_rank() == cfg.result_rank
-    k = batch.top_k
-    buffers = {}
-    if _wants_logprobs(batch):
-        buffers["logprobs"] = (torch.float32, (rows,))
-    if k > 0:
-        buffers["top_k_ids"] = (torch.int64, (rows, k))
-        buffers["top_k_logprobs"] = (torch.float32, (rows, k))
-    for name, (dtype, shape) in buffers.items():
+    for out in spec.outputs:
         if is_src:
-            tensor = getattr(result, name).to(device).contiguous()
+            tensor = result.values[out.name].to(device).contiguous()
         else:
-            tensor = torch.empty(shape, dtype=dtype, device=device)
+            shape = (rows, *schema.flat_dims(out, spec))
+            tensor = torch.empty(shape, dtype=getattr(torch, out.dtype), device=device)
         dist.broadcast(tensor, src=cfg.result_rank, group=pp_group)
-        setattr(result, name, tensor.cpu())
+        result.values[out.name] = tensor.cpu()
     scalars = torch.zeros(1 + len(mtp_names), dtype=torch.float64, device=device)
     if is_src:
         scalars[0] = result.loss
@@ -382,6 +392,10 @@ class PredictionIndex:
 def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
     """Output rank: builds the :class:`ScoreOutput` from the gathered step results.
 
+    Every head output is mapped from packed to flat (its ``fill`` at entry 0 of each
+    sequence), the losses computed from the logprobs, the routing taken from the
+    recorded (or replayed) routes.
+
     Args:
         batch: the batch of the step.
         result: the output rank's :class:`StepResult`.
@@ -390,23 +404,23 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         The output in the batch's flat token layout (``weights_version`` left empty).
     """
     index = PredictionIndex.build(result.token_positions, batch.lengths)
-    logprobs = index.to_flat(result.logprobs, 0.0)
+    values = {
+        name: index.to_flat(packed, schema.output(name).fill)
+        for name, packed in result.values.items()
+    }
+    logprobs = values.get("logprobs")
     scored = logprobs if logprobs is not None else np.zeros(batch.num_tokens)
-    losses, num_loss_tokens = compute_losses(
+    values["losses"], values["num_loss_tokens"] = compute_losses(
         batch.losses if logprobs is not None else (), scored, batch.lengths, batch.loss_mask
     )
-    routing = None
-    if batch.want_routing and batch.routing is not None:
-        routing = np.asarray(batch.routing, dtype=np.int32)
-    elif batch.want_routing:
-        routing = result.routing.numpy()[result.token_positions.numpy()].astype(np.int32)
+    if batch.return_routing and batch.routing is not None:
+        values["routing"] = np.asarray(batch.routing, dtype=np.int32)
+    elif batch.return_routing:
+        values["routing"] = result.routing.numpy()[result.token_positions.numpy()].astype(np.int32)
+    if not batch.return_logprobs:
+        values.pop("logprobs", None)
     return ScoreOutput(
-        logprobs=logprobs if batch.want_logprobs else None,
-        top_k_ids=index.to_flat(result.top_k_ids, -1),
-        top_k_logprobs=index.to_flat(result.top_k_logprobs, 0.0),
-        losses=losses,
-        num_loss_tokens=num_loss_tokens,
-        moe_metrics=result.moe_metrics if batch.want_moe_metrics else {},
-        mtp_metrics=result.mtp_metrics if batch.want_mtp_metrics else {},
-        routing=routing,
+        values=values,
+        moe_metrics=result.moe_metrics if batch.return_moe_metrics else {},
+        mtp_metrics=result.mtp_metrics if batch.return_mtp_metrics else {},
     )

@@ -34,14 +34,15 @@ import torch
 import torch.distributed as dist
 
 from megascore.checkpoint.hf_names import ParamMapper
-from megascore.checkpoint.hf_weights import _layer_offset, _unwrap
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
 from megascore.model.weights import (
     canonical_shards,
+    decoder_layer_offset,
     full_shape,
     shard_full_tensor,
+    unwrap_model,
 )
 from megascore.types import (
     LAYOUT_COMMON,
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's state-dict entries a push replaces (TE's ``_extra_state`` excluded)."""
-    state = _unwrap(model).state_dict(keep_vars=True)
+    state = unwrap_model(model).state_dict(keep_vars=True)
     return {name: t for name, t in state.items() if not name.endswith("_extra_state")}
 
 
@@ -66,7 +67,7 @@ def _hf_recipes(
 ) -> dict[str, Recipe]:
     """Megatron parameter -> recipe over HF names, for the rank at ``ranks``."""
     mapper = ParamMapper(config, _LayoutNames(fused), ranks)
-    offset = _layer_offset(_unwrap(model))
+    offset = decoder_layer_offset(unwrap_model(model))
     recipes = {}
     for name, param in _parameters(model).items():
         recipe = mapper(name, offset)
@@ -135,7 +136,7 @@ def _megatron_layout(model: torch.nn.Module, config: ModelConfig, pg_collection)
     size, full shape)``."""
     params = _parameters(model).items()
     shards = canonical_shards(
-        _unwrap(model), params, pg_collection, config.num_moe_experts, config.gated_linear_unit
+        unwrap_model(model), params, pg_collection, config.num_moe_experts, config.gated_linear_unit
     )
     table = {}
     for name, param, canon, (dim, stride, rank, size) in shards:
@@ -165,7 +166,7 @@ def weight_targets(
         }
     if names != WEIGHT_NAMES_HF:
         raise ValueError(f"unknown weight name format {names}")
-    ranks = ParallelRanks.from_model(_unwrap(model))
+    ranks = ParallelRanks.from_model(unwrap_model(model))
     found: dict[str, tuple[tuple[int, ...], set[int]]] = {}
     for layout in _hf_layouts(config):
         for recipe in _hf_recipes(model, config, ranks, layout == LAYOUT_FUSED).values():
@@ -274,7 +275,7 @@ class WeightStaging:
     def _plan(self, layout: int) -> tuple[dict[str, Recipe], dict[str, list[str]]]:
         layout = LAYOUT_PER_EXPERT if layout == LAYOUT_COMMON else layout  # same recipes
         if layout not in self._recipes:
-            ranks = ParallelRanks.from_model(_unwrap(self.model))
+            ranks = ParallelRanks.from_model(unwrap_model(self.model))
             recipes = _hf_recipes(self.model, self.config, ranks, layout == LAYOUT_FUSED)
             consumers: dict[str, list[str]] = {}
             for param, recipe in recipes.items():

@@ -87,9 +87,7 @@ def initialize_parallel(engine_cfg: EngineConfig) -> ProcessGroupCollection:
         distributed_timeout_minutes=engine_cfg.collective_timeout_s / 60,
         create_gloo_process_groups=False,
     )
-    logger.info(
-        "parallel state: world=%d tp=%d cp=%d pp=%d ep=%d dp=%d", world, tp, cp, pp, ep, dp
-    )
+    logger.info("parallel state: world=%d tp=%d cp=%d pp=%d ep=%d dp=%d", world, tp, cp, pp, ep, dp)
     return ProcessGroupCollection.use_mpu_process_groups()
 
 

@@ -32,6 +32,13 @@ _TE_FUSED_NORMS = (
 )
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside wrappers (``.module`` chains), or ``model`` itself."""
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
 def decoder_layer_offset(model: torch.nn.Module) -> int:
     """Global index of this pipeline stage's first decoder layer (0 without PP)."""
     layers = getattr(getattr(model, "decoder", None), "layers", None)

@@ -52,7 +52,7 @@ def run(work: Path, out: Path, family: str, layout: str) -> None:
         gen = torch.Generator().manual_seed(11)
         ids = torch.randint(0, cfg.vocab_size, (sum(LENGTHS),), generator=gen)  # flat
         packed = pack_for_rank(ids, LENGTHS, pgs, pad)
-        res = forward_packed(model, packed, want_moe_metrics=True, want_mtp_metrics=cfg.has_mtp)
+        res = forward_packed(model, packed, return_moe_metrics=True, return_mtp_metrics=cfg.has_mtp)
         full = full_logits(res, packed, pgs)  # [T, V]
         starts = packed.cu_seqlens_padded.tolist()
         rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, LENGTHS, strict=False)])

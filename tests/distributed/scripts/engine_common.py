@@ -41,9 +41,9 @@ def edge_case_batch(
         temperature=rng.uniform(0.5, 1.5, len(lens)).astype(np.float32),
         top_k=TOP_K,
         losses=("mean_nll", "nll", "perplexity"),
-        want_logprobs=True,
-        want_moe_metrics=moe,
-        want_mtp_metrics=moe,
+        return_logprobs=True,
+        return_moe_metrics=moe,
+        return_mtp_metrics=moe,
     )
 
 

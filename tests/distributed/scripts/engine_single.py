@@ -98,16 +98,18 @@ def check_losses_and_layout(batch, out):
 
 
 def check_output_switches(engine, batch, out):
-    lean = engine.score(dataclasses.replace(batch, want_logprobs=False, top_k=0))
+    lean = engine.score(dataclasses.replace(batch, return_logprobs=False, top_k=0))
     assert lean.logprobs is None and lean.top_k_ids is None and lean.top_k_logprobs is None
     np.testing.assert_allclose(lean.losses["nll"], out.losses["nll"], rtol=0, atol=1e-9)
-    nothing = engine.score(dataclasses.replace(batch, want_logprobs=False, top_k=0, losses=()))
+    nothing = engine.score(dataclasses.replace(batch, return_logprobs=False, top_k=0, losses=()))
     assert nothing.logprobs is None and nothing.losses == {}
     np.testing.assert_array_equal(nothing.num_loss_tokens, out.num_loss_tokens)
     plain = engine.score(dataclasses.replace(batch, temperature=None, loss_mask=None, top_k=64))
     assert plain.top_k_ids.shape == (batch.num_tokens, 64)
     # A dense model has no MoE / MTP metrics: asking is not an error, the answer is empty.
-    dense = engine.score(dataclasses.replace(batch, want_moe_metrics=True, want_mtp_metrics=True))
+    dense = engine.score(
+        dataclasses.replace(batch, return_moe_metrics=True, return_mtp_metrics=True)
+    )
     assert dense.moe_metrics == {} and dense.mtp_metrics == {}
     np.testing.assert_array_equal(dense.logprobs, out.logprobs)
 

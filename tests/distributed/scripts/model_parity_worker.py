@@ -65,8 +65,8 @@ def run_layout(name: str, out_dir: Path) -> None:
         out = forward_packed(
             model,
             packed,
-            want_moe_metrics=model_cfg.is_moe,
-            want_mtp_metrics=model_cfg.has_mtp,
+            return_moe_metrics=model_cfg.is_moe,
+            return_mtp_metrics=model_cfg.has_mtp,
         )
         full = full_logits(out, packed, pgs)  # [T, V], a tiny batch
         starts = packed.cu_seqlens_padded.tolist()

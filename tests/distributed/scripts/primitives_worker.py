@@ -80,10 +80,10 @@ def _full_batch() -> ScoreBatch:
         temperature=np.array([1.0, 0.5, 2.25], np.float32),
         top_k=4,
         losses=("nll", "kl"),
-        want_logprobs=False,
-        want_moe_metrics=True,
-        want_mtp_metrics=True,
-        want_routing=True,
+        return_logprobs=False,
+        return_moe_metrics=True,
+        return_mtp_metrics=True,
+        return_routing=True,
         routing=np.arange(8 * 3 * 2, dtype=np.int16).reshape(8, 3, 2) % 7,
     )
 
@@ -110,7 +110,13 @@ def _assert_same_batch(got: ScoreBatch, want: ScoreBatch) -> None:
     else:
         assert got.routing.dtype == np.int32 and np.array_equal(got.routing, want.routing)
     assert got.losses == tuple(sorted(want.losses)), got.losses
-    fields = ("top_k", "want_logprobs", "want_moe_metrics", "want_mtp_metrics", "want_routing")
+    fields = (
+        "top_k",
+        "return_logprobs",
+        "return_moe_metrics",
+        "return_mtp_metrics",
+        "return_routing",
+    )
     for name in fields:
         assert getattr(got, name) == getattr(want, name), name
 

@@ -52,7 +52,7 @@ def make_batch() -> ScoreBatch:
         token_ids=rng.integers(0, 512, int(lengths.sum())).astype(np.int64),
         lengths=lengths,
         top_k=4,
-        want_routing=True,
+        return_routing=True,
     )
 
 
@@ -100,7 +100,7 @@ def run_layout(name: str, spec, rank: int, out_dir: Path, reference: dict) -> No
         assert np.abs(moved.logprobs - out.logprobs).max() > 1e-3, "other routes changed nothing"
 
         if sp is not False or tp == 1:  # metrics of MoE at TP > 1 need SP
-            metrics = dataclasses.replace(batch, routing=out.routing, want_moe_metrics=True)
+            metrics = dataclasses.replace(batch, routing=out.routing, return_moe_metrics=True)
             scored = engine.score(metrics)
             assert scored.moe_metrics
             np.testing.assert_allclose(scored.logprobs, out.logprobs, rtol=0, atol=1e-6)

@@ -62,9 +62,7 @@ def standard_rope(config: Config) -> dict[str, Any]:
     out: dict[str, Any] = {"rotary_base": float(params["rope_theta"])}
     factor = params.get("partial_rotary_factor")
     if factor is not None:
-        refuse_if(
-            not 0 < float(factor) <= 1, f"partial_rotary_factor {factor} must be in (0, 1]"
-        )
+        refuse_if(not 0 < float(factor) <= 1, f"partial_rotary_factor {factor} must be in (0, 1]")
         out["rotary_percent"] = float(factor)
     if rope_type == "default":
         return out

@@ -1,0 +1,281 @@
+"""The one table of what a score request asks for, carries and gets back (numpy, torch-free).
+
+Every layer reads these declarations instead of naming fields one by one:
+
+* :data:`OPTIONS`: scalar request options. The name is the ``ScoreOptions`` proto field
+  *and* the :class:`~megascore.types.ScoreBatch` attribute; each declares its default,
+  how a step of several requests combines it, and its one check (run by the wire gate,
+  ``megascore_server.validation``, and by the engine, ``ScoreBatch.check``).
+* :data:`INPUTS`: arrays a request may carry besides ids and lengths (per token or per
+  sequence): dtype, the value a merged step gives requests that did not send one, how
+  the broadcast protocol sends it (``megascore.engine.protocol``).
+* :data:`OUTPUTS`: per-token and per-sequence results: dtype, per-token trailing shape,
+  the value of entry 0 of a sequence (no prediction there), the ``ScoreResponse``
+  field, the SDK attribute, when a request wants it, and how the engine computes it.
+  The step's PP broadcast and packed -> flat mapping (``megascore.engine.step``),
+  selection / concatenation (:mod:`megascore.layout`), the response
+  (``megascore_server.convert``) and the client's decode / merge
+  (``megascore_client.splitting``) loop over it.
+
+``docs/architecture.md`` ("Adding an output field or an option") has the recipe.
+Consumers read ``schema.OUTPUTS`` at call time, so a test may extend the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from megascore.errors import quoted
+
+TOKEN = "token"
+"""An output or input with one row per token (``[T, *dims]``)."""
+SEQUENCE = "sequence"
+"""An output or input with one row per sequence (``[B]``)."""
+
+
+# ---- options --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A scalar request option.
+
+    Attributes:
+        name: the ``ScoreOptions`` field and the ``ScoreBatch`` attribute.
+        default: its value when unset.
+        merge: the value of a step from its requests' values.
+        check: ``(value, limits) -> error message or None`` (limits:
+            :class:`~megascore.types.Limits`); the message is prefixed with
+            ``options.<name>: ``.
+        convert: wire value -> domain value (after the check).
+        flag: a boolean sent as a header flag bit by the broadcast protocol; else an
+            integer header slot (``protocol``) or, for ``losses``, the loss bitmask.
+    """
+
+    name: str
+    default: Any
+    merge: Callable[[list], Any]
+    check: Callable[[Any, Any], str | None] | None = None
+    convert: Callable[[Any], Any] = lambda value: value
+    flag: bool = True
+
+
+def _check_top_k(value, limits) -> str | None:
+    if not 0 <= value <= limits.max_top_k:
+        return f"{value} is outside [0, max_top_k={limits.max_top_k}]"
+    return None
+
+
+def _check_losses(value, limits) -> str | None:
+    for i, name in enumerate(value):
+        if name not in limits.loss_names:
+            known = ", ".join(sorted(limits.loss_names)) or "none"
+            return f"[{i}]: unknown loss {quoted(name)} (available: {known})"
+    return None
+
+
+def _check_metrics(value, limits) -> str | None:
+    if value and not limits.metrics_supported:
+        return (
+            "MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel, which the "
+            "engine config disables (leave it unset to turn it on)"
+        )
+    return None
+
+
+def _check_routing(value, limits) -> str | None:
+    if value and limits.routing is None:
+        return "the served model has no MoE layers to route"
+    return None
+
+
+def _union(values: list) -> tuple:
+    return tuple(dict.fromkeys(name for names in values for name in names))
+
+
+def _one(values: list) -> bool:
+    """Metrics are per forward: a step computes them only for a request alone in it."""
+    return len(values) == 1 and bool(values[0])
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("return_logprobs", True, any, convert=bool),
+    Option("top_k", 0, max, _check_top_k, int, flag=False),
+    Option("losses", (), _union, _check_losses, lambda names: _union([names]), flag=False),
+    Option("return_moe_metrics", False, _one, _check_metrics, bool),
+    Option("return_mtp_metrics", False, _one, _check_metrics, bool),
+    Option("return_routing", False, any, _check_routing, bool),
+)
+
+
+def option(name: str) -> Option:
+    """The declaration of option ``name``."""
+    return next(o for o in OPTIONS if o.name == name)
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+    """An array a request may carry besides ``token_ids`` and ``lengths``.
+
+    Attributes:
+        name: the ``ScoreRequest`` field and the ``ScoreBatch`` attribute.
+        per: :data:`TOKEN` or :data:`SEQUENCE`.
+        dtype: numpy dtype in the batch and on the broadcast.
+        ndim: trailing dimensions after the token / sequence axis (their sizes travel
+            in the broadcast header).
+        fill: what a merged step holds for a request that did not send it; None: a
+            step holds it for all its requests or for none.
+    """
+
+    name: str
+    per: str
+    dtype: str
+    ndim: int = 0
+    fill: float | None = None
+
+
+INPUTS: tuple[Input, ...] = (
+    Input("loss_mask", TOKEN, "uint8", fill=1),
+    Input("temperature", SEQUENCE, "float32", fill=1.0),
+    Input("routing", TOKEN, "int32", ndim=2),
+)
+
+
+# ---- outputs --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """A result returned to the caller.
+
+    Attributes:
+        name: the :class:`~megascore.types.ScoreOutput` key (``output.<name>``).
+        per: :data:`TOKEN` (``[T, *dims]``) or :data:`SEQUENCE` (``[B]``).
+        dtype: numpy dtype in the output and on the wire.
+        wire: the ``ScoreResponse`` field (an ``Array``, or for ``keys`` a
+            ``map<string, Array>``).
+        sdk: the ``ScoreResult`` attribute (per-token: a list of one array per
+            sequence; per-sequence: one ``[B]`` array, or a dict of them for ``keys``).
+        wanted: ``options -> bool`` (a ``ScoreBatch`` or a ``pb.ScoreOptions``: the
+            option names are the same).
+        dims: ``options -> trailing shape`` of a per-token output; a request's columns
+            are the first ``dims`` of a merged step's. None: set by the model (routing).
+        wire_dims: ``ScoreResponse`` integer fields carrying the trailing shape.
+        fill: the value of entry 0 of each sequence (a predicted output has no
+            prediction there).
+        keys: ``options -> names`` of a map output (one ``[B]`` array per name).
+        optional: the client accepts a response without it (None in the result).
+        head: computed on the last pipeline stage from each chunk of the output
+            head's logits (``megascore.engine.logprobs.ChunkScores``):
+            ``chunk -> [C, *dims]`` tensor; it is then CP-gathered, sent to the output
+            rank and mapped from packed to flat like the logprobs.
+    """
+
+    name: str
+    per: str
+    dtype: str
+    wire: str
+    sdk: str
+    wanted: Callable[[Any], bool]
+    dims: Callable[[Any], tuple[int, ...]] | None = lambda options: ()
+    wire_dims: tuple[str, ...] = ()
+    fill: float = 0.0
+    keys: Callable[[Any], tuple[str, ...]] | None = None
+    optional: bool = False
+    head: Callable[[Any], Any] | None = None
+
+
+OUTPUTS: tuple[Output, ...] = (
+    Output(
+        "logprobs",
+        TOKEN,
+        "float32",
+        "token_logprobs",
+        "logprobs",
+        wanted=lambda o: o.return_logprobs,
+        head=lambda chunk: chunk.target_logprobs(),
+    ),
+    Output(
+        "top_k_ids",
+        TOKEN,
+        "int64",
+        "top_k_ids",
+        "top_k_ids",
+        wanted=lambda o: o.top_k > 0,
+        dims=lambda o: (o.top_k,),
+        wire_dims=("top_k",),
+        fill=-1,
+        head=lambda chunk: chunk.top_k()[0],
+    ),
+    Output(
+        "top_k_logprobs",
+        TOKEN,
+        "float32",
+        "top_k_logprobs",
+        "top_k_logprobs",
+        wanted=lambda o: o.top_k > 0,
+        dims=lambda o: (o.top_k,),
+        wire_dims=("top_k",),
+        head=lambda chunk: chunk.top_k()[1],
+    ),
+    Output(
+        "routing",
+        TOKEN,
+        "int32",
+        "routing",
+        "routing",
+        wanted=lambda o: o.return_routing,
+        dims=None,
+        wire_dims=("routing_num_moe_layers", "routing_topk"),
+    ),
+    Output(
+        "losses",
+        SEQUENCE,
+        "float64",
+        "sequence_losses",
+        "loss",
+        wanted=lambda o: bool(o.losses),
+        keys=lambda o: tuple(o.losses),
+    ),
+    Output(
+        "num_loss_tokens",
+        SEQUENCE,
+        "int64",
+        "num_loss_tokens",
+        "num_tokens",
+        wanted=lambda o: True,
+        optional=True,
+    ),
+)
+
+
+def output(name: str) -> Output:
+    """The declaration of output ``name``."""
+    return next(o for o in OUTPUTS if o.name == name)
+
+
+def outputs(per: str | None = None) -> tuple[Output, ...]:
+    """The output table (read at call time), optionally only ``per`` token / sequence."""
+    return tuple(o for o in OUTPUTS if per is None or o.per == per)
+
+
+def head_outputs(options) -> list[Output]:
+    """The outputs the output head computes for a step with ``options``.
+
+    The logprobs are computed whenever losses need them, even when not returned.
+    """
+    return [
+        o
+        for o in OUTPUTS
+        if o.head is not None and (o.wanted(options) or (o.name == "logprobs" and options.losses))
+    ]
+
+
+def flat_dims(output: Output, options) -> tuple[int, ...]:
+    """Trailing shape of a per-token output for ``options`` (``()`` when set by the data)."""
+    return () if output.dims is None else tuple(output.dims(options))

@@ -1,0 +1,104 @@
+"""The option / output table (``megascore.schema``) drives every layer.
+
+A per-token output added to the table alone (no other product edit) is computed by the
+engine step from the output head, mapped packed -> flat with its fill, merged across
+requests, cut per request and joined back; the recipe of docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from megascore import schema
+from megascore.config import EngineConfig
+from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
+from megascore.layout import concat_outputs, select_sequences
+from megascore.model.build import build_model
+from megascore.model.config import builtin_model
+from megascore.types import ScoreBatch
+from megascore_server.step_planner import merge_batches
+
+# The most likely next token's logprob: the top-1 logprob, from the chunk's normaliser.
+BEST = schema.Output(
+    "best_logprob",
+    schema.TOKEN,
+    "float32",
+    wire="best_logprob",
+    sdk="best_logprob",
+    wanted=lambda o: o.return_logprobs,
+    fill=-7.0,
+    head=lambda chunk: chunk.global_max - chunk.lse,
+)
+
+
+@pytest.fixture
+def with_best(monkeypatch):
+    monkeypatch.setattr(schema, "OUTPUTS", (*schema.OUTPUTS, BEST))
+
+
+@pytest.fixture(scope="module")
+def score(pgs):
+    model = build_model(builtin_model("tiny"), EngineConfig(device="cpu"), pgs)
+    groups = StepGroups(tp=pgs.tp, cp=pgs.cp, pp=pgs.pp, status=dist.group.WORLD)
+    cfg = StepConfig(pad_multiple=4, chunk_tokens=5, vocab_size=512, device="cpu")
+    return lambda batch: finish_step(batch, run_step(model, batch, groups, cfg))
+
+
+def _batch(lengths, seed, **options) -> ScoreBatch:
+    ids = np.random.default_rng(seed).integers(0, 512, sum(lengths))
+    return ScoreBatch(token_ids=ids, lengths=np.array(lengths), **options)
+
+
+def test_a_per_token_output_added_to_the_table_alone(with_best, score):
+    a = _batch([7, 1, 12], 0, top_k=1)
+    b = _batch([5, 9], 1, return_logprobs=False)
+    out = score(a)
+    # computed chunk by chunk, flat layout, fill at entry 0 of each sequence
+    best = out.best_logprob
+    assert best.dtype == np.float32 and best.shape == (a.num_tokens,)
+    starts = a.offsets()[:-1]
+    np.testing.assert_array_equal(best[starts], -7.0)
+    rest = np.setdiff1d(np.arange(a.num_tokens), starts)
+    np.testing.assert_allclose(best[rest], out.top_k_logprobs[rest, 0], rtol=0, atol=1e-6)
+    assert (best[rest] >= out.logprobs[rest] - 1e-6).all()
+    # merged with a request that does not want it, cut out per request and joined back
+    step = merge_batches([(a, np.array([2, 0])), (b, np.array([0, 1])), (a, np.array([1]))])
+    merged = score(step)
+    assert "best_logprob" in merged.values
+    parts = [
+        (np.array([2, 0]), select_sequences(merged, step.lengths, np.array([0, 1]), a)),
+        (np.array([1]), select_sequences(merged, step.lengths, np.array([4]), a)),
+    ]
+    joined = concat_outputs(parts, a.lengths)
+    np.testing.assert_allclose(joined.best_logprob, best, rtol=0, atol=1e-5)
+    only_b = select_sequences(merged, step.lengths, np.array([2, 3]), b)
+    assert only_b.best_logprob is None and only_b.logprobs is None
+
+
+def test_without_the_entry_the_output_is_not_computed(score):
+    out = score(_batch([6, 3], 2))
+    assert "best_logprob" not in out.values
+    with pytest.raises(AttributeError):
+        _ = out.best_logprob
+
+
+def test_every_output_and_option_is_declared_once():
+    for table in (schema.OUTPUTS, schema.OPTIONS, schema.INPUTS):
+        names = [entry.name for entry in table]
+        assert len(names) == len(set(names)), names
+    wires = [out.wire for out in schema.OUTPUTS]
+    assert len(wires) == len(set(wires))
+    fields = {f.name for f in dataclasses.fields(ScoreBatch)}
+    assert {opt.name for opt in schema.OPTIONS} | {i.name for i in schema.INPUTS} <= fields
+
+
+def test_head_outputs_follow_the_options():
+    names = lambda **kw: [o.name for o in schema.head_outputs(_batch([3], 0, **kw))]  # noqa: E731
+    assert names() == ["logprobs"]
+    assert names(return_logprobs=False) == []
+    assert names(return_logprobs=False, losses=("nll",)) == ["logprobs"]
+    assert names(top_k=2) == ["logprobs", "top_k_ids", "top_k_logprobs"]
