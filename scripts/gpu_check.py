@@ -303,7 +303,7 @@ def sdk_rows(table: Table, device: str, dtype: str, out: Path) -> None:
                 for param in new.parameters():
                     param.copy_(param.to(torch.bfloat16))
             bf16 = ((k, v.to(torch.bfloat16)) for k, v in new.state_dict().items())
-            pushed = client.push_weights(bf16, version="bf16-push")
+            pushed = client.push_weights(bf16, weights_version="bf16-push")
             got = client.score(seqs)
             ref = hf_logprobs(new, ids)
             lp = np.stack([np.asarray(x[1:], dtype=np.float64) for x in got.logprobs])
