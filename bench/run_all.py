@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import batch_invariance
 import common
 import e2e_vs_engine
 import families_cpu
@@ -462,7 +463,7 @@ def main() -> int:
     previous = args.output.read_text() if args.output.exists() else ""
     args.output.write_text(text)
     # sections their own scripts write: kept
-    for own in (pipeline, weight_push, routing_cost, families_cpu):
+    for own in (pipeline, weight_push, routing_cost, families_cpu, batch_invariance):
         if own.BEGIN in previous and own.END in previous:
             kept = previous[previous.index(own.BEGIN) : previous.index(own.END)]
             common.write_section(args.output, own.BEGIN, own.END, kept + own.END)

@@ -16,7 +16,11 @@ Each step:
 Both servers serve the trainer's architecture from its initial save (``hf:DIR``).
 ``--launch`` starts them here (two ``megascore serve`` subprocesses on free ports,
 stopped at the end); otherwise give ``--policy`` / ``--reference`` targets and the
-``--init-dir`` both were started from::
+``--init-dir`` both were started from.
+
+Needs: pip install 'megascore[examples]' (``transformers`` for the trainer, and the
+server; in a checkout: ``pip install -e '.[examples]'``). The commands below assume
+the virtual environment is active (``source .venv/bin/activate``)::
 
     python examples/grpo_loop.py --launch --steps 4
     python examples/grpo_loop.py --init-dir /ckpt/init --policy host:50051 --reference host:50052
@@ -91,11 +95,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched_servers(init_dir: Path, log_dir: Path):
-    """Two ``megascore serve --model hf:init_dir`` subprocesses: (policy, reference)."""
+def launched_servers(init_dir: Path, log_dir: Path, names=("policy", "reference")):
+    """One ``megascore serve --model hf:init_dir`` subprocess per name: their targets."""
     procs, targets = [], []
     try:
-        for name in ("policy", "reference"):
+        for name in names:
             port = free_port()
             log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
             cmd = [sys.executable, "-m", "megascore_server.main", "--model", f"hf:{init_dir}"]

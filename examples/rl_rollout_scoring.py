@@ -16,7 +16,10 @@ penalty against the policy that sampled them. This example:
    ``k3 = exp(r - s) - (r - s) - 1`` (``s``: sampler, ``r``: reference), masked
    means per rollout and for the batch.
 
-Run a server first (``megascore serve --model tiny``), then::
+Needs: pip install 'megascore' (the client SDK only; the server it talks to needs
+``megascore[server]``). The commands below assume the virtual environment is active
+(``source .venv/bin/activate``). Run a server first (``megascore serve --model tiny``),
+then::
 
     python examples/rl_rollout_scoring.py --target 127.0.0.1:50051
 """

@@ -9,9 +9,11 @@ import time
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import health as health_codec
 from megascore_client.client import (
+    LOAD_PROGRESS_INTERVAL_S,
     LOAD_WEIGHTS_TIMEOUT_S,
     UNRESOLVED,
     ClientBase,
+    LoadProgress,
     ScoringClient,
     finish_score,
 )
@@ -20,7 +22,7 @@ from megascore_client.push import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import AsyncScoreStream
-from megascore_client.trainer_layouts import PaddedLayout, nemo_rl_layout, verl_layout
+from megascore_client.trainer_layouts import PaddedLayout
 from megascore_client.transport import AsyncTransport
 
 __all__ = ["AsyncScoringClient"]
@@ -39,8 +41,7 @@ class AsyncScoringClient(ClientBase):
         ...     results = await asyncio.gather(*(client.score(b) for b in batches))
     """
 
-    def __init__(self, target: str, **kwargs):
-        super().__init__(target, **kwargs)
+    def _open(self) -> None:
         self.transport = AsyncTransport(self.settings)
         self._limit_lock = asyncio.Lock()
 
@@ -108,19 +109,13 @@ class AsyncScoringClient(ClientBase):
             for task in tasks:
                 task.cancel()
 
-    async def score_padded(self, input_ids, input_lengths, **kwargs):
-        """Logprobs of a NeMo-RL batch (see ``ScoringClient.score_padded``)."""
-        return await self._score_layout(nemo_rl_layout(input_ids, input_lengths), kwargs)
-
-    async def score_responses(self, input_ids, attention_mask, responses, **kwargs):
-        """Response logprobs of a verl batch (see ``ScoringClient.score_responses``)."""
-        layout = verl_layout(input_ids, attention_mask, responses)
-        return await self._score_layout(layout, kwargs)
-
-    async def _score_layout(self, layout: PaddedLayout, kwargs: dict):
+    async def _score_layout(self, layout: PaddedLayout, temperature, request_id, timeout):
         scored = None
         if layout.sequences:
-            scored = await self.score(layout.sequences, losses=(), **kwargs)
+            scored = await self.score(
+                layout.sequences, losses=(), temperature=temperature, request_id=request_id,
+                timeout=timeout,
+            )  # fmt: skip
         return layout.logprobs(None if scored is None else scored.logprobs)
 
     def stream(self, *, timeout: float | None = None) -> AsyncScoreStream:
@@ -143,14 +138,28 @@ class AsyncScoringClient(ClientBase):
         return self._learn_limits(ModelInfo.from_proto(msg))
 
     async def load_weights(
-        self, model: str, weights_version: str = "", *, timeout: float | None = None
+        self,
+        model: str,
+        weights_version: str = "",
+        *,
+        timeout: float | None = None,
+        progress: LoadProgress | None = None,
     ) -> LoadWeightsResult:
         """Asks the server to load new weights (see ``ScoringClient.load_weights``; never
-        re-sent by ``wait_for_server_s``)."""
+        re-sent by ``wait_for_server_s``; ``progress(elapsed_s)`` about once a second)."""
         request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
         deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
-        msg = await self.transport.call(self.transport.stub.LoadWeights, request, deadline)
-        return LoadWeightsResult.from_proto(msg)
+        call = self.transport.call(self.transport.stub.LoadWeights, request, deadline)
+        if progress is None:
+            return LoadWeightsResult.from_proto(await call)
+        task = asyncio.ensure_future(call)
+        start = time.monotonic()
+        try:
+            while not (await asyncio.wait([task], timeout=LOAD_PROGRESS_INTERVAL_S))[0]:
+                progress(time.monotonic() - start)
+        finally:
+            task.cancel()  # a no-op once done; cancels the call when the caller is cancelled
+        return LoadWeightsResult.from_proto(task.result())
 
     async def push_weights(
         self, named_tensors, *, timeout: float | None = None, **arguments

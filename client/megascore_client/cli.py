@@ -28,12 +28,14 @@ import json
 import os
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from megascore import __version__
 from megascore_client import push, score_jsonl
 from megascore_client.channel import TlsConfig
-from megascore_client.client import ScoringClient
+from megascore_client.client import LOAD_WEIGHTS_TIMEOUT_S, ScoringClient
 from megascore_client.errors import ScoringError
+from megascore_client.push import ElapsedLine
 
 __all__ = ["COMMAND_GROUP", "build_parser", "main", "make_client", "serve"]
 
@@ -43,7 +45,15 @@ _INSTALL_SERVER = "Install it with: pip install 'megascore[server]'"
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def _add_connection_args(parser: argparse.ArgumentParser) -> None:
+_TIMEOUT_HELP = {
+    "score": f"deadline of each request in seconds (default: {DEFAULT_TIMEOUT_S:g} plus "
+    "--wait-for-server)",
+    "load-weights": f"deadline of the load in seconds (default: {LOAD_WEIGHTS_TIMEOUT_S:g})",
+    "push-weights": f"deadline of the whole push in seconds (default: {push.PUSH_TIMEOUT_S:g})",
+}
+
+
+def _add_connection_args(parser: argparse.ArgumentParser, command: str) -> None:
     group = parser.add_argument_group("connection")
     group.add_argument(
         "--target",
@@ -64,10 +74,14 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=float,
         default=None,
-        help=f"per-request deadline (s); default {DEFAULT_TIMEOUT_S:g} (score: + wait-for-server)",
+        help=_TIMEOUT_HELP.get(
+            command, f"deadline of the request in seconds (default: {DEFAULT_TIMEOUT_S:g})"
+        ),
     )
     group.add_argument(
-        "--load-balancing", choices=("pick_first", "round_robin"), help="gRPC LB policy"
+        "--load-balancing",
+        choices=("pick_first", "round_robin"),
+        help="gRPC load-balancing policy over the target's addresses (default: pick_first)",
     )
 
 
@@ -92,6 +106,15 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             "the re-sends happen inside each request's deadline; leave --timeout out "
             f"(default {DEFAULT_TIMEOUT_S:g} + {wait:g} s) or raise it"
         )
+
+
+def _missing_input(args: argparse.Namespace) -> str | None:
+    """What is wrong with the local file a command reads, or None."""
+    if args.command == "score" and not args.input.is_file():
+        return f"input {args.input}: no such file"
+    if args.command == "push-weights" and not Path(args.path).exists():
+        return f"path {args.path}: no such file or directory"
+    return None
 
 
 def make_client(args: argparse.Namespace) -> ScoringClient:
@@ -143,7 +166,14 @@ def _cmd_health(args, client: ScoringClient) -> int:
 
 
 def _cmd_load_weights(args, client: ScoringClient) -> int:
-    result = client.load_weights(args.model, args.weights_version)
+    line = None if args.no_progress else ElapsedLine(f"loading {args.model}", sys.stderr)
+    try:
+        result = client.load_weights(
+            args.model, args.weights_version, timeout=args.timeout, progress=line
+        )
+    finally:
+        if line is not None:
+            line.close()
     print(
         json.dumps(
             {
@@ -181,7 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     load = sub.add_parser("load-weights", help="load new weights into the running server")
     load.add_argument("model", help="checkpoint on the server: hf:DIR or megatron:DIR")
-    load.add_argument("--weights-version", default="", help="version label")
+    load.add_argument(
+        "--weights-version", default="", help="version label (default: derived by the server)"
+    )
+    load.add_argument(
+        "--no-progress", action="store_true", help="no elapsed-time line on stderr while loading"
+    )
     load.set_defaults(func=_cmd_load_weights)
 
     push_cmd = sub.add_parser("push-weights", help="stream weights from files here into the server")
@@ -189,9 +224,21 @@ def build_parser() -> argparse.ArgumentParser:
     push_cmd.set_defaults(func=push.run_cli)
 
     for name in ("score", "info", "health", "load-weights", "push-weights"):
-        _add_connection_args(sub.choices[name])
+        _add_connection_args(sub.choices[name], name)
         sub.choices[name].set_defaults(subparser=sub.choices[name])
+        _show_defaults(sub.choices[name])
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Appends ``(default: X)`` to the help of every option with a value default that
+    its help does not already state."""
+    for action in parser._actions:
+        default = action.default
+        if action.nargs == 0 or default in (None, "", argparse.SUPPRESS) or not action.help:
+            continue
+        if "default" not in action.help:
+            action.help += f" (default: {default})"
 
 
 def serve(argv: list[str]) -> int:
@@ -226,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(argv[1:])
     args = build_parser().parse_args(argv)
     _check_args(args.subparser, args)
+    missing = _missing_input(args)
+    if missing:  # reported before any connection, whatever the server's state
+        print(f"megascore {args.command}: error: {missing}", file=sys.stderr)
+        return 2
     try:
         with make_client(args) as client:
             return args.func(args, client)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -33,49 +34,16 @@ __all__ = ["ClientBase", "ScoringClient"]
 
 UNRESOLVED = object()
 LOAD_WEIGHTS_TIMEOUT_S = 600.0
+LOAD_PROGRESS_INTERVAL_S = 1.0
+LoadProgress = Callable[[float], None]
+"""``progress(elapsed_s)``, called about once a second while a ``load_weights`` runs."""
 
 
 class ClientBase:
     """Configuration shared by :class:`ScoringClient` and ``AsyncScoringClient``.
 
-    Args:
-        target: gRPC target: ``"host:port"``, ``"dns:///name:port"`` (with
-            ``load_balancing="round_robin"`` to spread calls over every address),
-            ``"ipv4:10.0.0.1:50051,10.0.0.2:50051"``, ``"unix:/path"``.
-        tls: None (plaintext), True (TLS with the system roots) or a
-            :class:`TlsConfig` (custom CA, mutual TLS, server-name override).
-        token: bearer token sent as ``authorization: Bearer <token>`` metadata.
-        timeout: default deadline in seconds of each RPC (None = no deadline).
-            Retries, and the re-sends of ``wait_for_server_s``, happen within it.
-        max_message_bytes: send and receive limit of the channel; larger batches are
-            split into several requests. With ``max_request_tokens="auto"``, the
-            server's own limit (``ModelInfo.max_message_bytes``) is looked up too, and
-            batches are split under the smaller of the two.
-        retries: retry policy for UNAVAILABLE only: a :class:`RetryPolicy`, True
-            (default policy: 5 attempts, backoff 0.2 s x2 up to 5 s), an int number
-            of retries (0-4), or None to disable.
-        load_balancing: None (gRPC default, pick_first), "pick_first" or
-            "round_robin" (set in the service config).
-        keepalive_time_s: HTTP/2 keepalive ping interval while calls are active
-            (None = off). gRPC servers by default punish pings more frequent than
-            every 300 s on a call that sends no data (GOAWAY "too_many_pings"), so
-            go lower only when the server allows it
-            (``grpc.http2.min_recv_ping_interval_without_data_ms``).
-        max_request_tokens: tokens per request before a batch is split: an int,
-            None (no token limit), or "auto" (ask the server once through
-            GetModelInfo, on the first ``score``, for its token limit and its message
-            size limit).
-        max_concurrency: parts of one split batch in flight at once.
-        wait_for_server_s: how long to ride out a server that is down or restarting
-            (0 = off: UNAVAILABLE is raised after gRPC's own retries). When > 0, a
-            Score request (each part of a split batch) or a GetModelInfo that still
-            ends in UNAVAILABLE is re-sent, with a backoff of 0.5 s doubling up to
-            5 s (+-20 % jitter), until the server answers or this many seconds have
-            passed since its first UNAVAILABLE; then that ScoringError (UNAVAILABLE,
-            details saying how long it waited) is raised. Other codes are raised at
-            once. The re-sends stay inside the request's ``timeout``, which must
-            exceed ``wait_for_server_s`` (or be None). ``load_weights``,
-            ``health`` and streams are never re-sent (see ``docs/client.md``).
+    The constructor's arguments are documented on ``__init__`` (``help(ScoringClient)``
+    shows them).
     """
 
     def __init__(
@@ -93,6 +61,47 @@ class ClientBase:
         max_concurrency: int = 4,
         wait_for_server_s: float = 0.0,
     ):
+        """Configures the client and opens its channel.
+
+        Args:
+            target: gRPC target: ``"host:port"``, ``"dns:///name:port"`` (with
+                ``load_balancing="round_robin"`` to spread calls over every address),
+                ``"ipv4:10.0.0.1:50051,10.0.0.2:50051"``, ``"unix:/path"``.
+            tls: None (plaintext), True (TLS with the system roots) or a
+                :class:`TlsConfig` (custom CA, mutual TLS, server-name override).
+            token: bearer token sent as ``authorization: Bearer <token>`` metadata.
+            timeout: default deadline in seconds of each RPC (None = no deadline).
+                Retries, and the re-sends of ``wait_for_server_s``, happen within it.
+            max_message_bytes: send and receive limit of the channel; larger batches are
+                split into several requests. With ``max_request_tokens="auto"``, the
+                server's own limit (``ModelInfo.max_message_bytes``) is looked up too, and
+                batches are split under the smaller of the two.
+            retries: retry policy for UNAVAILABLE only: a :class:`RetryPolicy`, True
+                (default policy: 5 attempts, backoff 0.2 s x2 up to 5 s), an int number
+                of retries (0-4), or None to disable.
+            load_balancing: None (gRPC default, pick_first), "pick_first" or
+                "round_robin" (set in the service config).
+            keepalive_time_s: HTTP/2 keepalive ping interval while calls are active
+                (None = off). gRPC servers by default punish pings more frequent than
+                every 300 s on a call that sends no data (GOAWAY "too_many_pings"), so
+                go lower only when the server allows it
+                (``grpc.http2.min_recv_ping_interval_without_data_ms``).
+            max_request_tokens: tokens per request before a batch is split: an int,
+                None (no token limit), or "auto" (ask the server once through
+                GetModelInfo, on the first ``score``, for its token limit and its message
+                size limit).
+            max_concurrency: parts of one split batch in flight at once.
+            wait_for_server_s: how long to ride out a server that is down or restarting
+                (0 = off: UNAVAILABLE is raised after gRPC's own retries). When > 0, a
+                Score request (each part of a split batch) or a GetModelInfo that still
+                ends in UNAVAILABLE is re-sent, with a backoff of 0.5 s doubling up to
+                5 s (+-20 % jitter), until the server answers or this many seconds have
+                passed since its first UNAVAILABLE; then that ScoringError (UNAVAILABLE,
+                details saying how long it waited) is raised. Other codes are raised at
+                once. The re-sends stay inside the request's ``timeout``, which must
+                exceed ``wait_for_server_s`` (or be None). ``load_weights``,
+                ``health`` and streams are never re-sent (see ``docs/client.md``).
+        """
         if max_request_tokens != "auto" and not (
             max_request_tokens is None or int(max_request_tokens) > 0
         ):
@@ -113,6 +122,11 @@ class ClientBase:
         self.max_concurrency = max_concurrency
         self._token_limit = UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
         self._server_message_bytes = 0  # ModelInfo.max_message_bytes, with "auto" (0 = unknown)
+        self._open()
+
+    def _open(self) -> None:
+        """Opens the transport (each client kind its own)."""
+        raise NotImplementedError
 
     @property
     def target(self) -> str:
@@ -144,6 +158,58 @@ class ClientBase:
         if delay is None:
             raise schedule.gave_up(error)
         return schedule, delay
+
+    def score_padded(
+        self,
+        input_ids,
+        input_lengths,
+        *,
+        temperature: float = 1.0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ):
+        """Logprobs of a NeMo-RL batch (awaitable on ``AsyncScoringClient``): right-padded
+        ``input_ids [B, S]`` and ``input_lengths [B]`` (layout in
+        :mod:`megascore_client.trainer_layouts`).
+
+        Args:
+            input_ids: int ``[B, S]`` (numpy, torch or array-like).
+            input_lengths: int ``[B]``, each in ``[0, S]``.
+            temperature, request_id, timeout: as for :meth:`score`.
+
+        Returns:
+            float32 ``[B, S]``: entry ``[b, t]`` is ``log p(x_t | x_<t)`` of row b for
+            ``1 <= t < input_lengths[b]``, 0.0 at t = 0 and past the length; a torch
+            tensor on the device of ``input_ids`` when that is a torch tensor.
+        """
+        layout = nemo_rl_layout(input_ids, input_lengths)
+        return self._score_layout(layout, temperature, request_id, timeout)
+
+    def score_responses(
+        self,
+        input_ids,
+        attention_mask,
+        responses,
+        *,
+        temperature: float = 1.0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ):
+        """Response logprobs of a verl batch (awaitable on ``AsyncScoringClient``):
+        ``input_ids [B, P+R]`` (left-padded prompts, then right-padded responses),
+        ``attention_mask [B, P+R]``, ``responses [B, R]`` (layout in
+        :mod:`megascore_client.trainer_layouts`).
+
+        Args:
+            input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
+            temperature, request_id, timeout: as for :meth:`score`.
+
+        Returns:
+            float32 ``[B, R]``: entry ``[b, j]`` is the logprob of ``responses[b, j]``
+            given the real tokens before it, 0.0 on response padding (torch in, torch out).
+        """
+        layout = verl_layout(input_ids, attention_mask, responses)
+        return self._score_layout(layout, temperature, request_id, timeout)
 
     def prepare_call(self, sequences, arguments: dict, limit) -> tuple[list[Part], str]:
         """The requests of one ``score`` / ``submit`` call (:func:`splitting.prepare`)."""
@@ -216,7 +282,8 @@ def finish_score(results: list[ScoreResult], request_id: str, start: float) -> S
 class ScoringClient(ClientBase):
     """Blocking megascore client. Thread-safe; use as a context manager.
 
-    See :class:`ClientBase` for the constructor arguments. ``transport`` is the
+    The constructor takes ``target`` and the keyword arguments of
+    :meth:`ClientBase.__init__`. ``transport`` is the
     :class:`~megascore_client.transport.SyncTransport` every call and stream goes through.
 
     Example:
@@ -225,8 +292,7 @@ class ScoringClient(ClientBase):
         ...     result.logprobs[0]  # float32 [3], entry 0 is 0.0
     """
 
-    def __init__(self, target: str, **kwargs):
-        super().__init__(target, **kwargs)
+    def _open(self) -> None:
         self.transport = SyncTransport(self.settings)
         self._lock = threading.Lock()
 
@@ -360,39 +426,13 @@ class ScoringClient(ClientBase):
                 future.cancel()
         return results
 
-    def score_padded(self, input_ids, input_lengths, **kwargs):
-        """Logprobs of a NeMo-RL batch: right-padded ``input_ids [B, S]`` and
-        ``input_lengths [B]`` (layout in :mod:`megascore_client.trainer_layouts`).
-
-        Args:
-            input_ids: int ``[B, S]`` (numpy, torch or array-like).
-            input_lengths: int ``[B]``, each in ``[0, S]``.
-            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
-
-        Returns:
-            float32 ``[B, S]``: entry ``[b, t]`` is ``log p(x_t | x_<t)`` of row b for
-            ``1 <= t < input_lengths[b]``, 0.0 at t = 0 and past the length; a torch
-            tensor on the device of ``input_ids`` when that is a torch tensor.
-        """
-        return self._score_layout(nemo_rl_layout(input_ids, input_lengths), kwargs)
-
-    def score_responses(self, input_ids, attention_mask, responses, **kwargs):
-        """Response logprobs of a verl batch: ``input_ids [B, P+R]`` (left-padded
-        prompts, then right-padded responses), ``attention_mask [B, P+R]``,
-        ``responses [B, R]`` (layout in :mod:`megascore_client.trainer_layouts`).
-
-        Args:
-            input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
-            **kwargs: ``temperature``, ``request_id``, ``timeout`` as for :meth:`score`.
-
-        Returns:
-            float32 ``[B, R]``: entry ``[b, j]`` is the logprob of ``responses[b, j]``
-            given the real tokens before it, 0.0 on response padding (torch in, torch out).
-        """
-        return self._score_layout(verl_layout(input_ids, attention_mask, responses), kwargs)
-
-    def _score_layout(self, layout: PaddedLayout, kwargs: dict):
-        scored = self.score(layout.sequences, losses=(), **kwargs) if layout.sequences else None
+    def _score_layout(self, layout: PaddedLayout, temperature, request_id, timeout):
+        scored = None
+        if layout.sequences:
+            scored = self.score(
+                layout.sequences, losses=(), temperature=temperature, request_id=request_id,
+                timeout=timeout,
+            )  # fmt: skip
         return layout.logprobs(None if scored is None else scored.logprobs)
 
     def stream(self, *, timeout: float | None = None) -> ScoreStream:
@@ -418,7 +458,12 @@ class ScoringClient(ClientBase):
         return self._learn_limits(ModelInfo.from_proto(msg))
 
     def load_weights(
-        self, model: str, weights_version: str = "", *, timeout: float | None = None
+        self,
+        model: str,
+        weights_version: str = "",
+        *,
+        timeout: float | None = None,
+        progress: LoadProgress | None = None,
     ) -> LoadWeightsResult:
         """Asks the server to load new weights ("hf:DIR" / "megatron:DIR" on the server).
 
@@ -426,6 +471,8 @@ class ScoringClient(ClientBase):
             model: checkpoint to load.
             weights_version: optional label (the server derives one when empty).
             timeout: deadline in seconds (default: 600).
+            progress: ``progress(elapsed_s)`` about once a second while the server loads
+                (the server reports no fraction; the CLI draws it as an elapsed-time line).
 
         Never re-sent by ``wait_for_server_s``: a reload is heavy and changes the
         server's state (an UNAVAILABLE may come after it started), and a restarted
@@ -434,8 +481,18 @@ class ScoringClient(ClientBase):
         """
         request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
         deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
-        msg = self.transport.call(self.transport.stub.LoadWeights, request, deadline)
-        return LoadWeightsResult.from_proto(msg)
+        future = self.transport.start(self.transport.stub.LoadWeights, request, deadline)
+        if progress is not None:
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())
+            start = time.monotonic()
+            try:
+                while not done.wait(LOAD_PROGRESS_INTERVAL_S):
+                    progress(time.monotonic() - start)
+            except BaseException:  # the callback failed or the caller was interrupted
+                future.cancel()
+                raise
+        return LoadWeightsResult.from_proto(self.transport.result(future))
 
     def push_weights(
         self,

@@ -162,10 +162,20 @@ def _routing(routing, seq_lengths: np.ndarray) -> np.ndarray:
         )
     rows = [as_numpy(r) for r in routing]
     for i, (row, length) in enumerate(zip(rows, seq_lengths, strict=True)):
-        if row.ndim != 3 or row.shape[0] != length or row.shape[1:] != rows[0].shape[1:]:
+        if row.ndim != 3:
             raise InvalidInputError(
-                f"routing[{i}]: shape {row.shape}, expected ({length}, num_moe_layers, topk) "
-                f"like routing[0] {rows[0].shape}"
+                f"routing[{i}]: shape {row.shape}, expected 3 dimensions "
+                f"({length}, num_moe_layers, topk)"
+            )
+        if row.shape[0] != length:
+            raise InvalidInputError(
+                f"routing[{i}]: {row.shape[0]} rows for sequence {i} of {length} tokens "
+                f"(shape {row.shape}, expected ({length}, num_moe_layers, topk))"
+            )
+        if row.shape[1:] != rows[0].shape[1:]:
+            raise InvalidInputError(
+                f"routing[{i}]: (num_moe_layers, topk) = {row.shape[1:]} differs from "
+                f"routing[0]'s {rows[0].shape[1:]} (every sequence has the same layers and topk)"
             )
         if row.size and (row.dtype.kind not in "iu" or row.min() < 0 or row.max() > _INT32_MAX):
             raise InvalidInputError(f"routing[{i}]: expert ids must be integers >= 0")

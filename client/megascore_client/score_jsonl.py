@@ -70,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per batch")
     parser.add_argument("--concurrency", type=int, default=2, help="batches in flight")
     parser.add_argument("--top-k", type=int, default=0, help="top-k alternatives per token")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="softmax temperature (> 0)"
+    )
     parser.add_argument(
         "--return-routing",
         action="store_true",
@@ -95,7 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write bad rows to OUT.rejected.jsonl (line, id, reason) and go on, instead "
         "of stopping at the first one with exit code 1",
     )
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    parser.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress line (rows, tokens/s) on stderr",
+    )
 
 
 def rejected_path(output: Path) -> Path:

@@ -29,7 +29,7 @@ import numpy as np
 from megascore_client.errors import InvalidInputError
 from megascore_client.inputs import as_numpy
 
-__all__ = ["PaddedLayout", "nemo_rl_layout", "verl_layout"]
+__all__ = ["PaddedLayout", "nemo_rl_layout", "prompt_groups", "verl_layout"]
 
 
 def _is_torch(value) -> bool:
@@ -150,3 +150,33 @@ def verl_layout(input_ids, attention_mask, responses) -> PaddedLayout:
         keep=slice(prompt, width),
         torch_like=input_ids if _is_torch(input_ids) else None,
     )
+
+
+def prompt_groups(layout: PaddedLayout) -> np.ndarray:
+    """Runs of consecutive scored sequences of a verl layout that share their prompt
+    (GRPO's n rollouts of one prompt, which verl keeps in consecutive rows).
+
+    The prompt of a sequence is its real tokens before the response columns
+    (``layout.keep``); a run ends where the next sequence's prompt differs (the same
+    prompt again after another one starts a new run).
+
+    Args:
+        layout: a :func:`verl_layout`.
+
+    Returns:
+        int64 ``[G]``: the number of sequences in each run, in order; they sum to
+        ``len(layout.sequences)`` (rows with an empty response are not scored, so not
+        counted).
+    """
+    start = layout.keep.start or 0
+    prompts = [
+        seq[: int((cols < start).sum())]
+        for seq, cols in zip(layout.sequences, layout.columns, strict=True)
+    ]
+    sizes: list[int] = []
+    for i, prompt in enumerate(prompts):
+        if i and np.array_equal(prompt, prompts[i - 1]):
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return np.array(sizes, dtype=np.int64)

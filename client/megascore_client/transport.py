@@ -17,6 +17,7 @@ import grpc
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import health as health_codec
 from megascore_client.channel import ChannelSettings
+from megascore_client.diagnose import explain
 from megascore_client.errors import ScoringError, closed_error
 from megascore_client.waiting import time_left
 
@@ -33,6 +34,7 @@ class SyncTransport:
     """
 
     def __init__(self, settings: ChannelSettings):
+        self.settings = settings
         self._channel = settings.open_sync()
         self.stub = pb_grpc.ScorerStub(self._channel)
         self.health_check = health_codec.check_callable(self._channel)
@@ -56,14 +58,15 @@ class SyncTransport:
                 raise closed_error()
             return method.future(request, timeout=time_left(deadline), metadata=self.metadata)
 
-    @staticmethod
-    def result(future):
-        """Waits for a call started by :meth:`start`; its error as a ``ScoringError``.
+    def result(self, future):
+        """Waits for a call started by :meth:`start`; its error as a ``ScoringError``
+        (a connection that never came up explained, :func:`~megascore_client.diagnose.explain`).
         An interruption (e.g. KeyboardInterrupt) cancels the call."""
         try:
             return future.result()
         except grpc.RpcError as exc:
-            raise ScoringError.from_rpc_error(exc) from None
+            error = ScoringError.from_rpc_error(exc)
+            raise (error if self.closed else explain(error, self.settings)) from None
         except BaseException:
             future.cancel()
             raise
@@ -98,6 +101,7 @@ class AsyncTransport:
     """
 
     def __init__(self, settings: ChannelSettings):
+        self.settings = settings
         self._channel = settings.open_aio()
         self.stub = pb_grpc.ScorerStub(self._channel)
         self.health_check = health_codec.check_callable(self._channel)
@@ -132,7 +136,12 @@ class AsyncTransport:
         try:
             return await method(request, timeout=time_left(deadline), metadata=self.metadata)
         except grpc.RpcError as exc:
-            raise ScoringError.from_rpc_error(exc) from None
+            error = ScoringError.from_rpc_error(exc)
+            if error.code is grpc.StatusCode.DEADLINE_EXCEEDED and not self.closed:
+                error = await asyncio.to_thread(explain, error, self.settings)  # may probe
+            elif not self.closed:
+                error = explain(error, self.settings)
+            raise error from None
         except asyncio.CancelledError:
             if self.cancelled_by_close():
                 raise closed_error() from None

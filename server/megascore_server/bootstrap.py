@@ -38,6 +38,7 @@ import threading
 
 from megascore.config import EngineConfig
 from megascore.errors import LOAD_FAILURES, WorkerLostError
+from megascore_server import startup_logs
 from megascore_server.app import ServerHandles, build_server
 from megascore_server.config import ReplicaConfig
 
@@ -135,6 +136,7 @@ async def serve_async(config: ReplicaConfig) -> int:
     await handles.start()
     logger.info("megascore listening on %s:%d, NOT_SERVING while loading", server_config.host, port)
     code = await _load(handles, config, stop)
+    startup_logs.summarise()
     if code is not None:
         return code
     logger.info("megascore serving on %s:%d", server_config.host, port)
@@ -207,6 +209,8 @@ def run_rank(config: ReplicaConfig) -> int:
     except Exception:
         logger.exception("rank %d: building the engine failed", rank)
         return 1
+    finally:
+        startup_logs.summarise()
     try:
         engine.worker_loop()
     except WorkerLostError as exc:

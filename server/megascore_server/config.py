@@ -26,7 +26,7 @@ class GrpcServerConfig:
     host: str = "127.0.0.1"
     """Address to bind. A non-loopback address without TLS or a token logs a warning."""
     port: int = 50051
-    """gRPC port; 0 picks a free port (reported by ``build_server``)."""
+    """gRPC port; 0 picks a free port (the log line "Scorer bound on" names it)."""
     max_tokens_per_batch: int = 16384
     """Token budget of one engine step (padded tokens)."""
     max_batch_wait_ms: float = 2.0
@@ -36,7 +36,7 @@ class GrpcServerConfig:
     max_queue_tokens: int = 0
     """Most tokens waiting for the engine (0 = bounded only by ``max_queue``)."""
     max_sequence_length: int | None = None
-    """Longest sequence accepted; None = the model's maximum (never above it)."""
+    """Longest sequence accepted; unset = the model's maximum (never above it)."""
     max_request_tokens: int = 1 << 20
     """Most tokens in one request; more is RESOURCE_EXHAUSTED."""
     max_message_bytes: int = 256 * MIB

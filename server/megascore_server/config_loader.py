@@ -1,11 +1,17 @@
 """Builds a :class:`ReplicaConfig` from CLI flags, a YAML / TOML file and the environment.
 
 Precedence, lowest to highest: dataclass defaults < config file (``--config``
-or ``MEGASCORE_CONFIG``) < environment variables ``MEGASCORE_<FIELD>`` <
+or ``MEGASCORE_CONFIG``) < environment variables ``MEGASCORE_<FLAG>`` <
 command-line flags. Every field of :class:`GrpcServerConfig` and
 :class:`megascore.config.EngineConfig` (and ``nproc``) can be set at every
 level under the same name: ``--max-tokens-per-batch 8192``,
 ``MEGASCORE_MAX_TOKENS_PER_BATCH=8192``, ``max_tokens_per_batch: 8192``.
+
+One rule for the environment: ``MEGASCORE_`` + any flag of ``megascore serve``
+without its dashes, upper case, ``-`` as ``_``; short flags too (``--tp 2`` is
+``MEGASCORE_TP=2`` as well as ``MEGASCORE_TENSOR_MODEL_PARALLEL_SIZE=2``; both set
+to different values is an error). A ``MEGASCORE_*`` variable that is neither a
+flag nor one of :data:`OTHER_ENV` is logged as a warning (:func:`unknown_env`).
 
 A config file is a mapping; fields go either at the top level or under a
 ``server:`` / ``engine:`` section (``[server]`` / ``[engine]`` tables in TOML):
@@ -30,7 +36,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megascore.config import EngineConfig
+from megascore.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    LM_HEAD_DTYPES,
+    ROUTER_DTYPES,
+    EngineConfig,
+)
 from megascore_server.config import GrpcServerConfig, ReplicaConfig
 
 logger = logging.getLogger(__name__)
@@ -48,6 +61,25 @@ _ALIASES = {
     "expert_model_parallel_size": ["--ep"],
     "pipeline_model_parallel_size": ["--pp"],
 }
+_CHOICES = {
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "lm_head_dtype": LM_HEAD_DTYPES,
+    "moe_router_dtype": ROUTER_DTYPES,
+}
+_METAVARS = {"int": "N", "int | None": "N", "float": "NUMBER", "str": "VALUE", "str | None": "PATH"}
+_NAMED_METAVARS = {"host": "ADDRESS", "model": "MODEL", "log_level": "LEVEL"}
+OTHER_ENV = (
+    CONFIG_ENV,
+    "MEGASCORE_TARGET",  # the client CLI's default --target
+    "MEGASCORE_TOKEN",  # the client CLI's default --token
+    "MEGASCORE_ENGINE_FACTORY",  # megascore_server.bootstrap (tests: a fake engine)
+    "MEGASCORE_HF_LOADER",  # megascore.checkpoint.hf_bridge
+    "MEGASCORE_PYTHON",  # scripts/bootstrap.sh
+    "MEGASCORE_VENV",  # scripts/bootstrap.sh
+)
+"""``MEGASCORE_*`` variables that are not serve flags but are read elsewhere (no warning)."""
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -127,14 +159,55 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return flat
 
 
-def read_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """Field values from ``MEGASCORE_<FIELD>`` variables (other variables are ignored)."""
-    values = {}
+def _env_names() -> dict[str, str]:
+    """``MEGASCORE_<FLAG>`` -> field, for every long and short flag."""
+    names = {}
     for name in _ALL_FIELDS:
-        key = ENV_PREFIX + name.upper()
-        if key in environ:
-            values[name] = environ[key]
+        for flag in (name, *(alias.lstrip("-") for alias in _ALIASES.get(name, []))):
+            names[ENV_PREFIX + flag.upper().replace("-", "_")] = name
+    return names
+
+
+_ENV_NAMES = _env_names()
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Field values from ``MEGASCORE_<FLAG>`` variables (long or short flag names).
+
+    Raises:
+        ValueError: two names of one field set to different values.
+    """
+    values: dict[str, str] = {}
+    source: dict[str, str] = {}
+    for key, name in _ENV_NAMES.items():
+        if key not in environ:
+            continue
+        if name in values and values[name] != environ[key]:
+            raise ValueError(
+                f"{source[name]}={values[name]!r} and {key}={environ[key]!r} set the same "
+                "option; keep one"
+            )
+        values[name], source[name] = environ[key], key
     return values
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """A warning for every ``MEGASCORE_*`` variable that no part of megascore reads,
+    with the closest known name."""
+    import difflib
+
+    known = [*_ENV_NAMES, *OTHER_ENV]
+    warnings = []
+    for key in sorted(environ):
+        if not key.startswith(ENV_PREFIX) or key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.append(
+            f"environment variable {key} is not a megascore setting and is ignored{hint}; "
+            "serve flags are MEGASCORE_<FLAG>, e.g. MEGASCORE_TP, MEGASCORE_MAX_QUEUE"
+        )
+    return warnings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,9 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megascore serve",
         description="Serve a Megatron-Core model over gRPC (megascore.v1.Scorer).",
+        epilog=(
+            "Every flag can also be set in the environment as MEGASCORE_<FLAG> (upper case, "
+            "'-' as '_', short flags too: MEGASCORE_TP=2, MEGASCORE_MAX_QUEUE=64) or in the "
+            "--config file (max_queue: 64); flags win over the environment, which wins over "
+            "the file."
+        ),
         argument_default=argparse.SUPPRESS,
     )
-    parser.add_argument("--config", help="YAML or TOML config file (env: MEGASCORE_CONFIG)")
+    parser.add_argument(
+        "--config", metavar="PATH", help="YAML or TOML config file (env: MEGASCORE_CONFIG)"
+    )
     groups = {
         "server": (parser.add_argument_group("server"), _SERVER_FIELDS),
         "engine": (parser.add_argument_group("engine"), _ENGINE_FIELDS),
@@ -154,37 +235,55 @@ def build_parser() -> argparse.ArgumentParser:
     for group, fields in groups.values():
         for name, type_str in fields.items():
             flags = ["--" + name.replace("_", "-"), *_ALIASES.get(name, [])]
-            help_text = docs.get(name, "")
+            help_text = docs[name].replace("%", "%%")
             if type_str in ("bool", "bool | None"):
                 group.add_argument(
                     *flags, dest=name, action=argparse.BooleanOptionalAction, help=help_text
                 )
+            elif name in _CHOICES:
+                group.add_argument(*flags, dest=name, choices=_CHOICES[name], help=help_text)
             else:
-                group.add_argument(*flags, dest=name, metavar=name.upper(), help=help_text)
+                metavar = _NAMED_METAVARS.get(name) or _METAVARS.get(type_str, "VALUE")
+                group.add_argument(*flags, dest=name, metavar=metavar, help=help_text)
     return parser
 
 
 def _field_docs() -> dict[str, str]:
-    """First line of each field's attribute docstring, for ``--help``."""
+    """``--help`` text of every field: the first paragraph of its attribute docstring, in
+    flag names (``tls_key`` -> ``--tls-key``), then its default."""
     import ast
     import inspect
+    import re
 
     docs: dict[str, str] = {}
-    for cls in (GrpcServerConfig, EngineConfig):
-        try:
-            tree = ast.parse(inspect.getsource(cls))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body
+    for cls in (GrpcServerConfig, EngineConfig, ReplicaConfig):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        body = ast.parse(inspect.getsource(cls)).body[0].body
         for node, nxt in zip(body, body[1:], strict=False):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)
+                and node.target.id in _ALL_FIELDS
                 and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)
             ):
-                docs[node.target.id] = nxt.value.value.strip().splitlines()[0].replace("%", "%%")
+                name = node.target.id
+                paragraph = " ".join(inspect.cleandoc(nxt.value.value).split("\n\n")[0].split())
+                text = re.sub(
+                    r"``([a-z_]+)``",
+                    lambda m: "--" + m[1].replace("_", "-") if m[1] in _ALL_FIELDS else m[1],
+                    paragraph,
+                ).replace("``", "")
+                default = defaults[name]
+                shown = (
+                    "unset"
+                    if default is None
+                    else str(default).lower()
+                    if isinstance(default, bool)
+                    else default
+                )
+                docs[name] = f"{text} (default: {shown})"
     return docs
 
 

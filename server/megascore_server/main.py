@@ -10,7 +10,9 @@ Three ways to run:
   (``--nproc`` is then ignored). Multi-node replicas use torchrun's rendezvous.
 
 Exit codes: 0 after a clean SIGTERM / SIGINT drain, 1 when a rank was lost or
-the engine failed, 2 for an invalid configuration.
+the engine failed, 2 for an invalid configuration (a layout that does not fit the
+ranks, an unknown model, ``--device cuda`` without CUDA: found before any rank
+starts, :mod:`megascore_server.preflight`).
 """
 
 from __future__ import annotations
@@ -23,19 +25,23 @@ from collections.abc import Sequence
 
 from megascore_server.bootstrap import ensure_dist_env, run_rank
 from megascore_server.config import ReplicaConfig
-from megascore_server.config_loader import load_serve_config
+from megascore_server.config_loader import load_serve_config, unknown_env
 from megascore_server.launcher import LAUNCHED_ENV, RESOLVED_CONFIG_ENV, LocalLauncher
+from megascore_server.preflight import check_before_launch
+from megascore_server.startup_logs import hide_third_party_notices
 
 logger = logging.getLogger(__name__)
 
 
 def setup_logging(level: str) -> None:
-    """Structured-ish log lines tagged with the rank (a no-op when logging is configured)."""
+    """Structured-ish log lines tagged with the rank (a no-op when logging is configured);
+    third-party start-up notices summarised (:mod:`megascore_server.startup_logs`)."""
     rank = os.environ.get("RANK", "-")
     logging.basicConfig(
         level=level.upper(),
         format=f"%(asctime)s rank={rank} %(levelname)s %(name)s: %(message)s",
     )
+    hide_third_party_notices(level)  # summarised once the engine is built
 
 
 def resolve_config(argv: Sequence[str]) -> ReplicaConfig:
@@ -56,16 +62,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit code.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         config = resolve_config(argv)
+        if not os.environ.get(LAUNCHED_ENV):  # the launcher checked before starting us
+            world = int(os.environ["WORLD_SIZE"]) if distributed else config.nproc
+            check_before_launch(config, world, torchrun=distributed)
     except (ValueError, OSError) as exc:
         print(f"megascore serve: error: {exc}", file=sys.stderr)
         return 2
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if not distributed and config.nproc == 1:
         ensure_dist_env()  # this process is rank 0 of a world of 1
     setup_logging(config.server.log_level)
     if not os.environ.get(LAUNCHED_ENV) and os.environ.get("RANK", "0") == "0":
+        for warning in unknown_env(os.environ):
+            logger.warning("%s", warning)
         config.log_resolved()
     if distributed:
         world = int(os.environ["WORLD_SIZE"])

@@ -186,7 +186,9 @@ class PushSession:
         if missing:
             raise InvalidRequestError(
                 f"commit: {len(missing)} tensors of the model were not sent, e.g. "
-                f"{missing[:4]}; set commit.partial to update only those sent"
+                f"{missing[:4]}; to update only those sent, push with partial=True "
+                "(SDK push_weights), --partial (megascore push-weights) or commit.partial "
+                "(wire)"
             )
 
 

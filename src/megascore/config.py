@@ -9,6 +9,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
 LM_HEAD_DTYPES = ("model", "float32")
+ROUTER_DTYPES = ("auto", "model", "fp32", "fp64")
 
 
 @dataclasses.dataclass
@@ -16,10 +17,15 @@ class EngineConfig:
     """How one model replica is built and run. Identical on every rank."""
 
     model: str = "tiny"
-    """Built-in model name (tiny, tiny-moe, bench), ``hf:DIR`` or ``megatron:DIR``."""
+    """Built-in model name (tiny, tiny-moe, tiny-deep, bench; ``NAME@SEED`` picks the
+    weight seed), ``hf:DIR`` or ``megatron:DIR``."""
     tensor_model_parallel_size: int = 1
+    """Tensor-parallel size: ranks each weight matrix is split over."""
     context_parallel_size: int = 1
+    """Context-parallel size: ranks each sequence is split over (in 2 x CP chunks)."""
     expert_model_parallel_size: int = 1
+    """Expert-parallel size of a MoE model: ranks the experts are spread over (divides the
+    data-parallel x context-parallel ranks)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages: each holds a contiguous run of decoder layers (any split; the
     first and last stage take the remainder when layers do not divide evenly)."""
@@ -35,6 +41,7 @@ class EngineConfig:
     device: str = "auto"
     """"cpu", "cuda" or "auto" (cuda when available)."""
     dtype: str = "float32"
+    """Parameter and activation dtype of the model."""
     attention_backend: str = "auto"
     """"te" (TransformerEngine, GPU; bfloat16 / float16), "torch" (portable SDPA) or "auto".
 
@@ -43,15 +50,29 @@ class EngineConfig:
     lm_head_dtype: str = "model"
     """dtype of the output layer's matmul: "model" (as the Megatron trainer: logits in the
     model dtype, upcast to float32 for the log-softmax) or "float32" (float32 logits)."""
+    moe_router_dtype: str = "auto"
+    """dtype of a MoE router's gating and scores: "auto" (as the model family's trainer:
+    fp32 for DeepSeek-V3 and GLM-4.5, the model dtype otherwise), "model" (the model
+    dtype), "fp32" or "fp64" (Megatron's ``moe_router_dtype``)."""
     pad_to_multiple_of: int = 1
     """Extra per-sequence pad multiple (combined with what CP / SP require)."""
     max_top_k: int = 64
+    """Largest ``top_k`` a request may ask for."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the vocab-parallel log-softmax (bounds peak memory)."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective; a hung rank fails the step instead of hanging."""
     seed: int | None = None
     """Overrides the model config's seed for built-in random weights."""
+    ignore_mtp_layers: bool = False
+    """Serve without the model's MTP layers even where the checkpoint holds them (``hf:``
+    checkpoints and built-ins); MTP layers the files do not hold are always left out."""
+    batch_invariant: bool | None = None
+    """Bit-identical results for a sequence whatever else is in the step (every token-axis
+    matmul padded to a multiple of 64 rows). Unset: on for the CPU, off on CUDA; True on
+    CUDA is refused at start-up (no batch-invariant kernels there yet, docs/deploy.md).
+
+    Implemented in ``megascore.model.batch_invariant``."""
 
     def __post_init__(self):
         for name in (
@@ -82,6 +103,10 @@ class EngineConfig:
             raise ValueError(
                 f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {self.lm_head_dtype!r}"
             )
+        if self.moe_router_dtype not in ROUTER_DTYPES:
+            raise ValueError(
+                f"moe_router_dtype must be one of {ROUTER_DTYPES}, got {self.moe_router_dtype!r}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
@@ -92,6 +117,22 @@ class EngineConfig:
             raise ValueError("collective_timeout_s must be > 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+
+    def batch_invariant_on(self, device_type: str) -> bool:
+        """Whether the step is batch-invariant on a device ("cpu" or "cuda").
+
+        Raises:
+            ValueError: ``batch_invariant`` asked for on CUDA.
+        """
+        if device_type == "cuda":
+            if self.batch_invariant:
+                raise ValueError(
+                    "batch_invariant is CPU-only: cuBLAS and TransformerEngine choose kernels "
+                    "by shape (docs/deploy.md, batch invariance on GPUs); drop "
+                    "--batch-invariant or serve with --device cpu"
+                )
+            return False
+        return self.batch_invariant is not False
 
     def sequence_parallel_for(self, is_moe: bool) -> bool:
         """Whether sequence parallelism is on for a model.
@@ -109,6 +150,14 @@ class EngineConfig:
         if self.sequence_parallel is not None:
             return self.sequence_parallel
         return is_moe and self.tensor_model_parallel_size > 1
+
+    def router_dtype_for(self, family_default: str | None) -> str | None:
+        """Megatron's ``moe_router_dtype`` for a model whose family trains its router in
+        ``family_default`` (``ModelConfig.moe_router_dtype``): "fp32", "fp64" or None (the
+        activations' dtype); an explicit ``moe_router_dtype`` wins over "auto"."""
+        if self.moe_router_dtype == "auto":
+            return family_default
+        return None if self.moe_router_dtype == "model" else self.moe_router_dtype
 
     def metrics_supported(self, is_moe: bool) -> bool:
         """Whether MoE / MTP metrics can be computed for a model in this layout.

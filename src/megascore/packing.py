@@ -7,7 +7,10 @@ model trained with NeMo-RL packing sees identical inputs here:
   the packed axis: its ``seq_lengths[b]`` real tokens first, then pad token 0 up
   to ``round_up_to_multiple(seq_lengths[b], pad_individual_seqs_to_multiple_of)``;
 * ``pad_packed_seq_to`` raises the *last* boundary: the extra pad tokens belong
-  to the last sequence's padded segment;
+  to the last sequence's padded segment (NeMo-RL), or, with ``pad_segment=True``
+  (megascore's microbatches), form a segment of their own after it: an empty
+  sequence whose padded segment holds them, so no real token attends to them and the
+  last sequence's attention has the shape it has alone;
 * ``PackedSeqParams(qkv_format="thd")`` carries the padded boundaries for q and
   kv (also as ``cu_seqlens_*_padded``) and the longest padded segment as
   ``max_seqlen_*``;
@@ -154,10 +157,15 @@ def _check_cp_layout(multiple: int, cp_rank: int, cp_size: int) -> None:
 
 
 def _padded_segments(
-    lengths: list[int], multiple: int, pad_packed_seq_to: int | None, cp_size: int
+    lengths: list[int],
+    multiple: int,
+    pad_packed_seq_to: int | None,
+    cp_size: int,
+    pad_segment: bool,
 ) -> list[int]:
-    """Each sequence's padded segment; the last one takes the padding up to
-    ``pad_packed_seq_to`` (``ValueError`` when it does not fit)."""
+    """Each sequence's padded segment; the padding up to ``pad_packed_seq_to`` goes to
+    the last one, or with ``pad_segment`` to a segment of its own appended after it
+    (``ValueError`` when it does not fit)."""
     padded = [round_up_to_multiple(length, multiple) for length in lengths]
     natural_total = sum(padded)
     if pad_packed_seq_to is not None:
@@ -171,7 +179,11 @@ def _padded_segments(
                 f"sequence {len(lengths) - 1}: pad_packed_seq_to ({pad_packed_seq_to}) must "
                 f"be a multiple of 2 * cp_size = {2 * cp_size}"
             )
-        padded[-1] += pad_packed_seq_to - natural_total
+        tail = pad_packed_seq_to - natural_total
+        if pad_segment and tail:
+            padded.append(tail)
+        else:
+            padded[-1] += tail
     return padded
 
 
@@ -200,6 +212,7 @@ def pack_sequences(
     pad_packed_seq_to: int | None = None,
     cp_rank: int = 0,
     cp_size: int = 1,
+    pad_segment: bool = False,
 ) -> PackedSequences:
     """Packs flat sequences into one THD sequence (NeMo-RL layout).
 
@@ -214,6 +227,10 @@ def pack_sequences(
             and, with CP, a multiple of ``2 * cp_size``.
         cp_rank: this rank's index in the CP group.
         cp_size: size of the CP group.
+        pad_segment: the padding up to ``pad_packed_seq_to`` is a segment of its own
+            (an extra empty sequence at the end: ``cu_seqlens`` and
+            ``cu_seqlens_padded`` get one more boundary) instead of the last
+            sequence's.
 
     Returns:
         A :class:`PackedSequences`; ids and boundaries on ``token_ids.device``, the
@@ -229,8 +246,10 @@ def pack_sequences(
     ]
     multiple = pad_individual_seqs_to_multiple_of
     _check_cp_layout(multiple, cp_rank, cp_size)
-    # 1. segment lengths: each sequence padded, the last one up to pad_packed_seq_to
-    padded = _padded_segments(lengths, multiple, pad_packed_seq_to, cp_size)
+    # 1. segment lengths: each sequence padded, then the padding up to pad_packed_seq_to
+    padded = _padded_segments(lengths, multiple, pad_packed_seq_to, cp_size, pad_segment)
+    if len(padded) > len(lengths):  # the padding's own segment: an empty sequence
+        lengths.append(0)
     device = token_ids.device
     starts = layout.offsets(padded)  # [B+1]: where each padded segment starts, then T_padded
     cu_seqlens = torch.from_numpy(layout.offsets(lengths).astype(np.int32)).to(device)

@@ -85,6 +85,23 @@ def _check_metrics(value, limits) -> str | None:
     return None
 
 
+def _check_metric_group(group: str, layers: str):
+    """The check of ``return_<group>_metrics``: refused on a model without those layers
+    (as routing on a dense model; for MTP layers a checkpoint declares but does not hold,
+    saying so), then :func:`_check_metrics`."""
+
+    def check(value, limits) -> str | None:
+        if value and group == "mtp" and limits.mtp_not_served:
+            return f"the served model has no MTP layers: {limits.mtp_not_served}"
+        if value and group not in limits.metric_groups:
+            return (
+                f"the served model has no {layers} layers (ModelInfo.{group}_metric_names is empty)"
+            )
+        return _check_metrics(value, limits)
+
+    return check
+
+
 def _check_routing(value, limits) -> str | None:
     if value and limits.routing is None:
         return "the served model has no MoE layers to route"
@@ -104,8 +121,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("return_logprobs", True, any, convert=bool),
     Option("top_k", 0, max, _check_top_k, int, flag=False),
     Option("losses", (), _union, _check_losses, lambda names: _union([names]), flag=False),
-    Option("return_moe_metrics", False, _one, _check_metrics, bool),
-    Option("return_mtp_metrics", False, _one, _check_metrics, bool),
+    Option("return_moe_metrics", False, _one, _check_metric_group("moe", "MoE"), bool),
+    Option("return_mtp_metrics", False, _one, _check_metric_group("mtp", "MTP"), bool),
     Option("return_routing", False, any, _check_routing, bool),
 )
 

@@ -87,6 +87,11 @@ class Limits:
             (:meth:`megascore.config.EngineConfig.metrics_supported`).
         routing: the model's MoE routing shape; None for a model without MoE layers.
         max_request_tokens: most tokens in one request (the server's); None: no limit.
+        mtp_not_served: why the MTP layers the checkpoint declares are not served ("" when
+            none are left out); MTP metrics are then refused with it.
+        metric_groups: the metric groups the model reports: "moe" (it has MoE layers),
+            "mtp" (MTP layers). Asking for another is refused, like routing of a dense
+            model (the engine sets them from the model).
     """
 
     vocab_size: int
@@ -96,6 +101,8 @@ class Limits:
     metrics_supported: bool = True
     routing: RoutingShape | None = None
     max_request_tokens: int | None = None
+    mtp_not_served: str = ""
+    metric_groups: tuple[str, ...] = ("moe", "mtp")
 
 
 def check_options(values, limits: Limits) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -72,7 +73,8 @@ class FakeAutoBridge:
     """megatron-bridge's AutoBridge API as megascore uses it, with Llama as its only bridge.
 
     ``get_conversion_tasks`` lists one task per model parameter (minus ``drop``, plus
-    ``repeat``); ``load_hf_weights`` fills them with megascore's own recipes.
+    ``repeat``); ``load_hf_weights`` fills the tasks' parameters with megascore's own
+    recipes.
     """
 
     architectures = ("LlamaForCausalLM",)
@@ -104,8 +106,9 @@ class FakeAutoBridge:
     def load_hf_weights(self, models) -> None:
         FakeAutoBridge.loads.append(self.directory)
         cfg = resolve_model(f"hf:{self.directory}").model_config
+        only = {t.param_name for t in self.get_conversion_tasks(models) if t is not None}
         with SafetensorsDir(self.directory) as reader:
-            plan = hf_weights.plan_hf_load(models[0], cfg, reader)
+            plan = hf_weights.plan_hf_load(models[0], cfg, reader, only)
             staged = hf_weights.stage_hf_weights(plan, reader, models[0])
         hf_weights.copy_into_model(models[0], staged)
 
@@ -196,6 +199,48 @@ def test_bridge_tasks_must_cover_every_parameter_once(
     with pytest.raises(CheckpointError, match=r"\(megatron-bridge\): .*" + match):
         load(model)
     assert fake_bridge.loads == [] and _unchanged(before, model)
+
+
+def test_bridge_leaves_a_tied_last_stage_output_layer_to_megascore():
+    last = dict(share_embeddings_and_output_weights=True, pre_process=False, post_process=True)
+    assert hf_bridge.written_by_megascore(SimpleNamespace(**last)) == {
+        "output_layer.weight": "model.embed_tokens.weight"
+    }
+    for change in (
+        dict(share_embeddings_and_output_weights=False),  # lm_head.weight: the bridge's
+        dict(pre_process=True),  # PP = 1: no output_layer.weight of its own
+        dict(post_process=False),  # a first / middle stage
+    ):
+        assert hf_bridge.written_by_megascore(SimpleNamespace(**{**last, **change})) == {}
+
+
+def _tied_last_stage(cfg, pgs):
+    """The last pipeline stage of a tied model at PP > 1, as Megatron builds it (no
+    embedding, its own ``output_layer.weight``), on one rank."""
+    from megascore.config import EngineConfig
+    from tests.checkpoint.te_spec import cpu_gpt_model
+
+    assert cfg.share_embeddings_and_output_weights
+    return cpu_gpt_model(cfg, EngineConfig(device="cpu"), pgs, pre_process=False)
+
+
+def test_bridge_tied_last_stage_output_layer_is_the_embedding(
+    hf_dirs, build, pgs, fake_bridge, monkeypatch
+):
+    directory = hf_dirs["qwen2"]  # tie_word_embeddings: no lm_head.weight in the files
+    cfg, load, _ = resolve_model(f"hf:{directory}")
+    build(cfg)  # the CPU measures and generators, as for any model
+    model = _tied_last_stage(cfg, pgs)
+    assert "output_layer.weight" in _params(model)
+    with SafetensorsDir(directory) as reader:
+        assert "lm_head.weight" not in reader
+        embedding = reader.read("model.embed_tokens.weight")
+    # The bridge has no task for a tied output layer (it drops them from its plan).
+    monkeypatch.setattr(fake_bridge, "architectures", ("Qwen2ForCausalLM",))
+    monkeypatch.setattr(fake_bridge, "drop", ("output_layer.weight",))
+    load(model)
+    assert fake_bridge.loads == [str(directory)]
+    assert torch.equal(model.output_layer.weight, embedding)
 
 
 def _as_other_backend(sharded: dict) -> dict:

@@ -193,7 +193,7 @@ def _edit_mtp(src, dst, edit) -> None:
     ("case", "needle"),
     [
         ("copy_differs", "embed_tokens.weight' differs from 'model.embed_tokens.weight'"),
-        ("missing", "num_nextn_predict_layers.*transformers drop them"),
+        ("missing", "'model.layers.3.eh_proj.weight'.*only in part.*--ignore-mtp-layers"),
     ],
 )
 def test_bad_mtp_layers_are_refused(hf_dirs, build, tmp_path, case, needle):

@@ -90,6 +90,7 @@ class FakeScorer(pb_grpc.ScorerServicer):
         self.metadata: list[dict[str, str]] = []
         self.fail_next: list[tuple[grpc.StatusCode, str]] = []
         self.delay_s = 0.0
+        self.load_delay_s = 0.0  # how long LoadWeights takes
         self.weights_version = "v0"
         self.name = "fake"
         self.gate = threading.Event()  # clear() holds every call (once counted) until set()
@@ -233,6 +234,7 @@ class FakeScorer(pb_grpc.ScorerServicer):
 
     def LoadWeights(self, request, context):
         self._enter("LoadWeights", context)
+        time.sleep(self.load_delay_s)
         if not request.model.startswith(("hf:", "megatron:")):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: bad spec {request.model!r}")
         previous = self.weights_version

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
+import asyncio
 import importlib.metadata
 import importlib.util
 import json
@@ -17,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from megascore_client import RetryPolicy, ScoringClient, cli, waiting
+from megascore_client import AsyncScoringClient, RetryPolicy, ScoringClient, cli, waiting
 from megascore_client.cli import main
 from tests.client.fake_server import VOCAB, FakeScorer, FakeServer, ref_logprobs, ref_nll
 
@@ -186,6 +188,32 @@ def test_info_health_load_weights(server, capsys):
     assert capsys.readouterr().out.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
 
 
+def test_load_weights_honours_timeout_and_shows_progress(capsys):
+    """``load-weights --timeout`` is the load's deadline (not a fixed 600 s); a load
+    longer than a second draws an elapsed-time line on stderr, the SDK calls
+    ``progress(elapsed_s)``."""
+    with FakeServer(FakeScorer()) as srv:
+        srv.scorer.load_delay_s = 2.5
+        target = ["--target", srv.target]
+        assert main(["load-weights", "hf:/ckpt", *target, "--timeout", "0.5"]) == 1
+        assert "DEADLINE_EXCEEDED" in capsys.readouterr().err
+        assert main(["load-weights", "hf:/ckpt", *target, "--timeout", "30"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["weights_version"] and "loading hf:/ckpt ... 2 s" in err
+        seen: list[float] = []
+        with ScoringClient(srv.target) as client:
+            client.load_weights("hf:/ckpt", progress=seen.append)
+        assert len(seen) >= 2 and seen == sorted(seen) and 0.9 < seen[0] < seen[-1] < 2.6
+        seen_async: list[float] = []
+
+        async def load_async():
+            async with AsyncScoringClient(srv.target) as client:
+                return await client.load_weights("hf:/ckpt", progress=seen_async.append)
+
+        assert asyncio.run(load_async()).weights_version
+        assert len(seen_async) >= 2 and 0.9 < seen_async[0] < seen_async[-1] < 2.6
+
+
 def test_token_flag_and_env(tmp_path, capsys, monkeypatch):
     with FakeServer(FakeScorer(token="abc")) as srv:
         assert main(["info", "--target", srv.target]) == 1
@@ -316,3 +344,16 @@ def test_score_waits_for_a_server_that_is_down(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "--timeout (30 s) must exceed --wait-for-server (30 s)" in err
     assert "expected a number of seconds >= 0, got '-1'" in err
+
+
+def test_every_cli_option_has_help_with_its_default():
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, (name, action.option_strings)
+            takes_value = action.nargs != 0 and action.option_strings
+            if takes_value and action.default not in (None, ""):
+                assert "default" in action.help, (name, action.option_strings, action.help)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -31,6 +32,7 @@ class Sink:
 
     def __init__(self):
         self.calls: list[list[pb.UpdateWeightsRequest]] = []
+        self.delay_s = 0.0  # how long the swap after the commit takes
         self._lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         handler = grpc.stream_unary_rpc_method_handler(
@@ -57,6 +59,7 @@ class Sink:
         if not messages or messages[-1].WhichOneof("step") != "commit":
             context.abort(grpc.StatusCode.ABORTED, "no commit")
         chunks = [m.chunk for m in messages if m.WhichOneof("step") == "chunk"]
+        time.sleep(self.delay_s)
         return pb.UpdateWeightsResponse(
             weights_version=messages[-1].commit.weights_version or "generated",
             previous_weights_version="before",
@@ -167,6 +170,22 @@ def test_cli_pushes_a_safetensors_file_with_a_progress_bar(sink, tmp_path, capsy
     got = sink.tensors()
     assert got["w"] == ((300, 70), pb.DTYPE_BFLOAT16, read["w"].data)
     assert got["b"] == ((9,), pb.DTYPE_FLOAT32, tensors["b"].numpy().tobytes())
+
+
+def test_cli_push_honours_timeout(sink, tmp_path, capsys):
+    """``push-weights --timeout`` is the deadline of the push, not a fixed 1800 s."""
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones((4, 4), np.float32)}, str(tmp_path / "model.safetensors"))
+    argv = ["push-weights", str(tmp_path), "--target", f"127.0.0.1:{sink.port}", "--no-progress"]
+    sink.delay_s = 1.5
+    try:
+        assert cli.main([*argv, "--timeout", "0.3"]) == 1
+        assert "DEADLINE_EXCEEDED" in capsys.readouterr().err
+        assert cli.main([*argv, "--timeout", "30"]) == 0
+        assert json.loads(capsys.readouterr().out)["num_bytes"] == 64
+    finally:
+        sink.delay_s = 0.0
 
 
 def test_the_old_version_keyword_still_works_and_warns(sink):

@@ -9,11 +9,13 @@ sequences directly, placed by hand where each layout says.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import pydoc
 
 import numpy as np
 import pytest
 
-from megascore_client import AsyncScoringClient, InvalidInputError
+from megascore_client import AsyncScoringClient, InvalidInputError, ScoringClient
 from tests.client import fake_server
 
 PAD = 7  # a pad id that is a real token: sending it would change the answers
@@ -171,3 +173,67 @@ def test_layout_errors_name_the_row(client, server, call, message):
         call(client)
     assert message in info.value.details
     assert server.scorer.calls["Score"] == 0
+
+
+def test_prompt_groups_are_runs_of_rows_sharing_a_prompt():
+    """verl-shaped rows built by hand: 3 rollouts of prompt A (left padding of two
+    widths around the same real tokens), 2 of B, one of A again, 2 of C of which one
+    has an empty response (not scored, so not counted)."""
+    from megascore_client.trainer_layouts import prompt_groups, verl_layout
+
+    pad = 0
+    a, b, c = [5, 6, 7], [5, 6, 8], [9]
+    prompts = [a, a, a, b, b, a, c, c]
+    responses = [
+        [11, 12],
+        [13, pad],
+        [14, 15],
+        [16, pad],
+        [17, 18],
+        [19, pad],
+        [pad, pad],
+        [20, 21],
+    ]
+    p_width = 4
+    input_ids, mask = [], []
+    for prompt, response in zip(prompts, responses, strict=True):
+        left = p_width - len(prompt)
+        input_ids.append([pad] * left + prompt + response)
+        mask.append([0] * left + [1] * len(prompt) + [int(t != pad) for t in response])
+    input_ids, mask = np.array(input_ids), np.array(mask)
+    input_ids[1, 0] = 7  # a pad slot holding a token id (masked out: still prompt A)
+    layout = verl_layout(input_ids, mask, input_ids[:, p_width:])
+    np.testing.assert_array_equal(layout.rows, [0, 1, 2, 3, 4, 5, 7])
+    np.testing.assert_array_equal(prompt_groups(layout), [3, 2, 1, 1])
+    assert prompt_groups(verl_layout(input_ids[:0], mask[:0], input_ids[:0, p_width:])).size == 0
+
+
+@pytest.mark.parametrize("method", ["score_padded", "score_responses"])
+@pytest.mark.parametrize("cls", [ScoringClient, AsyncScoringClient])
+def test_trainer_helpers_take_exactly_the_keywords_they_use(cls, method):
+    """No ``**kwargs``: a keyword the helper would drop (``top_k``) or clash on
+    (``losses``) is a TypeError naming it, at the call."""
+    params = inspect.signature(getattr(cls, method)).parameters
+    keywords = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert keywords == ["temperature", "request_id", "timeout"]
+    assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())
+    assert all(params[k].annotation is not inspect.Parameter.empty for k in keywords)
+
+
+def test_unknown_helper_keywords_are_refused(client):
+    ids, lengths = np.array([[1, 2, 3]]), np.array([3])
+    for bad in ({"top_k": 3}, {"losses": ("nll",)}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            client.score_padded(ids, lengths, **bad)
+    with pytest.raises(TypeError, match="top_k"):
+        client.score_responses(ids, np.ones_like(ids), ids[:, 1:], top_k=3)
+
+
+@pytest.mark.parametrize("cls", [ScoringClient, AsyncScoringClient])
+def test_constructor_arguments_show_in_help(cls):
+    params = inspect.signature(cls).parameters
+    assert {"target", "tls", "token", "timeout", "wait_for_server_s", "max_request_tokens"} <= set(
+        params
+    )
+    text = pydoc.render_doc(cls)
+    assert "wait_for_server_s: 'float' = 0.0" in text and "ride out a server" in text

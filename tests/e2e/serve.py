@@ -498,3 +498,23 @@ def assert_not_serving(server: ServeProcess) -> None:
         assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), exc
     else:
         assert status != SERVING
+
+
+def run_example(script: str, *args: str, timeout: float = 240) -> tuple[list[dict], float]:
+    """Runs ``examples/<script> --launch --json *args`` (it starts its own servers) and
+    checks it exits 0; returns its per-step JSON lines (``{"step": ...}``) and the
+    seconds it took."""
+    import json
+
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--launch", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    return [json.loads(line) for line in lines if line.startswith('{"step"')], elapsed

@@ -12,7 +12,14 @@ forward on the same weights (max |delta| <= 1e-4, fp32); the served ``mtp_1_loss
 ``tests/checkpoint/test_mtp.py`` at every layout (<= 1e-5), and the MoE metrics of one
 family agree across its layouts (<= 1e-5).
 
-Eleven servers, each started ahead of its test and stopped after it (:class:`ServerPool`,
+Checkpoints as trainers save them (issue 26): deepseek_v3 and glm4_moe saved by
+transformers' own ``save_pretrained`` alone (config.json declares the MTP layer, no file
+holds it) serve at TP=1, TP=2 and EP=2 without it: the start-up warning names it,
+``mtp_metric_names`` is empty, a request for MTP metrics is refused INVALID_ARGUMENT
+naming ``return_mtp_metrics`` and the layer, and logprobs / top-k equal transformers'
+(<= 1e-4) with MoE metrics served.
+
+Seventeen servers, each started ahead of its test and stopped after it (:class:`ServerPool`,
 at most 5 ranks alive); each must exit 0 on SIGTERM and leave no process behind.
 """
 
@@ -21,11 +28,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from megascore.checkpoint import resolve_model
-from megascore_client import ScoringClient
+from megascore_client import ScoringClient, ScoringError
 from tests.checkpoint.scripts.ckpt_common import (
     MOE_FAMILIES,
     MTP_FAMILIES,
@@ -50,6 +58,9 @@ CONFIGS = [
     for layout in LAYOUTS
     if layout != "ep2" or family in MOE_FAMILIES
 ]
+SAVED = ("deepseek_v3_saved", "glm4_moe_saved")
+"""MTP families saved by ``save_pretrained`` alone: the MTP layer declared, not stored."""
+SAVED_CONFIGS = [f"{saved}-{layout}" for saved in SAVED for layout in LAYOUTS]
 
 
 @dataclasses.dataclass
@@ -63,10 +74,13 @@ class Checkpoint:
 def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
     root = tmp_path_factory.mktemp("families")
     out = {}
-    for family in FAMILIES:
+    for family in FAMILIES + SAVED:
         directory = root / family
-        model = make_hf_model(family, seed=0)
-        save_hf_model(model, family, directory)
+        model = make_hf_model(family.removesuffix("_saved"), seed=0)
+        if family in SAVED:
+            model.save_pretrained(directory)
+        else:
+            save_hf_model(model, family, directory)
         version = resolve_model(f"hf:{directory}").metadata.weights_version
         out[family] = Checkpoint(directory.resolve(), model, version)
     return out
@@ -75,7 +89,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
 @pytest.fixture(scope="module")
 def pool(request, checkpoints, tmp_path_factory):
     specs = {}
-    for config in CONFIGS:
+    for config in CONFIGS + SAVED_CONFIGS:
         family, layout = config.split("-")
         nproc, flags = LAYOUTS[layout]
         specs[config] = ServerSpec(f"hf:{checkpoints[family].directory}", nproc, flags)
@@ -85,6 +99,16 @@ def pool(request, checkpoints, tmp_path_factory):
 @pytest.fixture
 def server(pool, config):
     yield from pool.lend(config)
+
+
+def assert_matches_transformers(result, refs, config: str) -> None:
+    """Logprobs and top-k logprobs of PARITY_SEQS equal transformers' within ATOL."""
+    err = max_error(result, PARITY_SEQS, refs)
+    assert err <= ATOL, f"{config}: max |delta logprob| {err:.3e}"
+    for i, (seq, ref) in enumerate(zip(PARITY_SEQS, refs, strict=True)):
+        vals = result.top_k_logprobs[i].astype(np.float64)
+        assert vals.shape == (len(seq), TOP_K)
+        np.testing.assert_allclose(vals[1:], ref.top_k, rtol=0, atol=ATOL)
 
 
 METRICS: dict[str, dict[str, dict[str, float]]] = {}
@@ -106,13 +130,7 @@ def test_family_scores_match_transformers(server, config, checkpoints):
     assert info.architecture == family and result.weights_version == ckpt.version
     assert info.parallel.world_size == LAYOUTS[layout][0]
 
-    err = max_error(result, PARITY_SEQS, refs)
-    assert err <= ATOL, f"{config}: max |delta logprob| {err:.3e}"
-    for i, (seq, ref) in enumerate(zip(PARITY_SEQS, refs, strict=True)):
-        vals = result.top_k_logprobs[i].astype(np.float64)
-        assert vals.shape == (len(seq), TOP_K)
-        np.testing.assert_allclose(vals[1:], ref.top_k, rtol=0, atol=ATOL)
-
+    assert_matches_transformers(result, refs, config)
     if family in MOE_FAMILIES:
         assert result.moe_metrics and all(np.isfinite(v) for v in result.moe_metrics.values())
         METRICS.setdefault(family, {})[layout] = dict(result.moe_metrics)
@@ -133,3 +151,26 @@ def test_moe_metrics_equal_across_layouts(family):
         assert set(values) == set(base)
         for name, value in values.items():
             assert abs(value - base[name]) <= LAYOUT_TOL, (family, layout, name, value, base)
+
+
+@pytest.mark.parametrize("config", SAVED_CONFIGS)
+def test_mtp_layers_transformers_did_not_save_are_left_out(server, config, checkpoints):
+    saved, layout = config.split("-")
+    ckpt = checkpoints[saved]
+    refs = hf_reference(ckpt.model, PARITY_SEQS)
+    with ScoringClient(server.target, timeout=RPC_TIMEOUT_S, retries=None) as client:
+        info = client.model_info()
+        result = client.score(PARITY_SEQS, top_k=TOP_K, metrics=("moe",))
+        with pytest.raises(ScoringError) as refused:
+            client.score(PARITY_SEQS[:2], metrics=("mtp",))
+    assert info.architecture == saved.removesuffix("_saved")
+    assert info.mtp_metric_names == () and info.moe_metric_names
+    assert info.parallel.world_size == LAYOUTS[layout][0]
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "return_mtp_metrics" in refused.value.details
+    assert "model.layers.3.*" in refused.value.details  # 3 decoder layers, then the MTP one
+    log = server.log_path.read_text(errors="replace")
+    assert "not served: model.layers.3.*; serving without them" in log
+
+    assert_matches_transformers(result, refs, config)
+    assert result.moe_metrics and all(np.isfinite(v) for v in result.moe_metrics.values())

@@ -10,31 +10,15 @@ included) stays under 2 minutes.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-
 import pytest
 
-from tests.e2e.serve import ROOT
+from tests.e2e.serve import run_example
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_grpo_example_runs_with_train_score_parity():
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "grpo_loop.py"), "--launch", "--steps", "3"]
-        + ["--json"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-    )
-    elapsed = time.monotonic() - start
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    steps, elapsed = run_example("grpo_loop.py", "--steps", "3")
     assert [s["step"] for s in steps] == [0, 1, 2]
     assert [s["weights_version"] for s in steps] == ["grpo-step0", "grpo-step1", "grpo-step2"]
     for s in steps:

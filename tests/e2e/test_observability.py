@@ -96,3 +96,19 @@ def test_metrics_counters_move_with_requests(tp2):
     assert 1 <= delta(before, after, "megascore_steps_total") <= 6
     assert delta(before, after, "megascore_step_latency_seconds_count") >= 1
     assert after[("megascore_queue_depth", ())] == 0
+
+
+THIRD_PARTY_NOISE = ("warnings.warn(", "UserWarning", "IS DEPRECATED", "Apex is not installed",
+                     "No CUDA runtime is found", "Megatron-FSDP")  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["tp1", "tp2"])
+def test_startup_log_summarises_third_party_notices(request, name):
+    """The ~13 Megatron / torch start-up notices per rank are one summary line each."""
+    lines = request.getfixturevalue(name).output(tail=200_000).splitlines()
+    summaries = [line for line in lines if "start-up notices of Megatron" in line]
+    rest = "\n".join(line for line in lines if line not in summaries)
+    assert not [n for n in THIRD_PARTY_NOISE if n in rest], rest[:3000]
+    ranks = 1 if name == "tp1" else 2
+    assert len(summaries) == ranks and all("--log-level DEBUG shows them" in s for s in summaries)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
 import pytest
 
@@ -110,3 +111,23 @@ def test_invalid_input_is_rejected_by_the_real_server(tp2):
         assert info.value.code.name == "INVALID_ARGUMENT"
         # The replica is unharmed: a valid call still scores.
         assert client.score([[1, 2, 3]]).logprobs[0].shape == (3,)
+
+
+@pytest.mark.timeout(300)
+def test_dense_model_refuses_every_moe_only_option_alike(tp1):
+    """``tiny`` is dense without MTP: routing, MoE metrics and MTP metrics are all
+    INVALID_ARGUMENT naming the option (documented in docs/client.md), and the server
+    keeps serving."""
+    with ScoringClient(tp1.target, timeout=120) as client:
+        info = client.model_info()
+        assert not info.moe_metric_names and not info.mtp_metric_names
+        for options, field in (
+            ({"metrics": ("moe",)}, "options.return_moe_metrics"),
+            ({"metrics": ("mtp",)}, "options.return_mtp_metrics"),
+            ({"return_routing": True}, "options.return_routing"),
+        ):
+            with pytest.raises(ScoringError) as exc:
+                client.score([[1, 2, 3]], **options)
+            assert exc.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert f"{field}: the served model has no" in exc.value.details
+        assert client.score([[1, 2, 3]]).lengths.tolist() == [3]

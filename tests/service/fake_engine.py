@@ -129,9 +129,11 @@ class FakeEngine:
         version: str = "v0",
         delay_s: float = 0.0,
         routing: RoutingShape | None = None,
+        metrics: bool = True,
     ):
         self.max_len = max_len
         self.routing = routing
+        self.metrics = metrics  # False: a dense model without MTP (no MoE / MTP metrics)
         self.version = version
         self.delay_s = delay_s
         self.gate: threading.Event | None = None
@@ -143,6 +145,7 @@ class FakeEngine:
             max_top_k=MAX_TOP_K,
             loss_names=LOSS_NAMES,
             routing=routing,
+            metric_groups=("moe", "mtp") if metrics else (),
         )
         self.refused: list[ScoreBatch] = []
         self.steps: list[tuple[ScoreBatch, str]] = []
@@ -163,8 +166,8 @@ class FakeEngine:
             limits=self.limits,
             checkpoint_path=f"fake:{self.version}",
             weights_version=self.version,
-            moe_metric_names=("load_balancing_loss", "z_loss"),
-            mtp_metric_names=("mtp_1_loss", "mtp_1_acceptance_rate"),
+            moe_metric_names=("load_balancing_loss", "z_loss") if self.metrics else (),
+            mtp_metric_names=("mtp_1_loss", "mtp_1_acceptance_rate") if self.metrics else (),
         )
 
     def check(self, batch: ScoreBatch) -> None:

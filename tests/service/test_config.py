@@ -124,7 +124,7 @@ def test_precedence_file_env_flags(tmp_path):
         (["--nproc", "0"], {}, None, "nproc must be >= 1"),
         (["--max-batch-wait-ms", "-1"], {}, None, "max_batch_wait_ms"),
         (["--tp", "0"], {}, None, "tensor_model_parallel_size must be >= 1"),
-        (["--dtype", "int8"], {}, None, "dtype must be one of"),
+        ([], {"MEGASCORE_DTYPE": "int8"}, None, "dtype must be one of"),  # a flag: argparse
         (["--tls-cert", "c.pem"], {}, None, "given together"),
         (["--max-queue-tokens", "10"], {}, None, "max_queue_tokens"),
         (["--log-level", "LOUD"], {}, None, "log_level"),
@@ -247,3 +247,62 @@ def test_pipeline_flags_env_and_file(tmp_path):
     ):
         with pytest.raises(ValueError, match=message):
             load_serve_config(argv, environ={})
+
+
+def test_env_short_flag_names_follow_the_flag_rule():
+    """``MEGASCORE_<FLAG>`` for long and short flags alike."""
+    env = {"MEGASCORE_TP": "2", "MEGASCORE_EP": "2", "MEGASCORE_CP": "1", "MEGASCORE_PP": "1"}
+    config = load_serve_config(["--nproc", "4"], environ=env)
+    assert config.engine.tensor_model_parallel_size == 2
+    assert config.engine.expert_model_parallel_size == 2
+    long_names = {"MEGASCORE_TENSOR_MODEL_PARALLEL_SIZE": "2", "MEGASCORE_TP": "2"}
+    assert load_serve_config([], environ=long_names).engine.tensor_model_parallel_size == 2
+    assert load_serve_config(["--tp", "4"], environ=env).engine.tensor_model_parallel_size == 4
+    with pytest.raises(ValueError, match="MEGASCORE_TENSOR_MODEL_PARALLEL_SIZE='4' and "
+                       "MEGASCORE_TP='2' set the same option"):  # fmt: skip
+        load_serve_config([], environ={**env, "MEGASCORE_TENSOR_MODEL_PARALLEL_SIZE": "4"})
+
+
+def test_every_flag_is_an_environment_variable():
+    """Each flag of ``megascore serve --help`` (long and short) sets its field from
+    ``MEGASCORE_<FLAG>``."""
+    from megascore_server.config_loader import build_parser, read_env
+
+    for action in build_parser()._actions:
+        for flag in action.option_strings:
+            if flag in ("-h", "--help", "--config") or flag.startswith("--no-"):
+                continue
+            key = "MEGASCORE_" + flag.lstrip("-").upper().replace("-", "_")
+            assert read_env({key: "7"}) == {action.dest: "7"}, key
+
+
+def test_unknown_megascore_variables_warn(caplog):
+    from megascore_server.config_loader import OTHER_ENV, unknown_env
+
+    env = {"MEGASCORE_TPP": "2", "MEGASCORE_TP": "2", "MEGASCORE_MAX_QUEUE": "3", "HOME": "/"}
+    env.update(dict.fromkeys(OTHER_ENV, "x"))
+    (warning,) = unknown_env(env)
+    assert "MEGASCORE_TPP" in warning and "did you mean MEGASCORE_TP?" in warning
+
+
+def test_serve_help_explains_every_flag():
+    """Every flag has help text ending in its default, whole sentences (the docstring's
+    first paragraph), no internal names; --model lists every built-in."""
+    from megascore.model.config import BUILTIN_MODELS
+    from megascore_server.config_loader import _ALL_FIELDS, build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest in ("help", "config"):
+            continue
+        assert action.help, action.option_strings
+        text, _, default = action.help.rpartition(" (default: ")
+        assert default.endswith(")") and default != ")", action.help
+        assert text.endswith((".", ")")), f"cut sentence: {action.help!r}"
+        assert "``" not in text and "None" not in text and "build_server" not in text
+        leaked = [name for name in _ALL_FIELDS if "_" in name and name in text]
+        assert not leaked, (action.option_strings, leaked)
+    model_help = next(a.help for a in parser._actions if a.dest == "model")
+    assert all(name in model_help for name in BUILTIN_MODELS), model_help
+    for dest in ("nproc", "dtype", "tensor_model_parallel_size", "max_top_k"):
+        assert next(a.help for a in parser._actions if a.dest == dest)

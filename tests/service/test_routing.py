@@ -177,18 +177,25 @@ def test_bad_routing_is_refused_and_the_server_keeps_serving(moe_server):
     assert stub.Score(request(return_routing=True), timeout=30).routing_topk == 2
 
 
-def test_dense_server_refuses_routing():
-    srv = ServerThread(FakeEngine())
+def test_dense_server_refuses_every_moe_only_option():
+    """Routing, MoE metrics and MTP metrics alike: INVALID_ARGUMENT naming the option
+    on a model without those layers (never a silently empty answer)."""
+    srv = ServerThread(FakeEngine(metrics=False))
+    moe_metrics, mtp_metrics = request(), request()
+    moe_metrics.options.return_moe_metrics = True
+    mtp_metrics.options.return_mtp_metrics = True
     try:
         stub = srv.stub()
-        for proto, field in (
-            (request(return_routing=True), "options.return_routing"),
-            (request(routing=other_routing()), "routing"),
+        for proto, field, layers in (
+            (request(return_routing=True), "options.return_routing", "MoE"),
+            (request(routing=other_routing()), "routing", "MoE"),
+            (moe_metrics, "options.return_moe_metrics", "MoE"),
+            (mtp_metrics, "options.return_mtp_metrics", "MTP"),
         ):
             with pytest.raises(grpc.RpcError) as info:
                 stub.Score(proto, timeout=30)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert f": {field}: the served model has no MoE layers" in info.value.details()
+            assert f": {field}: the served model has no {layers} layers" in info.value.details()
         assert stub.Score(request(), timeout=30).HasField("token_logprobs")
     finally:
         srv.stop()

@@ -202,7 +202,13 @@ BAD_STREAMS = {  # name -> (messages, code, substrings of the message)
     "missing without partial": (
         [begin(), chunk("norm", (5,), NORM), commit()],
         "INVALID_ARGUMENT",
-        ["2 tensors of the model were not sent", "'embed'", "'experts.0.w1'", "partial"],
+        [
+            "2 tensors of the model were not sent",
+            "'embed'",
+            "'experts.0.w1'",
+            "partial=True (SDK push_weights)",
+            "--partial (megascore push-weights)",
+        ],
     ),
     "long name": (
         [begin(), chunk("x" * 5000, (5,), NORM), commit()],

@@ -69,3 +69,47 @@ def test_pipeline_layer_split_covers_every_layer(num_layers, pp, want):
 def test_fewer_layers_than_stages_is_refused_naming_both():
     with pytest.raises(ValueError, match="num_layers 2 < pipeline_model_parallel_size 4"):
         pipeline_layer_split(2, 4)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_padded_microbatches_score_as_one(pgs, name):
+    """Microbatches padded to a common length (a padding segment after the last sequence)
+    score every sequence as one unpadded microbatch does: logprobs, top-k, losses."""
+    import torch
+
+    from megascore.config import EngineConfig
+    from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
+    from megascore.model.build import build_model
+    from megascore.model.config import builtin_model
+    from megascore.types import ScoreBatch
+
+    cfg = builtin_model(name)
+    model = build_model(cfg, EngineConfig(device="cpu"), pgs)
+    groups = StepGroups(tp=pgs.tp, cp=pgs.cp, pp=pgs.pp, status=pgs.tp)
+    rng = np.random.default_rng(3)
+    lengths = np.array([30, 3, 9, 17, 2, 25, 13])  # microbatches of 36, 36, 44 tokens
+    batch = ScoreBatch(
+        token_ids=rng.integers(0, cfg.vocab_size, int(lengths.sum())),
+        lengths=lengths,
+        temperature=rng.uniform(0.5, 1.5, len(lengths)).astype(np.float32),
+        top_k=3,
+        losses=("nll", "mean_nll"),
+    )
+    outs = []
+    for count in (1, 3):
+        step = StepConfig(
+            pad_multiple=4,
+            chunk_tokens=64,
+            vocab_size=cfg.vocab_size,
+            device=torch.device("cpu"),
+            microbatches=count,
+        )
+        outs.append(finish_step(batch, run_step(model, batch, groups, step)))
+    ranges, pad_to = split_microbatches(lengths, 4, 3)
+    sizes = [int(_padded(lengths[a:b], 4).sum()) for a, b in ranges]
+    assert sizes == [36, 36, 44] and pad_to == 44  # two microbatches get a padding segment
+    one, three = outs
+    np.testing.assert_allclose(three.logprobs, one.logprobs, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(three.top_k_logprobs, one.top_k_logprobs, rtol=0, atol=1e-5)
+    for loss in one.losses:
+        np.testing.assert_allclose(three.losses[loss], one.losses[loss], rtol=1e-5, atol=1e-6)

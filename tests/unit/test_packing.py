@@ -122,6 +122,35 @@ def test_pad_packed_seq_to_extends_last_segment_without_individual_padding():
     assert p.packed_seq_params.max_seqlen_q == 8
 
 
+def test_pad_segment_puts_the_padding_in_a_segment_of_its_own():
+    p = pack_rows(HAND_IDS, [3, 2, 5], pad_packed_seq_to=13, pad_segment=True)
+    assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0, 0]]
+    assert p.cu_seqlens.tolist() == [0, 3, 5, 10, 10]
+    assert p.cu_seqlens_padded.tolist() == [0, 3, 5, 10, 13]
+    assert p.packed_seq_params.cu_seqlens_q.tolist() == [0, 3, 5, 10, 13]
+    assert p.packed_seq_params.max_seqlen_q == 5
+    assert p.token_positions.tolist() == list(range(10))
+    # no padding to add: the same layout as without the option
+    same = pack_rows(HAND_IDS, [3, 2, 5], pad_packed_seq_to=10, pad_segment=True)
+    assert same.cu_seqlens_padded.tolist() == [0, 3, 5, 10]
+    # with CP the tail segment is sharded like any other (a multiple of 2 * cp)
+    shards = [
+        pack_rows(
+            HAND_IDS,
+            [3, 2, 5],
+            pad_individual_seqs_to_multiple_of=4,
+            pad_packed_seq_to=20,
+            cp_rank=rank,
+            cp_size=2,
+            pad_segment=True,
+        )
+        for rank in (0, 1)
+    ]
+    assert shards[0].cu_seqlens_padded.tolist() == [0, 4, 8, 16, 20]
+    assert shards[0].input_ids_cp_sharded.tolist() == [[1, 0, 4, 0, 6, 7, 0, 0, 0, 0]]
+    assert shards[1].input_ids_cp_sharded.tolist() == [[2, 3, 5, 0, 8, 9, 10, 0, 0, 0]]
+
+
 def test_zero_length_sequence_occupies_no_tokens():
     p = pack_rows(HAND_IDS, [3, 0, 5], pad_individual_seqs_to_multiple_of=4)
     assert p.cu_seqlens.tolist() == [0, 3, 3, 8]

@@ -86,8 +86,40 @@ def test_microbatch_loss_mask_is_aligned_with_targets():
         cp_size=1,
         has_request_mask=True,
     )
-    # segments [0,2) and [2,8) (the last one raised to pad_to): seq 1 tokens 2,3,4 at
-    # 2,3,4; token 3 masked out, token 4 kept -> position 3 predicts it
+    # segments [0,2), [2,6) and the padding segment [6,8) up to pad_to: seq 1 tokens
+    # 2,3,4 at 2,3,4; token 3 masked out, token 4 kept -> position 3 predicts it
     np.testing.assert_array_equal(mb.loss_mask.numpy(), [0, 0, 0, 1, 0, 0, 0, 0])
     assert mb.targets[2:4].tolist() == [3, 4]  # the targets of the scored positions
     assert mb.mtp_loss_mask.shape == (1, 8)
+
+
+def test_microbatch_padding_is_a_segment_of_its_own():
+    """Padding a microbatch up to the step's common length (pipeline parallelism) adds a
+    segment of pad tokens: the last sequence keeps its own segment, so no pad token
+    attends to (or is attended by) a real one and the longest segment is a sequence's."""
+    lengths = np.array([3, 5])
+    ids = torch.arange(1, 9)
+    common = dict(pad_multiple=2, cp_rank=0, cp_size=1, has_request_mask=False)
+    mask = np.ones(8, np.float32)
+    temps = np.array([0.5, 2.0], np.float32)
+    mb = build_microbatch(ids, lengths, temps, mask, pad_to=20, **common)
+    assert mb.packed.cu_seqlens_padded.tolist() == [0, 4, 10, 20]
+    assert mb.packed.cu_seqlens.tolist() == [0, 3, 8, 8]  # the padding holds no token
+    assert mb.packed.packed_seq_params.max_seqlen_q == 10  # not 16: sequence 1 + padding
+    # query-key pairs of causal attention: within each segment only
+    seg = np.diff(mb.packed.cu_seqlens_padded.numpy())
+    real = int((seg[:2] * (seg[:2] + 1) // 2).sum())
+    assert int((seg * (seg + 1) // 2).sum()) == real + 10 * 11 // 2  # not (6 + 10)^2 / 2
+    np.testing.assert_array_equal(mb.temperature.numpy()[:10], [0.5] * 4 + [2.0] * 6)
+    assert torch.all(mb.loss_mask[10:] == 0) and mb.packed.token_positions.tolist() == [
+        0,
+        1,
+        2,
+        4,
+        5,
+        6,
+        7,
+        8,
+    ]
+    exact = build_microbatch(ids, lengths, temps, mask, pad_to=10, **common)
+    assert exact.packed.cu_seqlens_padded.tolist() == [0, 4, 10]  # no padding: no segment

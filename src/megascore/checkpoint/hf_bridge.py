@@ -10,7 +10,9 @@ could use it. :func:`choose_hf_loader` takes it only when all of these hold:
 * ``megatron.bridge`` imports (it needs TransformerEngine, hence CUDA); why it does
   not is logged once;
 * ``AutoBridge.can_handle(DIR)``: it has a bridge for the checkpoint's architecture
-  (it has none for Mixtral).
+  (it has none for Mixtral);
+* the weights are not block-scaled FP8 (``quantization_config``): megascore's reader
+  dequantises those (``megascore.checkpoint.fp8``).
 
 Otherwise megascore's own reader (``megascore.checkpoint.hf_weights``, every family
 ``hf_config`` accepts) loads the checkpoint. ``MEGASCORE_HF_LOADER=bridge`` turns a
@@ -22,6 +24,13 @@ every parameter of the model exactly once
 (:func:`megascore.checkpoint.resolve.check_every_parameter_written`): the bridge
 itself only logs the parameters it has no mapping for, which would keep their
 random initial values.
+
+With tied embeddings under pipeline parallelism the last stage holds its own copy of the
+embedding as ``output_layer.weight`` (Megatron's ``setup_embeddings_and_output_layer``);
+a tied checkpoint has no ``lm_head.weight`` for it, and the bridge leaves tied output
+layers out of its tasks. megascore writes that copy itself from
+``model.embed_tokens.weight`` (:func:`written_by_megascore`, each TP rank its vocabulary
+rows), so the stage does not depend on the bridge's broadcast of shared embeddings.
 """
 
 from __future__ import annotations
@@ -75,6 +84,8 @@ def _why_not_bridge(model, directory: Path) -> str | None:
     backend = getattr(_unwrap(model), "megascore_attention_backend", None)
     if backend != "te":
         return f"attention backend {backend!r} (the bridge maps TransformerEngine-spec names)"
+    if "quantization_config" in read_hf_config(directory):
+        return "block-scaled FP8 weights (megascore's reader dequantises them)"
     auto_bridge, why = import_auto_bridge()
     if auto_bridge is None:
         return f"megatron-bridge does not import ({why})"
@@ -108,22 +119,47 @@ def choose_hf_loader(model, directory: str | Path) -> str:
     return "native"
 
 
-def load_with_bridge(model, directory: str | Path) -> None:
+def written_by_megascore(module) -> dict[str, str]:
+    """Parameters of this stage that megascore writes instead of the bridge, with their HF
+    tensor: a tied last pipeline stage's ``output_layer.weight`` is the embedding
+    (``model.embed_tokens.weight``; the checkpoint has no ``lm_head.weight``)."""
+    tied = getattr(module, "share_embeddings_and_output_weights", False)
+    if tied and getattr(module, "post_process", False) and not getattr(module, "pre_process", True):
+        return {"output_layer.weight": "model.embed_tokens.weight"}
+    return {}
+
+
+def load_with_bridge(model, directory: str | Path, model_cfg) -> None:
     """Loads ``directory`` with ``AutoBridge`` after checking its mappings cover the model.
+
+    Args:
+        model: the built (possibly wrapped) GPTModel of this rank.
+        directory: HF checkpoint directory.
+        model_cfg: the architecture (megascore's reader writes what the bridge does not:
+            :func:`written_by_megascore`).
 
     Raises:
         CheckpointError: a parameter the bridge would not write, or would write twice
             (checked before anything is written).
     """
+    from megascore.checkpoint.hf_weights import load_hf_weights
+
     auto_bridge, why = import_auto_bridge()
     if auto_bridge is None:
         raise CheckpointError(f"{directory}: megatron-bridge does not import ({why})")
     module = _unwrap(model)
+    own = written_by_megascore(module)
     bridge = auto_bridge.from_hf_pretrained(str(directory))
     # One task per parameter the bridge fills; tasks of other pipeline stages have no weight.
     tasks = bridge.get_conversion_tasks([module])
-    written = [t.param_name for t in tasks if t is not None and t.param_weight is not None]
+    written = [
+        t.param_name
+        for t in tasks
+        if t is not None and t.param_weight is not None and t.param_name not in own
+    ]
     source = f"{directory} (megatron-bridge)"
-    check_every_parameter_written(model_tensor_names(module), written, source)
+    check_every_parameter_written(model_tensor_names(module), [*written, *own], source)
     bridge.load_hf_weights([module])
+    if own:
+        load_hf_weights(model, model_cfg, directory, only=set(own))
     logger.info("loaded %s with megatron-bridge AutoBridge (%d tensors)", directory, len(written))

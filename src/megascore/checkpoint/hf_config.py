@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megascore.checkpoint import fp8
 from megascore.checkpoint.families import ARCHITECTURES, TRANSLATORS
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
@@ -74,8 +75,10 @@ def hf_config_to_model_config(config: dict[str, Any]) -> ModelConfig:
         The Megatron architecture config with ``architecture`` set to the HF model type.
 
     Raises:
-        CheckpointError: unsupported family or feature, or a required field is missing.
+        CheckpointError: unsupported family or feature (a quantisation other than
+            block-scaled FP8 too), or a required field is missing.
     """
+    fp8.block_size(config)  # refuses what cannot be dequantised, before any file is read
     model_type = model_type_of(config)
     if model_type not in TRANSLATORS:
         raise CheckpointError(

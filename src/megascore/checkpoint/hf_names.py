@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from megascore.checkpoint.optional_parts import shared_embedding_name
 from megascore.checkpoint.recipes import (
     QKV,
     GatedFC1,
@@ -46,16 +47,17 @@ class ParamMapper:
     def __init__(self, cfg: ModelConfig, reader: SafetensorsDir, ranks: ParallelRanks):
         self.cfg, self.reader, self.ranks = cfg, reader, ranks
         self.fused_experts = any(n.endswith("mlp.experts.gate_up_proj") for n in reader.names())
+        self.embedding = shared_embedding_name(cfg, reader.names())
 
     def __call__(self, name: str, layer_offset: int) -> Recipe:
         cfg, r = self.cfg, self.ranks
         h, v = cfg.hidden_size, cfg.vocab_size
         if name == "embedding.word_embeddings.weight":
-            return VocabRows(Src("model.embed_tokens.weight", (v, h)), r.tp_rank, r.tp_size)
+            return VocabRows(Src(self.embedding, (v, h)), r.tp_rank, r.tp_size)
         if name == "output_layer.weight":
             # tied embeddings: a last pipeline stage holds its own copy of the embedding
             tied = cfg.share_embeddings_and_output_weights
-            head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            head = self.embedding if tied else "lm_head.weight"
             return VocabRows(Src(head, (v, h)), r.tp_rank, r.tp_size)
         if name == "decoder.final_layernorm.weight":
             return Replicated(Src("model.norm.weight", (h,)))

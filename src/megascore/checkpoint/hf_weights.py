@@ -17,6 +17,9 @@ rank's shard is cut out of them:
   output layer must equal the main ones (checked on this rank's rows while staging).
 * Experts: rank e of the expert-parallel group holds experts
   ``[e * E/ep, (e+1) * E/ep)``; inside an expert the expert-TP group splits as above.
+* Block-scaled FP8 weights (DeepSeek-V3's layout, ``megascore.checkpoint.fp8``) are
+  dequantised as they are read, each rank only its rows / columns, then cast to the
+  parameter's dtype like any other tensor.
 
 Everything is checked from the file headers (names, shapes, sizes) before any
 data is read, and the full set of local shards is staged on the host before the
@@ -33,7 +36,10 @@ from pathlib import Path
 
 import torch
 
+from megascore.checkpoint import fp8
+from megascore.checkpoint.hf_config import read_hf_config
 from megascore.checkpoint.hf_names import ParamMapper, mtp_copies
+from megascore.checkpoint.optional_parts import explain_missing
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.safetensors_io import SafetensorsDir
@@ -61,7 +67,10 @@ class HFLoadPlan:
 
 
 def plan_hf_load(
-    model: torch.nn.Module, model_cfg: ModelConfig, reader: SafetensorsDir
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    reader: SafetensorsDir,
+    only: set[str] | None = None,
 ) -> HFLoadPlan:
     """Builds and validates the recipes for every parameter of ``model`` on this rank.
 
@@ -72,6 +81,7 @@ def plan_hf_load(
         model: the built GPTModel (possibly wrapped) on this rank.
         model_cfg: its architecture (the checkpoint's ``config.json`` translation).
         reader: the checkpoint's safetensors files.
+        only: plan these parameters only (the rest is written by another loader).
 
     Returns:
         The validated plan.
@@ -93,19 +103,16 @@ def plan_hf_load(
     recipes: dict[str, Recipe] = {}
     used: set[str] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or (only is not None and name not in only):
             continue
         recipe = mapper(name, offset)
         recipe.fit(tuple(tensor.shape))
         try:
             recipe.validate(reader, name)
         except CheckpointError as e:
-            if name.startswith("mtp.") and "missing tensor" in str(e):
-                raise CheckpointError(
-                    f"{e}: config.json declares {model_cfg.mtp_num_layers} MTP layer(s) "
-                    f"(num_nextn_predict_layers) stored as model.layers.{model_cfg.num_layers}+; "
-                    "checkpoints saved by transformers drop them"
-                ) from None
+            why = [explain_missing(model_cfg, s) for s in recipe.sources() if s not in reader]
+            if any(why):
+                raise CheckpointError(f"{e}: {next(filter(None, why))}") from None
             raise
         if tuple(tensor.shape) != recipe.local_shape():
             raise CheckpointError(
@@ -117,8 +124,8 @@ def plan_hf_load(
     copies = mtp_copies(model_cfg, reader)
     used.update(copy for copy, _ in copies)
     unused = [n for n in reader.names() if n not in used and not _IGNORED_HF.match(n)]
-    if model_cfg.share_embeddings_and_output_weights:
-        unused = [n for n in unused if n != "lm_head.weight"]
+    if only is not None:
+        unused = []
     if unused:
         logger.warning(
             "%s: %d HF tensors unused, e.g. %s", reader.directory, len(unused), unused[:5]
@@ -161,22 +168,29 @@ def copy_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
             targets[name].copy_(value, non_blocking=False)
 
 
-def load_hf_weights(model: torch.nn.Module, model_cfg: ModelConfig, directory: str | Path) -> None:
+def load_hf_weights(
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    directory: str | Path,
+    only: set[str] | None = None,
+) -> None:
     """Validates, then loads a HF safetensors checkpoint into ``model`` on this rank.
 
     Args:
         model: the built (possibly wrapped) GPTModel of this rank.
         model_cfg: the architecture the model was built from.
         directory: HF checkpoint directory (``config.json`` + safetensors).
+        only: load these parameters only (megatron-bridge wrote the others).
 
     Raises:
         CheckpointError: the checkpoint does not fit the model, or a parameter has no
             recipe. Found before any parameter is written: the model is then unchanged.
     """
     directory = Path(directory)
-    with SafetensorsDir(directory) as reader:
-        plan = plan_hf_load(model, model_cfg, reader)
-        expected = model_tensor_names(unwrap_model(model))
+    block = fp8.block_size(read_hf_config(directory))
+    with SafetensorsDir(directory, block) as reader:
+        plan = plan_hf_load(model, model_cfg, reader, only)
+        expected = model_tensor_names(unwrap_model(model)) if only is None else sorted(only)
         check_every_parameter_written(expected, plan.recipes, str(directory))
         staged = stage_hf_weights(plan, reader, model)
     copy_into_model(model, staged)

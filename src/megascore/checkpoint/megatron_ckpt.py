@@ -5,8 +5,12 @@ A megascore Megatron checkpoint directory holds what
 ``sharded_state_dict()`` (``metadata.json``, ``.metadata``, ``__*_*.distcp``)
 and a ``megascore.json`` with the :class:`ModelConfig` and a weights version.
 Because every tensor is stored with its global shape and offsets, the
-checkpoint loads into any TP / CP / EP layout, and into either attention
-backend (Megatron maps the local spec's norm names onto TE's fused ones).
+checkpoint loads into any TP / CP / EP layout. Its keys are TransformerEngine's
+(``megascore.checkpoint.megatron_names``: the local spec's norms renamed to where TE
+keeps or fuses them, for dense, MoE and MLA layers), so a checkpoint of either
+attention backend, or one Megatron-LM wrote with TE, loads into either backend;
+checkpoints written with the local spec's keys (megascore before this map) still load.
+Tensors convert to the model's dtype on load (an fp32 checkpoint serves in bf16).
 Layers' ``_extra_state`` entries (TransformerEngine's FP8 metadata; empty
 placeholders in Megatron's local layers, keyed differently by the two backends)
 are neither saved nor loaded: megascore keeps no FP8 state, and a checkpoint
@@ -37,6 +41,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megascore.checkpoint.megatron_names import te_keys
 from megascore.checkpoint.resolve import (
     check_every_parameter_written,
     check_same_architecture,
@@ -57,6 +62,24 @@ _MARKER = "metadata.json"  # written by dist_checkpointing.save when complete
 def _weights_only(sharded: dict[str, Any]) -> dict[str, Any]:
     """The sharded state dict without the layers' ``_extra_state`` entries (module docstring)."""
     return {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
+
+
+def _sharded_entries(sharded: dict[str, Any]) -> list[Any]:
+    return [v for v in sharded.values() if isinstance(v, ShardedTensor | ShardedTensorFactory)]
+
+
+def _to_te_keys(sharded: dict[str, Any], stored: set[str] | None = None) -> None:
+    """Renames the entries' checkpoint keys to TransformerEngine's (module docstring).
+
+    With ``stored`` (the keys of a checkpoint being loaded), a TE key the checkpoint
+    lacks keeps its local name where the checkpoint has that one (older checkpoints).
+    """
+    entries = _sharded_entries(sharded)
+    renamed = te_keys(e.key for e in entries)
+    for entry in entries:
+        new = renamed.get(entry.key)
+        if new is not None and (stored is None or new in stored or entry.key not in stored):
+            entry.key = new
 
 
 def _barrier() -> None:
@@ -157,6 +180,7 @@ def save_checkpoint(
     if not_empty:
         raise CheckpointError(f"{directory}: not empty; refusing to overwrite")
     sharded = _weights_only(unwrap_model(model).sharded_state_dict())
+    _to_te_keys(sharded)
     dist_checkpointing.save(sharded, str(directory))
     if _rank() == 0:
         dtype = next(unwrap_model(model).parameters()).dtype
@@ -208,6 +232,7 @@ def load_checkpoint(
     sharded = _weights_only(module.sharded_state_dict())
     dict_list_map_inplace(_fresh_host_buffer, sharded)
     try:
+        _to_te_keys(sharded, set(dist_checkpointing.load_tensors_metadata(str(directory))))
         loaded, missing, _ = dist_checkpointing.load(
             sharded, str(directory), strict=StrictHandling.RETURN_ALL
         )

@@ -29,6 +29,7 @@ through megatron-bridge's ``AutoBridge`` only where it applies
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from megascore.checkpoint.hf_config import hf_config_to_model_config, read_hf_config
+from megascore.checkpoint.optional_parts import served_head, served_mtp_layers
 from megascore.errors import CheckpointError
 from megascore.model.config import BUILTIN_MODELS, ModelConfig, builtin_model
 
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DTYPES = ("float32", "bfloat16", "float16")
-NON_ARCHITECTURE_FIELDS = ("seed", "init_method_std", "architecture")
+NON_ARCHITECTURE_FIELDS = ("seed", "init_method_std", "architecture", "mtp_not_served")
 """ModelConfig fields that do not change the function the weights compute. The max length
 is not one of them: the server's request limits come from it and stay fixed across reloads."""
 
@@ -153,12 +155,31 @@ def _hash(items: list[tuple[str, int, int]]) -> str:
     return h.hexdigest()[:16]
 
 
-def _resolve_hf(directory: Path) -> ResolvedModel:
+def _hf_model_config(
+    directory: Path, config: dict, ignore_mtp_layers: bool, reader=None
+) -> ModelConfig:
+    """The architecture of ``config`` (``DIR/config.json``), less the optional parts the
+    files do not hold (their headers are read from ``reader``, or opened here)."""
+    from megascore.checkpoint import fp8
+    from megascore.checkpoint.safetensors_io import SafetensorsDir
+
+    model_cfg = hf_config_to_model_config(config)
+    if not (model_cfg.mtp_num_layers or model_cfg.share_embeddings_and_output_weights):
+        return model_cfg  # nothing optional: config.json alone says it
+    opened = SafetensorsDir(directory, fp8.block_size(config)) if reader is None else None
+    with contextlib.nullcontext(reader) if opened is None else opened as files:
+        names = set(files.names())  # headers only
+    model_cfg = served_head(model_cfg, names, source=str(directory))
+    return served_mtp_layers(model_cfg, names, ignore=ignore_mtp_layers, source=str(directory))
+
+
+def _resolve_hf(directory: Path, ignore_mtp_layers: bool) -> ResolvedModel:
+    from megascore.checkpoint import fp8
     from megascore.checkpoint.safetensors_io import SafetensorsDir
 
     config = read_hf_config(directory)
-    model_cfg = hf_config_to_model_config(config)
-    with SafetensorsDir(directory) as reader:  # headers + sizes only
+    with SafetensorsDir(directory, fp8.block_size(config)) as reader:  # headers + sizes only
+        model_cfg = _hf_model_config(directory, config, ignore_mtp_layers, reader)
         files = reader.fingerprint()
     cfg_stat = (directory / "config.json").stat()
     # The resolved path is part of the version: two copies with equal names, sizes
@@ -177,7 +198,7 @@ def _resolve_hf(directory: Path) -> ResolvedModel:
         from megascore.checkpoint.hf_weights import load_hf_weights
 
         if hf_bridge.choose_hf_loader(model, directory) == "bridge":
-            hf_bridge.load_with_bridge(model, directory)
+            hf_bridge.load_with_bridge(model, directory, model_cfg)
         else:  # megascore's recipes: every architecture hf_config accepts
             load_hf_weights(model, model_cfg, directory)
 
@@ -207,13 +228,20 @@ def _resolve_megatron(directory: Path) -> ResolvedModel:
     return ResolvedModel(model_cfg, load_weights, meta)
 
 
-def resolve_model(model: str, *, seed: int | None = None) -> ResolvedModel:
+def resolve_model(
+    model: str, *, seed: int | None = None, ignore_mtp_layers: bool = False
+) -> ResolvedModel:
     """Resolves a model string without reading any weights.
+
+    The MTP layers a ``hf:`` checkpoint's files do not hold are left out of the
+    architecture, and a stored output layer is served even where ``config.json`` ties it
+    to the embedding (:mod:`megascore.checkpoint.optional_parts`).
 
     Args:
         model: a model string (:func:`parse_model_string`).
         seed: the weight seed of a built-in without ``@SEED`` (``EngineConfig.seed``);
             unset, the built-in config's own seed.
+        ignore_mtp_layers: leave the MTP layers out (``EngineConfig.ignore_mtp_layers``).
 
     Returns:
         ``(model_config, load_weights, metadata)``.
@@ -221,17 +249,22 @@ def resolve_model(model: str, *, seed: int | None = None) -> ResolvedModel:
     Raises:
         ValueError: a malformed model string.
         CheckpointError: a missing directory, missing/corrupt config or weight files,
-            or an unsupported architecture.
+            an unsupported architecture, or ``ignore_mtp_layers`` for a Megatron
+            checkpoint with MTP layers.
     """
     spec = parse_model_string(model)
     if spec.kind == "builtin":
-        cfg = builtin_model(spec.name)
+        cfg = _builtin_config(spec.name, ignore_mtp_layers)
         chosen = next(s for s in (spec.seed, seed, cfg.seed) if s is not None)
         cfg = dataclasses.replace(cfg, seed=chosen)
         version = f"builtin:{spec.name}@{chosen}"
         return ResolvedModel(cfg, None, CheckpointMetadata("builtin", spec.name, "", version))
     directory = _directory(spec.path, model)
-    resolved = _resolve_hf(directory) if spec.kind == "hf" else _resolve_megatron(directory)
+    if spec.kind == "hf":
+        resolved = _resolve_hf(directory, ignore_mtp_layers)
+    else:
+        resolved = _resolve_megatron(directory)
+        _refuse_ignoring_megatron_mtp(resolved.model_config, ignore_mtp_layers, model)
     logger.info(
         "resolved %s: %s, weights version %s",
         model,
@@ -241,11 +274,26 @@ def resolve_model(model: str, *, seed: int | None = None) -> ResolvedModel:
     return resolved
 
 
-def read_model_config(model: str) -> ModelConfig:
+def _builtin_config(name: str, ignore_mtp_layers: bool) -> ModelConfig:
+    cfg = builtin_model(name)
+    return served_mtp_layers(cfg, (), ignore=True, source=name) if ignore_mtp_layers else cfg
+
+
+def _refuse_ignoring_megatron_mtp(cfg: ModelConfig, ignore_mtp_layers: bool, model: str) -> None:
+    if ignore_mtp_layers and cfg.mtp_num_layers:
+        raise CheckpointError(
+            f"model {model!r}: ignore_mtp_layers applies to hf: checkpoints and built-in "
+            "models; a Megatron checkpoint is served with the MTP layers it was saved with"
+        )
+
+
+def read_model_config(model: str, *, ignore_mtp_layers: bool = False) -> ModelConfig:
     """The architecture a checkpoint model string names, from its config file only.
 
-    Reads ``DIR/config.json`` (``hf:``) or ``DIR/megascore.json`` (``megatron:``);
-    no weight file is opened. Built-in names give their config.
+    Reads ``DIR/config.json`` (``hf:``; the weight files' headers too when it declares
+    MTP layers or a tied output layer, see :func:`resolve_model`) or
+    ``DIR/megascore.json`` (``megatron:``); no tensor data is read. Built-in names give
+    their config.
 
     Raises:
         ValueError: a malformed model string.
@@ -254,13 +302,15 @@ def read_model_config(model: str) -> ModelConfig:
     """
     spec = parse_model_string(model)
     if spec.kind == "builtin":
-        return builtin_model(spec.name)
+        return _builtin_config(spec.name, ignore_mtp_layers)
     directory = _directory(spec.path, model)
     if spec.kind == "hf":
-        return hf_config_to_model_config(read_hf_config(directory))
+        return _hf_model_config(directory, read_hf_config(directory), ignore_mtp_layers)
     from megascore.checkpoint import megatron_ckpt
 
-    return megatron_ckpt.read_checkpoint_config(directory)[0]
+    cfg = megatron_ckpt.read_checkpoint_config(directory)[0]
+    _refuse_ignoring_megatron_mtp(cfg, ignore_mtp_layers, model)
+    return cfg
 
 
 def architecture_diff(a: ModelConfig, b: ModelConfig) -> list[str]:

@@ -6,6 +6,11 @@ file size *before* any data is read (a truncated download is reported with the
 first tensor it cuts off), and reads *slices* of tensors through safetensors'
 ``get_slice`` so that a tensor-parallel rank touches only the bytes of its own
 shard (the files are memory-mapped; nothing else is materialised).
+
+Block-scaled FP8 tensors (DeepSeek-V3's ``F8_E4M3`` weights with ``weight_scale_inv``,
+``megascore.checkpoint.fp8``) read as float32 real values: the slice of the FP8
+tensor and of the scale blocks covering it, multiplied. Their ``*_scale_inv`` partners
+belong to them (not listed by :meth:`SafetensorsDir.names`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from megascore.checkpoint import fp8
 from megascore.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -90,14 +96,18 @@ class SafetensorsDir:
 
     Args:
         directory: the checkpoint directory.
+        fp8_block: the FP8 block size of a block-scaled checkpoint
+            (:func:`megascore.checkpoint.fp8.block_size` of its ``config.json``).
 
     Raises:
         CheckpointError: no safetensors weights, a broken index, a file named by the
-            index missing, or a corrupt / truncated file.
+            index missing, a corrupt / truncated file, or an FP8 tensor whose
+            ``*_scale_inv`` is missing or has another shape than its blocks.
     """
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, fp8_block: tuple[int, int] | None = None):
         self.directory = Path(directory)
+        self.fp8_block = fp8_block
         self._file_of: dict[str, Path] = {}
         self._info: dict[str, dict[str, Any]] = {}
         self._handles: dict[Path, Any] = {}
@@ -108,7 +118,25 @@ class SafetensorsDir:
                     raise CheckpointError(f"{path}: tensor {name!r} also in {self._file_of[name]}")
                 self._info[name] = info
                 self._file_of[name] = path
+        if fp8_block is not None:
+            self._check_fp8_scales(fp8_block)
         logger.debug("%s: %d tensors in %d files", directory, len(self._info), len(self.files))
+
+    def _check_fp8_scales(self, block: tuple[int, int]) -> None:
+        for name, info in self._info.items():
+            if info["dtype"] not in fp8.FP8_DTYPES:
+                continue
+            scale = name + fp8.SCALE_SUFFIX
+            want = fp8.scale_shape(tuple(info["shape"]), block)
+            if len(info["shape"]) < 2:
+                raise CheckpointError(f"{self.directory}: FP8 tensor {name!r} is not a matrix")
+            if scale not in self._info:
+                raise CheckpointError(f"{self.directory}: FP8 tensor {name!r} has no {scale!r}")
+            if tuple(self._info[scale]["shape"]) != want:
+                raise CheckpointError(
+                    f"{self.directory}: {scale!r} has shape {self._info[scale]['shape']}, "
+                    f"expected {list(want)} ({name!r} {info['shape']} in {list(block)} blocks)"
+                )
 
     def _resolve_files(self) -> list[Path]:
         index = self.directory / INDEX_FILE
@@ -139,7 +167,13 @@ class SafetensorsDir:
         return name in self._info
 
     def names(self) -> list[str]:
-        return sorted(self._info)
+        """Tensor names, without the ``*_scale_inv`` partners of FP8 tensors."""
+        scales = {n + fp8.SCALE_SUFFIX for n, i in self._info.items() if self._is_fp8(i)}
+        return sorted(n for n in self._info if n not in scales)
+
+    @staticmethod
+    def _is_fp8(entry: dict[str, Any]) -> bool:
+        return entry["dtype"] in fp8.FP8_DTYPES
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name`` from the header."""
@@ -164,26 +198,55 @@ class SafetensorsDir:
             index: basic indexing (ints and step-1 slices), one per leading dim.
 
         Returns:
-            A CPU tensor in the file's dtype.
+            A CPU tensor in the file's dtype (an FP8 tensor: its real values in float32).
         """
         entry = self._entry(name)
+        if self._is_fp8(entry):
+            return self._read_fp8(name, entry, index)
         if entry["dtype"] not in _FLOAT_DTYPES:
             raise CheckpointError(
                 f"{self._file_of[name]}: tensor {name!r} has dtype "
                 f"{entry['dtype']}, expected a float type"
             )
+        return self._read_raw(name, index)
+
+    def _read_fp8(
+        self, name: str, entry: dict[str, Any], index: tuple[slice | int, ...]
+    ) -> torch.Tensor:
+        """``tensor[index]`` of a block-scaled FP8 tensor, dequantised (float32)."""
+        if self.fp8_block is None:
+            raise CheckpointError(
+                f"{self._file_of[name]}: tensor {name!r} is {entry['dtype']} but config.json "
+                "has no quantization_config (weight_block_size)"
+            )
+        shape = entry["shape"]
+        full: list[slice] = []
+        squeeze: list[int] = []
+        for dim, size in enumerate(shape):
+            i = index[dim] if dim < len(index) else slice(None)
+            if isinstance(i, int):
+                squeeze.append(dim)
+                i = slice(i, i + 1)
+            start, stop, _ = i.indices(size)
+            full.append(slice(start, stop))
+        scale_idx, offset = fp8.scale_index(tuple(full), self.fp8_block)
+        values = self._read_raw(name, tuple(full))
+        scales = self._read_raw(name + fp8.SCALE_SUFFIX, scale_idx)
+        out = fp8.dequantize(values, scales, self.fp8_block, offset)
+        for dim in reversed(squeeze):
+            out = out.squeeze(dim)
+        return out
+
+    def _read_raw(self, name: str, index: tuple[slice | int, ...]) -> torch.Tensor:
         path = self._file_of[name]
         try:
             handle = self._handles.get(path)
             if handle is None:
                 handle = self._handles[path] = safe_open(str(path), framework="pt")
             sl = handle.get_slice(name)
-            out = sl[index] if index else sl[:]
-        except CheckpointError:
-            raise
+            return sl[index] if index else sl[:]
         except Exception as e:  # safetensors raises its own SafetensorError types
             raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
-        return out
 
     def close(self) -> None:
         """Releases the memory maps."""

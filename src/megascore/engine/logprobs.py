@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megascore import schema
+from megascore.model.batch_invariant import is_batch_invariant, padded_linear
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,9 @@ class Float32Logits:
 
     def logits(self, start: int, end: int) -> torch.Tensor:
         rows = self.head.hidden_states[start:end, 0].float()  # [C, H]
-        return self.head.scale_logits(torch.nn.functional.linear(rows, self.weight))
+        layer = self.head.output_layer
+        linear = padded_linear if is_batch_invariant(layer) else torch.nn.functional.linear
+        return self.head.scale_logits(linear(rows, self.weight))
 
 
 def _group_rank_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -8,9 +8,12 @@ path (``forward_step_arbitrary_loss`` / its loss post-processors):
 
 * :func:`split_microbatches`: contiguous runs of sequences, balanced by padded
   tokens; every microbatch is packed (THD, the per-sequence pad multiple) and
-  padded to one common length (``pad_full_seq_to``), so the stages exchange
-  activations of a fixed shape. Megatron refuses ``variable_seq_lengths`` with
-  the allgather MoE dispatcher, the one that runs on the CPU. A microbatch is
+  padded to one common length, so the stages exchange activations of a fixed
+  shape. The padding is a segment of its own (``pack_sequences(pad_segment=True)``),
+  not an extension of the last sequence: no real token attends to it, and a
+  sequence's attention has the same shape in any microbatch (batch invariance).
+  Megatron refuses ``variable_seq_lengths`` with the allgather MoE dispatcher, the
+  one that runs on the CPU. A microbatch is
   never shorter than the step's longest sequence (that would pad every other
   microbatch up to it), so a step may use fewer microbatches than configured.
 * :func:`forward_step`: called by the schedule with the data iterator and the
@@ -143,6 +146,7 @@ def build_microbatch(
         pad_packed_seq_to=pad_to,
         cp_rank=cp_rank,
         cp_size=cp_size,
+        pad_segment=True,
     )
     cu_padded = packed.cu_seqlens_padded.to("cpu", torch.int64)
     shard = packed.shard_indices
@@ -150,8 +154,10 @@ def build_microbatch(
     targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
     temps = None
     if temperature is not None:
-        per_seq = torch.from_numpy(np.asarray(temperature, dtype=np.float32))
-        temps = torch.repeat_interleave(per_seq, cu_padded.diff())[shard].to(device)
+        per_seq = np.ones(len(cu_padded) - 1, dtype=np.float32)  # the padding segment: 1
+        per_seq[: len(lengths)] = temperature
+        temps = torch.repeat_interleave(torch.from_numpy(per_seq), cu_padded.diff())
+        temps = temps[shard].to(device)
     # mask: token-aligned on the full axis, then rolled to the targets' alignment
     full = torch.zeros(1, pad_to)
     full[0, packed.token_positions] = torch.from_numpy(target_mask)

@@ -182,6 +182,15 @@ class DistributedEngine:
             loss_names=loss_names(),
             metrics_supported=engine_cfg.metrics_supported(is_moe),
             routing=routing_shape(loaded.model),
+            mtp_not_served=loaded.config.mtp_not_served,
+            metric_groups=tuple(
+                group
+                for group, names in (
+                    ("moe", moe_metric_names(loaded.config)),
+                    ("mtp", mtp_metric_names(loaded.config)),
+                )
+                if names
+            ),
         )
         self._step = 0
         self._push: WeightStaging | None = None  # the open weight push's staged shards
@@ -362,9 +371,13 @@ class DistributedEngine:
         served = self.loaded.spec
         if spec.kind == "builtin" and spec.name != served.name:
             raise InvalidRequestError(f"model {model!r}: the served model is {served.name!r}")
-        # The architecture first, from the checkpoint's config alone: a mismatch (or a
-        # bad path) is refused before any rank builds a model or opens a weight file.
-        check_same_architecture(read_model_config(model), self.loaded.config, model)
+        # The architecture first, from the checkpoint's config (and, for its optional
+        # parts, the weight files' headers): a mismatch (or a bad path) is refused before
+        # any rank builds a model or reads a tensor.
+        ignore_mtp = self.engine_cfg.ignore_mtp_layers
+        check_same_architecture(
+            read_model_config(model, ignore_mtp_layers=ignore_mtp), self.loaded.config, model
+        )
         version = weights_version  # "" lets the loader derive one (seed, checkpoint hash)
         self._step += 1
         try:

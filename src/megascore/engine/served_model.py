@@ -29,8 +29,10 @@ from megascore.checkpoint import (
 )
 from megascore.config import EngineConfig
 from megascore.distributed import collective_device
+from megascore.model.batch_invariant import make_batch_invariant
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig
+from megascore.model.parallel import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +68,15 @@ def count_parameters(model: torch.nn.Module, pg_collection) -> int:
     Returns:
         Sum over parameters of ``numel x`` the number of shards it is split into
         (TP or expert-TP for partitioned tensors, x EP for expert parameters),
-        summed over the pipeline stages (collective over the PP group when PP > 1);
-        a later stage's copy of the word embedding (Megatron marks it ``shared``)
-        is not counted twice.
+        summed over the pipeline stages (collective over the default group when
+        PP > 1); a later stage's copy of the word embedding (Megatron marks it
+        ``shared``) is not counted twice.
+
+    The sum runs on the default group, whose timeout is the start-up one
+    (``megascore.engine.runtime``), not on the PP group (``collective_timeout_s``,
+    120 s by default): the stages reach it when each has loaded its own layers, which
+    for a large checkpoint can be minutes apart. Every rank of a stage counts the same
+    total, so the sum over all ranks is ``world / PP`` times the sum over the stages.
     """
 
     def size(group) -> int:
@@ -83,10 +91,12 @@ def count_parameters(model: torch.nn.Module, pg_collection) -> int:
         if getattr(param, "tensor_model_parallel", False):
             factor *= size(pg_collection.expt_tp if is_expert else pg_collection.tp)
         total += param.numel() * factor
-    if size(pg_collection.pp) > 1:
-        count = torch.tensor([total], dtype=torch.int64, device=collective_device(pg_collection.pp))
-        torch.distributed.all_reduce(count, group=pg_collection.pp)
-        total = int(count.item())
+    pp = size(pg_collection.pp)
+    if pp > 1:
+        world = torch.distributed.group.WORLD
+        count = torch.tensor([total], dtype=torch.int64, device=collective_device(world))
+        torch.distributed.all_reduce(count, group=world)
+        total = int(count.item()) * pp // torch.distributed.get_world_size(world)
     return total
 
 
@@ -119,10 +129,17 @@ def load_served_model(
         CheckpointError: a checkpoint that is missing, corrupt or does not fit, or an
             architecture other than ``expected``.
     """
-    if expected is not None:  # from the config alone, before the weight files' headers
-        check_same_architecture(read_model_config(model), expected, model)
-    config, load_weights, meta = resolve_model(model, seed=engine_cfg.seed)
+    ignore_mtp = engine_cfg.ignore_mtp_layers
+    if expected is not None:  # from the config (+ headers for optional parts), no tensor read
+        check_same_architecture(
+            read_model_config(model, ignore_mtp_layers=ignore_mtp), expected, model
+        )
+    config, load_weights, meta = resolve_model(
+        model, seed=engine_cfg.seed, ignore_mtp_layers=ignore_mtp
+    )
     built = build_model(config, dataclasses.replace(engine_cfg, seed=config.seed), pg_collection)
+    if engine_cfg.batch_invariant_on(resolve_device(engine_cfg).type):
+        make_batch_invariant(built)
     if load_weights is not None:
         load_weights(built)
     return LoadedModel(

@@ -172,6 +172,7 @@ def make_transformer_config(
             moe_router_num_groups=model_cfg.moe_router_num_groups,
             moe_router_group_topk=model_cfg.moe_router_group_topk,
             moe_router_topk_scaling_factor=model_cfg.moe_router_topk_scaling_factor,
+            moe_router_dtype=engine_cfg.router_dtype_for(model_cfg.moe_router_dtype),
             moe_expert_capacity_factor=None,
             moe_token_dispatcher_type="allgather",
             # Every router gets a RouterReplay (megascore.engine.routing); idle unless a

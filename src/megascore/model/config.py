@@ -87,9 +87,17 @@ class ModelConfig:
     """Groups chosen per token (HF ``topk_group``)."""
     moe_router_topk_scaling_factor: float | None = None
     """Factor on the routing probabilities (HF ``routed_scaling_factor``)."""
+    moe_router_dtype: str | None = None
+    """dtype of the router's gating and scores as the family's trainer runs it: "fp32",
+    "fp64", or None (the activations' dtype). Megatron-Bridge trains DeepSeek-V3 and
+    GLM-4.5 with "fp32"; ``EngineConfig.moe_router_dtype`` overrides it."""
     # --- MTP ---
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1
+    mtp_not_served: str = ""
+    """Why MTP layers the checkpoint's config declares are not served ("" when none are
+    left out; :func:`megascore.checkpoint.optional_parts.served_mtp_layers`). A request
+    for MTP metrics is refused with it."""
     # --- init ---
     init_method_std: float = 0.02
     seed: int = 1234
@@ -117,6 +125,10 @@ class ModelConfig:
             raise ValueError(f"activation must be silu or gelu, got {self.activation}")
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError("moe_router_score_function must be softmax or sigmoid")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(
+                f"moe_router_dtype must be fp32, fp64 or None, got {self.moe_router_dtype!r}"
+            )
         if self.rope_type not in ("rope", "yarn"):
             raise ValueError(f"rope_type must be rope or yarn, got {self.rope_type}")
         if isinstance(self.moe_layer_freq, list) and len(self.moe_layer_freq) != self.num_layers:

@@ -37,8 +37,13 @@ code (layers, mappings, router, dispatcher, MTP):
   context parallelism; ``megascore.model.attention.TorchCoreAttention`` replaces
   it through the layer spec (that is a backend, not a patch, so it lives there).
 
-Everything here is applied only when the model runs on the CPU; on a GPU host
-:func:`apply` is never called and the CUDA code paths are untouched.
+Everything here is applied only when the model runs on the CPU. On a host that has
+CUDA but serves on the CPU (``--device cpu``) :func:`apply` makes the CPU this process's
+*current* device and nothing more: ``torch.cuda.current_device()``, ``Tensor.cuda()``
+without a device and ``torch.zeros(device="cuda")`` mean the CPU, while explicitly
+indexed CUDA devices (``"cuda:0"``, ``.cuda(0)``) and ``torch.cuda.synchronize`` keep
+their real behaviour. A GPU model never calls :func:`apply`, so its CUDA code paths are
+untouched.
 """
 
 from __future__ import annotations
@@ -68,20 +73,35 @@ def _cpu_synchronize(device: Any = None) -> None:
     """Stand-in for ``torch.cuda.synchronize`` on a CPU-only host: nothing to wait for."""
 
 
-def _cpu_tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """Stand-in for ``Tensor.cuda`` on a CPU-only host: the tensor stays where it is."""
-    return self
+_ORIGINAL: dict[str, Any] = {}
+"""What :func:`apply` replaced (``Tensor.cuda``, ``torch.zeros``), for the calls it passes on."""
 
 
-_TORCH_ZEROS = torch.zeros
+def _means_current_device(device: Any, cuda_host: bool) -> bool:
+    """Whether a device request means this process's current device (the CPU): None (as
+    in ``Tensor.cuda()``), any CUDA device on a CPU-only host, an unindexed ``"cuda"`` on
+    a CUDA host."""
+    if device is None:
+        return True
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    return device.type == "cuda" and (not cuda_host or device.index is None)
+
+
+def _cpu_tensor_cuda(self: torch.Tensor, device: Any = None, *args: Any, **kwargs: Any):
+    """``Tensor.cuda`` when the CPU is the current device: the tensor stays where it is
+    (an explicitly indexed device on a CUDA host still moves it)."""
+    if _means_current_device(device, _ORIGINAL["cuda_host"]):
+        return self
+    return _ORIGINAL["Tensor.cuda"](self, device, *args, **kwargs)
 
 
 def _cpu_zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """``torch.zeros`` on a CPU-only host: a ``device="cuda"`` request lands on the CPU."""
+    """``torch.zeros`` when the CPU is the current device: a ``device="cuda"`` request
+    lands on the CPU (an explicitly indexed device on a CUDA host does not)."""
     device = kwargs.get("device")
-    if device is not None and torch.device(device).type == "cuda":
+    if device is not None and _means_current_device(device, _ORIGINAL["cuda_host"]):
         kwargs["device"] = "cpu"
-    return _TORCH_ZEROS(*args, **kwargs)
+    return _ORIGINAL["torch.zeros"](*args, **kwargs)
 
 
 def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
@@ -100,20 +120,21 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) 
 def apply() -> None:
     """Applies the process-wide CPU measures (idempotent, thread-safe).
 
-    Call it before building a Megatron model on the CPU. It refuses to run when
-    CUDA is available, so a GPU process can never be patched by accident.
-
-    Raises:
-        RuntimeError: CUDA is available (the CPU measures would hide real devices).
+    Call it before building a Megatron model on the CPU. On a host with CUDA it makes
+    the CPU the current device only (module docstring): explicitly indexed CUDA devices
+    and ``torch.cuda.synchronize`` keep working.
     """
     global _APPLIED
     with _LOCK:
         if _APPLIED:
             return
-        if torch.cuda.is_available():
-            raise RuntimeError("cpu_compat.apply() called on a host where CUDA is available")
+        cuda_host = torch.cuda.is_available()
+        _ORIGINAL.update(
+            {"cuda_host": cuda_host, "Tensor.cuda": torch.Tensor.cuda, "torch.zeros": torch.zeros}
+        )
         torch.cuda.current_device = _cpu_current_device
-        torch.cuda.synchronize = _cpu_synchronize
+        if not cuda_host:  # a CUDA host's synchronize works (and waits for nothing here)
+            torch.cuda.synchronize = _cpu_synchronize
         torch.Tensor.cuda = _cpu_tensor_cuda
         torch.zeros = _cpu_zeros
         from megatron.core.models.common.embeddings import (
@@ -126,9 +147,11 @@ def apply() -> None:
             module.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
         _APPLIED = True
         logger.info(
-            "megatron CPU compatibility applied: torch.cuda.current_device -> cpu, "
-            "torch.cuda.synchronize -> no-op, Tensor.cuda() -> the tensor itself, "
-            'torch.zeros(device="cuda") -> cpu, get_pos_emb_on_this_cp_rank on the CPU'
+            "megatron CPU compatibility applied%s: torch.cuda.current_device -> cpu, "
+            "torch.cuda.synchronize -> %s, Tensor.cuda() -> the tensor itself, "
+            'torch.zeros(device="cuda") -> cpu, get_pos_emb_on_this_cp_rank on the CPU',
+            " on a CUDA host (the model runs on the CPU)" if cuda_host else "",
+            "unchanged" if cuda_host else "no-op",
         )
 
 

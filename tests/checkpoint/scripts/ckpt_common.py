@@ -293,3 +293,98 @@ def engine_logprobs(engine, ids: torch.Tensor) -> np.ndarray:
     lengths = np.full(len(ids), ids.shape[1])
     out = engine.score(ScoreBatch(token_ids=ids.reshape(-1).numpy(), lengths=lengths))
     return out.logprobs.reshape(ids.shape)[:, 1:]
+
+
+# Non-square and smaller than DeepSeek's 128 x 128 so that the tiny model's matrices have
+# several blocks, partial last blocks, and TP=2 slices starting inside a block.
+FP8_BLOCK = (32, 24)
+_FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_block_fp8(weight: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's block quantisation: per ``block`` the scale maps its amax onto the FP8
+    range; returns ``(float8_e4m3fn weight, float32 weight_scale_inv)``."""
+    rows, cols = weight.shape
+    nr, nc = -(-rows // block[0]), -(-cols // block[1])
+    padded = torch.zeros(nr * block[0], nc * block[1])
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(nr, block[0], nc, block[1])
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / _FP8_MAX  # [nr, nc]
+    q = (blocks / scale_inv[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(nr * block[0], nc * block[1])[:rows, :cols].contiguous(), scale_inv
+
+
+def _is_fp8_weight(name: str) -> bool:
+    """What DeepSeek-V3 stores in FP8: the attention / MLP / expert projections (not the
+    embedding, output layer, norms or router)."""
+    return name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
+
+
+def quantize_checkpoint_fp8(directory: Path, block=FP8_BLOCK) -> dict[str, torch.Tensor]:
+    """Rewrites a saved HF checkpoint in DeepSeek-V3's FP8 block layout: every projection
+    ``X.weight`` becomes ``F8_E4M3`` plus ``X.weight_scale_inv``, and config.json gets the
+    ``quantization_config``. Returns the dequantised values of the quantised tensors
+    (what a model serving the checkpoint holds)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    dequantised = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        out = {}
+        for name, t in tensors.items():
+            if not _is_fp8_weight(name):
+                out[name] = t
+                continue
+            q, scale_inv = quantize_block_fp8(t, block)
+            out[name], out[name + "_scale_inv"] = q, scale_inv
+            rows, cols = t.shape
+            expanded = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+            dequantised[name] = q.float() * expanded[:rows, :cols]
+        save_file(out, str(path), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        for name in dequantised:
+            data["weight_map"][name + "_scale_inv"] = data["weight_map"][name]
+        index.write_text(json.dumps(data))
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return dequantised
+
+
+def load_dequantised(model, dequantised: dict[str, torch.Tensor]) -> None:
+    """Puts the dequantised checkpoint values into the transformers ``model`` (in memory
+    its experts may be stacked: ``experts.gate_up_proj`` / ``experts.down_proj``); the MTP
+    layers' tensors, which the model does not hold, are skipped."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in dequantised.items():
+            if name in state:
+                state[name].copy_(value)
+                continue
+            base, expert, proj = _split_expert_name(name)
+            if base is None or base + "gate_up_proj" not in state:
+                continue  # an MTP layer
+            if proj == "down_proj":
+                state[base + "down_proj"][expert].copy_(value)
+            else:
+                half = state[base + "gate_up_proj"].shape[1] // 2
+                rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
+                state[base + "gate_up_proj"][expert, rows].copy_(value)
+
+
+def _split_expert_name(name: str):
+    """``...experts.E.gate_proj.weight`` -> (``...experts.``, E, ``gate_proj``)."""
+    import re
+
+    m = re.fullmatch(r"(.*experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+    return (m[1], int(m[2]), m[3]) if m else (None, None, None)

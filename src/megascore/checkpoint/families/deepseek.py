@@ -20,6 +20,9 @@ layers follow the decoder in the checkpoint (Megatron ``mtp_num_layers``).
 
 Load balancing is reported as Megatron-Bridge configures these models for training:
 the sequence-level aux loss with coefficient 1e-4 (the checkpoints' configs carry none).
+The router computes in fp32, as Megatron-Bridge's DeepSeek and GLM-MoE providers set
+``moe_router_dtype="fp32"`` (bf16 scores would flip near-tied routes and the logprobs
+would drift from the trainer's); ``--moe-router-dtype`` overrides it.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ def sigmoid_router_kwargs(config: Config, model_type: str, num_layers: int) -> d
         moe_router_num_groups=groups if groups > 1 else None,
         moe_router_group_topk=group_topk if groups > 1 else None,
         moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        moe_router_dtype="fp32",
         moe_router_load_balancing_type="seq_aux_loss",
         moe_aux_loss_coeff=SEQ_AUX_LOSS_COEFF,
         moe_shared_expert_intermediate_size=shared * moe_ffn or None,

@@ -1,0 +1,151 @@
+"""Issue 24: a sequence's outputs are bit-identical whatever else is in the step.
+
+200 random sequences (lengths 1-512, capped by the model's positions) are scored alone,
+twice; in 20 random packings; and in one packing with 2 and 4 microbatches. Every
+per-token and per-sequence output (logprobs, top-k ids and logprobs, losses, loss-token
+counts, MoE routing) must be ``==`` to the sequence scored alone, on ``tiny``,
+``tiny-moe`` and a Qwen3-MoE ``hf:DIR`` checkpoint. The served side (SDK splitting,
+concurrent clients) is ``tests/e2e/test_batch_invariance_served.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megascore import schema
+from megascore.config import EngineConfig
+from megascore.types import ScoreBatch
+from tests.checkpoint.scripts.ckpt_common import write_hf_checkpoint
+from tests.one_rank import one_rank_world
+
+NUM_SEQUENCES = 200
+PACKINGS = 20
+LOSSES = ("nll", "mean_nll", "perplexity")
+
+
+@pytest.fixture(scope="module")
+def hf_moe_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf") / "qwen3_moe"
+    write_hf_checkpoint("qwen3_moe", directory)
+    return directory
+
+
+def _per_sequence(out, lengths: np.ndarray) -> list[dict[str, np.ndarray]]:
+    """The outputs of each sequence of a step, by name: every entry of the output table
+    (``megascore.schema.OUTPUTS``) the step returned."""
+    cuts = np.cumsum(lengths)[:-1]
+    pieces = [dict() for _ in lengths]
+    for decl in schema.outputs():
+        value = out.values.get(decl.name)
+        if value is None:
+            continue
+        if decl.per == schema.TOKEN:
+            for piece, part in zip(pieces, np.split(value, cuts), strict=True):
+                piece[decl.name] = part
+            continue
+        named = value if decl.keys is not None else {decl.name: value}
+        for name, values in named.items():
+            for piece, v in zip(pieces, values, strict=True):
+                piece[name] = np.asarray(v)
+    return pieces
+
+
+def _assert_identical(got: dict, want: dict, where: str) -> None:
+    assert got.keys() == want.keys(), where
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype, (where, name)
+        assert np.array_equal(got[name], value), (
+            f"{where}: {name} differs (max |diff| "
+            f"{np.max(np.abs(got[name].astype(np.float64) - value)):.3g})"
+        )
+
+
+def _score(engine, seqs: list[np.ndarray], routing: bool) -> list[dict]:
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    batch = ScoreBatch(
+        token_ids=np.concatenate(seqs),
+        lengths=lengths,
+        top_k=5,
+        losses=LOSSES,
+        return_routing=routing,
+    )
+    return _per_sequence(engine.score(batch), lengths)
+
+
+def _random_packs(rng, n: int) -> list[list[int]]:
+    """A random order of ``n`` sequences cut into packs of random sizes."""
+    order = rng.permutation(n)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=rng.integers(1, 12), replace=False))
+    return [list(pack) for pack in np.split(order, cuts)]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe", "hf-qwen3-moe"])
+def test_outputs_are_bit_identical_alone_packed_and_in_microbatches(model, request):
+    from megascore.engine.runtime import DistributedEngine
+
+    model_string = (
+        f"hf:{request.getfixturevalue('hf_moe_dir')}" if model.startswith("hf") else model
+    )
+    rng = np.random.default_rng(24)
+    with one_rank_world():
+        engine = DistributedEngine.create(
+            EngineConfig(model=model_string, device="cpu", collective_timeout_s=120)
+        )
+        try:
+            info = engine.info()
+            routing = info.routing is not None
+            max_len = min(512, info.max_sequence_length)
+            lengths = rng.integers(1, max_len + 1, size=NUM_SEQUENCES)
+            seqs = [rng.integers(0, info.vocab_size, size=n) for n in lengths]
+            alone = [_score(engine, [s], routing)[0] for s in seqs]
+            for i in rng.choice(NUM_SEQUENCES, size=20, replace=False):
+                _assert_identical(_score(engine, [seqs[i]], routing)[0], alone[i], f"rerun {i}")
+            for p in range(PACKINGS):
+                for pack in _random_packs(rng, NUM_SEQUENCES):
+                    got = _score(engine, [seqs[i] for i in pack], routing)
+                    for i, result in zip(pack, got, strict=True):
+                        _assert_identical(result, alone[i], f"packing {p}, sequence {i}")
+        finally:
+            engine.shutdown()
+        for microbatches in (2, 4):
+            engine = DistributedEngine.create(
+                EngineConfig(
+                    model=model_string,
+                    device="cpu",
+                    collective_timeout_s=120,
+                    pipeline_microbatches=microbatches,
+                )
+            )
+            try:
+                got = _score(engine, seqs, routing)
+            finally:
+                engine.shutdown()
+            for i, result in enumerate(got):
+                _assert_identical(result, alone[i], f"{microbatches} microbatches, sequence {i}")
+
+
+def test_without_batch_invariance_a_short_sequence_alone_rounds_differently():
+    """The control: the same engine with ``batch_invariant=False`` differs for a sequence
+    of two tokens alone vs packed (the matrix-vector path of the CPU BLAS), so the test
+    above measures the padding, not luck."""
+    from megascore.engine.runtime import DistributedEngine
+
+    rng = np.random.default_rng(3)
+    with one_rank_world():
+        engine = DistributedEngine.create(
+            EngineConfig(model="tiny", device="cpu", batch_invariant=False)
+        )
+        try:
+            vocab = engine.info().vocab_size
+            others = [rng.integers(0, vocab, size=n) for n in (300, 200, 100)]
+            differs = 0
+            for _ in range(10):
+                short = rng.integers(0, vocab, size=2)
+                alone = _score(engine, [short], False)[0]["logprobs"]
+                packed = _score(engine, [*others, short], False)[-1]["logprobs"]
+                differs += int(not np.array_equal(alone, packed))
+        finally:
+            engine.shutdown()
+    assert differs > 0
