@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -67,7 +66,7 @@ class ScoreOptions(_message.Message):
     mismatch_ratio_cap: float
     return_importance_weights: bool
     weights_version: str
-    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ..., return_routing: _Optional[bool] = ..., return_entropy: _Optional[bool] = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: _Optional[bool] = ..., weights_version: _Optional[str] = ...) -> None: ...
+    def __init__(self, return_logprobs: bool = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: bool = ..., return_mtp_metrics: bool = ..., temperature: _Optional[float] = ..., return_routing: bool = ..., return_entropy: bool = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: bool = ..., weights_version: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing", "target_ids", "rollout_logprobs")
@@ -231,7 +230,7 @@ class ModelInfo(_message.Message):
     max_tokens_per_batch: int
     max_message_bytes: int
     max_target_ids: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: bool = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("model", "weights_version")
@@ -259,7 +258,7 @@ class UpdateWeightsBegin(_message.Message):
     names: WeightNames
     base_weights_version: str
     keep: bool
-    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ..., base_weights_version: _Optional[str] = ..., keep: _Optional[bool] = ...) -> None: ...
+    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ..., base_weights_version: _Optional[str] = ..., keep: bool = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "shape", "data", "offset", "indices")
@@ -285,7 +284,7 @@ class UpdateWeightsCommit(_message.Message):
     partial: bool
     prepare: bool
     prepare_timeout_s: float
-    def __init__(self, weights_version: _Optional[str] = ..., partial: _Optional[bool] = ..., prepare: _Optional[bool] = ..., prepare_timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, weights_version: _Optional[str] = ..., partial: bool = ..., prepare: bool = ..., prepare_timeout_s: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("begin", "chunk", "commit")
@@ -315,7 +314,7 @@ class UpdateWeightsResponse(_message.Message):
     swap_ms: float
     prepared: bool
     push_id: str
-    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stream_ms: _Optional[float] = ..., swap_ms: _Optional[float] = ..., prepared: _Optional[bool] = ..., push_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stream_ms: _Optional[float] = ..., swap_ms: _Optional[float] = ..., prepared: bool = ..., push_id: _Optional[str] = ...) -> None: ...
 
 class FinishWeightUpdateRequest(_message.Message):
     __slots__ = ("push_id", "commit")
@@ -323,4 +322,4 @@ class FinishWeightUpdateRequest(_message.Message):
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     push_id: str
     commit: bool
-    def __init__(self, push_id: _Optional[str] = ..., commit: _Optional[bool] = ...) -> None: ...
+    def __init__(self, push_id: _Optional[str] = ..., commit: bool = ...) -> None: ...
