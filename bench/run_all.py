@@ -45,6 +45,7 @@ import option_cost
 import packed_vs_hf
 import pipeline
 import prefix_sharing
+import replica_scaling
 import routing_cost
 import startup
 import weight_push
@@ -477,6 +478,7 @@ def main() -> int:
         prefix_sharing,
         startup,
         data_parallel,
+        replica_scaling,
     )
     for own in own_sections:
         if own.BEGIN in previous and own.END in previous:

@@ -13,7 +13,11 @@ parses every message (same protobuf) and drops it. Interleaved per repetition:
   per-rank staging, swap), and the same messages into the sink;
 * push bf16: the state dict in bf16 (raw 2-byte elements on the wire) into the bf16
   server, and into the sink;
-* ``LoadWeights hf:DIR`` (the checkpoint on the local disk, page cache warm) into each.
+* ``LoadWeights hf:DIR`` (the checkpoint on the local disk, page cache warm) into each;
+* delta pushes into the bf16 server (``push_weights(..., delta=True)`` from a client
+  of their own): a full push that the server keeps, then the state dict with 1% of
+  every tensor's elements changed (sign flipped), then 10% more changed: bytes sent
+  and seconds vs the full bf16 push of the same repetition.
 
 Target: push bytes/s >= 50 % of the loopback bytes/s of the same messages (the
 best a Python gRPC client-streaming call on this machine does). After the first
@@ -37,6 +41,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- weight_push.py: begin -->", "<!-- weight_push.py: end -->"
 TARGET = 0.5
+DELTA_FRACTIONS = (0.01, 0.10)
 MEGASCORE = Path(sys.executable).with_name("megascore")
 
 
@@ -111,6 +116,34 @@ def _check_parity(client, model) -> float:
     return float(np.abs(served - ref.numpy()).max())
 
 
+def _changed(state: dict, fraction: float, seed: int) -> dict:
+    """``state`` with ``fraction`` of each tensor's elements (drawn with repeats) changed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.clone()
+        flat = tensor.view(-1)
+        idx = torch.randint(flat.numel(), (max(1, int(flat.numel() * fraction)),), generator=gen)
+        flat[idx] = -flat[idx] - 1e-3
+        out[name] = tensor
+    return out
+
+
+def _deltas(client, state: dict, rep: int, res: dict) -> None:
+    """A kept full push, then 1% and 10% changed as deltas (bytes, seconds)."""
+    base = client.push_weights(state.items(), delta=True, weights_version=f"dbase-{rep}")
+    assert not base.delta
+    for fraction in DELTA_FRACTIONS:
+        state = _changed(state, fraction, seed=100 * rep + int(fraction * 100))
+        pushed = client.push_weights(
+            state.items(), delta=True, weights_version=f"d{fraction}-{rep}"
+        )
+        assert pushed.delta
+        res["delta"].setdefault(fraction, []).append(pushed)
+
+
 def measure(reps: int, workdir: Path) -> dict:
     import torch
 
@@ -130,7 +163,8 @@ def measure(reps: int, workdir: Path) -> dict:
         cmd += ["--host", "127.0.0.1", "--port", str(ports[name]), "--grace-s", "2"]
         procs.append(_start(cmd, workdir / f"{name}.log"))
     clients = {n: ScoringClient(f"127.0.0.1:{p}", timeout=600) for n, p in ports.items()}
-    res: dict = {"push": {}, "sink": {}, "load": {}, "bytes": {}}
+    clients["delta"] = ScoringClient(f"127.0.0.1:{ports['bf16']}", timeout=600)
+    res: dict = {"push": {}, "sink": {}, "load": {}, "bytes": {}, "delta": {}}
     try:
         for name in ("fp32", "bf16"):
             clients[name].wait_until_serving(timeout=600)
@@ -147,6 +181,8 @@ def measure(reps: int, workdir: Path) -> dict:
                 res["bytes"][dtype] = pushed.num_bytes
                 if rep == 0 and dtype == "fp32":
                     res["parity"] = _check_parity(clients["fp32"], model)
+                if dtype == "bf16":
+                    _deltas(clients["delta"], states["bf16"], rep, res)
                 start = time.perf_counter()
                 clients[dtype].load_weights(f"hf:{ckpt}", f"load-{rep}")
                 res["load"].setdefault(dtype, []).append(time.perf_counter() - start)
@@ -213,6 +249,24 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
             f"{med(push) / 1e6:.0f} | {med(sink) / 1e6:.0f} | {ratio:.2f} "
             f"(reps {min(ratios):.2f}..{max(ratios):.2f}) | >= {TARGET} | "
             f"{'pass' if ok else 'MISS'} | {med(res['load'][dtype]):.2f} |"
+        )
+    full = res["push"]["bf16"]
+    lines += [
+        "",
+        "Delta pushes into the bf16 server (`push_weights(..., delta=True)`; changed "
+        "elements drawn per tensor, sign flipped; each delta against the previous push):",
+        "",
+        "| changed | MB sent | full MB | bytes / full | delta s | full s | time / full |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for fraction in DELTA_FRACTIONS:
+        deltas = res["delta"][fraction]
+        sent = med(d.num_bytes for d in deltas)
+        seconds = [d.seconds / f.seconds for d, f in zip(deltas, full, strict=True)]
+        lines.append(
+            f"| {fraction:.0%} | {sent / 1e6:.1f} | {res['bytes']['bf16'] / 1e6:.0f} | "
+            f"{sent / res['bytes']['bf16']:.3f} | {med(d.seconds for d in deltas):.2f} | "
+            f"{med(f.seconds for f in full):.2f} | {med(seconds):.2f} |"
         )
     swap = med(p.server_swap_ms for p in res["push"]["fp32"])
     lines += [

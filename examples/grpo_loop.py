@@ -4,26 +4,31 @@
 Each step:
 
 1. the trainer (a tiny ``transformers`` LlamaForCausalLM) pushes its current weights
-   into the *policy* server with ``client.push_weights`` (no checkpoint on disk);
+   into the *policy* replicas with ``client.push_weights`` (no checkpoint on disk; one
+   push to every replica of the target, all or none);
 2. samples ``--group`` responses for each of ``--prompts`` prompts from itself;
-3. scores ``prompt + response`` on the policy server (old-policy logprobs, which must
-   equal the trainer's own: the train/score parity this prints) and on the *reference*
+3. scores ``prompt + response`` on the policy replicas, round robin, pinned to the
+   version just pushed (old-policy logprobs, which must equal the trainer's own: the
+   train/score parity this prints) and on the *reference*
    server, which keeps the initial weights (reference logprobs);
 4. computes group-normalised advantages (GRPO) from a toy reward (the share of
    response tokens below ``vocab / 8``), and takes ``--inner-steps`` AdamW steps on
    the clipped importance-ratio objective with a k3 KL penalty to the reference.
 
 Both servers serve the trainer's architecture from its initial save (``hf:DIR``).
-``--launch`` starts them here (two ``megascore serve`` subprocesses on free ports,
-stopped at the end); otherwise give ``--policy`` / ``--reference`` targets and the
-``--init-dir`` both were started from.
+``--launch`` starts them here (``--policy-replicas`` policy replicas, default 2, and
+one reference: ``megascore serve`` subprocesses on free ports, stopped at the end);
+otherwise give ``--policy`` (one address, ``ipv4:a,b`` or a ``dns:///`` name of
+several replicas) / ``--reference`` targets and the ``--init-dir`` all were started
+from.
 
 Needs: pip install 'megascore[examples]' (``transformers`` for the trainer, and the
 server; in a checkout: ``pip install -e '.[examples]'``). The commands below assume
 the virtual environment is active (``source .venv/bin/activate``)::
 
     python examples/grpo_loop.py --launch --steps 4
-    python examples/grpo_loop.py --init-dir /ckpt/init --policy host:50051 --reference host:50052
+    python examples/grpo_loop.py --init-dir /ckpt/init --policy ipv4:10.0.0.5:50051,10.0.0.6:50051 \
+        --reference host:50052
 
 With megascore's layout (entry t of a sequence is log p(x_t | x_<t)), entry
 ``P + j`` of a scored rollout is the logprob of response token ``j``.
@@ -46,13 +51,15 @@ import torch
 import transformers
 
 from megascore_client import ScoringClient
+from megascore_client.replica_push import replica_targets
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--launch", action="store_true", help="start both servers here")
     parser.add_argument("--init-dir", default=None, help="the initial HF save both serve")
-    parser.add_argument("--policy", default=None, help="policy server (weights pushed)")
+    parser.add_argument("--policy", default=None, help="policy replicas (weights pushed)")
+    parser.add_argument("--policy-replicas", type=int, default=2, help="with --launch")
     parser.add_argument("--reference", default=None, help="reference server (fixed weights)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=4)
@@ -118,6 +125,15 @@ def launched_servers(init_dir: Path, log_dir: Path, names=("policy", "reference"
             log.close()
 
 
+@contextlib.contextmanager
+def launched_policy_and_reference(init_dir: Path, log_dir: Path, policy_replicas: int):
+    """``policy_replicas`` policy servers and a reference server: (the policy replicas'
+    ``ipv4:a,b`` target, the reference target)."""
+    names = [f"policy{i}" for i in range(policy_replicas)] + ["reference"]
+    with launched_servers(init_dir, log_dir, names) as targets:
+        yield "ipv4:" + ",".join(targets[:-1]), targets[-1]
+
+
 def sample(model, prompts: torch.Tensor, length: int, gen: torch.Generator) -> torch.Tensor:
     """Sampled continuations (temperature 1) of ``prompts`` [N, P] -> [N, length]."""
     ids = prompts
@@ -135,9 +151,11 @@ def response_logprobs(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor
     return target[:, prompt_len - 1 :]
 
 
-def served_logprobs(client: ScoringClient, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+def served_logprobs(
+    client: ScoringClient, ids: torch.Tensor, prompt_len: int, weights_version: str = ""
+) -> torch.Tensor:
     """Server logprobs of the response tokens: [N, R] (megascore entry P + j)."""
-    result = client.score(ids.numpy(), losses=())
+    result = client.score(ids.numpy(), losses=(), weights_version=weights_version)
     return torch.from_numpy(np.stack([lp[prompt_len:] for lp in result.logprobs]))
 
 
@@ -156,7 +174,7 @@ def run(args, policy: ScoringClient, reference: ScoringClient, trainer) -> list[
         prompts = prompts.repeat_interleave(args.group, dim=0)  # [N, P], N = prompts x group
         ids = torch.cat([prompts, sample(trainer, prompts, args.response_len, gen)], dim=1)
         # 3. old-policy and reference logprobs from the servers
-        old = served_logprobs(policy, ids, p_len)
+        old = served_logprobs(policy, ids, p_len, pushed.weights_version)
         ref = served_logprobs(reference, ids, p_len)
         with torch.no_grad():
             parity = float((response_logprobs(trainer, ids, p_len).double() - old).abs().max())
@@ -212,7 +230,7 @@ def main(argv=None) -> int:
             init_dir = Path(tmp) / "init"
             trainer = tiny_llama(args.seed)
             trainer.save_pretrained(init_dir)
-            servers = launched_servers(init_dir, Path(tmp))
+            servers = launched_policy_and_reference(init_dir, Path(tmp), args.policy_replicas)
         else:
             if not (args.init_dir and args.policy and args.reference):
                 raise SystemExit("give --launch, or --init-dir, --policy and --reference")
@@ -220,11 +238,13 @@ def main(argv=None) -> int:
             servers = contextlib.nullcontext((args.policy, args.reference))
         with servers as (policy_target, reference_target):
             with (
-                ScoringClient(policy_target, timeout=120) as policy,
+                ScoringClient(policy_target, timeout=120, load_balancing="round_robin") as policy,
                 ScoringClient(reference_target, timeout=120) as reference,
             ):
                 start = time.monotonic()
-                policy.wait_until_serving(timeout=300)
+                for replica in replica_targets(policy_target):  # every one, for the pushes
+                    with ScoringClient(replica) as one:
+                        one.wait_until_serving(timeout=300)
                 reference.wait_until_serving(timeout=300)
                 print(f"servers ready in {time.monotonic() - start:.1f} s", file=sys.stderr)
                 run(args, policy, reference, trainer)

@@ -62,7 +62,7 @@ class AsyncScoringClient(ClientBase):
         schedule = error = None
         while True:
             if error is not None:
-                schedule, delay = self._resend_delay(error, wait, deadline, schedule)
+                schedule, delay = self._resend_delay(error, wait, deadline, schedule, request)
                 if await self.transport.sleep(delay):
                     raise closed_error()
             try:

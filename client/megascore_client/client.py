@@ -5,6 +5,8 @@ layouts)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from megascore_client.push import (
     push_requests,
     weights_version_argument,
 )
+from megascore_client.replica_push import new_push_version, push_to_replicas, replica_targets
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
@@ -33,7 +36,9 @@ from megascore_client.trainer_layouts import (
     verl_layout,
 )
 from megascore_client.transport import SyncTransport
-from megascore_client.waiting import ServerWait, check_wait
+from megascore_client.waiting import ServerWait, check_wait, pinned_version
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ClientBase", "ScoringClient"]
 
@@ -126,6 +131,7 @@ class ClientBase:
         self.wait_for_server_s = check_wait(wait_for_server_s, timeout)
         self.max_concurrency = max_concurrency
         self._token_limit = UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
+        self._delta_bases: dict[tuple[str, ...], tuple[str, dict]] = {}  # targets -> kept
         self._server_message_bytes = 0  # ModelInfo.max_message_bytes, with "auto" (0 = unknown)
         self._open()
 
@@ -152,10 +158,17 @@ class ClientBase:
         server = self._server_message_bytes
         return min(own, server) if server > 0 else own
 
-    def _resend_delay(self, error: ScoringError, wait: bool, deadline, schedule):
+    def _resend_delay(self, error: ScoringError, wait: bool, deadline, schedule, request=None):
         """After a failed attempt: ``(schedule, delay)`` before re-sending the request;
         raises ``error`` when it is not to be re-sent (``wait`` False, option off, not
-        UNAVAILABLE) and the schedule's final error when the wait is over."""
+        UNAVAILABLE, and not a pinned ``request`` refused by a replica serving another
+        weights version) and the schedule's final error when the wait is over."""
+        if error.code is grpc.StatusCode.FAILED_PRECONDITION and pinned_version(request):
+            schedule = schedule or ServerWait(self.wait_for_server_s, deadline)
+            delay = schedule.next_pin_delay()
+            if delay is None:
+                raise error
+            return schedule, delay
         if not (wait and self.wait_for_server_s > 0 and error.retryable):
             raise error
         schedule = schedule or ServerWait(self.wait_for_server_s, deadline)
@@ -174,6 +187,7 @@ class ClientBase:
         timeout: float | None = None,
         rollout_logprobs: object = None,
         mismatch_ratio_cap: float | None = None,
+        weights_version: str = "",
     ):
         """Logprobs of a NeMo-RL batch (awaitable on ``AsyncScoringClient``): right-padded
         ``input_ids [B, S]`` and ``input_lengths [B]`` (layout in
@@ -182,7 +196,7 @@ class ClientBase:
         Args:
             input_ids: int ``[B, S]`` (numpy, torch or array-like).
             input_lengths: int ``[B]``, each in ``[0, S]``.
-            temperature, request_id, timeout: as for :meth:`score`.
+            temperature, request_id, timeout, weights_version: as for :meth:`score`.
             rollout_logprobs: ``[B, S]`` (the layout of the result), the rollout
                 engine's logprobs; ``mismatch_ratio_cap``: see Returns.
 
@@ -202,6 +216,7 @@ class ClientBase:
                 timeout=timeout,
                 rollout_logprobs=rollout_logprobs,
                 mismatch_ratio_cap=mismatch_ratio_cap,
+                weights_version=weights_version,
             ),
         )
 
@@ -216,6 +231,7 @@ class ClientBase:
         timeout: float | None = None,
         rollout_logprobs: object = None,
         mismatch_ratio_cap: float | None = None,
+        weights_version: str = "",
     ):
         """Response logprobs of a verl batch (awaitable on ``AsyncScoringClient``):
         ``input_ids [B, P+R]`` (left-padded prompts, then right-padded responses),
@@ -224,7 +240,7 @@ class ClientBase:
 
         Args:
             input_ids, attention_mask, responses: as verl's ``compute_log_prob`` takes them.
-            temperature, request_id, timeout: as for :meth:`score`.
+            temperature, request_id, timeout, weights_version: as for :meth:`score`.
             rollout_logprobs: ``[B, R]`` (verl's ``old_log_probs`` layout), the rollout
                 engine's logprobs; ``mismatch_ratio_cap``: see Returns.
 
@@ -243,6 +259,7 @@ class ClientBase:
                 timeout=timeout,
                 rollout_logprobs=rollout_logprobs,
                 mismatch_ratio_cap=mismatch_ratio_cap,
+                weights_version=weights_version,
             ),
         )
 
@@ -295,6 +312,9 @@ class ClientBase:
         names: str = "hf",
         partial: bool = False,
         progress=None,
+        prepare_timeout_s: float | None = None,
+        base=None,
+        kept=None,
     ):
         """A ``push_weights`` call's requests (encoded as they are consumed), the counters
         they fill and the deadline (arguments: those of ``push_weights``)."""
@@ -307,6 +327,9 @@ class ClientBase:
             chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
             progress=progress,
             counters=counters,
+            prepare_timeout_s=prepare_timeout_s,
+            base=base,
+            kept=kept,
         )
         deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         return requests, counters, deadline
@@ -374,7 +397,7 @@ class ScoringClient(ClientBase):
         schedule = None
         while True:
             if error is not None:
-                schedule, delay = self._resend_delay(error, wait, deadline, schedule)
+                schedule, delay = self._resend_delay(error, wait, deadline, schedule, request)
                 if self.transport.sleep(delay):
                     raise closed_error()
             try:
@@ -411,6 +434,7 @@ class ScoringClient(ClientBase):
         rollout_logprobs=None,
         mismatch_ratio_cap: float | None = None,
         return_importance_weights: bool = False,
+        weights_version: str = "",
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -446,6 +470,11 @@ class ScoringClient(ClientBase):
                 (default 2.0; > 1).
             return_importance_weights: with ``rollout_logprobs``, return the per-token
                 truncated importance weights ``min(exp(scored - rollout), c)``.
+            weights_version: score with exactly these weights (a ``weights_version``
+                of a push, a load or a result; "" = whatever is served). A replica
+                serving another version refuses the request (FAILED_PRECONDITION naming
+                both); it is re-sent up to 3 times within ``timeout`` (0.1, 0.2, 0.4 s
+                apart; the next replica under ``round_robin``), then the error is raised.
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -473,6 +502,7 @@ class ScoringClient(ClientBase):
             rollout_logprobs=rollout_logprobs,
             mismatch_ratio_cap=mismatch_ratio_cap,
             return_importance_weights=return_importance_weights,
+            weights_version=weights_version,
             request_id=request_id,
         )
         parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())
@@ -583,8 +613,16 @@ class ScoringClient(ClientBase):
         progress=None,
         timeout: float | None = None,
         version: str | None = None,
+        replicas=None,
+        prepare_timeout_s: float = 60.0,
+        delta: bool = False,
     ) -> PushResult:
         """Streams new weights into the server (``UpdateWeights``), then swaps them in.
+
+        To several replicas (a target of several addresses: ``ipv4:a,b``, a ``dns:///``
+        name resolving to several; or ``replicas``), all or none: every replica stages
+        the push, and only when all did is it committed on each
+        (:mod:`megascore_client.replica_push`).
 
         Args:
             named_tensors: iterable of ``(name, tensor)``: numpy arrays, torch tensors
@@ -598,9 +636,21 @@ class ScoringClient(ClientBase):
             progress: ``progress(bytes_sent, tensor_name)`` after each chunk.
             timeout: deadline of the whole push in seconds (default 1800).
             version: deprecated name of ``weights_version`` (a ``DeprecationWarning``).
+            replicas: targets to push to, all or none (default: the replicas of the
+                client's target; one replica: a plain one-phase push).
+            prepare_timeout_s: several replicas: how long each holds the staged push
+                for its commit before dropping it (a client that died in between).
+            delta: send only what changed since this client's last ``delta=True`` push
+                to the same replicas (whole tensors whose bytes changed; (index, value)
+                patches of tensors with few changed elements). The first such push is
+                in full and makes the replicas keep a host copy of the weights (and this
+                client one too); a replica that does not hold that base any more
+                (another push or load since) refuses the delta and the push is redone
+                in full. ``named_tensors`` is listed once (references, no copy).
 
         Returns:
-            A :class:`~megascore_client.push.PushResult` (version, bytes, seconds, bytes/s).
+            A :class:`~megascore_client.push.PushResult` (version, bytes, seconds, bytes/s;
+            of the first replica when several, ``replicas`` holding each one's).
 
         Raises:
             InvalidInputError: a tensor that cannot be pushed (the server keeps its weights).
@@ -608,11 +658,48 @@ class ScoringClient(ClientBase):
                 name / shape / dtype the model does not have, tensors missing), ABORTED
                 (another push in progress), ... Never re-sent.
         """
-        requests, counters, deadline = self._push_requests(
-            named_tensors, timeout,
+        targets = replica_targets(self.target) if replicas is None else list(replicas)
+        several = replicas is not None or len(targets) > 1
+        options = dict(
             weights_version=weights_version, version=version, names=names, partial=partial,
             chunk_bytes=chunk_bytes, progress=progress,
+            prepare_timeout_s=prepare_timeout_s if several else None,
         )  # fmt: skip
+        if several and not (weights_version or version):
+            options["weights_version"] = new_push_version()  # one label for every replica
+        if not delta:
+            self._delta_bases.pop(tuple(targets), None)
+            return self._push(named_tensors, timeout, targets, options)
+        named, base = list(named_tensors), self._delta_bases.pop(tuple(targets), None)
+        result = None
+        if base is not None:
+            kept = {}
+            try:
+                result = self._push(named, timeout, targets, options, base=base, kept=kept)
+                kept = {**base[1], **kept}
+            except ScoringError as exc:
+                if exc.code is not grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                logger.info("delta push refused (%s): pushing in full", exc.details)
+        if result is None:
+            kept = {}
+            result = self._push(named, timeout, targets, options, kept=kept)
+            base = None
+        self._delta_bases[tuple(targets)] = (result.weights_version, kept)
+        return dataclasses.replace(result, delta=base is not None)
+
+    def _push(self, named_tensors, timeout, targets, options, base=None, kept=None) -> PushResult:
+        """One push of ``push_weights`` (to ``targets``, all or none when several)."""
+        several = options["prepare_timeout_s"] is not None
+        requests, counters, deadline = self._push_requests(
+            named_tensors, timeout, base=base, kept=kept, **options
+        )
+        if several:
+            try:
+                first, each = push_to_replicas(self.settings, targets, requests, deadline)
+            except ScoringError as exc:
+                finish(exc, counters, 0.0)  # the requests' own error first
+            return dataclasses.replace(first, replicas=each)
         start = time.perf_counter()
         future = self.transport.start(self.transport.stub.UpdateWeights, requests, deadline)
         try:

@@ -85,6 +85,9 @@ class PushResult:
         bytes_per_s: ``num_bytes / seconds``.
         server_stream_ms: the server's time from the first message to the commit.
         server_swap_ms: the server's time for the swap.
+        replicas: a push to several replicas: each one's result, in order (empty else).
+        delta: the push was a delta (``push_weights(delta=True)`` with a base the
+            replicas held); ``num_bytes`` then counts the patches' indices too.
     """
 
     weights_version: str
@@ -95,6 +98,8 @@ class PushResult:
     bytes_per_s: float
     server_stream_ms: float
     server_swap_ms: float
+    replicas: list[PushResult] = dataclasses.field(default_factory=list)
+    delta: bool = False
 
     @classmethod
     def from_proto(cls, msg: pb.UpdateWeightsResponse, seconds: float) -> PushResult:
@@ -184,28 +189,55 @@ def push_requests(
     chunk_bytes: int,
     progress: Progress | None,
     counters: dict,
+    prepare_timeout_s: float | None = None,
+    base: tuple[str, dict[str, RawTensor]] | None = None,
+    kept: dict[str, RawTensor] | None = None,
 ) -> Iterator[pb.UpdateWeightsRequest]:
-    """The messages of one push (``counters`` gets ``tensors`` and ``bytes`` sent).
+    """The messages of one push (``counters`` gets ``tensors`` and ``bytes`` sent); with
+    ``prepare_timeout_s`` its commit only prepares (``megascore_client.replica_push``).
+
+    Deltas: with ``kept`` (a dict) the push asks the server to keep its tensors
+    (``begin.keep``) and ``kept`` gets a copy of each; with ``base`` (the version the
+    replica kept and its tensors) it is a delta: an unchanged tensor is not sent, one
+    with few changed elements goes as one patch chunk (:func:`delta_chunk`).
 
     An exception while producing them (a tensor that cannot be pushed, the caller's
     iterable failing) ends the stream without a commit, so that the server drops what
     it staged, and is stored in ``counters["error"]`` for the caller to raise.
     """
     try:
-        yield from _requests(
-            named_tensors, names, weights_version, partial, chunk_bytes, progress, counters
-        )
+        yield from _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept)
+        commit = pb.UpdateWeightsCommit(weights_version=weights_version, partial=partial)
+        if prepare_timeout_s is not None:
+            commit.prepare, commit.prepare_timeout_s = True, prepare_timeout_s
+        yield pb.UpdateWeightsRequest(commit=commit)
     except Exception as exc:  # noqa: BLE001 - raised by the caller after the call ends
         counters["error"] = exc
 
 
-def _requests(named_tensors, names, weights_version, partial, chunk_bytes, progress, counters):
+def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept):
     if names not in _NAMES:
         raise InvalidInputError(f"names must be one of {sorted(_NAMES)}, got {names!r}")
-    yield pb.UpdateWeightsRequest(begin=pb.UpdateWeightsBegin(names=_NAMES[names]))
+    begin = pb.UpdateWeightsBegin(
+        names=_NAMES[names], base_weights_version=base[0] if base else "", keep=kept is not None
+    )
+    yield pb.UpdateWeightsRequest(begin=begin)
     sent = 0
     for name, tensor in named_tensors:
         raw = to_raw(name, tensor)
+        if kept is not None:  # a copy: the trainer changes its tensors in place
+            raw = kept[name] = RawTensor(raw.dtype, raw.shape, memoryview(raw.data).tobytes())
+        patch = delta_chunk(name, raw, base[1].get(name), chunk_bytes) if base else WHOLE
+        if patch is None:
+            continue
+        if patch is not WHOLE:
+            yield pb.UpdateWeightsRequest(chunk=patch)
+            sent += len(patch.data.data) + len(patch.indices.data)
+            counters["tensors"] = counters.get("tensors", 0) + 1
+            counters["bytes"] = sent
+            if progress is not None:
+                progress(sent, name)
+            continue
         view = memoryview(raw.data).cast("B")
         dtype = _DTYPES[raw.dtype][0]
         offset = 0
@@ -226,8 +258,38 @@ def _requests(named_tensors, names, weights_version, partial, chunk_bytes, progr
                 break
         counters["tensors"] = counters.get("tensors", 0) + 1
         counters["bytes"] = sent
-    commit = pb.UpdateWeightsCommit(weights_version=weights_version, partial=partial)
-    yield pb.UpdateWeightsRequest(commit=commit)
+
+
+WHOLE = object()
+"""What :func:`delta_chunk` returns for a tensor sent whole."""
+
+
+def delta_chunk(name: str, raw: RawTensor, kept: RawTensor | None, chunk_bytes: int):
+    """What a delta sends of tensor ``name`` given the replica's ``kept`` copy: None
+    when its bytes did not change, a patch chunk (``indices`` + the new elements, bit
+    for bit) when that is under half the tensor's bytes and one chunk, else
+    :data:`WHOLE`."""
+    if kept is None or (kept.dtype, tuple(kept.shape)) != (raw.dtype, tuple(raw.shape)):
+        return WHOLE
+    dtype, size = _DTYPES[raw.dtype]
+    new = np.frombuffer(memoryview(raw.data).cast("B"), dtype=f"<u{size}")
+    changed = np.flatnonzero(new != np.frombuffer(memoryview(kept.data).cast("B"), f"<u{size}"))
+    if changed.size == 0:
+        return None
+    index_dtype = np.dtype("<i4") if new.size < 2**31 else np.dtype("<i8")
+    patch_bytes = changed.size * (index_dtype.itemsize + size)
+    if 2 * patch_bytes > new.nbytes or patch_bytes > chunk_bytes:
+        return WHOLE
+    indices = pb.Array(
+        dtype=pb.DTYPE_INT32 if index_dtype.itemsize == 4 else pb.DTYPE_INT64,
+        data=changed.astype(index_dtype).tobytes(),
+    )
+    return pb.TensorChunk(
+        name=name,
+        shape=raw.shape,
+        data=pb.Array(dtype=dtype, data=new[changed].tobytes()),
+        indices=indices,
+    )
 
 
 def chunk_size(chunk_bytes: int | None, message_limit: int) -> int:

@@ -67,6 +67,7 @@ class ScoreOptions:
     return_entropy: bool = False
     mismatch_ratio_cap: float | None = None
     return_importance_weights: bool = False
+    weights_version: str = ""
 
     def __post_init__(self):
         losses = (self.losses,) if isinstance(self.losses, str) else tuple(self.losses)
@@ -97,6 +98,7 @@ class ScoreOptions:
             return_routing=bool(self.return_routing),
             return_entropy=bool(self.return_entropy),
             return_importance_weights=bool(self.return_importance_weights),
+            weights_version=str(self.weights_version or ""),
         )
         if self.mismatch_ratio_cap is not None:
             options.mismatch_ratio_cap = float(self.mismatch_ratio_cap)

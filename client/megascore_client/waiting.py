@@ -13,6 +13,13 @@ UNAVAILABLE, or the request's deadline (its ``timeout``) would be passed.
 Only UNAVAILABLE is re-sent, and only by the methods that are safe to repeat (Score,
 including each part of a split batch, and GetModelInfo); see ``docs/client.md``.
 
+A Score request pinned to a weights version (``weights_version=``) that a replica
+refuses with FAILED_PRECONDITION (it serves another version) is re-sent too, whatever
+``wait_for_server_s``: at most :data:`PIN_RESENDS` times, after
+:data:`PIN_BACKOFF_S`, then twice that, ... (0.1 + 0.2 + 0.4 s), within the request's
+deadline. Over a ``round_robin`` channel each re-send goes to the next replica; over
+one replica it gives an in-progress push time to commit.
+
 gRPC's ``wait_for_ready`` is not used: while the port is closed it turns the call's
 "failed to connect" UNAVAILABLE into a DEADLINE_EXCEEDED at the deadline (and waits
 forever without one), which would also hide a wrong target or a TLS mismatch.
@@ -27,12 +34,14 @@ from collections.abc import Callable
 
 from megascore_client.errors import ScoringError
 
-__all__ = ["ServerWait", "check_wait", "time_left"]
+__all__ = ["ServerWait", "check_wait", "pinned_version", "time_left"]
 
 INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 5.0
 JITTER = 0.2
 MIN_ATTEMPT_S = 0.1  # no re-send with less time than this left before the deadline
+PIN_RESENDS = 3
+PIN_BACKOFF_S = 0.1
 
 
 def check_wait(wait_for_server_s: float, timeout: float | None) -> float:
@@ -86,6 +95,7 @@ class ServerWait:
         self._rand = rand
         self.started = clock()
         self.resends = 0
+        self.pin_resends = 0
         self._backoff = INITIAL_BACKOFF_S
         self._reason = ""
 
@@ -110,6 +120,18 @@ class ServerWait:
         self.resends += 1
         return delay
 
+    def next_pin_delay(self) -> float | None:
+        """Seconds to sleep before re-sending a pinned request a replica refused (it
+        serves another weights version), or None once :data:`PIN_RESENDS` re-sends were
+        made or the deadline would pass."""
+        delay = PIN_BACKOFF_S * 2.0**self.pin_resends
+        if self.pin_resends >= PIN_RESENDS or (
+            self.deadline is not None and self._clock() + delay + MIN_ATTEMPT_S > self.deadline
+        ):
+            return None
+        self.pin_resends += 1
+        return delay
+
     def gave_up(self, error: ScoringError) -> ScoringError:
         """The error to raise after :meth:`next_delay` returned None: ``error``'s code
         and details, plus how long the client waited and why it stopped."""
@@ -119,3 +141,9 @@ class ServerWait:
             f"{error.details} [waited {waited:.1f} s for the server, {self.resends} "
             f"re-sends; gave up: {self._reason}]",
         )
+
+
+def pinned_version(request) -> str:
+    """The weights version a Score request is pinned to ("" for none, or another message)."""
+    options = getattr(request, "options", None)
+    return options.weights_version if options is not None else ""

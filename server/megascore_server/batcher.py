@@ -21,6 +21,12 @@ interleave. Scheduling:
   are those of forwards over its own sequences only. Spread over several
   steps, each metric is the token-weighted mean of the steps' values
   (weights = real tokens of each step).
+* A request pinned to a weights version (``options.weights_version``) is checked
+  against the served version when a step that would take it starts: on another
+  version it fails at once with FAILED_PRECONDITION (a swap queued before it has run
+  by then, so a pin on the version being committed is served). A swap is a barrier,
+  so every step of a request runs on one version; the engine checks the pin again
+  at the step, where it owns the version.
 * Cancelled or expired requests are dropped from pending work; a step that
   already holds them runs on and their results are discarded.
 * :meth:`DynamicBatcher.load_weights` (and any :meth:`~DynamicBatcher.swap_weights`,
@@ -53,9 +59,10 @@ from megascore.errors import (
     ResourceExhaustedError,
     UnavailableError,
     WorkerLostError,
+    WrongVersionError,
 )
 from megascore.layout import padded_lengths
-from megascore.types import Engine, ModelInfo, ScoreBatch, ScoreOutput
+from megascore.types import Engine, ModelInfo, ScoreBatch, ScoreOutput, check_pinned_version
 from megascore_server.metrics import ServerMetrics
 from megascore_server.pending import Barrier, PendingRequest, TimedOutput
 from megascore_server.step_planner import fill_step, merge_batches
@@ -325,7 +332,28 @@ class DynamicBatcher:
                 except TimeoutError:
                     pass
                 continue
-            await self._run_step(loop, window)
+            window = self._pinned_to_served(window)
+            if window:
+                await self._run_step(loop, window)
+
+    def _pinned_to_served(self, window: list[PendingRequest]) -> list[PendingRequest]:
+        """The requests of ``window`` the served version may score; those pinned to
+        another version fail (FAILED_PRECONDITION) and leave the queue."""
+        if not any(item.batch.weights_version for item in window):
+            return window
+        served, kept = self.weights_version, []
+        for item in window:
+            try:
+                check_pinned_version(item.batch.weights_version, served)
+            except WrongVersionError as exc:
+                logger.info("request_id=%s refused: %s", item.request_id, exc.reason)
+                if item in self._queue:
+                    self._dequeue(item)
+                if not item.future.done():
+                    item.future.set_exception(exc)
+            else:
+                kept.append(item)
+        return kept
 
     async def _run_barrier(self, loop, barrier: Barrier) -> None:
         try:

@@ -184,6 +184,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         async with self._gate.call():
             self._gate.check(serving=False)
             new, previous, info = await self._load_weights(request)
+        self._pusher.forget_kept()
         self._info = info
         load_ms = (time.monotonic() - start) * 1000.0
         logger.info("weights %r -> %r loaded in %.0f ms", previous, new, load_ms)
@@ -214,7 +215,17 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         async with self._gate.call():
             self._gate.check(serving=False)
             response, info = await self._pusher.push(request_iterator, self._batcher)
-        self._info = info
+        self._info = info or self._info
+        return response
+
+    async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest, context):
+        """Commits or aborts the push an UpdateWeights prepared (``weight_push``)."""
+        async with self._gate.call():
+            self._gate.check(serving=False)
+            response, info = await self._pusher.finish(
+                request.push_id, request.commit, self._batcher
+            )
+        self._info = info or self._info
         return response
 
 

@@ -33,6 +33,7 @@ import grpc
 from megascore.errors import (
     CheckpointError,
     ConflictError,
+    FailedPreconditionError,
     InvalidRequestError,
     ResourceExhaustedError,
     UnauthenticatedError,
@@ -52,6 +53,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),  # includes WorkerLostError
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ABORTED),
 )
 

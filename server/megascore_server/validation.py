@@ -16,6 +16,7 @@ import numpy as np
 
 from megascore import layout, mismatch, schema
 from megascore.errors import InvalidRequestError, ResourceExhaustedError, quoted
+from megascore.schema import MAX_ID_CHARS
 from megascore.types import (
     Limits,
     RoutingShape,
@@ -36,8 +37,6 @@ _MASK_DTYPES = (pb.DTYPE_UINT8, pb.DTYPE_INT32, pb.DTYPE_INT64)
 _FLOAT_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-MAX_ID_CHARS = 256
-"""Longest ``request_id`` / ``weights_version`` accepted."""
 MAX_MODEL_CHARS = 4096
 """Longest ``LoadWeightsRequest.model`` accepted (a path of up to PATH_MAX)."""
 

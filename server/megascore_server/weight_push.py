@@ -14,19 +14,42 @@ drops the staged tensors on every rank and leaves the old weights serving.
 One push at a time per server: a second one is refused with
 :class:`~megascore.errors.ConflictError` (ABORTED) until the first has ended
 (and its staged tensors were dropped).
+
+Two phases (``commit.prepare``): the stream ends once every tensor is staged and the
+push checked complete, answering ``prepared`` and a ``push_id``; the staged tensors
+stay on the ranks (and the push keeps the server's one push slot) until
+:meth:`WeightPusher.finish` commits or aborts it, or ``prepare_timeout_s`` passes
+without one and it is dropped.
+
+Deltas (``begin.base_weights_version``): a push with ``begin.keep`` leaves rank 0 a host
+copy of its tensors (in their pushed dtype); a later delta against the version it
+produced sends only what changed — whole tensors, or one-chunk patches of (index,
+value) pairs applied to the kept copy bit for bit — and is then staged and swapped
+as any push (tensors not sent keep their values). A delta against a version the
+replica does not serve, or did not keep, is refused at ``begin`` with
+FAILED_PRECONDITION (the SDK then pushes in full).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 import re
 import time
 import uuid
 
-from megascore.errors import ConflictError, InvalidRequestError, quoted
+import numpy as np
+
+from megascore.errors import (
+    ConflictError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    WrongVersionError,
+    quoted,
+)
 from megascore.types import (
     LAYOUT_COMMON,
     LAYOUT_PER_EXPERT,
@@ -36,6 +59,7 @@ from megascore.types import (
     WeightTarget,
 )
 from megascore.v1 import scoring_pb2 as pb
+from megascore.wire import decode_array
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.validation import MAX_ID_CHARS, check_length
 
@@ -90,11 +114,24 @@ class PushSession:
     Args:
         targets: every tensor name the push may carry (``Engine.begin_weight_update``).
         names: the name format, for messages.
+        base: a delta push: the replica's kept tensors (name -> ``(dtype, shape,
+            bytes)``) that its patches (chunks with ``indices``) apply to.
+        keep: keep a copy of every complete tensor (:attr:`kept`) for later deltas.
     """
 
-    def __init__(self, targets: dict[str, WeightTarget], names: int):
+    def __init__(
+        self,
+        targets: dict[str, WeightTarget],
+        names: int,
+        *,
+        base: dict[str, tuple] | None = None,
+        keep: bool = False,
+    ):
         self.targets = targets
         self.names = "HF" if names == WEIGHT_NAMES_HF else "Megatron"
+        self.base = base  # a delta: the kept copies its patches apply to
+        self.keep = keep
+        self.kept: dict[str, tuple] = {}  # with keep: name -> (dtype, shape, bytes)
         self.received: set[str] = set()
         self.layout = LAYOUT_COMMON  # the expert layout, once a tensor fixed it
         self.num_bytes = 0
@@ -110,11 +147,13 @@ class PushSession:
         name, shape = chunk.name, tuple(chunk.shape)
         where = f"message {index}, tensor {quoted(name)}"
         current = self._open
-        if current is not None and name != current.name:
+        if current is not None and (name != current.name or chunk.HasField("indices")):
             raise InvalidRequestError(
                 f"{where}: tensor {current.name!r} got {current.received} of its "
                 f"{current.total} bytes before the next tensor began"
             )
+        if chunk.HasField("indices"):
+            return self._patch(chunk, where)
         if current is None:
             current = self._start(name, shape, chunk.data.dtype, where)
         elif shape != current.shape or chunk.data.dtype != current.dtype:
@@ -135,8 +174,45 @@ class PushSession:
             self._open = current
             return None
         self._open = None
-        self.received.add(name)
+        self._received(current)
         return current
+
+    def _received(self, tensor: _Tensor) -> None:
+        self.received.add(tensor.name)
+        if self.keep and not tensor.ignored:
+            self.kept[tensor.name] = (tensor.dtype, tensor.shape, bytes(tensor.data))
+
+    def _patch(self, chunk: pb.TensorChunk, where: str) -> _Tensor:
+        """A delta's patch: the kept copy of the tensor with the chunk's elements set."""
+        if self.base is None:
+            raise InvalidRequestError(f"{where}: indices (a patch) in a push that is not a delta")
+        tensor = self._start(chunk.name, tuple(chunk.shape), chunk.data.dtype, where)
+        kept = self.base.get(tensor.name)
+        if kept is None or kept[:2] != (tensor.dtype, tensor.shape):
+            has = "none" if kept is None else f"{pb.Dtype.Name(kept[0])} {list(kept[1])}"
+            raise InvalidRequestError(
+                f"{where}: a patch needs this replica's kept copy in the same dtype and "
+                f"shape (kept: {has}); send the tensor whole"
+            )
+        if chunk.offset:
+            raise InvalidRequestError(f"{where}: a patch is one chunk at offset 0")
+        indices = decode_array(chunk.indices, f"{where} indices", (pb.DTYPE_INT32, pb.DTYPE_INT64))
+        size = _DTYPES[tensor.dtype][1]
+        data = chunk.data.data
+        if len(data) != indices.size * size:
+            raise InvalidRequestError(
+                f"{where}: {indices.size} indices need {indices.size * size} bytes of "
+                f"values, got {len(data)}"
+            )
+        numel = math.prod(tensor.shape)
+        if indices.size and not (0 <= int(indices.min()) and int(indices.max()) < numel):
+            raise InvalidRequestError(f"{where}: an index outside [0, {numel})")
+        patched = bytearray(kept[2])
+        np.frombuffer(patched, dtype=f"<u{size}")[indices] = np.frombuffer(data, f"<u{size}")
+        tensor.put(patched)
+        self.num_bytes += len(data) + len(chunk.indices.data)
+        self._received(tensor)
+        return tensor
 
     def _start(self, name: str, shape: tuple[int, ...], dtype: int, where: str) -> _Tensor:
         target = self.targets.get(name)
@@ -192,16 +268,47 @@ class PushSession:
             )
 
 
+PREPARE_TIMEOUT_S = 60.0
+"""How long a prepared push is held without a FinishWeightUpdate (``prepare_timeout_s``
+0); at most :data:`MAX_PREPARE_TIMEOUT_S`."""
+MAX_PREPARE_TIMEOUT_S = 3600.0
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A push staged on every rank, waiting for its commit or abort."""
+
+    push_id: str
+    version: str
+    partial: bool
+    response: pb.UpdateWeightsResponse
+    expiry: asyncio.TimerHandle
+    session: PushSession
+    base_version: str
+
+
+def _prepare_timeout(commit: pb.UpdateWeightsCommit) -> float:
+    timeout = commit.prepare_timeout_s
+    if not (math.isfinite(timeout) and 0 <= timeout <= MAX_PREPARE_TIMEOUT_S):
+        raise InvalidRequestError(
+            f"commit.prepare_timeout_s: {timeout} is outside [0, {MAX_PREPARE_TIMEOUT_S:g}]"
+        )
+    return timeout or PREPARE_TIMEOUT_S
+
+
 class WeightPusher:
     """Runs UpdateWeights streams against the batcher's engine, one at a time."""
 
     def __init__(self):
         self._busy = False
+        self._prepared: _Prepared | None = None
+        self._kept: tuple[str, dict[str, tuple]] | None = None  # (version, tensors)
 
     async def push(
         self, requests, batcher: DynamicBatcher
-    ) -> tuple[pb.UpdateWeightsResponse, ModelInfo]:
-        """Consumes one UpdateWeights stream; returns the response and the model info after.
+    ) -> tuple[pb.UpdateWeightsResponse, ModelInfo | None]:
+        """Consumes one UpdateWeights stream; returns the response and the model info after
+        the swap (None when the push was only prepared).
 
         Raises:
             ConflictError: another push is in progress, or the stream ended without commit.
@@ -224,18 +331,36 @@ class WeightPusher:
             names = _NAMES.get(first.begin.names)
             if names is None:
                 raise InvalidRequestError("begin.names: WEIGHT_NAMES_HF or WEIGHT_NAMES_MEGATRON")
+            base_version = first.begin.base_weights_version
+            base = self._delta_base(base_version, batcher) if base_version else None
             opened = True
             targets = await batcher.run_on_engine(lambda e: e.begin_weight_update(names))
-            session = PushSession(targets, names)
+            session = PushSession(targets, names, base=base, keep=first.begin.keep)
             commit = await self._stage_all(iterator, session, batcher)
-            session.check_complete(commit.partial)
+            partial = commit.partial or base is not None
+            session.check_complete(partial)
             check_length("commit.weights_version", commit.weights_version, MAX_ID_CHARS)
             stream_ms = (time.monotonic() - start) * 1e3
             version = commit.weights_version or new_weights_version()
+            if commit.prepare:
+                hold_s = _prepare_timeout(commit)
+                response = pb.UpdateWeightsResponse(
+                    weights_version=version,
+                    previous_weights_version=batcher.weights_version,
+                    num_tensors=len(session.received),
+                    num_bytes=session.num_bytes,
+                    stream_ms=stream_ms,
+                    prepared=True,
+                    push_id=uuid.uuid4().hex,
+                )
+                self._hold(response, partial, hold_s, batcher, session, base_version)
+                settled, release = True, False  # held until finish() or the timeout
+                return response, None
             settled = True  # the commit drops the staged tensors on every rank, ok or not
             new, previous, info = await batcher.swap_weights(
-                lambda e: e.commit_weights(version, commit.partial)
+                _commit_call(version, partial, base_version)
             )
+            self._remember(new, session)
             swap_ms = (time.monotonic() - start) * 1e3 - stream_ms
         except asyncio.CancelledError:
             if opened and not settled:  # the next push may start once every rank dropped it
@@ -267,6 +392,107 @@ class WeightPusher:
             stream_ms=stream_ms,
             swap_ms=swap_ms,
         )
+        return response, info
+
+    def _delta_base(self, base_version: str, batcher: DynamicBatcher) -> dict[str, tuple]:
+        """The kept tensors a delta against ``base_version`` patches.
+
+        Raises:
+            WrongVersionError: the replica serves another version.
+            FailedPreconditionError: it kept no copy of the version it serves.
+        """
+        served = batcher.weights_version
+        if base_version != served:
+            raise WrongVersionError(
+                f"begin.base_weights_version: a delta against weights {quoted(base_version)}, "
+                f"this replica serves {quoted(served)}; push in full"
+            )
+        if self._kept is None or self._kept[0] != served:
+            raise FailedPreconditionError(
+                f"begin.base_weights_version: this replica kept no copy of weights "
+                f"{quoted(served)} (a push with begin.keep makes one); push in full"
+            )
+        return self._kept[1]
+
+    def forget_kept(self) -> None:
+        """Drops the kept copies (the weights were loaded from elsewhere)."""
+        self._kept = None
+
+    def _remember(self, version: str, session: PushSession) -> None:
+        """After a commit: the kept copies are this push's (over its base's for a delta),
+        or none without ``keep``."""
+        if session.keep:
+            self._kept = (version, {**(session.base or {}), **session.kept})
+        else:
+            self._kept = None
+
+    def _hold(
+        self, response, partial: bool, hold_s: float, batcher: DynamicBatcher, session, base
+    ) -> None:
+        push_id = response.push_id
+        expiry = asyncio.get_running_loop().call_later(
+            hold_s, lambda: asyncio.ensure_future(self._expire(push_id, hold_s, batcher))
+        )
+        self._prepared = _Prepared(
+            push_id, response.weights_version, partial, response, expiry, session, base
+        )
+        logger.info(
+            "weights %r prepared (push %s): %d tensors, %d bytes; held %.0f s for its commit",
+            response.weights_version, push_id, response.num_tensors, response.num_bytes, hold_s,
+        )  # fmt: skip
+
+    async def _expire(self, push_id: str, hold_s: float, batcher: DynamicBatcher) -> None:
+        prepared = self._prepared
+        if prepared is None or prepared.push_id != push_id:
+            return
+        self._prepared = None
+        logger.warning(
+            "prepared push %s (weights %r) heard nothing for %.0f s: dropped",
+            push_id, prepared.version, hold_s,
+        )  # fmt: skip
+        try:
+            await self._abort(batcher)
+        finally:
+            self._busy = False
+
+    async def finish(
+        self, push_id: str, commit: bool, batcher: DynamicBatcher
+    ) -> tuple[pb.UpdateWeightsResponse, ModelInfo | None]:
+        """Commits (swaps in) or aborts (drops) the prepared push ``push_id``; returns the
+        response and the model info after a commit (None after an abort).
+
+        Raises:
+            FailedPreconditionError: no push of that id is prepared.
+            CheckpointError: some rank could not commit (nothing changed).
+        """
+        prepared = self._prepared
+        if prepared is None or prepared.push_id != push_id:
+            raise FailedPreconditionError(
+                f"push_id: no prepared push {quoted(push_id)} on this replica (never "
+                "prepared, already finished, or dropped after its prepare_timeout_s)"
+            )
+        self._prepared = None
+        prepared.expiry.cancel()
+        response = pb.UpdateWeightsResponse()
+        response.CopyFrom(prepared.response)
+        response.prepared = False
+        start = time.monotonic()
+        try:
+            if not commit:
+                await self._abort(batcher)
+                response.weights_version = batcher.weights_version
+                response.previous_weights_version = response.weights_version
+                logger.info("prepared push %s aborted", push_id)
+                return response, None
+            new, previous, info = await batcher.swap_weights(
+                _commit_call(prepared.version, prepared.partial, prepared.base_version)
+            )
+            self._remember(new, prepared.session)
+        finally:
+            self._busy = False
+        response.weights_version, response.previous_weights_version = new, previous
+        response.swap_ms = (time.monotonic() - start) * 1e3
+        logger.info("weights %r -> %r committed (push %s)", previous, new, push_id)
         return response, info
 
     async def _stage_all(self, iterator, session: PushSession, batcher: DynamicBatcher):
@@ -307,6 +533,23 @@ class WeightPusher:
             await batcher.run_on_engine(lambda e: e.abort_weight_update())
         except Exception as exc:  # noqa: BLE001 - the batcher reports a lost engine itself
             logger.warning("dropping an unfinished weight push failed: %s", exc)
+
+
+def _commit_call(version: str, partial: bool, base_version: str):
+    """The swap of a push's commit; a delta's base must still be the version served
+    (else its staged tensors are dropped and :class:`WrongVersionError` raised)."""
+
+    def commit(engine) -> str:
+        served = engine.info().weights_version
+        if base_version and served != base_version:
+            engine.abort_weight_update()
+            raise WrongVersionError(
+                f"begin.base_weights_version: weights {quoted(served)} were loaded during "
+                f"the delta against {quoted(base_version)}; push in full"
+            )
+        return engine.commit_weights(version, partial)
+
+    return commit
 
 
 def _stage_call(tensor: _Tensor):

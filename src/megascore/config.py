@@ -18,8 +18,8 @@ class EngineConfig:
     """How one model replica is built and run. Identical on every rank."""
 
     model: str = "tiny"
-    """Built-in model name (tiny, tiny-moe, tiny-deep, bench; ``NAME@SEED`` picks the
-    weight seed), ``hf:DIR`` or ``megatron:DIR``."""
+    """Built-in model name (tiny, tiny-moe, tiny-deep, bench, bench-8b; ``NAME@SEED`` picks
+    the weight seed), ``hf:DIR`` or ``megatron:DIR``."""
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size: ranks each weight matrix is split over."""
     context_parallel_size: int = 1

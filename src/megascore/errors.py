@@ -54,6 +54,16 @@ class ConflictError(MegascoreError):
     push (-> ABORTED: retry once the other finished)."""
 
 
+class FailedPreconditionError(MegascoreError):
+    """The replica is not in the state the request needs (-> FAILED_PRECONDITION)."""
+
+
+class WrongVersionError(FailedPreconditionError):
+    """A request pinned to a weights version reached a replica serving another one
+    (-> FAILED_PRECONDITION: another replica, or this one after its next swap, may
+    serve it)."""
+
+
 class CheckpointError(MegascoreError):
     """A checkpoint is missing, corrupt or does not match the model (names the tensor)."""
 

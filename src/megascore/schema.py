@@ -53,6 +53,8 @@ class Option:
         convert: wire value -> domain value (after the check).
         flag: a boolean sent as a header flag bit by the broadcast protocol; else an
             integer header slot (``protocol``) or, for ``losses``, the loss bitmask.
+        broadcast: sent to the other ranks at all; False: rank 0's business only
+            (``weights_version``, checked against the served version before the step).
     """
 
     name: str
@@ -61,6 +63,7 @@ class Option:
     check: Callable[[Any, Any], str | None] | None = None
     convert: Callable[[Any], Any] = lambda value: value
     flag: bool = True
+    broadcast: bool = True
 
 
 def _check_top_k(value, limits) -> str | None:
@@ -109,6 +112,25 @@ def _check_routing(value, limits) -> str | None:
     return None
 
 
+MAX_ID_CHARS = 256
+"""Longest ``request_id`` / ``weights_version`` accepted."""
+
+
+def _check_version(value, limits) -> str | None:
+    if len(value) > MAX_ID_CHARS:
+        return f"{len(value)} characters, at most {MAX_ID_CHARS}"
+    return None
+
+
+def _pinned(values: list) -> str:
+    """The one version the requests of a step pin ("" when none does); the batcher
+    never puts requests pinned to different versions in one step."""
+    pins = {value for value in values if value}
+    if len(pins) > 1:
+        raise ValueError(f"a step's requests pin different weights versions: {sorted(pins)}")
+    return pins.pop() if pins else ""
+
+
 def _union(values: list) -> tuple:
     return tuple(dict.fromkeys(name for names in values for name in names))
 
@@ -127,6 +149,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("return_routing", False, any, _check_routing, bool),
     Option("return_entropy", False, any, convert=bool),
     Option("return_importance_weights", False, any, convert=bool),
+    Option("weights_version", "", _pinned, _check_version, str, flag=False, broadcast=False),
 )
 
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from megascore import layout, schema
-from megascore.errors import InvalidRequestError
+from megascore.errors import InvalidRequestError, WrongVersionError, quoted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +119,20 @@ def check_options(values, limits: Limits) -> None:
         if error:
             sep = "" if error.startswith("[") else ": "
             raise InvalidRequestError(f"options.{opt.name}{sep}{error}")
+
+
+def check_pinned_version(pinned: str, served: str) -> None:
+    """The one check of a request's ``weights_version`` pin against the version served
+    (the batcher before each step; the engine at the step, where it owns the version).
+
+    Raises:
+        WrongVersionError: ``pinned`` is set and is not ``served``.
+    """
+    if pinned and pinned != served:
+        raise WrongVersionError(
+            f"options.weights_version: the request is pinned to weights {quoted(pinned)}, "
+            f"this replica serves {quoted(served)}"
+        )
 
 
 def check_lengths(lengths: np.ndarray, limits: Limits, field: str = "lengths") -> None:
@@ -249,6 +263,8 @@ class ScoreBatch:
         return_moe_metrics: whether to compute MoE router metrics.
         return_mtp_metrics: whether to compute MTP metrics.
         return_routing: whether to return the MoE routing (``ScoreOutput.routing``).
+        weights_version: the weights version every request of the step is pinned to
+            ("" = any; rank 0 only, see :func:`check_pinned_version`).
         routing: integer ``[T, num_moe_layers, topk]`` expert ids to replay instead of
             routing (:class:`RoutingShape`, ``megascore.engine.routing``), or None to route.
         return_entropy: whether to return the per-token entropy.
@@ -272,6 +288,7 @@ class ScoreBatch:
     return_moe_metrics: bool = False
     return_mtp_metrics: bool = False
     return_routing: bool = False
+    weights_version: str = ""
     routing: np.ndarray | None = None
     return_entropy: bool = False
     return_importance_weights: bool = False

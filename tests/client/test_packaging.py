@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -81,3 +83,23 @@ def test_rl_rollout_example_runs_against_a_server(tmp_path, capsys):
     line = next(x for x in out.splitlines() if x.startswith("mean KL"))
     assert f"k1 {k1:.5f}" in line
     assert "response tokens: 5" in out
+
+
+def _floor(spec_name: str) -> tuple[int, ...]:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if re.match(rf"{spec_name}\s*>=", d)]
+    return tuple(int(x) for x in spec.split(">=")[1].split("."))
+
+
+def test_generated_stubs_ask_for_no_more_than_the_declared_floors():
+    """A stub that validates its runtime must not demand more than pyproject declares
+    (CI's floors job imports them at exactly those versions: scripts/floors_check.sh)."""
+    stubs = ROOT / "src" / "megascore" / "v1"
+    pb2 = (stubs / "scoring_pb2.py").read_text()
+    grpc_stub = (stubs / "scoring_pb2_grpc.py").read_text()
+    check = re.search(r"ValidateProtobufRuntimeVersion\([^,]+,\s*(\d+),\s*(\d+),\s*(\d+)", pb2)
+    if check:
+        assert tuple(map(int, check.groups())) <= _floor("protobuf")
+    pinned = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_stub)
+    if pinned:
+        assert tuple(map(int, pinned.group(1).split("."))) <= _floor("grpcio")

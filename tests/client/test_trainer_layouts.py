@@ -221,6 +221,7 @@ def test_trainer_helpers_take_exactly_the_keywords_they_use(cls, method):
         "timeout",
         "rollout_logprobs",
         "mismatch_ratio_cap",
+        "weights_version",
     ]
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())
     assert all(params[k].annotation is not inspect.Parameter.empty for k in keywords)

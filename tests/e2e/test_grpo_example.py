@@ -1,4 +1,5 @@
-"""``examples/grpo_loop.py --launch`` end to end (issue 14): two servers, 3 GRPO steps.
+"""``examples/grpo_loop.py --launch`` end to end (issues 14, 25): two policy replicas and a
+reference server, 3 GRPO steps.
 
 The example's own numbers are checked: after every ``push_weights`` the policy
 server's logprobs of the sampled rollouts equal the trainer's (<= 1e-4), the first

@@ -32,6 +32,7 @@ from megascore.types import (
     RoutingShape,
     ScoreBatch,
     ScoreOutput,
+    check_pinned_version,
 )
 
 VOCAB = 1000
@@ -186,6 +187,7 @@ class FakeEngine:
             raise exc
         if self.fail_always is not None:
             raise self.fail_always
+        check_pinned_version(batch.weights_version, self.version)
         try:
             self.check(batch)
         except InvalidRequestError:

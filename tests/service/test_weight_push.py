@@ -25,7 +25,7 @@ from megascore.types import LAYOUT_FUSED, LAYOUT_PER_EXPERT, WeightTarget
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import encode_array
 from tests.service.fake_engine import FakeEngine
-from tests.service.harness import serving
+from tests.service.harness import serving, wait_for
 
 TARGETS = {
     "embed": WeightTarget((4, 3)),
@@ -285,4 +285,68 @@ def test_garbage_mid_push_is_invalid_argument_and_drops_the_push(server):
     details = info.value.details()
     assert "does not parse as megascore.v1.UpdateWeightsRequest" in details, details
     assert "stream message 2" in details, details
+    assert server.engine.aborts == 1 and score_version(server) == "v0"
+
+
+# ---- two phases: prepare, then FinishWeightUpdate ---------------------------------------------
+
+
+def prepared_push(version="v1", timeout_s=0.0):
+    messages = full_push(version)
+    messages[-1].commit.prepare = True
+    messages[-1].commit.prepare_timeout_s = timeout_s
+    return messages
+
+
+def finish(server, push_id, commit=True):
+    request = pb.FinishWeightUpdateRequest(push_id=push_id, commit=commit)
+    try:
+        return server.stub().FinishWeightUpdate(request, timeout=30)
+    except grpc.RpcError as exc:
+        return exc
+
+
+def test_a_prepared_push_holds_its_tensors_until_the_commit(server):
+    engine = server.engine
+    response = push(server, prepared_push("v1"))
+    assert response.prepared and response.push_id
+    assert (response.weights_version, response.previous_weights_version) == ("v1", "v0")
+    assert set(engine.staged) == {"embed", "norm", "experts.0.w1"} and engine.aborts == 0
+    assert score_version(server) == "v0"  # the old weights serve on
+    second = push(server, full_push("v2"))
+    assert second.code() is grpc.StatusCode.ABORTED  # the prepared push holds the slot
+    done = finish(server, response.push_id)
+    assert (done.weights_version, done.previous_weights_version) == ("v1", "v0")
+    assert not done.prepared and done.num_tensors == 5
+    assert engine.events[-1] == ("commit", "v1", False)
+    assert score_version(server) == "v1"
+    again = finish(server, response.push_id)
+    assert again.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert response.push_id in again.details()
+
+
+def test_an_aborted_prepared_push_changes_nothing(server):
+    engine = server.engine
+    response = push(server, prepared_push("v1"))
+    done = finish(server, response.push_id, commit=False)
+    assert done.weights_version == "v0" and engine.aborts == 1
+    assert score_version(server) == "v0"
+    assert push(server, full_push("v3")).weights_version == "v3"  # the slot is free
+
+
+def test_a_prepared_push_that_hears_nothing_is_dropped(server):
+    engine = server.engine
+    response = push(server, prepared_push("v1", timeout_s=0.3))
+    wait_for(lambda: engine.aborts == 1, what="the prepared push dropped")
+    assert score_version(server) == "v0"
+    late = finish(server, response.push_id)
+    assert late.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "prepare_timeout_s" in late.details()
+    assert push(server, full_push("v4")).weights_version == "v4"
+
+
+def test_a_bad_prepare_timeout_is_invalid(server):
+    response = push(server, prepared_push("v1", timeout_s=-1))
+    assert response.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "commit.prepare_timeout_s" in response.details()
     assert server.engine.aborts == 1 and score_version(server) == "v0"

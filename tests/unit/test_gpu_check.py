@@ -2,7 +2,8 @@
 
 The table is what a GPU run records in docs/deploy.md; here every GPU row must be
 SKIP "no CUDA", the version rows present (HAVE_TE / HAVE_BRIDGE as this interpreter
-sees them) and the exit status 0. A failed row makes the script exit 1.
+sees them), a missing TransformerEngine a WARN row, and the exit status 0. A failed
+row makes the script exit 1.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _parse(stdout: str) -> dict[str, tuple[str, float, str]]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert len(cells) == 4, line
         check, result, seconds, detail = cells
-        assert result in ("PASS", "FAIL", "SKIP", "INFO"), line
+        assert result in ("PASS", "FAIL", "SKIP", "WARN", "INFO"), line
         rows[check] = (result, float(seconds), detail)
     return rows
 
@@ -67,10 +68,14 @@ def test_runs_to_the_end_with_a_no_cuda_table():
     assert rows["HAVE_TE"][2] == str(HAVE_TE)
     assert rows["HAVE_BRIDGE"][2] == str(have_bridge())
     assert rows["torch"][2].startswith(torch.__version__)
+    warn = rows.pop("TransformerEngine", None)
+    assert (warn is None) == HAVE_TE, "a missing TE must be a visible row"
+    assert warn is None or (warn[0] == "WARN" and warn[2].startswith("absent"))
     gpu = {name: row for name, row in rows.items() if name not in INFO_ROWS}
     assert set(gpu) == set(_driver().GPU_ROWS)
     assert all(result == "SKIP" and detail == "no CUDA" for result, _, detail in gpu.values())
-    assert proc.stdout.strip().splitlines()[-1] == f"gpu_check: 0 pass, 0 fail, {len(gpu)} skip"
+    want = f"gpu_check: 0 pass, 0 fail, {len(gpu)} skip, {0 if HAVE_TE else 1} warn"
+    assert proc.stdout.strip().splitlines()[-1] == want
 
 
 def test_a_failed_check_is_a_row_and_the_exit_status(capsys):

@@ -185,12 +185,14 @@ _TORCH_DTYPES = {
 
 def _flag_options() -> list:
     """The boolean options, in flag-bit order."""
-    return [opt for opt in schema.OPTIONS if opt.flag]
+    return [opt for opt in schema.OPTIONS if opt.flag and opt.broadcast]
 
 
 def _slot_options() -> list:
     """The integer options sent in header slots (``losses`` travels as its bitmask)."""
-    return [opt for opt in schema.OPTIONS if not opt.flag and opt.name != "losses"]
+    return [
+        opt for opt in schema.OPTIONS if not opt.flag and opt.broadcast and opt.name != "losses"
+    ]
 
 
 def _registry(loss_names: Sequence[str]) -> list[str]:

@@ -93,6 +93,7 @@ from megascore.types import (
     ScoreBatch,
     ScoreOutput,
     WeightTarget,
+    check_pinned_version,
 )
 
 logger = logging.getLogger(__name__)
@@ -398,12 +399,14 @@ class DistributedEngine:
 
         Raises:
             InvalidRequestError: the batch does not fit the model (no collective issued).
+            WrongVersionError: the batch is pinned to weights other than those served.
             WorkerLostError: a rank failed or a collective timed out; the replica
                 must be restarted.
         """
         self._require_driver("score")
         if self._broken is not None:
             raise WorkerLostError(f"replica is broken: {self._broken}")
+        check_pinned_version(batch.weights_version, self.loaded.weights_version)
         self.check(batch)
         self._step += 1
         try:

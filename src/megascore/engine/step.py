@@ -180,8 +180,10 @@ def _min_shared(batch: ScoreBatch, cfg: StepConfig, cp_size: int, metrics: bool)
 def _token_keys(batch: ScoreBatch) -> np.ndarray | None:
     """What must match for two tokens to be shared: the id, the routes it replays and the
     target ids scored at it."""
-    extra = [
+    extra = [  # [T, -1] (an empty data-parallel share has T = 0 and no columns to infer)
         np.asarray(values, dtype=np.int64).reshape(batch.num_tokens, -1)
+        if batch.num_tokens
+        else np.zeros((0, 0), dtype=np.int64)
         for values in (batch.routing, batch.target_ids)
         if values is not None
     ]

@@ -185,6 +185,17 @@ BUILTIN_MODELS: dict[str, ModelConfig] = {
         vocab_size=32000,
         max_position_embeddings=4096,
     ),
+    # Llama-3-8B's shape (8.0B parameters, random weights): start-up time, tokens/s and
+    # MFU at a real size on a GPU (scripts/gpu_check.sh); 16 GB in bfloat16.
+    "bench-8b": ModelConfig(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+    ),
 }
 
 

@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -44,7 +43,7 @@ class Array(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ScoreOptions(_message.Message):
-    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "return_entropy", "mismatch_ratio_cap", "return_importance_weights")
+    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "return_entropy", "mismatch_ratio_cap", "return_importance_weights", "weights_version")
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +54,7 @@ class ScoreOptions(_message.Message):
     RETURN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     MISMATCH_RATIO_CAP_FIELD_NUMBER: _ClassVar[int]
     RETURN_IMPORTANCE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     return_logprobs: bool
     top_k: int
     losses: _containers.RepeatedScalarFieldContainer[str]
@@ -65,7 +65,8 @@ class ScoreOptions(_message.Message):
     return_entropy: bool
     mismatch_ratio_cap: float
     return_importance_weights: bool
-    def __init__(self, return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: _Optional[bool] = ..., return_mtp_metrics: _Optional[bool] = ..., temperature: _Optional[float] = ..., return_routing: _Optional[bool] = ..., return_entropy: _Optional[bool] = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: _Optional[bool] = ...) -> None: ...
+    weights_version: str
+    def __init__(self, return_logprobs: bool = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: bool = ..., return_mtp_metrics: bool = ..., temperature: _Optional[float] = ..., return_routing: bool = ..., return_entropy: bool = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: bool = ..., weights_version: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing", "target_ids", "rollout_logprobs")
@@ -229,7 +230,7 @@ class ModelInfo(_message.Message):
     max_tokens_per_batch: int
     max_message_bytes: int
     max_target_ids: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: bool = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("model", "weights_version")
@@ -250,30 +251,40 @@ class LoadWeightsResponse(_message.Message):
     def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., load_ms: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsBegin(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "base_weights_version", "keep")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    BASE_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     names: WeightNames
-    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ...) -> None: ...
+    base_weights_version: str
+    keep: bool
+    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ..., base_weights_version: _Optional[str] = ..., keep: bool = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("name", "shape", "data", "offset")
+    __slots__ = ("name", "shape", "data", "offset", "indices")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: Array
     offset: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[Array, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+    indices: Array
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[Array, _Mapping]] = ..., offset: _Optional[int] = ..., indices: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsCommit(_message.Message):
-    __slots__ = ("weights_version", "partial")
+    __slots__ = ("weights_version", "partial", "prepare", "prepare_timeout_s")
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     weights_version: str
     partial: bool
-    def __init__(self, weights_version: _Optional[str] = ..., partial: _Optional[bool] = ...) -> None: ...
+    prepare: bool
+    prepare_timeout_s: float
+    def __init__(self, weights_version: _Optional[str] = ..., partial: bool = ..., prepare: bool = ..., prepare_timeout_s: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("begin", "chunk", "commit")
@@ -286,17 +297,29 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, begin: _Optional[_Union[UpdateWeightsBegin, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[UpdateWeightsCommit, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("weights_version", "previous_weights_version", "num_tensors", "num_bytes", "stream_ms", "swap_ms")
+    __slots__ = ("weights_version", "previous_weights_version", "num_tensors", "num_bytes", "stream_ms", "swap_ms", "prepared", "push_id")
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_MS_FIELD_NUMBER: _ClassVar[int]
     SWAP_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     weights_version: str
     previous_weights_version: str
     num_tensors: int
     num_bytes: int
     stream_ms: float
     swap_ms: float
-    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stream_ms: _Optional[float] = ..., swap_ms: _Optional[float] = ...) -> None: ...
+    prepared: bool
+    push_id: str
+    def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stream_ms: _Optional[float] = ..., swap_ms: _Optional[float] = ..., prepared: bool = ..., push_id: _Optional[str] = ...) -> None: ...
+
+class FinishWeightUpdateRequest(_message.Message):
+    __slots__ = ("push_id", "commit")
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    push_id: str
+    commit: bool
+    def __init__(self, push_id: _Optional[str] = ..., commit: bool = ...) -> None: ...
