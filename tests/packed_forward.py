@@ -42,6 +42,8 @@ def forward_packed(
     return_moe_metrics: bool = False,
     return_mtp_metrics: bool = False,
     loss_mask_packed_local: torch.Tensor | None = None,
+    metrics_reduction: str = "step",
+    data_parallel_split: bool = False,
 ) -> ModelOutputs:
     """Runs the model on this rank's shard of a packed batch (one stage, no schedule).
 
@@ -58,6 +60,10 @@ def forward_packed(
             mask for the MTP metrics (entry t: whether the target of position t
             counts), CP-sharded. None: every target that is a real token of the
             same sequence.
+        metrics_reduction: "step" or "microbatch" (Megatron's trackers; for one
+            forward they differ in the sequence-level loss only).
+        data_parallel_split: the DP ranks pass different batches (their step-level
+            statistics are summed, not counted once).
 
     Returns:
         The output head (vocab-parallel logits chunk by chunk) and the requested
@@ -69,7 +75,11 @@ def forward_packed(
             requests up front, :meth:`megascore.config.EngineConfig.metrics_supported`.)
     """
     with scoring_forward(
-        model, return_moe_metrics=return_moe_metrics, return_mtp_metrics=return_mtp_metrics
+        model,
+        return_moe_metrics=return_moe_metrics,
+        return_mtp_metrics=return_mtp_metrics,
+        metrics_reduction=metrics_reduction,
+        data_parallel_split=data_parallel_split,
     ) as metrics:
         head = forward_microbatch(
             model,

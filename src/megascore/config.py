@@ -10,6 +10,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "te")
 DEVICES = ("auto", "cpu", "cuda")
 LM_HEAD_DTYPES = ("model", "float32")
 ROUTER_DTYPES = ("auto", "model", "fp32", "fp64")
+METRICS_REDUCTIONS = ("step", "microbatch")
 
 
 @dataclasses.dataclass
@@ -32,7 +33,12 @@ class EngineConfig:
     pipeline_microbatches: int | None = None
     """Microbatches per step under pipeline parallelism (contiguous runs of sequences,
     balanced by padded tokens; fewer when a step has fewer sequences). Unset: 1 at PP = 1,
-    2 x PP otherwise. MoE / MTP metrics are Megatron's averages over the microbatches."""
+    2 x PP otherwise. MoE / MTP metrics do not depend on it (``metrics_reduction``)."""
+    metrics_reduction: str = "step"
+    """How a step's MoE / MTP metrics are defined: "step" (Megatron's formulas on the
+    statistics of the whole step: the same for any layout and microbatch count) or
+    "microbatch" (Megatron's own value, the mean over the step's microbatches, as a
+    trainer logs it). docs/engine.md, MoE and MTP metrics."""
     sequence_parallel: bool | None = None
     """Megatron sequence parallelism (TP > 1 only); unset: on for a MoE model with TP > 1.
 
@@ -118,6 +124,11 @@ class EngineConfig:
         if self.moe_router_dtype not in ROUTER_DTYPES:
             raise ValueError(
                 f"moe_router_dtype must be one of {ROUTER_DTYPES}, got {self.moe_router_dtype!r}"
+            )
+        if self.metrics_reduction not in METRICS_REDUCTIONS:
+            raise ValueError(
+                f"metrics_reduction must be one of {METRICS_REDUCTIONS}, "
+                f"got {self.metrics_reduction!r}"
             )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")

@@ -96,6 +96,16 @@ def assert_outputs_match(got, want, *, metrics_rtol: float = 1e-5) -> None:
     assert meta["weights_version"] == ref_meta["weights_version"]
 
 
+def assert_metrics_match(got, want, *, tol: float = 1e-6) -> None:
+    """The MoE / MTP metrics of two outputs agree to ``tol`` (absolute, or relative to
+    values above 1)."""
+    for group in ("moe_metrics", "mtp_metrics"):
+        assert want[1][group], group
+        assert sorted(got[1][group]) == sorted(want[1][group]), group
+        for name, value in want[1][group].items():
+            assert got[1][group][name] == pytest.approx(value, rel=tol, abs=tol), name
+
+
 def test_single_rank_launch_succeeds(single):
     assert single["error"] is None, single["error"]
 
@@ -134,6 +144,14 @@ def test_layout_matches_reference(layouts, name):
         want = (want[0], {**want[1], **no_metrics})
     assert_outputs_match(got, want)
     assert got[1]["num_parameters"] == want[1]["num_parameters"]
+
+
+@pytest.mark.parametrize("name", sorted(set(MOE) - {"moe_tp2_ep2_nosp"}))
+def test_moe_metrics_equal_reference_within_1e6(layouts, name):
+    """Step-level metrics (the default): EP=2/4, CP=2 x EP=2, TP=2 (SP) x EP=2 report the
+    one-rank reference's MoE / MTP metrics to 1e-6."""
+    got, want = load_output(layouts["dir"] / name), load_output(layouts["dir"] / "moe_ref")
+    assert_metrics_match(got, want)
 
 
 def test_moe_metrics_do_not_depend_on_the_pad_multiple(layouts):

@@ -6,6 +6,8 @@ uneven split) and PP=2 x TP=2 (tiny-deep, 3 + 2 layers), PP=2 x EP=2 and PP=2 x 
 with sequence parallelism (tiny-moe with MTP, metrics); each scores a batch that
 splits into 3 microbatches and must equal the one-stage run of the same model with
 the same microbatches: logprobs, top-k, losses (<= 1e-5, fp32), MoE / MTP metrics.
+The step-level MoE / MTP metrics also equal those of one stage running the batch in
+1 microbatch (<= 1e-6), as do one stage's with 3 and 4 microbatches.
 Each stage holds only its own layers.
 Failures on the last stage (a raise, a hang) reach rank 0 as WorkerLostError.
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.scripts.engine_common import load_output
-from tests.distributed.test_engine_parity import assert_outputs_match
+from tests.distributed.test_engine_parity import assert_metrics_match, assert_outputs_match
 from tests.torchrun import run_check_script
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -33,8 +35,10 @@ LAYOUTS = {
     "moe_pp2_ep2": ("moe_ref", 2, 2),
     "moe_pp2_tp2": ("moe_ref_pad2", 2, 2),
 }
+# one-stage tiny-moe references: 3 microbatches (unpadded, pad multiple 2), 1 and 4
+MOE_REFS = ("moe_ref", "moe_ref_pad2", "moe_ref_mb1", "moe_ref_mb4")
 CHECKS = (
-    *(f"{name}:run" for name in ("tiny_ref", "deep_ref", "moe_ref", "moe_ref_pad2", *LAYOUTS)),
+    *(f"{name}:run" for name in ("tiny_ref", "deep_ref", *MOE_REFS, *LAYOUTS)),
     "last_stage_failure",
     "hung_last_stage",
 )
@@ -74,6 +78,16 @@ def test_pipeline_layout_matches_one_stage(pipeline, name):
             "z_loss",
         }
         assert set(got[1]["mtp_metrics"]) == {"mtp_1_loss", "mtp_1_acceptance_rate"}
+
+
+@pytest.mark.parametrize(
+    "name", ["moe_ref", "moe_ref_pad2", "moe_ref_mb4", "moe_pp2_ep2", "moe_pp2_tp2"]
+)
+def test_moe_metrics_do_not_depend_on_microbatches_or_stages(pipeline, name):
+    """Step-level metrics (the default): 3 or 4 microbatches, PP=2 x EP=2 and PP=2 x TP=2
+    (SP) report the metrics of one stage running the batch as one microbatch (<= 1e-6)."""
+    got = load_output(pipeline["dir"] / name)
+    assert_metrics_match(got, load_output(pipeline["dir"] / "moe_ref_mb1"))
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -68,6 +68,20 @@ def test_layout_matches_single_rank(outcome, layout):
             )
 
 
+def test_data_parallel_split_reports_the_whole_batch_metrics(outcome):
+    """Four DP ranks, each scoring its own sequences of the batch, report the step-level
+    metrics of one rank scoring all of them (<= 1e-6)."""
+    out_dir, error = outcome
+    ref = _load(out_dir, "ref_tiny_moe", 0, error)
+    names = sorted(k for k in ref if k.startswith("metric."))
+    for rank in range(NPROC):
+        got = _load(out_dir, "dp4_split_moe", rank, error)
+        assert sorted(k for k in got if k.startswith("metric.")) == names
+        for name in names:
+            want = float(ref[name])
+            assert float(got[name]) == pytest.approx(want, rel=1e-6, abs=1e-6), name
+
+
 def test_moe_reference_reports_metrics(outcome):
     out_dir, error = outcome
     ref = _load(out_dir, "ref_tiny_moe", 0, error)

@@ -2,7 +2,8 @@
 
 (a) a packed forward equals the unpadded forward of every sequence alone;
 (b) logits equal an independent plain-PyTorch Llama-style forward from the state dict;
-(c) MoE / MTP metrics equal a direct training-mode Megatron forward, model left untouched.
+(c) MoE / MTP metrics (``metrics_reduction="microbatch"``) equal a direct training-mode
+    Megatron forward, model left untouched.
 """
 
 from __future__ import annotations
@@ -241,7 +242,8 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
     before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     eval_head = forward_packed(model, packed).head
 
-    out = forward_packed(model, packed, return_moe_metrics=True, return_mtp_metrics=True)
+    metrics = dict(return_moe_metrics=True, return_mtp_metrics=True)
+    out = forward_packed(model, packed, metrics_reduction="microbatch", **metrics)
     assert set(out.moe_metrics) == {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"}
     assert list(out.mtp_metrics) == mtp_metric_names(model_cfg)
     assert torch.equal(out.head.hidden_states, eval_head.hidden_states)
@@ -251,7 +253,7 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
-    again = forward_packed(model, packed, return_moe_metrics=True, return_mtp_metrics=True)
+    again = forward_packed(model, packed, metrics_reduction="microbatch", **metrics)
     assert again.moe_metrics == out.moe_metrics and again.mtp_metrics == out.mtp_metrics
 
     n_moe_layers = model_cfg.num_layers + model_cfg.mtp_num_layers  # every layer is MoE
@@ -262,11 +264,18 @@ def test_moe_mtp_metrics_equal_training_forward(pgs, pad_multiple):
     assert out.mtp_metrics["mtp_1_loss"] > 0 and out.moe_metrics["z_loss"] > 0
     # pads are masked out of the statistics: the unpadded packing reports the same metrics
     unpadded = forward_packed(
-        model, pack_rows(ids, lens), return_moe_metrics=True, return_mtp_metrics=True
+        model, pack_rows(ids, lens), metrics_reduction="microbatch", **metrics
     )
     for name, value in {**unpadded.moe_metrics, **unpadded.mtp_metrics}.items():
         got = {**out.moe_metrics, **out.mtp_metrics}[name]
         assert got == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    # the step definition (the default) differs from one microbatch's value only in the
+    # sequence-level loss (per request sequence, not per packed microbatch)
+    step = forward_packed(model, packed, **metrics)
+    for name, value in {**step.moe_metrics, **step.mtp_metrics}.items():
+        if name != "seq_load_balancing_loss":
+            got = {**out.moe_metrics, **out.mtp_metrics}[name]
+            assert got == pytest.approx(value, rel=1e-6, abs=1e-7), name
 
 
 def test_metrics_requested_from_dense_model_raise(pgs):

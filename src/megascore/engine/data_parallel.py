@@ -22,8 +22,11 @@ ranks). Every rank receives the whole batch (``megascore.engine.protocol``); the
    the output ranks; rank 0 joins the parts in the caller's order
    (:func:`megascore.layout.concat_outputs`).
 
-Metrics stay those of one rank scoring the whole batch: microbatch ``i`` of every DP
-rank together is the lone rank's microbatch ``i``, and
+Metrics stay those of one rank scoring the whole batch. Step-level metrics (the default,
+:mod:`megascore.engine.step_metrics`) sum every DP rank's statistics
+(``StepConfig.data_parallel_split``). Megatron's per-microbatch metrics
+(``metrics_reduction="microbatch"``): microbatch ``i`` of every DP rank together is the
+lone rank's microbatch ``i``, and
 
 * the aux losses (``load_balancing_loss``, ``seq_load_balancing_loss``) are computed by
   Megatron from expert token counts summed over the TP x CP group; during a metrics
@@ -268,6 +271,7 @@ class DataParallelGroup:
         split = split_step(batch.lengths, self.size, cfg.pad_multiple, cfg.microbatches)
         part = sub_batch(batch, split.parts[self.rank])
         split_metrics = batch.return_moe_metrics and bool(model.config.num_moe_experts)
+        cfg = dataclasses.replace(cfg, data_parallel_split=True)
         with aux_losses_over_data_parallel(model, split_metrics):
             result = run_step(model, part, groups, cfg, split.plans[self.rank])
         if dist.get_rank() != cfg.output_rank:

@@ -21,27 +21,34 @@ otherwise return the per-token loss).
 Metrics. Megatron records MoE aux losses and MTP losses only in training mode
 (aux losses also need grad enabled). When metrics are requested the model runs
 one training-mode forward with dropout off and grad enabled (parameters do not
-require grad, nothing is back-propagated), reads the trackers exactly as
-Megatron's ``training.py`` does (``MoEMetricsTracker.report`` with
-``force_initialize``; ``MTPLossLoggingHelper.track_mtp_metrics``), clears them,
-restores the routers' running buffers and returns the model to eval mode. The
-hidden states are identical in both modes (dropout is off, MoE is dropless).
-Semantics are Megatron's, including where they depend on the layout:
+require grad, nothing is back-propagated), then restores the routers' running
+buffers and returns the model to eval mode. The hidden states are identical in both
+modes (dropout is off, MoE is dropless). Two definitions (``metrics_reduction``,
+docs/engine.md):
 
-* Megatron's ``padding_mask`` marks the pad positions of the packed layout, so the
-  routers leave pads out of the aux-loss and z-loss statistics (MTP layers too:
-  ``megascore.model.mtp``): MoE metrics do not depend on the per-sequence pad multiple,
-  hence not on the TP / CP layout either;
-* an MTP loss is the token-weighted mean over the DP x CP ranks (each rank's masked
-  mean of a microbatch weighted by its share of the microbatch's target tokens: equal
-  to CP = 1); acceptance rates sum the counts (percent, as Megatron logs them);
-* with DP > 1 each DP rank scores its own part of the step
-  (:mod:`megascore.engine.data_parallel`); z-loss and MTP losses are token-weighted
-  over the DP ranks, the aux losses count the tokens of every DP rank, so the metrics
-  are those of the whole step;
-* Megatron's MTP loss (``process_mtp_loss``) computes each MTP layer's full
-  ``[T_local, V / tp]`` logits: a metrics forward of an MTP model is the one
-  place where memory still grows with tokens x vocabulary.
+* ``"step"`` (default): the statistics the routers and MTP layers see over the whole
+  step, reduced once (:mod:`megascore.engine.step_metrics`): the same for any layout
+  and microbatch count; with DP > 1 each DP rank scores its own part of the step
+  (:mod:`megascore.engine.data_parallel`) and the statistics are summed over them;
+* ``"microbatch"``: Megatron's trackers, read exactly as Megatron's ``training.py``
+  reads them (``MoEMetricsTracker.report`` with ``force_initialize``;
+  ``MTPLossLoggingHelper.track_mtp_metrics``): the mean over the step's microbatches.
+  Where Megatron's value depends on the layout beyond that, megascore corrects it:
+
+  - Megatron's ``padding_mask`` marks the pad positions of the packed layout, so the
+    routers leave pads out of the aux-loss and z-loss statistics (MTP layers too:
+    ``megascore.model.mtp``): MoE metrics do not depend on the per-sequence pad
+    multiple, hence not on the TP / CP layout either (this holds for both);
+  - an MTP loss is the token-weighted mean over the DP x CP ranks (each rank's masked
+    mean of a microbatch weighted by its share of the microbatch's target tokens:
+    equal to CP = 1); acceptance rates sum the counts (percent, as Megatron logs them);
+  - with DP > 1 z-loss and MTP losses are token-weighted over the DP ranks, the aux
+    losses count the tokens of every DP rank, so the metrics are those of the step's
+    microbatches over all DP ranks.
+
+Either way Megatron's MTP loss (``process_mtp_loss``) computes each MTP layer's full
+``[T_local, V / tp]`` logits: a metrics forward of an MTP model is the one place where
+memory still grows with tokens x vocabulary.
 
 An eval forward whose MTP outputs nobody reads skips the MTP block (it only
 produces MTP losses): ``model.mtp_process`` and ``config.mtp_num_layers`` are
@@ -64,6 +71,8 @@ from megatron.core.transformer.moe.moe_logging import (
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from megascore.config import METRICS_REDUCTIONS
+from megascore.engine import step_metrics
 from megascore.packing import PackedSequences, cp_shard_indices, roll_within_segments
 from megascore.segment_packing import full_positions, rope_positions
 
@@ -307,25 +316,20 @@ def _head_processor(*, hidden_states, output_layer, output_weight, scale_logits,
     )
 
 
-def router_token_counts(model, packed: PackedSequences, cp_rank: int, cp_size: int):
+def router_token_counts(model, packed: PackedSequences):
     """Real tokens the router of each MoE-capable layer sees on this rank.
 
     Decoder layers see this rank's share of the real tokens (its CP shard; with sequence
-    parallelism its TP slice of that); MTP layer k sees the positions whose token k ahead
-    is real (``position + k < length``).
+    parallelism its TP slice of that: :func:`megascore.engine.step_metrics.router_rows`);
+    MTP layer k sees the positions whose token k ahead is real (``position + k < length``).
 
     Returns:
         float32 ``[num_layers + mtp_num_layers]``.
     """
     cfg = model.config
     pos, length = _position_and_length(packed)
-    idx = cp_shard_indices(packed.cu_seqlens_padded.to("cpu"), cp_rank, cp_size)
-    pos, length = pos[idx], length[idx]
-    tp = model.pg_collection.tp
-    if cfg.sequence_parallel and tp.size() > 1:  # contiguous T_local / tp rows per TP rank
-        per = pos.numel() // tp.size()
-        rows = slice(tp.rank() * per, (tp.rank() + 1) * per)
-        pos, length = pos[rows], length[rows]
+    rows = step_metrics.router_rows(model, packed)
+    pos, length = pos[rows], length[rows]
     counts = [float((pos < length).sum())] * cfg.num_layers
     counts += [float((pos + k < length).sum()) for k in range(1, (cfg.mtp_num_layers or 0) + 1)]
     return torch.tensor(counts)
@@ -352,7 +356,7 @@ def _token_weight_z_loss(model, packed: PackedSequences, before: torch.Tensor | 
     if values is None or router is None or router.tp_dp_cp_group.size() == 1:
         return
     group = router.tp_dp_cp_group
-    counts = router_token_counts(model, packed, *_cp_rank_size(model)).to(values.device)
+    counts = router_token_counts(model, packed).to(values.device)
     total = counts.clone()
     torch.distributed.all_reduce(total, group=group)
     base = torch.zeros_like(values) if before is None else before
@@ -394,16 +398,21 @@ def forward_microbatch(
     loss_mask_packed_local: torch.Tensor | None = None,
 ):
     """``model(**model_inputs(...))`` for one packed microbatch, in the step's mode
-    (:func:`scoring_forward`); a metrics forward's z-loss and MTP losses are token-weighted
-    over the ranks (:func:`_token_weight_z_loss`, :func:`_token_weight_mtp_loss`). Returns
-    what the model returns (the :class:`OutputHead` on the last stage, the hidden states
-    elsewhere)."""
+    (:func:`scoring_forward`): under ``metrics_reduction="step"`` the step's collector
+    (:mod:`megascore.engine.step_metrics`) sees it; else a metrics forward's z-loss and
+    MTP losses are token-weighted over the ranks (:func:`_token_weight_z_loss`,
+    :func:`_token_weight_mtp_loss`). Returns what the model returns (the
+    :class:`OutputHead` on the last stage, the hidden states elsewhere)."""
     kwargs = model_inputs(
         model,
         packed,
         metrics_forward=metrics_forward,
         loss_mask_packed_local=loss_mask_packed_local,
     )
+    collector = step_metrics.active(model) if metrics_forward else None
+    if collector is not None:  # metrics_reduction "step": statistics, reduced at the end
+        with collector.microbatch(packed):
+            return model(**kwargs)
     weigh = metrics_forward and bool(model.config.num_moe_experts)
     before = _z_loss_values() if weigh else None
     before = None if before is None else before.clone()
@@ -542,15 +551,26 @@ class ForwardMetrics:
 
 @contextlib.contextmanager
 def scoring_forward(
-    model, *, return_moe_metrics: bool, return_mtp_metrics: bool, num_microbatches: int = 1
+    model,
+    *,
+    return_moe_metrics: bool,
+    return_mtp_metrics: bool,
+    num_microbatches: int = 1,
+    metrics_reduction: str = "step",
+    data_parallel_split: bool = False,
 ):
     """The mode every scoring forward of one step runs in (see the module docstring).
 
     Without metrics: eval mode, no grad, MTP skipped. With metrics: one training-mode
-    pass with grad enabled over the step's forwards (one per microbatch), then the
-    trackers are read as Megatron's ``training.py`` reads them (loss scale
-    ``1 / num_microbatches``: the mean over microbatches), cleared, and the routers'
-    buffers restored. Collective when metrics are requested (every rank, all stages).
+    pass with grad enabled over the step's forwards (one per microbatch), then either
+
+    * ``metrics_reduction="step"``: the statistics the routers and MTP layers saw over
+      the whole step, reduced once (:mod:`megascore.engine.step_metrics`), or
+    * ``"microbatch"``: Megatron's trackers, read as Megatron's ``training.py`` reads
+      them (loss scale ``1 / num_microbatches``: the mean over microbatches);
+
+    the trackers are cleared and the routers' buffers restored. Collective when metrics
+    are requested (every rank, all stages).
 
     Args:
         model: the GPTModel of this rank.
@@ -558,14 +578,19 @@ def scoring_forward(
         return_mtp_metrics: compute the MTP metrics (MTP models only).
         num_microbatches: forwards of the step run inside the block
             (:func:`forward_microbatch`).
+        metrics_reduction: "step" or "microbatch" (above).
+        data_parallel_split: the DP ranks score different sequences of the step
+            ("step" sums their statistics; False: DP ranks score copies of one batch).
 
     Yields:
         A :class:`ForwardMetrics`, filled when the block exits without error.
 
     Raises:
-        ValueError: see :func:`check_metrics_request`.
+        ValueError: see :func:`check_metrics_request`; an unknown ``metrics_reduction``.
     """
     check_metrics_request(model.config, return_moe_metrics, return_mtp_metrics)
+    if metrics_reduction not in METRICS_REDUCTIONS:
+        raise ValueError(f"metrics_reduction must be one of {METRICS_REDUCTIONS}")
     metrics = ForwardMetrics()
     if not (return_moe_metrics or return_mtp_metrics):
         with torch.no_grad(), _mtp_skipped(model):
@@ -574,6 +599,17 @@ def scoring_forward(
     moe_names = moe_metric_names(model.config) if return_moe_metrics else []
     _clear_trackers()
     try:
+        if metrics_reduction == "step":
+            collector = step_metrics.StepMetrics(
+                model,
+                moe_names=moe_names,
+                mtp=return_mtp_metrics,
+                data_parallel_split=data_parallel_split,
+            )
+            with _training_forward(model), collector.recording():
+                yield metrics
+            metrics.moe, metrics.mtp = collector.reduce()
+            return
         with _training_forward(model):
             yield metrics
         scale = 1.0 / num_microbatches

@@ -227,6 +227,7 @@ class DistributedEngine:
             microbatches=engine_cfg.microbatches,
             output_rank=data_parallel.output_rank(),
             lm_head_dtype=engine_cfg.lm_head_dtype,
+            metrics_reduction=engine_cfg.metrics_reduction,
             min_shared_prefix=min_shared_prefix(engine_cfg, self.device, loaded.model),
             result_rank=result_rank(
                 self.world_size,

@@ -103,6 +103,10 @@ class StepConfig:
         result_rank: its peer on the last pipeline stage, where the results are
             computed (the output rank itself at PP = 1).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
+        metrics_reduction: "step" or "microbatch"
+            (:func:`megascore.engine.forward.scoring_forward`).
+        data_parallel_split: the DP ranks score different sequences of the step (their
+            step-level metric statistics are summed); False: copies of one batch.
         min_shared_prefix: shortest prefix the step's sequences share that is computed
             once (:mod:`megascore.prefix_tree`); None: every sequence computed whole.
     """
@@ -115,6 +119,8 @@ class StepConfig:
     output_rank: int = 0
     result_rank: int = 0
     lm_head_dtype: str = "model"
+    metrics_reduction: str = "step"
+    data_parallel_split: bool = False
     min_shared_prefix: int | None = None
 
 
@@ -280,6 +286,8 @@ def _local_results(
             return_moe_metrics=plan.want_moe,
             return_mtp_metrics=plan.want_mtp,
             num_microbatches=len(microbatches),
+            metrics_reduction=cfg.metrics_reduction,
+            data_parallel_split=cfg.data_parallel_split,
         ) as metrics,
     ):
         store = run_schedule(model, microbatches, plan.spec)

@@ -57,14 +57,21 @@ LAYOUTS = {
     "moe_pp2_ep2": ("tiny-moe", 1, 1, 2, 2),
     "moe_ref_pad2": ("tiny-moe", 1, 1, 1, 1, 2),
     "moe_pp2_tp2": ("tiny-moe", 2, 1, 1, 2),
+    "moe_ref_mb1": ("tiny-moe", 1, 1, 1, 1),
+    "moe_ref_mb4": ("tiny-moe", 1, 1, 1, 1),
 }
-MOE = {"moe_ref", "moe_pp2_ep2", "moe_ref_pad2", "moe_pp2_tp2"}
+MOE = {"moe_ref", "moe_pp2_ep2", "moe_ref_pad2", "moe_pp2_tp2", "moe_ref_mb1", "moe_ref_mb4"}
+# Layouts whose step runs in another number of microbatches than MICROBATCHES: the
+# step-level MoE / MTP metrics do not depend on it.
+OTHER_MICROBATCHES = {"moe_ref_mb1": 1, "moe_ref_mb4": 4}
 
 
-def engine_config(model, tp, cp, ep, pp, pad=1, timeout=60.0) -> EngineConfig:
+def engine_config(
+    model, tp, cp, ep, pp, pad=1, timeout=60.0, microbatches=MICROBATCHES
+) -> EngineConfig:
     return layout_config(
         model, tp, cp, ep, pad=pad, timeout=timeout, pipeline_model_parallel_size=pp,
-        pipeline_microbatches=MICROBATCHES,
+        pipeline_microbatches=microbatches,
         logprob_chunk_tokens=50,  # several chunks per microbatch
     )  # fmt: skip
 
@@ -86,7 +93,8 @@ def stage_contents(engine) -> dict:
 
 
 def run_layout(name, spec, rank, out_dir) -> None:
-    engine = DistributedEngine.create(engine_config(*spec))
+    microbatches = OTHER_MICROBATCHES.get(name, MICROBATCHES)
+    engine = DistributedEngine.create(engine_config(*spec, microbatches=microbatches))
     contents = stage_contents(engine)
     (out_dir / f"{name}_stage_rank{rank}.json").write_text(json.dumps(contents))
     if rank != 0:

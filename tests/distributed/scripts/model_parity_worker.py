@@ -35,7 +35,11 @@ LAYOUTS = {
     "ep2_moe": ("tiny-moe", 1, 1, 2, False, 1),
     "tp2_sp_ep2_moe": ("tiny-moe", 2, 1, 2, True, 4),
     "cp2_moe": ("tiny-moe", 1, 2, 1, False, 4),
+    "dp4_split_moe": ("tiny-moe", 1, 1, 1, False, 1),
 }
+# Layouts whose DP ranks score different sequences of the batch (rank r: sequences
+# r, r + DP, ...): only their step-level metrics are compared, with the whole batch's.
+DP_SPLIT = {"dp4_split_moe"}
 LENGTHS = [13, 1, 6, 2, 9]
 
 
@@ -61,16 +65,24 @@ def run_layout(name: str, out_dir: Path) -> None:
         model_cfg = builtin_model(model_name)
         model = build_model(model_cfg, engine_cfg, pgs)
         ids, lens = batch()
+        split = name in DP_SPLIT
+        if split:  # this DP rank's sequences
+            part = torch.arange(pgs.dp.rank(), len(LENGTHS), pgs.dp.size())
+            ids = torch.cat([s for i, s in enumerate(ids.split(LENGTHS)) if i in part])
+            lens = lens[part]
         packed = pack_for_rank(ids, lens, pgs, pad_multiple)
         out = forward_packed(
             model,
             packed,
             return_moe_metrics=model_cfg.is_moe,
             return_mtp_metrics=model_cfg.has_mtp,
+            data_parallel_split=split,
         )
         full = full_logits(out, packed, pgs)  # [T, V], a tiny batch
         starts = packed.cu_seqlens_padded.tolist()
-        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, LENGTHS, strict=False)])
+        rows = torch.cat(
+            [torch.arange(s, s + n) for s, n in zip(starts, lens.tolist(), strict=False)]
+        )
         logprobs = torch.log_softmax(full[rows].double(), dim=-1)
         metrics = {
             f"metric.{k}": np.float64(v) for k, v in {**out.moe_metrics, **out.mtp_metrics}.items()

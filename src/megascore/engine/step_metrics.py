@@ -1,0 +1,273 @@
+"""Step-level MoE / MTP metrics: Megatron's formulas over the whole step, reduced once.
+
+Megatron computes each aux loss per microbatch (and per rank group) and reports the
+mean over the microbatches, so its values move with the microbatch count, which the
+server chose, not the user (``metrics_reduction="microbatch"``,
+:func:`megascore.engine.forward.scoring_forward`). The default,
+``metrics_reduction="step"``, collects the *sufficient statistics* of every formula
+over all microbatches and ranks of the step and applies the formula once:
+
+* a hook on every router's ``TopKRouter.routing`` (per instance, for the metrics
+  forward only) reads the router logits and Megatron's padding mask (True = pad) of
+  each call and adds, per MoE layer: per expert, the real tokens routed there and the
+  sum of their routing scores (Megatron's ``compute_routing_scores_for_aux_loss``: the
+  aux-loss top-k, without expert bias), the real-token count and the sum of the
+  squared ``logsumexp`` of the logits (float64); the same counts per *sequence*;
+* per microbatch, the change of Megatron's MTP tracker gives each MTP layer's summed
+  token losses (its masked mean times its token count), accepted and counted tokens;
+* at the end of the step (:meth:`StepMetrics.reduce`) the statistics are summed over
+  the ranks that hold different tokens (sequence-parallel TP slices, CP shards, the
+  DP ranks when they score different sequences, the PP stages' layers) and counted
+  once where ranks hold copies (TP ranks without sequence parallelism, DP ranks that
+  score the same batch, TP ranks of the MTP losses), then, per layer ``l`` with ``T``
+  real tokens, ``c_i`` tokens and ``P_i`` summed scores at expert ``i`` (``E``
+  experts, top-``k``):
+
+  - ``load_balancing_loss_l = E / (k T^2) * sum_i c_i P_i`` (``switch_load_balancing_
+    loss_func`` on the whole step);
+  - ``global_load_balancing_loss_l``: the same (the step is Megatron's global batch);
+  - ``seq_load_balancing_loss_l``: the mean over the step's sequences (the request's
+    sequences, not the packed microbatches) of the same formula on each sequence's
+    own tokens; a sequence without a token at the layer (an MTP layer of a length-1
+    sequence) is left out;
+  - ``z_loss_l = sum(logsumexp(logits)^2) / T``;
+
+  and the reported value is Megatron's ``sum_l value_l / num_moe_layers``
+  (``MoEMetricsTracker.report``; a layer without real tokens adds 0). MTP:
+  ``mtp_i_loss`` = summed token losses / counted tokens, ``mtp_i_acceptance_rate`` =
+  100 x accepted / counted.
+
+The values are therefore the same for any TP / CP / EP / PP layout and microbatch
+count (``tests/unit/test_step_metrics.py``, ``tests/distributed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from megascore.packing import PackedSequences, cp_shard_indices
+
+_ACTIVE: dict[int, StepMetrics] = {}  # id(model) -> its collector during a metrics step
+_MTP_KEYS = ("loss_values", "correct_values", "total_values")
+
+
+def router_rows(model, packed: PackedSequences) -> torch.Tensor:
+    """Packed positions (on the full packed axis of ``packed``) whose rows this rank's
+    routers see, in router order: this rank's CP shard and, with sequence parallelism,
+    its TP rank's contiguous ``1 / tp`` slice of it. int64 ``[rows]`` on the CPU."""
+    cp = model.pg_collection.cp
+    cu_pad = packed.cu_seqlens_padded.to("cpu", torch.long)
+    rows = cp_shard_indices(cu_pad, cp.rank(), cp.size())
+    tp = model.pg_collection.tp
+    if model.config.sequence_parallel and tp.size() > 1:
+        per = rows.numel() // tp.size()
+        rows = rows[tp.rank() * per : (tp.rank() + 1) * per]
+    return rows
+
+
+def active(model) -> StepMetrics | None:
+    """The collector of ``model``'s metrics step in progress (None outside one)."""
+    return _ACTIVE.get(id(model))
+
+
+class StepMetrics:
+    """Sufficient statistics of one step's MoE / MTP metrics on this rank (module docstring).
+
+    Args:
+        model: this rank's GPTModel (one stage).
+        moe_names: MoE metrics to report (:func:`megascore.engine.forward.moe_metric_names`).
+        mtp: report the MTP metrics.
+        data_parallel_split: the DP ranks score different sequences of the step (their
+            statistics are summed); False: every DP rank scores the same batch (counted
+            once).
+    """
+
+    def __init__(self, model, *, moe_names: list[str], mtp: bool, data_parallel_split: bool):
+        cfg = model.config
+        self.model = model
+        self.moe_names = list(moe_names)
+        self.want_mtp = mtp
+        self.data_parallel_split = data_parallel_split
+        self.experts = cfg.num_moe_experts or 0
+        self.layers = cfg.num_layers + (cfg.mtp_num_layers or 0)  # Megatron's tracker slots
+        self.device = next(model.parameters()).device
+        f64 = dict(dtype=torch.float64, device=self.device)
+        # per layer: tokens per expert [E] | scores per expert [E] | real tokens | sum lse^2
+        self.tokens = torch.zeros(self.layers, 2 * self.experts + 2, **f64)
+        # per microbatch: [layers, sequences, 2E + 1] (tokens, scores per expert; tokens)
+        self.sequences: list[torch.Tensor] = []
+        # per MTP layer: summed token losses, accepted, counted
+        self.mtp = torch.zeros(3, cfg.mtp_num_layers or 0, **f64)
+        self._seq_of_row: torch.Tensor | None = None
+        if self.moe_names and cfg.mtp_use_repeated_layer:
+            raise ValueError("metrics_reduction 'step' does not support mtp_use_repeated_layer")
+
+    # ---- recording ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Hooks the routers (when MoE metrics are wanted) and makes this the model's
+        active collector (:func:`active`) for the block."""
+        routers = []
+        if self.moe_names:
+            routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]
+        for router in routers:
+            router.routing = self._hooked(router)
+        _ACTIVE[id(self.model)] = self
+        try:
+            yield self
+        finally:
+            _ACTIVE.pop(id(self.model), None)
+            for router in routers:
+                del router.routing  # the class's method again
+
+    def _hooked(self, router):
+        routing = router.routing
+
+        def hooked(logits, padding_mask=None):
+            self._record_router(router, logits, padding_mask)
+            return routing(logits, padding_mask=padding_mask)
+
+        return hooked
+
+    @contextlib.contextmanager
+    def microbatch(self, packed: PackedSequences):
+        """Around one microbatch's forward: the rows' sequences for the routers, and the
+        MTP tracker's change for the MTP statistics."""
+        cu_pad = packed.cu_seqlens_padded.to("cpu", torch.long)
+        num_seqs = cu_pad.numel() - 1
+        seq = torch.repeat_interleave(torch.arange(num_seqs), cu_pad[1:] - cu_pad[:-1])
+        self._seq_of_row = seq[router_rows(self.model, packed)].to(self.device)
+        self.sequences.append(
+            torch.zeros(self.layers, num_seqs, 2 * self.experts + 1, dtype=torch.float64,
+                        device=self.device)
+        )  # fmt: skip
+        before = self._mtp_tracker()
+        try:
+            yield
+        finally:
+            self._seq_of_row = None
+        if self.want_mtp:
+            after = self._mtp_tracker()
+            loss, correct, total = (a - b for a, b in zip(after, before, strict=True))
+            # Megatron's logged loss is the masked mean over the layer's counted tokens
+            self.mtp += torch.stack([loss * total, correct, total])
+
+    def _mtp_tracker(self) -> list[torch.Tensor]:
+        tracker = MTPLossLoggingHelper.tracker
+        if "loss_values" not in tracker:
+            return [torch.zeros_like(self.mtp[0]) for _ in _MTP_KEYS]
+        return [tracker[k].detach().to(self.mtp).clone() for k in _MTP_KEYS]
+
+    def _record_router(self, router, logits: torch.Tensor, padding_mask) -> None:
+        if self._seq_of_row is None:
+            raise RuntimeError("a router ran outside a metrics microbatch")
+        layer = router.layer_number - 1
+        if router.is_mtp_layer:
+            layer += self.model.config.num_layers
+        with torch.no_grad():
+            logits = logits.detach().reshape(-1, self.experts)  # [rows, E]
+            if logits.shape[0] != self._seq_of_row.numel():
+                raise RuntimeError(
+                    f"router of layer {layer + 1}: {logits.shape[0]} rows, "
+                    f"expected {self._seq_of_row.numel()}"
+                )
+            if padding_mask is None:
+                padding_mask = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+            pad = padding_mask.reshape(-1)
+            routed, scores = compute_routing_scores_for_aux_loss(
+                logits, router.topk, router.score_function, fused=False, padding_mask=pad
+            )
+            real = (~pad).double()
+            lse2 = torch.logsumexp(logits.double(), dim=-1).square() * real
+            per_row = torch.cat([routed.double(), scores.double(), real[:, None]], dim=1)
+            self.tokens[layer] += torch.cat([per_row.sum(0), lse2.sum()[None]])
+            self.sequences[-1][layer].index_add_(0, self._seq_of_row, per_row)
+
+    # ---- reduction ------------------------------------------------------------------------
+
+    def reduce(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The step's metrics, the same on every rank (collective over all of them).
+
+        Returns:
+            ``(moe, mtp)``: metric name -> value.
+        """
+        pgs = self.model.pg_collection
+        tp, cp, dp = pgs.tp, pgs.cp, pgs.dp
+        tp_copies = tp.size() > 1 and not self.model.config.sequence_parallel
+        dp_copy = dp.size() > 1 and not self.data_parallel_split and dp.rank() > 0
+        seq_loss = self._sequence_losses(tp_copies)
+        keep_tokens = not (dp_copy or (tp_copies and tp.rank() > 0))
+        keep_seq = not dp_copy and tp.rank() == 0 and cp.rank() == 0
+        keep_mtp = not dp_copy and tp.rank() == 0  # TP ranks compute the same MTP losses
+        flat = torch.cat(
+            [
+                (self.tokens * keep_tokens).flatten(),
+                (seq_loss * keep_seq).flatten(),
+                (self.mtp * keep_mtp).flatten(),
+            ]
+        )
+        for group in (pgs.tp_dp_cp, pgs.pp):
+            if group.size() > 1:
+                dist.all_reduce(flat, group=group)
+        n_tok = self.tokens.numel()
+        tokens = flat[:n_tok].view_as(self.tokens)
+        seq_loss = flat[n_tok : n_tok + seq_loss.numel()].view_as(seq_loss)
+        mtp = flat[n_tok + seq_loss.numel() :].view_as(self.mtp)
+        return self._moe_values(tokens, seq_loss), self._mtp_values(mtp)
+
+    def _sequence_losses(self, tp_copies: bool) -> torch.Tensor:
+        """``[2, layers]``: per layer, the summed per-sequence aux losses of this rank's
+        sequences and how many sequences had a token there (the sequences' statistics
+        summed over the ranks that hold slices of them: TP with SP, CP)."""
+        E, k = self.experts, self.model.config.moe_router_topk
+        out = torch.zeros(2, self.layers, dtype=torch.float64, device=self.device)
+        if "seq_load_balancing_loss" not in self.moe_names:
+            return out
+        seqs = torch.cat(self.sequences, dim=1)  # [layers, S, 2E + 1]
+        pgs = self.model.pg_collection
+        if tp_copies and pgs.tp.rank() > 0:
+            seqs.zero_()
+        if pgs.tp_cp.size() > 1:
+            dist.all_reduce(seqs, group=pgs.tp_cp)
+        counts, scores, n = seqs[..., :E], seqs[..., E : 2 * E], seqs[..., 2 * E]
+        loss = (counts * scores).sum(-1) * E / (k * n.clamp(min=1).square())  # [layers, S]
+        out[0] = loss.sum(-1)
+        out[1] = (n > 0).sum(-1)
+        return out
+
+    def _moe_values(self, tokens: torch.Tensor, seq_loss: torch.Tensor) -> dict[str, float]:
+        cfg = self.model.config
+        E, k = self.experts, cfg.moe_router_topk
+        counts, scores = tokens[:, :E], tokens[:, E : 2 * E]
+        n, lse2 = tokens[:, 2 * E], tokens[:, 2 * E + 1]
+        aux = (counts * scores).sum(-1) * E / (k * n.clamp(min=1).square())
+        per_layer = {
+            "load_balancing_loss": aux,
+            "global_load_balancing_loss": aux,
+            "seq_load_balancing_loss": seq_loss[0] / seq_loss[1].clamp(min=1),
+            "z_loss": lse2 / n.clamp(min=1),
+        }
+        # Megatron's count of MoE layers (the mean it reports divides by it)
+        layers = MoEMetricsTracker._count_moe_layers(
+            cfg.num_layers, cfg.moe_layer_freq, cfg.mtp_num_layers
+        )
+        return {name: float(per_layer[name].sum() / layers) for name in self.moe_names}
+
+    def _mtp_values(self, mtp: torch.Tensor) -> dict[str, float]:
+        if not self.want_mtp:
+            return {}
+        loss, correct, total = mtp
+        out = {}
+        for i in range(mtp.shape[1]):
+            counted = total[i].clamp(min=1)
+            out[f"mtp_{i + 1}_loss"] = float(loss[i] / counted)
+            out[f"mtp_{i + 1}_acceptance_rate"] = float(correct[i] / counted * 100.0)
+        return out
