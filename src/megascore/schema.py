@@ -187,7 +187,9 @@ INPUTS: tuple[Input, ...] = (
     Input("temperature", SEQUENCE, "float32", fill=1.0),
     Input("routing", TOKEN, "int32", ndim=2),
     Input("target_ids", TOKEN, "int64", ndim=1, fill=0),
-    Input("rollout_logprobs", TOKEN, "float64", fill=float("nan")),
+    # 0.0, not NaN: a merged step is checked whole, and NaN is refused (a request that
+    # sent no rollout logprobs gets no mismatch statistics back either way)
+    Input("rollout_logprobs", TOKEN, "float64", fill=0.0),
     Input("mismatch_ratio_cap", SEQUENCE, "float32", fill=mismatch.DEFAULT_RATIO_CAP),
 )
 
