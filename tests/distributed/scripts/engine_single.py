@@ -113,12 +113,16 @@ def check_output_switches(engine, batch, out):
     np.testing.assert_array_equal(nothing.num_loss_tokens, out.num_loss_tokens)
     plain = engine.score(dataclasses.replace(batch, temperature=None, loss_mask=None, top_k=64))
     assert plain.top_k_ids.shape == (batch.num_tokens, 64)
-    # A dense model has no MoE / MTP metrics: asking is not an error, the answer is empty.
-    dense = engine.score(
-        dataclasses.replace(batch, return_moe_metrics=True, return_mtp_metrics=True)
-    )
-    assert dense.moe_metrics == {} and dense.mtp_metrics == {}
-    np.testing.assert_array_equal(dense.logprobs, out.logprobs)
+    # A dense model has no MoE / MTP metrics: asking is refused like routing is, naming
+    # the option (docs/client.md), and the engine keeps scoring.
+    for option in ("return_moe_metrics", "return_mtp_metrics"):
+        try:
+            engine.score(dataclasses.replace(batch, **{option: True}))
+        except InvalidRequestError as e:
+            assert f"options.{option}: the served model has no" in str(e), e
+        else:
+            raise AssertionError(f"{option} on a dense model was not refused")
+    np.testing.assert_array_equal(engine.score(batch).logprobs, out.logprobs)
 
 
 def check_invalid_batches_raise_before_any_collective(engine, batch):
