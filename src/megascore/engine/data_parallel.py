@@ -172,7 +172,9 @@ def _output_fields(batch: ScoreBatch, routing_dims: tuple[int, int] | None):
         else:
             dims = tuple(routing_dims or ())
         shape = (rows[out.per], *dims)
-        keys = (None,) if out.keys is None else out.keys(batch)
+        # a map's keys sorted: rank 0 holds the request's order (losses=("nll", "mean_nll")),
+        # the other ranks the broadcast's (the loss bitmask's)
+        keys = (None,) if out.keys is None else tuple(sorted(out.keys(batch)))
         fields += [(out.name, key, np.dtype(out.dtype), shape) for key in keys]
     return fields
 

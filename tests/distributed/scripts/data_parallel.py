@@ -38,7 +38,8 @@ from megascore.engine.runtime import DistributedEngine
 
 
 def cases(routing_dir: Path) -> dict:
-    edge = edge_case_batch(moe=True)
+    # losses in a request's own order, not the broadcast's (a map output's keys)
+    edge = dataclasses.replace(edge_case_batch(moe=True), losses=("perplexity", "nll", "mean_nll"))
     one = edge_case_batch(moe=True, lengths=(37,))
     record = dataclasses.replace(edge, return_moe_metrics=False, return_mtp_metrics=False)
     out = {
