@@ -53,6 +53,7 @@ def test_reflection_describes_every_service(tp1):
             "GetModelInfo",
             "LoadWeights",
             "UpdateWeights",
+            "FinishWeightUpdate",
         }
         assert methods["Score"].input_type.full_name == "megascore.v1.ScoreRequest"
         assert methods["ScoreStream"].client_streaming and methods["ScoreStream"].server_streaming

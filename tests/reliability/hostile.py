@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 from hypothesis import strategies as st
 
+from megascore.config import EngineConfig
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array
 from megascore_server.status import DECODE_LOG_EVERY_S
@@ -19,7 +20,7 @@ from megascore_server.validation import MAX_ID_CHARS
 from tests.e2e.reference import VOCAB, WEIGHTS
 
 DEADLINE_S = 60
-MAX_TOP_K = 64
+MAX_TOP_K = EngineConfig().max_top_k  # the fuzzed server's default
 INVALID = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 UNPARSEABLE = "request does not parse as "
 GARBAGE = (b"\xff\xff\xff", b"`", b"\xb9", b"\x0a\x05ab")  # none parses as a request
