@@ -49,6 +49,21 @@ LoadProgress = Callable[[float], None]
 """``progress(elapsed_s)``, called about once a second while a ``load_weights`` runs."""
 
 
+def _adapter_arguments(
+    temperature, request_id, timeout, rollout_logprobs, mismatch_ratio_cap, weights_version
+) -> dict:
+    """The ``score`` arguments a trainer adapter (``score_padded`` / ``score_responses``)
+    passes on, by name."""
+    return dict(
+        temperature=temperature,
+        request_id=request_id,
+        timeout=timeout,
+        rollout_logprobs=rollout_logprobs,
+        mismatch_ratio_cap=mismatch_ratio_cap,
+        weights_version=weights_version,
+    )
+
+
 class ClientBase:
     """Configuration shared by :class:`ScoringClient` and ``AsyncScoringClient``.
 
@@ -208,17 +223,10 @@ class ClientBase:
             of ``ScoreResult.mismatch_stats`` per row (float64 ``[B]``).
         """
         layout = nemo_rl_layout(input_ids, input_lengths)
-        return self._score_layout(
-            layout,
-            dict(
-                temperature=temperature,
-                request_id=request_id,
-                timeout=timeout,
-                rollout_logprobs=rollout_logprobs,
-                mismatch_ratio_cap=mismatch_ratio_cap,
-                weights_version=weights_version,
-            ),
+        arguments = _adapter_arguments(
+            temperature, request_id, timeout, rollout_logprobs, mismatch_ratio_cap, weights_version
         )
+        return self._score_layout(layout, arguments)
 
     def score_responses(
         self,
@@ -251,17 +259,10 @@ class ClientBase:
             :meth:`score_padded`, over the response tokens.
         """
         layout = verl_layout(input_ids, attention_mask, responses)
-        return self._score_layout(
-            layout,
-            dict(
-                temperature=temperature,
-                request_id=request_id,
-                timeout=timeout,
-                rollout_logprobs=rollout_logprobs,
-                mismatch_ratio_cap=mismatch_ratio_cap,
-                weights_version=weights_version,
-            ),
+        arguments = _adapter_arguments(
+            temperature, request_id, timeout, rollout_logprobs, mismatch_ratio_cap, weights_version
         )
+        return self._score_layout(layout, arguments)
 
     def score_groups(self, prompts, continuations, **options):
         """Scores groups (awaitable on ``AsyncScoringClient``): each prompt followed by
