@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import time
 from pathlib import Path
@@ -139,7 +138,7 @@ def main() -> None:
     common.quiet_logs()
     start = time.time()
     res = measure(args.sequences, args.reps, args.seed)
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = common.load_average()
     text = section(res, args.reps, time.time() - start, load)
     common.write_section(args.output, BEGIN, END, text)
     print(text)

@@ -281,6 +281,11 @@ def run_own_section(
 # ---- machine --------------------------------------------------------------------------------
 
 
+def load_average() -> str:
+    """The 1 / 5 / 15-minute load averages, as the sections print them."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -315,7 +320,7 @@ def machine_info(device: str) -> dict[str, str]:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(),
         "cpu": f"{cpu_model()} ({cores} cores usable, {os.cpu_count()} online)",
-        "load average": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "load average": load_average(),
         "python": platform.python_version(),
         "torch": f"{torch.__version__} ({torch.get_num_threads()} intra-op threads)",
         "megatron-core": mcore_version,

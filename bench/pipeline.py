@@ -155,7 +155,7 @@ def report(args: argparse.Namespace, out: Path, seconds: float) -> str:
     pp1 = json.loads((out / "pp1_rank0.json").read_text())
     pp2 = [json.loads((out / f"pp2_rank{r}.json").read_text()) for r in range(2)]
     tokens = args.sequences * args.length
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = common.load_average()
     lines = [
         BEGIN,
         "## Pipeline parallelism",

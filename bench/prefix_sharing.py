@@ -40,7 +40,6 @@ import concurrent.futures
 import dataclasses
 import datetime
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -322,10 +321,6 @@ def section(res: dict, args, elapsed: float, load_start: str, load_end: str) -> 
     return "\n".join(lines)
 
 
-def load_average() -> str:
-    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=4)
@@ -339,10 +334,10 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     common.quiet_logs()
-    start, load_start = time.time(), load_average()
+    start, load_start = time.time(), common.load_average()
     with tempfile.TemporaryDirectory() as tmp:
         res = measure(args, Path(tmp))
-    text = section(res, args, time.time() - start, load_start, load_average())
+    text = section(res, args, time.time() - start, load_start, common.load_average())
     common.write_section(args.output, BEGIN, END, text)
     print(text)
 
