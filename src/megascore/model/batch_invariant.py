@@ -44,13 +44,12 @@ def is_batch_invariant(module: torch.nn.Module) -> bool:
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with zero rows appended along dim 0 up to a multiple of :data:`ROW_MULTIPLE`."""
-    rows = x.shape[0]
-    extra = -rows % ROW_MULTIPLE
-    if rows and not extra:
+    """``x`` with zero rows appended along dim 0 up to a multiple of :data:`ROW_MULTIPLE`
+    (no rows: ``x`` as it is, there is no row to round differently; an expert that got
+    no token then costs no matmul)."""
+    extra = -x.shape[0] % ROW_MULTIPLE
+    if not extra:
         return x
-    if rows == 0:
-        extra = ROW_MULTIPLE
     return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
 
