@@ -50,10 +50,10 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
     """``(state, ppid, pgid)`` of ``pid``, or None when it does not exist."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        fields = raw.rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):  # gone, or caught mid-exit with a short read
         return None
-    fields = raw.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1]), int(fields[2])
 
 
 def alive(pid: int) -> bool:
@@ -99,7 +99,7 @@ def group_members(pgid: int) -> list[int]:
 def env_of(pid: int) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    except OSError:
         return {}
     pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
@@ -111,7 +111,7 @@ def rss_kb(pid: int) -> int:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:
         pass
     return 0
 
@@ -264,8 +264,8 @@ class ServeProcess:
             if state == "NOT_SERVING" and self.startup_probe is None:
                 self.startup_probe = self._probe_score()
             if state == "SERVING":
-                self.known_pids.update(descendants(self.pid))
                 self._serving.set()
+                self.known_pids.update(descendants(self.pid))
                 return
             time.sleep(0.1)
 
