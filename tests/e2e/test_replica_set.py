@@ -14,10 +14,18 @@
   replicas keep, a delta of the same tensors with 1% of the elements changed sends
   <= 5% of the full push's bytes, and the logprobs it serves are bit-identical to a
   full push of the same weights.
+* Three replicas, the third started with another model (``tiny-moe``: a deploy
+  mistake): a full push of the tiny weights is refused by the third (a tensor its
+  model does not have), and one killed (SIGKILL) while a push streams to all three:
+  each time the push fails naming that replica, and every other replica keeps its
+  old version, answering with bit-identical logprobs; the survivors then take the
+  next push.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import grpc
@@ -34,16 +42,31 @@ SEQS = [[1, 5, 9, 200, 31], [7, 7, 300, 2]]
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
+def servers(tmp_path_factory):
+    """Two ``tiny`` replicas and a third on ``tiny-moe``, started at once."""
     log_dir = tmp_path_factory.mktemp("replicas")
-    servers = [ServeProcess(log_dir / f"r{i}.log", "--model", "tiny") for i in range(2)]
+    models = ("tiny", "tiny", "tiny-moe")
+    procs = [ServeProcess(log_dir / f"r{i}.log", "--model", m) for i, m in enumerate(models)]
     try:
-        for server in servers:
+        for server in procs:
             server.wait_serving()
-        yield servers
+        yield procs
     finally:
-        for server in servers:
+        for server in procs:
             server.close()
+
+
+@pytest.fixture
+def replicas(servers):
+    """The two ``tiny`` replicas."""
+    return servers[:2]
+
+
+@pytest.fixture
+def odd(servers):
+    """The third replica (``tiny-moe``), checked alive."""
+    assert servers[2].running(), servers[2].output()
+    return servers[2]
 
 
 def round_robin(servers) -> ScoringClient:
@@ -166,3 +189,64 @@ def test_a_delta_push_sends_little_and_serves_what_a_full_push_serves(replicas):
         for a, b in zip(got.logprobs, by_full[0].logprobs, strict=True):
             np.testing.assert_array_equal(a, b)
     assert not np.array_equal(by_full[0].logprobs[0], base.logprobs[0])  # the change shows
+
+
+def assert_unchanged(before, after) -> None:
+    """Each replica answers with the version and bit-identical logprobs it had before."""
+    for old, new in zip(before, after, strict=True):
+        assert new.weights_version == old.weights_version
+        for a, b in zip(new.logprobs, old.logprobs, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_replica_refusing_a_tensor_fails_the_push_and_nothing_switches(replicas, odd):
+    group = [*replicas, odd]
+    before = scored_by_each(group)
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"  # dense: tiny-moe has experts there
+    tensors = [(NORM, np.full(HIDDEN, 0.5, np.float32)), (fc1, np.ones((256, HIDDEN), np.float32))]
+    with ScoringClient(replicas[0].target, timeout=60) as client:
+        with pytest.raises(ScoringError) as info:
+            client.push_weights(
+                tensors, names="megatron", partial=True, replicas=[s.target for s in group]
+            )
+    assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    details = info.value.details
+    assert f"replica {odd.target} failed" in details and fc1 in details, details
+    assert "no replica switched" in details
+    assert_unchanged(before, scored_by_each(group))
+
+
+def test_a_replica_killed_mid_push_fails_it_and_the_others_keep_scoring(replicas, odd):
+    before = scored_by_each(replicas)
+    rng = np.random.default_rng(7)
+    streamed = []
+
+    def tensors():
+        """Three tensors in 4 KiB chunks; the third replica is killed after the first."""
+        for name, shape in ((EMBEDDING, (512, HIDDEN)), ("output_layer.weight", (512, HIDDEN))):
+            yield name, (rng.standard_normal(shape) * 0.05).astype(np.float32)
+            streamed.append(name)
+            if len(streamed) == 1:
+                os.kill(odd.pid, signal.SIGKILL)
+                odd.proc.wait(30)
+        yield NORM, np.full(HIDDEN, 0.5, np.float32)
+
+    targets = [s.target for s in (*replicas, odd)]
+    with ScoringClient(replicas[0].target, timeout=60) as client:
+        with pytest.raises(ScoringError) as info:
+            client.push_weights(
+                tensors(), names="megatron", partial=True, chunk_bytes=4096, replicas=targets
+            )
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE, info.value
+    assert f"replica {odd.target} failed" in info.value.details
+    assert "no replica switched" in info.value.details
+    assert odd.proc.returncode == -signal.SIGKILL
+    assert_unchanged(before, scored_by_each(replicas))
+    with round_robin(replicas) as client:  # both keep scoring, and take the next push
+        assert {client.score(SEQS).weights_version for _ in range(4)} == {
+            before[0].weights_version
+        }
+        norm = np.full(HIDDEN, 0.75, np.float32)
+        result = client.push_weights([(NORM, norm)], names="megatron", partial=True)
+        assert len(result.replicas) == 2
+        assert client.score(SEQS).weights_version == result.weights_version
