@@ -243,9 +243,7 @@ def test_a_replica_killed_mid_push_fails_it_and_the_others_keep_scoring(replicas
     assert odd.proc.returncode == -signal.SIGKILL
     assert_unchanged(before, scored_by_each(replicas))
     with round_robin(replicas) as client:  # both keep scoring, and take the next push
-        assert {client.score(SEQS).weights_version for _ in range(4)} == {
-            before[0].weights_version
-        }
+        assert {client.score(SEQS).weights_version for _ in range(4)} == {before[0].weights_version}
         norm = np.full(HIDDEN, 0.75, np.float32)
         result = client.push_weights([(NORM, norm)], names="megatron", partial=True)
         assert len(result.replicas) == 2
