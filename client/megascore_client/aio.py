@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 
 from megascore.v1 import scoring_pb2 as pb
@@ -19,6 +20,8 @@ from megascore_client.client import (
 )
 from megascore_client.errors import ScoringError, closed_error
 from megascore_client.push import PushResult, finish
+from megascore_client.push_plan import PushCall, push_steps, run_steps_async
+from megascore_client.replica_push import push_to_replicas
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import AsyncScoreStream
@@ -162,9 +165,33 @@ class AsyncScoringClient(ClientBase):
         self, named_tensors, *, timeout: float | None = None, **arguments
     ) -> PushResult:
         """Streams new weights into the server and swaps them in; arguments (those of
-        ``ScoringClient.push_weights``) as there (the tensors are encoded on the event
-        loop)."""
-        requests, counters, deadline = self._push_requests(named_tensors, timeout, **arguments)
+        ``ScoringClient.push_weights``: to several replicas all or none, deltas), result
+        and errors as there. One replica: the tensors are encoded on the event loop;
+        several: the push runs in a worker thread, and cancelling the call aborts it on
+        every replica (unless the commits began)."""
+        steps = push_steps(self._delta_bases, self.target, named_tensors, **arguments)
+        return await run_steps_async(steps, lambda call: self._push(call, timeout))
+
+    async def _push(self, call: PushCall, timeout: float | None) -> PushResult:
+        """One push of ``push_weights`` (to ``call.targets``, all or none when several)."""
+        requests, counters, deadline = self._push_requests(
+            call.named_tensors, timeout, **call.options
+        )
+        if call.several:
+            cancelled = threading.Event()
+            try:
+                return await asyncio.to_thread(
+                    push_to_replicas,
+                    self.settings,
+                    call.targets,
+                    requests,
+                    counters,
+                    deadline,
+                    cancelled,
+                )
+            except asyncio.CancelledError:
+                cancelled.set()  # the thread aborts the push on every replica
+                raise
         start = time.perf_counter()
         try:
             response = await self.transport.call(

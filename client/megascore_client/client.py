@@ -5,7 +5,6 @@ layouts)."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -25,7 +24,8 @@ from megascore_client.push import (
     push_requests,
     weights_version_argument,
 )
-from megascore_client.replica_push import new_push_version, push_to_replicas, replica_targets
+from megascore_client.push_plan import PushCall, push_steps, run_steps
+from megascore_client.replica_push import push_to_replicas
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
@@ -659,48 +659,21 @@ class ScoringClient(ClientBase):
                 name / shape / dtype the model does not have, tensors missing), ABORTED
                 (another push in progress), ... Never re-sent.
         """
-        targets = replica_targets(self.target) if replicas is None else list(replicas)
-        several = replicas is not None or len(targets) > 1
-        options = dict(
+        steps = push_steps(
+            self._delta_bases, self.target, named_tensors,
             weights_version=weights_version, version=version, names=names, partial=partial,
-            chunk_bytes=chunk_bytes, progress=progress,
-            prepare_timeout_s=prepare_timeout_s if several else None,
+            chunk_bytes=chunk_bytes, progress=progress, replicas=replicas,
+            prepare_timeout_s=prepare_timeout_s, delta=delta,
         )  # fmt: skip
-        if several and not (weights_version or version):
-            options["weights_version"] = new_push_version()  # one label for every replica
-        if not delta:
-            self._delta_bases.pop(tuple(targets), None)
-            return self._push(named_tensors, timeout, targets, options)
-        named, base = list(named_tensors), self._delta_bases.pop(tuple(targets), None)
-        result = None
-        if base is not None:
-            kept = {}
-            try:
-                result = self._push(named, timeout, targets, options, base=base, kept=kept)
-                kept = {**base[1], **kept}
-            except ScoringError as exc:
-                if exc.code is not grpc.StatusCode.FAILED_PRECONDITION:
-                    raise
-                logger.info("delta push refused (%s): pushing in full", exc.details)
-        if result is None:
-            kept = {}
-            result = self._push(named, timeout, targets, options, kept=kept)
-            base = None
-        self._delta_bases[tuple(targets)] = (result.weights_version, kept)
-        return dataclasses.replace(result, delta=base is not None)
+        return run_steps(steps, lambda call: self._push(call, timeout))
 
-    def _push(self, named_tensors, timeout, targets, options, base=None, kept=None) -> PushResult:
-        """One push of ``push_weights`` (to ``targets``, all or none when several)."""
-        several = options["prepare_timeout_s"] is not None
+    def _push(self, call: PushCall, timeout: float | None) -> PushResult:
+        """One push of ``push_weights`` (to ``call.targets``, all or none when several)."""
         requests, counters, deadline = self._push_requests(
-            named_tensors, timeout, base=base, kept=kept, **options
+            call.named_tensors, timeout, **call.options
         )
-        if several:
-            try:
-                first, each = push_to_replicas(self.settings, targets, requests, deadline)
-            except ScoringError as exc:
-                finish(exc, counters, 0.0)  # the requests' own error first
-            return dataclasses.replace(first, replicas=each)
+        if call.several:
+            return push_to_replicas(self.settings, call.targets, requests, counters, deadline)
         start = time.perf_counter()
         future = self.transport.start(self.transport.stub.UpdateWeights, requests, deadline)
         try:

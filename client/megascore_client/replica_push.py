@@ -19,6 +19,11 @@ Between the first and the last replica's commit (one round trip) the replicas se
 different versions; requests pinned to the new version (``weights_version=``) are
 only ever answered by it. A replica that fails *in* the commit phase (after every one
 prepared) leaves the others committed: the error names it and says which committed.
+
+Both clients run this one implementation (``megascore_client.push_plan``): the sync
+client in the calling thread, the asyncio client in a worker thread (the event loop
+keeps running; a cancelled ``await client.push_weights(...)`` aborts the push on every
+replica unless the commits began).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import socket
+import threading
 import time
 import uuid
 from urllib.parse import urlsplit
@@ -35,7 +41,7 @@ import grpc
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client.channel import ChannelSettings
 from megascore_client.errors import ScoringError
-from megascore_client.push import PushResult
+from megascore_client.push import PushResult, finish
 from megascore_client.transport import SyncTransport
 
 __all__ = ["new_push_version", "push_to_replicas", "replica_targets"]
@@ -80,32 +86,51 @@ class _Replica:
         while (message := self.messages.get()) is not _END:
             yield message
 
-    def put(self, message, deadline: float) -> bool:
-        """Queues ``message`` for this replica's stream; False once its call has ended."""
+    def put(self, message, deadline: float, cancelled: threading.Event) -> bool:
+        """Queues ``message`` for this replica's stream; False once its call has ended
+        (or the deadline passed, or the push was cancelled, while the queue was full)."""
         while not self.future.done():
             try:
                 self.messages.put(message, timeout=0.05)
                 return True
             except queue.Full:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or cancelled.is_set():
                     return False
         return False
 
 
 def push_to_replicas(
-    settings: ChannelSettings, replicas: list[str], requests, deadline: float
-) -> tuple[PushResult, list[PushResult]]:
-    """Pushes ``requests`` (one push's messages, its commit marked ``prepare``) to every
-    replica, then commits on all of them only when all prepared.
+    settings: ChannelSettings,
+    replicas: list[str],
+    requests,
+    counters: dict,
+    deadline: float,
+    cancelled: threading.Event | None = None,
+) -> PushResult:
+    """Pushes ``requests`` (one push's messages, its commit marked ``prepare``; they fill
+    ``counters``, see :func:`megascore_client.push.push_requests`) to every replica, then
+    commits on all of them only when all prepared. Blocking; the asyncio client runs it
+    in a thread.
+
+    Args:
+        settings: the client's channel settings (each replica gets a channel of its own).
+        replicas: the targets.
+        requests: the messages, consumed once.
+        counters: what ``requests`` fills (their own error is raised first).
+        deadline: ``time.monotonic()`` deadline of the whole push.
+        cancelled: set by the caller to give up: before every replica prepared, the
+            push is aborted everywhere (CANCELLED); once the commits began, they finish.
 
     Returns:
-        The first replica's result and every replica's, in ``replicas`` order.
+        The first replica's result, ``replicas`` holding every one's in order.
 
     Raises:
         ScoringError: a replica failed to prepare (no replica switched), or to commit
             (the details say which replicas committed); its code, target and status.
+        InvalidInputError: a tensor that cannot be pushed (no replica switched).
     """
     start = time.perf_counter()
+    cancelled = cancelled or threading.Event()
     group = [
         _Replica(target, SyncTransport(_one(settings, target)), queue.Queue(_QUEUE_MESSAGES))
         for target in replicas
@@ -115,17 +140,11 @@ def push_to_replicas(
             replica.future = replica.transport.start(
                 replica.transport.stub.UpdateWeights, replica.requests(), deadline
             )
-        cause = _prepare(group, requests, deadline)
-        if cause is not None:
+        error = _prepare(group, requests, deadline, cancelled)
+        if error is not None:
             _abort(group, deadline)
-            error = cause.error or ScoringError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "the push's timeout passed"
-            )
-            raise ScoringError(
-                error.code,
-                f"weight push to replica {cause.target} failed: {error.details}; no "
-                f"replica switched (pushed to {len(group)}: {', '.join(replicas)})",
-            )
+            switched = f"no replica switched (pushed to {len(group)}: {', '.join(replicas)})"
+            finish(ScoringError(error.code, f"{error.details}; {switched}"), counters, 0.0)
         return _commit(group, deadline, start)
     finally:
         for replica in group:
@@ -136,22 +155,36 @@ def _one(settings: ChannelSettings, target: str) -> ChannelSettings:
     return dataclasses.replace(settings, target=target, load_balancing=None)
 
 
-def _prepare(group: list[_Replica], requests, deadline: float) -> _Replica | None:
+def _prepare(
+    group: list[_Replica], requests, deadline: float, cancelled: threading.Event
+) -> ScoringError | None:
     """Streams every message to every replica, then collects their prepare answers.
 
     Returns:
-        The replica that failed first (its call ended before the push did, or it
-        refused the push), or None when every one prepared.
+        The error of the replica that failed first (its call ended before the push did,
+        or it refused the push), naming it; CANCELLED when ``cancelled`` was set before every
+        replica answered; None when every replica prepared.
     """
     cause = None
     for message in requests:
-        cause = next((r for r in group if not r.put(message, deadline)), None)
+        if cancelled.is_set():
+            break
+        cause = next((r for r in group if not r.put(message, deadline, cancelled)), None)
         if cause is not None:
             break  # the others' streams end without a commit: they drop what they staged
     for replica in group:
         if not replica.future.done():
-            replica.put(_END, deadline)
+            if cancelled.is_set():
+                replica.future.cancel()  # the replica drops what it staged
+            else:
+                replica.put(_END, deadline, cancelled)
     for replica in group:
+        while not (replica.future.done() or cancelled.wait(0.05)):
+            pass
+        if cancelled.is_set():
+            replica.future.cancel()  # a no-op once answered
+        if replica.future.cancelled():
+            continue  # cancelled before its answer: the replica drops what it staged
         try:
             replica.prepared = replica.transport.result(replica.future)
             if not replica.prepared.prepared:
@@ -162,9 +195,18 @@ def _prepare(group: list[_Replica], requests, deadline: float) -> _Replica | Non
                 )
         except ScoringError as exc:
             replica.error = exc
+    if cancelled.is_set():
+        return ScoringError(grpc.StatusCode.CANCELLED, "the push was cancelled")
     if cause is None:
         cause = next((r for r in group if r.error is not None), None)
-    return cause
+    if cause is None:
+        return None
+    error = cause.error or ScoringError(
+        grpc.StatusCode.DEADLINE_EXCEEDED, "the push's timeout passed"
+    )
+    return ScoringError(
+        error.code, f"weight push to replica {cause.target} failed: {error.details}"
+    )
 
 
 def _finish(group: list[_Replica], commit: bool, deadline: float) -> dict:
@@ -194,7 +236,7 @@ def _abort(group: list[_Replica], deadline: float) -> None:
     _finish(group, False, deadline)  # best effort: a lost one drops it after its timeout
 
 
-def _commit(group: list[_Replica], deadline: float, start: float):
+def _commit(group: list[_Replica], deadline: float, start: float) -> PushResult:
     outcome = _finish(group, True, deadline)
     seconds = time.perf_counter() - start
     failed = {t: r for t, r in outcome.items() if isinstance(r, ScoringError)}
@@ -207,4 +249,4 @@ def _commit(group: list[_Replica], deadline: float, start: float):
             f"replica had prepared, these committed: {done or 'none'}",
         )
     results = [PushResult.from_proto(outcome[r.target], seconds) for r in group]
-    return results[0], results
+    return dataclasses.replace(results[0], replicas=results)

@@ -5,10 +5,14 @@ Three replicas behind ``ipv4:a,b,c`` all switch to the pushed version, each stag
 the exact bytes; a replica that refuses a tensor (its model has another shape), or is
 gone, fails the push with an error naming it, and no replica switches: the others drop
 what they staged and serve the old version. ``replica_targets`` splits address lists
-and resolves ``dns:///`` names.
+and resolves ``dns:///`` names. The asyncio client does the same (every replica, all or
+none, deltas); cancelling its push before every replica prepared aborts it everywhere.
 """
 
 from __future__ import annotations
+
+import asyncio
+import threading
 
 import grpc
 import numpy as np
@@ -16,9 +20,9 @@ import pytest
 
 from megascore.types import WeightTarget
 from megascore.v1 import scoring_pb2 as pb
-from megascore_client import ScoringClient, ScoringError
+from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
 from megascore_client.replica_push import replica_targets
-from tests.service.harness import ServerThread
+from tests.service.harness import ServerThread, wait_for
 from tests.service.test_weight_push import TARGETS, PushEngine, score_version
 
 TENSORS = {
@@ -34,6 +38,18 @@ class OtherShapeEngine(PushEngine):
     def begin_weight_update(self, names: int):
         targets = super().begin_weight_update(names)
         return {**targets, "norm": WeightTarget((6,))}
+
+
+class SlowEngine(PushEngine):
+    """A replica whose staging waits for :attr:`gate` (a slow replica)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def stage_weight(self, *args):
+        self.gate.wait(30)
+        super().stage_weight(*args)
 
 
 @pytest.fixture
@@ -160,3 +176,64 @@ def test_a_delta_against_a_version_not_served_is_refused_at_begin(replicas):
     assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert "'old'" in info.value.details() and "'v0'" in info.value.details()
     assert server.engine.events == [] or server.engine.events[-1][0] != "begin"
+
+
+# ---- the asyncio client ------------------------------------------------------------------------
+
+
+def test_the_async_client_pushes_to_every_replica_and_sends_deltas(replicas):
+    patched = {**TENSORS, "embed": TENSORS["embed"].copy()}
+    patched["embed"][1, 2] = -4.0
+
+    async def main():
+        async with AsyncScoringClient(target(replicas), timeout=30) as client:
+            full = await client.push_weights(TENSORS.items(), delta=True, weights_version="a1")
+            delta = await client.push_weights(patched.items(), delta=True, weights_version="a2")
+        return full, delta
+
+    full, delta = asyncio.run(main())
+    assert [r.weights_version for r in full.replicas] == ["a1"] * 3 and not full.delta
+    assert delta.delta and delta.num_bytes == 4 + 4  # one int32 index, one float32
+    assert [r.weights_version for r in delta.replicas] == ["a2"] * 3
+    for server in replicas:
+        assert score_version(server) == "a2"
+        assert server.engine.staged["embed"][2] == patched["embed"].tobytes()
+
+
+@pytest.mark.parametrize("replicas", [OtherShapeEngine], indirect=True)
+def test_the_async_client_a_replica_refusing_leaves_every_replica_on_the_old_weights(replicas):
+    async def main():
+        async with AsyncScoringClient(target(replicas), timeout=30) as client:
+            await client.push_weights(TENSORS.items(), weights_version="v1")
+
+    with pytest.raises(ScoringError) as info:
+        asyncio.run(main())
+    assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"replica {replicas[2].address}" in info.value.details
+    assert "no replica switched" in info.value.details
+    for server in replicas:
+        assert score_version(server) == "v0"
+        assert not any(event[0] == "commit" for event in server.engine.events)
+
+
+@pytest.mark.parametrize("replicas", [SlowEngine], indirect=True)
+def test_cancelling_an_async_push_aborts_it_on_every_replica(replicas):
+    slow = replicas[2].engine
+
+    async def main():
+        async with AsyncScoringClient(target(replicas), timeout=30) as client:
+            push = asyncio.ensure_future(client.push_weights(TENSORS.items()))
+            while not any(e[0] == "begin" for e in slow.events):  # the push is streaming
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            push.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await push
+            assert await client.score([[1, 2, 3]]) is not None  # the loop kept running
+
+    asyncio.run(main())
+    slow.gate.set()
+    for server in replicas:
+        wait_for(lambda s=server: s.engine.aborts >= 1, what=f"{server.address} aborted")
+        assert score_version(server) == "v0"
+        assert not any(event[0] == "commit" for event in server.engine.events)
