@@ -91,16 +91,18 @@ class _Tensor:
         self.name, self.shape, self.dtype, self.layout = name, shape, dtype, layout
         self.ignored = ignored  # received and checked, not staged
         self.total = math.prod(shape) * _DTYPES[dtype][1]
-        self.data: bytes | bytearray = b""  # one chunk's bytes as they came, else assembled
+        # one chunk's bytes as they came, else assembled (uninitialised: every byte is
+        # written once, no zero fill first)
+        self.data: bytes | bytearray | np.ndarray = b""
         self.received = 0
 
     def put(self, data: bytes) -> None:
         if self.received == 0 and len(data) == self.total:
             self.data = data  # the whole tensor in one message: no copy
         else:
-            if not self.data:
-                self.data = bytearray(self.total)
-            self.data[self.received : self.received + len(data)] = data
+            if not len(self.data):
+                self.data = np.empty(self.total, dtype=np.uint8)
+            self.data[self.received : self.received + len(data)] = np.frombuffer(data, np.uint8)
         self.received += len(data)
 
     @property

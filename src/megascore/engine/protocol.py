@@ -24,7 +24,7 @@ slot  name              meaning
 10    name_bytes        WEIGHTS_TENSOR: UTF-8 length of the tensor name
 11    dtype             WEIGHTS_TENSOR: index in ``WEIGHT_DTYPES``
 12    ndim              WEIGHTS_TENSOR: number of dimensions
-13    data_bytes        WEIGHTS_TENSOR: byte size of the tensor
+13    data_bytes        WEIGHTS_TENSOR: byte size of the whole tensor
 14    names / layout    WEIGHTS_BEGIN: name format; WEIGHTS_TENSOR: layout code
 15    weights_flags     WEIGHTS_COMMIT: bitmask of ``WEIGHTS_FLAG_*``
 ====  ================  =====================================================
@@ -46,7 +46,9 @@ Payloads, in order, after the header:
 * SHUTDOWN: nothing.
 * WEIGHTS_BEGIN / WEIGHTS_ABORT: nothing.
 * WEIGHTS_TENSOR: int64 ``[ndim]`` shape (when ndim > 0); uint8 ``[name_bytes]``
-  name; uint8 ``[data_bytes]`` the tensor's raw bytes (viewed as ``dtype``).
+  name. The tensor's bytes are not broadcast: rank 0 then sends each rank only the
+  parts of it that rank reads (:func:`send_parts` / :func:`recv_parts`, point to
+  point; which parts, ``megascore.engine.weight_update``).
 * WEIGHTS_COMMIT: uint8 ``[version_bytes]`` (nothing when empty).
 
 The WEIGHTS_* messages are one weight push (``megascore.engine.weight_update``):
@@ -152,7 +154,9 @@ class WeightsMessage(NamedTuple):
     Attributes:
         names: WEIGHTS_BEGIN: name format code (``megascore.engine.weight_update``).
         name: WEIGHTS_TENSOR: tensor name.
-        tensor: WEIGHTS_TENSOR: the full tensor (host, one of ``WEIGHT_DTYPES``).
+        tensor: WEIGHTS_TENSOR: on rank 0 the full tensor (host, one of
+            ``WEIGHT_DTYPES``); on a worker a ``meta`` tensor of its shape and dtype
+            (the worker's parts follow, :func:`recv_parts`).
         layout: WEIGHTS_TENSOR: layout code of the name (``weight_update``).
         version: WEIGHTS_COMMIT: the new weights version.
         partial: WEIGHTS_COMMIT: only the tensors sent are replaced.
@@ -348,23 +352,22 @@ def send_weights(
     if command == Command.WEIGHTS_BEGIN:
         slots[_H_LAYOUT] = message.names
     elif command == Command.WEIGHTS_TENSOR:
-        tensor = message.tensor.contiguous()
+        tensor = message.tensor
         if tensor.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"tensor {message.name!r}: dtype {tensor.dtype} cannot be sent")
         name = message.name.encode("utf-8")
-        data = tensor.reshape(-1).view(torch.uint8)
         slots.update(
             {
                 _H_NAME_BYTES: len(name),
                 _H_DTYPE: WEIGHT_DTYPES.index(tensor.dtype),
                 _H_NDIM: tensor.dim(),
-                _H_DATA_BYTES: data.numel(),
+                _H_DATA_BYTES: tensor.numel() * tensor.element_size(),
                 _H_LAYOUT: message.layout,
             }
         )
         if tensor.dim():
             payloads.append(torch.tensor(tensor.shape, dtype=torch.int64))
-        payloads += [torch.frombuffer(bytearray(name), dtype=torch.uint8), data]
+        payloads.append(torch.frombuffer(bytearray(name), dtype=torch.uint8))
     elif command == Command.WEIGHTS_COMMIT:
         version = message.version.encode("utf-8")
         slots[_H_VERSION_BYTES] = len(version)
@@ -399,12 +402,56 @@ def _recv_weights(command: Command, h: list[int], src, group, device) -> Weights
         shape = dims.cpu().tolist()
     name = torch.empty(h[_H_NAME_BYTES], dtype=torch.uint8, device=device)
     _bcast(name, src, group)
-    data = torch.empty(h[_H_DATA_BYTES], dtype=torch.uint8, device=device)
-    _bcast(data, src, group)
-    tensor = data.cpu().view(WEIGHT_DTYPES[h[_H_DTYPE]]).reshape(shape)
+    tensor = torch.empty(shape, dtype=WEIGHT_DTYPES[h[_H_DTYPE]], device="meta")
+    if tensor.numel() * tensor.element_size() != h[_H_DATA_BYTES]:
+        raise ProtocolError(f"weight tensor of shape {shape}: {h[_H_DATA_BYTES]} bytes")
     return WeightsMessage(
         name=name.cpu().numpy().tobytes().decode("utf-8"), tensor=tensor, layout=h[_H_LAYOUT]
     )
+
+
+def send_parts(parts: dict[int, list[torch.Tensor]], group: dist.ProcessGroup) -> int:
+    """Rank 0, after a WEIGHTS_TENSOR header: sends each rank its parts of the tensor,
+    one flat message per rank that reads any (point to point, all at once).
+
+    Args:
+        parts: global rank -> the tensors it reads, in the order it expects them
+            (views of the pushed tensor; each is copied into the message).
+        group: the group the header went to.
+
+    Returns:
+        The bytes sent.
+    """
+    sent, works = 0, []
+    for rank, tensors in parts.items():
+        flat = _flat_bytes(tensors)
+        if flat.numel():
+            works.append(dist.isend(flat, dst=rank, group=group))
+            sent += flat.numel()
+    for work in works:
+        work.wait()
+    return sent
+
+
+def recv_parts(
+    shapes: list[torch.Size], dtype: torch.dtype, src: int, group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """A worker, after a WEIGHTS_TENSOR header: its parts of the tensor from ``src``
+    (:func:`send_parts`), of the given shapes (nothing is received when they hold no
+    element)."""
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    flat = torch.empty(sum(sizes), dtype=dtype)
+    if flat.numel():
+        dist.recv(flat.view(torch.uint8), src=src, group=group)
+    return [p.view(shape) for p, shape in zip(flat.split(sizes), shapes, strict=True)]
+
+
+def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements, one after the other, as one contiguous uint8 tensor."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0]
+    return flat.contiguous().view(-1).view(torch.uint8)
 
 
 def recv_command(

@@ -77,7 +77,12 @@ from megascore.engine.losses import loss_names
 from megascore.engine.routing import routing_shape
 from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status
-from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
+from megascore.engine.weight_update import (
+    WeightStaging,
+    gather_needs,
+    gather_targets,
+    weight_targets,
+)
 from megascore.errors import (
     LOAD_FAILURES,
     CheckpointError,
@@ -535,15 +540,22 @@ class DistributedEngine:
                 logger.exception("rank %d: listing the push's tensors failed", self.rank)
                 self._push = None
             try:
-                return gather_targets(local, self.groups.status, loaded.config, message.names)
+                targets = gather_targets(local, self.groups.status, loaded.config, message.names)
+                gather_needs(self._push, self.groups.status)
             except RuntimeError as e:
                 raise self._mark_broken(f"weight push begin all-gather failed: {e}") from e
+            return targets
         elif command == protocol.Command.WEIGHTS_ABORT:
             self._push = None
         elif self._push is None:
             raise self._mark_broken(f"{command.name} without an open weight push")
         elif command == protocol.Command.WEIGHTS_TENSOR:
-            self._push.add(message.name, message.tensor, message.layout)
+            try:
+                self._push.receive(
+                    message.name, message.tensor, message.layout, self.command_group, _SRC
+                )
+            except RuntimeError as e:
+                raise self._mark_broken(f"sending the parts of {message.name!r} failed: {e}") from e
         else:
             push, self._push = self._push, None
             problem = push.problem(message.partial)
@@ -553,9 +565,12 @@ class DistributedEngine:
             changed = push.apply()
             self.loaded.weights_version = message.version
             logger.info(
-                "rank %d: %d pushed parameters swapped in; now serving %s",
+                "rank %d: %d pushed parameters swapped in (%.1f MB of tensor parts sent, "
+                "%.1f MB received); now serving %s",
                 self.rank,
                 changed,
+                push.sent_bytes / 1e6,
+                push.received_bytes / 1e6,
                 message.version,
             )
 

@@ -1,18 +1,28 @@
 """Weight pushes on every rank: stage this rank's shards of pushed tensors, swap on commit.
 
-A push (``UpdateWeights``) arrives on rank 0 one full tensor at a time; rank 0
-broadcasts each one (``protocol.Command.WEIGHTS_TENSOR``) and every rank cuts
-its own shard out of it right away, with the recipes the checkpoint loaders use:
+A push (``UpdateWeights``) arrives on rank 0 one full tensor at a time. Rank 0
+broadcasts only its name, dtype and shape (``protocol.Command.WEIGHTS_TENSOR``), then
+sends each other rank just the parts of it that rank reads (:meth:`WeightStaging.receive`,
+point to point): at TP = 2 a rank gets half of a column- or row-parallel tensor and
+the whole of a replicated one; an EP rank only its experts' tensors; a pipeline stage
+only its layers'. Which parts: each rank lists them at WEIGHTS_BEGIN
+(:attr:`WeightStaging.needs`, from a dry run of its recipes that records what they
+read) and :func:`gather_needs` gives rank 0 every rank's list.
+
+Each rank then stages its shards with the recipes the checkpoint loaders use, and
+through the same call (``Recipe.read_into``, which ``hf:`` loading runs into the
+parameters themselves): the pushed parts are the reader, a staging tensor the output.
 
 * HF names: :mod:`megascore.checkpoint.hf_names` maps every Megatron parameter
   to the HF tensors it is made of (fused QKV per query group, ``[gate; up]`` per
-  TP rank, vocab-parallel rows, this EP rank's experts). A full HF tensor is kept
-  only until every parameter that reads it has its shard (q, k and v arrive one
-  after the other), then dropped.
+  TP rank, vocab-parallel rows, this EP rank's experts). A pushed tensor's parts are
+  kept only until every parameter that reads them has its shard (q, k and v arrive
+  one after the other), then dropped.
 * Megatron names (the unsharded local-spec model, experts by global index): the
-  shard is cut as Megatron shards (:func:`megascore.model.weights.shard_full_tensor`).
+  shard is cut as Megatron shards (:func:`megascore.model.weights.shard_full_tensor`):
+  ``stride`` blocks of the partition dimension, this rank's.
 
-Rank 0 checks names, shapes and dtypes before anything is broadcast, against what every
+Rank 0 checks names, shapes and dtypes before anything is sent, against what every
 rank listed at WEIGHTS_BEGIN (:func:`weight_targets`, joined by :func:`gather_targets`:
 each pipeline stage and EP rank knows only its own layers and experts).
 
@@ -22,7 +32,9 @@ keep running on the old weights. On WEIGHTS_COMMIT every rank checks that it can
 commit (every parameter staged unless the push is partial; no half-sent fused
 group; no staging error), the ranks agree (``step.agree_on_status``), and only
 then does each put its shards in, between two engine steps: a CPU parameter takes
-its staged tensor as is, a GPU one has it copied in.
+its staged tensor as is, a GPU one has it copied in. (``LoadWeights`` writes the
+parameters in place instead, after the ranks agree on the checks: no second copy of
+the weights, but no serving while it writes; a push keeps serving, so it stages.)
 """
 
 from __future__ import annotations
@@ -35,13 +47,13 @@ import torch.distributed as dist
 
 from megascore.checkpoint.hf_names import ParamMapper
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
+from megascore.engine import protocol
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
 from megascore.model.weights import (
     canonical_shards,
     decoder_layer_offset,
     full_shape,
-    shard_full_tensor,
     unwrap_model,
 )
 from megascore.types import (
@@ -81,24 +93,6 @@ def _hf_recipes(
     return recipes
 
 
-def _own(shard: torch.Tensor, param: torch.Tensor, pushed: set[int]) -> torch.Tensor:
-    """``shard`` as it is staged for ``param``: in its dtype, contiguous.
-
-    A CPU parameter takes the staged tensor itself at the commit (:meth:`WeightStaging.apply`),
-    so the shard must own its memory: a view of a pushed tensor (whose storage is in
-    ``pushed``; it may be the read-only bytes of a message) is copied, a tensor the recipe
-    built (a concatenation, padded rows) is not. Elsewhere the commit copies the shard to
-    the device, and only a view of part of a pushed tensor is copied now (it would keep
-    the whole tensor alive).
-    """
-    storage = shard.untyped_storage()
-    if param.device.type == "cpu":
-        copy = storage.data_ptr() in pushed
-    else:
-        copy = storage.nbytes() != shard.numel() * shard.element_size()
-    return shard.to(param.dtype, copy=copy).contiguous()
-
-
 def _hf_layouts(config: ModelConfig) -> tuple[int, ...]:
     return (LAYOUT_PER_EXPERT, LAYOUT_FUSED) if config.is_moe else (LAYOUT_PER_EXPERT,)
 
@@ -118,16 +112,64 @@ class _LayoutNames:
         return not self.fused and "block_sparse_moe." in name
 
 
-class _Pushed:
-    """The reader interface recipes cut shards through, over the pushed full tensors."""
+Index = tuple[int | slice, ...]
+"""A part of a tensor: basic indexing, an int or a step-1 slice per leading dimension."""
+
+
+def _key(index: Index) -> tuple:
+    """``index`` as a hashable, JSON-able value (a slice as ``[start, stop]``)."""
+    return tuple(i if isinstance(i, int) else (i.start, i.stop) for i in index)
+
+
+def _index(key) -> Index:
+    return tuple(i if isinstance(i, int) else slice(*i) for i in key)
+
+
+class _Parts:
+    """The reader interface recipes cut shards through, over the pushed tensors' parts
+    this rank has: ``name -> {key: tensor}``; the key ``()`` is a whole tensor (rank 0)
+    from which any part is a view."""
 
     directory = "the pushed weights"
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
+    def __init__(self):
+        self.tensors: dict[str, dict[tuple, torch.Tensor]] = {}
 
-    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        return self.tensors[name][index]
+    def read(self, name: str, index: Index = ()) -> torch.Tensor:
+        parts = self.tensors[name]
+        key = _key(index)
+        return parts[key] if key in parts else parts[()][index]
+
+    def read_into(self, name: str, out: torch.Tensor, index: Index = ()) -> None:
+        out.copy_(self.read(name, index))
+
+
+class _Recorder:
+    """A reader that reads nothing: it records the parts a recipe asks for (a dry run
+    on ``meta`` tensors, :meth:`WeightStaging._record`)."""
+
+    directory = "the pushed weights"
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = shapes
+        self.reads: dict[str, dict[tuple, None]] = {}
+
+    def read(self, name: str, index: Index = ()) -> torch.Tensor:
+        self.reads.setdefault(name, {})[_key(index)] = None
+        return torch.empty(self.shapes[name], device="meta")[index]
+
+    def read_into(self, name: str, out: torch.Tensor, index: Index = ()) -> None:
+        self.read(name, index)
+
+
+def _block_keys(dim: int | None, stride: int, rank: int, size: int, shape) -> list[tuple]:
+    """The parts of a full Megatron tensor that :func:`shard_full_tensor` takes for
+    ``rank``: ``stride`` blocks of ``dim`` (the whole tensor when it is not split)."""
+    if dim is None or size == 1:
+        return [()]
+    block = shape[dim] // size // stride
+    lead = tuple((0, n) for n in shape[:dim])
+    return [(*lead, (b * block, (b + 1) * block)) for b in range(rank, size * stride, size)]
 
 
 def _megatron_layout(model: torch.nn.Module, config: ModelConfig, pg_collection) -> dict:
@@ -179,11 +221,28 @@ def weight_targets(
     }
 
 
+def _all_gather_json(value, group) -> list:
+    """Every rank's JSON-able ``value``, in group order (collective over ``group``; sent
+    as UTF-8 JSON, never pickled)."""
+    payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return [
+        json.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes, strict=True)
+    ]
+
+
 def gather_targets(
     local: dict[str, WeightTarget] | None, group, config: ModelConfig, names: int
 ) -> dict[str, WeightTarget]:
     """Every rank's :func:`weight_targets` joined (collective over ``group``; every rank
-    gets the union). Sent as UTF-8 JSON of names and shapes, never pickled.
+    gets the union).
 
     Args:
         local: this rank's targets, or None when it could not list them.
@@ -194,20 +253,10 @@ def gather_targets(
     Raises:
         CheckpointError: on every rank, when some rank could not list its targets.
     """
-    rows = None if local is None else [[n, t.shape, t.layout, t.ignored] for n, t in local.items()]
-    payload = torch.frombuffer(bytearray(json.dumps(rows).encode()), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
+    own = None if local is None else [[n, t.shape, t.layout, t.ignored] for n, t in local.items()]
     union: dict[str, WeightTarget] = {}
     failed = []
-    for rank, (part, n) in enumerate(zip(parts, sizes, strict=True)):
-        rows = json.loads(part[: int(n.item())].numpy().tobytes())
+    for rank, rows in enumerate(_all_gather_json(own, group)):
         if rows is None:
             failed.append(rank)
             continue
@@ -222,33 +271,118 @@ def gather_targets(
     return union
 
 
+def gather_needs(staging: WeightStaging, group) -> None:
+    """Gives every rank's :attr:`WeightStaging.needs` to the others (collective over
+    ``group``, after :func:`gather_targets` succeeded on every rank): rank 0 sends
+    each rank its parts from them (:attr:`WeightStaging.peers`)."""
+    ranks = dist.get_process_group_ranks(group)
+    own = {str(layout): list(table.items()) for layout, table in staging.needs.items()}
+    staging.peers = {
+        rank: {
+            int(layout): {name: [_json_key(k) for k in keys] for name, keys in table}
+            for layout, table in needs.items()
+        }
+        for rank, needs in zip(ranks, _all_gather_json(own, group), strict=True)
+        if rank != dist.get_rank()
+    }
+
+
+def _json_key(key: list) -> tuple:
+    return tuple(i if isinstance(i, int) else tuple(i) for i in key)
+
+
 class WeightStaging:
-    """One rank's side of an open push: the staged shards, then the swap.
+    """One rank's side of an open push: the parts it reads, the staged shards, the swap.
 
     Args:
         model: this rank's model (its parameters are replaced on :meth:`apply`).
         config: its architecture.
         pg_collection: its process groups.
         names: ``WEIGHT_NAMES_HF`` or ``WEIGHT_NAMES_MEGATRON``.
+
+    Attributes:
+        needs: expert layout -> pushed tensor name -> the parts of it this rank reads
+            (keys of :func:`_key`; ``()`` the whole tensor). Names this rank does not
+            read are absent. Megatron names: one table, under ``LAYOUT_COMMON``.
+        peers: on the sending rank, every other rank's ``needs`` by global rank
+            (:func:`gather_needs`).
+        sent_bytes, received_bytes: bytes of tensor parts sent to other ranks (rank 0)
+            and received from rank 0 (others) in this push.
     """
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, pg_collection, names: int):
         self.model, self.config = model, config
         self.params = _parameters(model)
         self.staged: dict[str, torch.Tensor] = {}
-        self.pending: dict[str, torch.Tensor] = {}  # HF tensors some shard still waits for
+        self.pending = _Parts()  # pushed parts some shard still waits for
         self.error: str | None = None
+        self.peers: dict[int, dict[int, dict[str, list[tuple]]]] = {}
+        self.sent_bytes = self.received_bytes = 0
         self._recipes: dict[int, dict[str, Recipe]] = {}
         self._consumers: dict[int, dict[str, list[str]]] = {}
         self._megatron = None
         self._layout = LAYOUT_COMMON  # the HF expert layout, once a tensor told it
         if names == WEIGHT_NAMES_MEGATRON:
             self._megatron = _megatron_layout(model, config, pg_collection)
-        elif names != WEIGHT_NAMES_HF:
+            self.needs = {
+                LAYOUT_COMMON: {
+                    canon: _block_keys(dim, stride, rank, size, shape)
+                    for canon, (_, dim, stride, rank, size, shape) in self._megatron.items()
+                }
+            }
+        elif names == WEIGHT_NAMES_HF:
+            self.needs = {layout: self._record(layout) for layout in _hf_layouts(config)}
+        else:
             raise ValueError(f"unknown weight name format {names}")
 
+    def _record(self, layout: int) -> dict[str, list[tuple]]:
+        """The parts of each HF tensor this rank's recipes of ``layout`` read (a dry run
+        on ``meta`` tensors); a recipe that cannot run dry reads its sources whole."""
+        recipes, _ = self._plan(layout)
+        shapes = {src.name: src.full or src.shape for r in recipes.values() for src in r.srcs}
+        recorder = _Recorder(shapes)
+        for param, recipe in recipes.items():
+            out = torch.empty(self.params[param].shape, device="meta")
+            try:
+                recipe.read_into(recorder, out)
+            except Exception:  # noqa: BLE001 - e.g. a recipe that builds a host tensor
+                logger.debug("dry run of %s failed: its sources are sent whole", param)
+                for src in recipe.sources():
+                    recorder.reads[src] = {(): None}
+        return {name: list(keys) for name, keys in recorder.reads.items()}
+
+    def receive(self, name: str, tensor: torch.Tensor, layout: int, group, src: int) -> None:
+        """Every rank, in step, after a WEIGHTS_TENSOR header: rank ``src`` (holding the
+        full ``tensor``) sends each rank the parts of it that rank reads
+        (:attr:`peers`), every other rank (holding a ``meta`` tensor of its shape)
+        receives its own (:attr:`needs`); then each stages its shards (:meth:`add`).
+
+        Raises:
+            RuntimeError: the transfer failed (the replica is then out of step).
+        """
+        table = LAYOUT_COMMON if self._megatron is not None else _needs_table(layout)
+        if dist.get_rank() == src:
+            parts = {
+                rank: [tensor[_index(k)] for k in needs.get(table, {}).get(name, ())]
+                for rank, needs in self.peers.items()
+            }
+            self.sent_bytes += protocol.send_parts(parts, group)
+            self.add(name, tensor, layout)
+            return
+        keys = self.needs[table].get(name, [])
+        if not keys:
+            return
+        shapes = [tensor[_index(k)].shape for k in keys]
+        pieces = protocol.recv_parts(shapes, tensor.dtype, src, group)
+        self.received_bytes += sum(p.numel() * p.element_size() for p in pieces)
+        self._stage(name, dict(zip(keys, pieces, strict=True)), layout)
+
     def add(self, name: str, tensor: torch.Tensor, layout: int) -> None:
-        """Stages this rank's shards of the full tensor ``name`` (if it needs any).
+        """Stages this rank's shards of the full tensor ``name`` (if it needs any)."""
+        self._stage(name, {(): tensor}, layout)
+
+    def _stage(self, name: str, parts: dict[tuple, torch.Tensor], layout: int) -> None:
+        """Stages this rank's shards that ``parts`` of tensor ``name`` complete.
 
         A failure is recorded (reported by :meth:`problem` at commit time, when the
         ranks agree), never raised: the ranks must stay in step.
@@ -257,23 +391,26 @@ class WeightStaging:
             return
         try:
             if self._megatron is not None:
-                self._add_megatron(name, tensor)
+                self._stage_megatron(name, parts)
             else:
-                self._add_hf(name, tensor, layout)
+                self._stage_hf(name, parts, layout)
         except Exception as e:  # noqa: BLE001 - reported to every rank at the commit
             logger.exception("staging %r failed", name)
             self.error = f"staging {name!r} failed: {type(e).__name__}: {e}"
 
-    def _add_megatron(self, name: str, tensor: torch.Tensor) -> None:
+    def _stage_megatron(self, name: str, parts: dict[tuple, torch.Tensor]) -> None:
         entry = self._megatron.get(name)
         if entry is None:
             return  # another rank's (stage, expert)
-        local, dim, stride, rank, size, _ = entry
-        shard = shard_full_tensor(tensor, dim, stride, rank, size)  # a new tensor
-        self.staged[local] = shard.to(self.params[local].dtype).contiguous()
+        local, dim = entry[0], entry[1]
+        reader = _Parts()
+        reader.tensors[name] = parts
+        blocks = [reader.read(name, _index(k)) for k in self.needs[LAYOUT_COMMON][name]]
+        shard = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
+        self.staged[local] = _host_copy(shard, self.params[local])
 
     def _plan(self, layout: int) -> tuple[dict[str, Recipe], dict[str, list[str]]]:
-        layout = LAYOUT_PER_EXPERT if layout == LAYOUT_COMMON else layout  # same recipes
+        layout = _needs_table(layout)  # the common tensors' recipes are the same
         if layout not in self._recipes:
             ranks = ParallelRanks.from_model(unwrap_model(self.model))
             recipes = _hf_recipes(self.model, self.config, ranks, layout == LAYOUT_FUSED)
@@ -284,31 +421,33 @@ class WeightStaging:
             self._recipes[layout], self._consumers[layout] = recipes, consumers
         return self._recipes[layout], self._consumers[layout]
 
-    def _add_hf(self, name: str, tensor: torch.Tensor, layout: int) -> None:
+    def _stage_hf(self, name: str, parts: dict[tuple, torch.Tensor], layout: int) -> None:
         if layout != LAYOUT_COMMON:
             self._layout = layout
         recipes, consumers = self._plan(layout)
         params = consumers.get(name)
         if not params:
             return  # another EP rank's expert, a tied lm_head, a rotary buffer
-        self.pending[name] = tensor
-        reader = _Pushed(self.pending)
+        pending = self.pending.tensors
+        pending[name] = parts
         for param in params:
             recipe = recipes[param]
-            if param not in self.staged and all(s in self.pending for s in recipe.sources()):
-                pushed = {t.untyped_storage().data_ptr() for t in self.pending.values()}
-                self.staged[param] = _own(recipe.read(reader), self.params[param], pushed)
-        for src in list(self.pending):
+            if param not in self.staged and all(s in pending for s in recipe.sources()):
+                target = self.params[param]
+                staged = torch.empty(target.shape, dtype=target.dtype)  # host
+                recipe.read_into(self.pending, staged)
+                self.staged[param] = staged
+        for src in list(pending):
             if all(p in self.staged for p in consumers[src]):
-                del self.pending[src]
+                del pending[src]
 
     def problem(self, partial: bool) -> str | None:
         """Why this rank cannot commit, or None."""
         if self.error is not None:
             return self.error
-        if self.pending:
+        if self.pending.tensors:
             recipes, consumers = self._plan(self._layout)
-            waiting = sorted(self.pending)
+            waiting = sorted(self.pending.tensors)
             fused = {s for n in waiting for p in consumers[n] for s in recipes[p].sources()}
             return (
                 f"tensors {waiting} were sent without the tensors fused with them on the "
@@ -334,3 +473,18 @@ class WeightStaging:
                 else:
                     param.copy_(value)
         return len(self.staged)
+
+
+def _needs_table(layout: int) -> int:
+    """The table of :attr:`WeightStaging.needs` a tensor of ``layout`` is in (a tensor
+    common to both expert layouts has the same parts in each: the per-expert one)."""
+    return LAYOUT_PER_EXPERT if layout == LAYOUT_COMMON else layout
+
+
+def _host_copy(shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``shard`` as staged for ``param``: a new contiguous host tensor in its dtype (a
+    CPU parameter takes it as is at the commit; a view of pushed bytes, which may be
+    read-only message memory, is never kept)."""
+    staged = torch.empty(shard.shape, dtype=param.dtype)
+    staged.copy_(shard)
+    return staged

@@ -3,7 +3,10 @@
 ``WORK`` holds ``hf_<family>/`` (HF checkpoints with ``reference.npy``) and
 ``mg_tp1_<family>/`` (Megatron checkpoints saved at TP=1 by the test). Phases:
 
-* TP=2 (expert TP=2): load each HF checkpoint (every family), score; save ``mg_tp2_<family>``;
+* TP=2 (expert TP=2): load each HF checkpoint (every family), score; push the same
+  checkpoint's transformers model's ``state_dict()`` (HF names, on rank 0; each rank receives only
+  the parts it reads, ``WeightStaging.receive``) into a model of random weights and compare every
+  parameter on each rank with the loaded one; save ``mg_tp2_<family>``;
   load ``mg_tp1_<family>`` and score; serve ``hf_llama`` and reload ``hf_llama_b`` into
   it through the engine's load paths (``load_served_model``, ``reload_served_model``)
   and score.
@@ -32,8 +35,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_common import (  # noqa: E402
     FAMILIES,
     MOE_FAMILIES,
+    MTP_FAMILIES,
     engine_logprobs,
     engine_on_rank0,
+    make_hf_model,
     megatron_logprobs,
     token_batch,
 )
@@ -66,6 +71,13 @@ def _phase(work: Path, out: Path, tag: str, engine_cfg, families: list[str]) -> 
             return megatron_logprobs(model, ids, pgs.tp)
 
         _record(out, f"hf_{tag}_{family}", from_hf)
+        _record(
+            out,
+            f"push_{tag}_{family}",
+            lambda family=family, cfg=cfg, model=model: _pushed_vs_loaded(
+                family, cfg, engine_cfg, pgs, model
+            ),
+        )
         save_checkpoint(model, cfg, out / f"mg_{tag}_{family}")
 
         mg_cfg, mg_load, _ = resolve_model(f"megatron:{work / f'mg_tp1_{family}'}")
@@ -85,6 +97,45 @@ def _phase(work: Path, out: Path, tag: str, engine_cfg, families: list[str]) -> 
 
             _record(out, f"reload_{tag}_llama", reloaded)
     destroy_parallel()
+
+
+def _pushed_vs_loaded(family: str, cfg, engine_cfg, pgs, loaded) -> np.ndarray:
+    """Pushes the ``state_dict()`` of the transformers model the family's checkpoint was
+    saved from (HF names; rank 0 holds the tensors, the other ranks a meta tensor of each
+    one's shape, as from the protocol header) into a new model of random weights, partial
+    when the checkpoint has MTP layers (transformers has none); returns ``[bytes this
+    rank received, bytes pushed, pushed parameters that differ from loaded's]``."""
+    import torch
+
+    from megascore.engine.weight_update import (
+        WeightStaging,
+        gather_needs,
+        gather_targets,
+        weight_targets,
+    )
+    from megascore.model.build import build_model
+    from megascore.types import WEIGHT_NAMES_HF
+
+    model = build_model(cfg, engine_cfg, pgs)
+    group = dist.group.WORLD
+    local = weight_targets(model, cfg, pgs, WEIGHT_NAMES_HF)
+    targets = gather_targets(local, group, cfg, WEIGHT_NAMES_HF)
+    staging = WeightStaging(model, cfg, pgs, WEIGHT_NAMES_HF)
+    gather_needs(staging, group)
+    total = 0
+    for name, tensor in make_hf_model(family, 0).state_dict().items():
+        if targets[name].ignored:
+            continue
+        total += tensor.numel() * tensor.element_size()
+        if dist.get_rank() != 0:
+            tensor = tensor.to("meta")
+        staging.receive(name, tensor, targets[name].layout, group, 0)
+    problem = staging.problem(partial=family in MTP_FAMILIES)
+    assert problem is None, problem
+    staging.apply()
+    want = loaded.state_dict()
+    differ = [n for n in staging.staged if not torch.equal(staging.params[n], want[n])]
+    return np.array([staging.received_bytes, total, len(differ)])
 
 
 def _engine_phase(work: Path, out: Path) -> None:
