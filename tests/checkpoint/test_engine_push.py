@@ -2,7 +2,9 @@
 
 A full Megatron-name push of another seed's weights makes the engine score exactly like
 an engine built with that seed, under the pushed version, and scoring between the
-staged tensors still uses the old weights. A push whose model was swapped by
+staged tensors still uses the old weights. The next push stages into the memory the
+last one freed (the replaced parameters' values): the parameters alternate between two
+sets of buffers, and score the pushed weights each time. A push whose model was swapped by
 ``LoadWeights`` before its commit is refused (FAILED_PRECONDITION's CheckpointError)
 and the loaded weights stay, under their own version.
 """
@@ -65,6 +67,32 @@ def test_push_scores_like_the_pushed_weights(engine):
     out = engine.score(BATCH)
     assert out.weights_version == engine.info().weights_version == "pushed-2"
     assert np.array_equal(out.logprobs, target.logprobs)
+
+
+def _addresses(engine) -> dict[str, int]:
+    return {name: t.data_ptr() for name, t in _state_refs(engine).items()}
+
+
+def _state_refs(engine) -> dict[str, torch.Tensor]:
+    sd = engine.loaded.model.state_dict(keep_vars=True)
+    return {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
+
+
+def test_a_push_stages_into_the_memory_the_last_one_freed(engine):
+    seeds = {}
+    for seed in (4, 5):
+        engine.load_weights(f"builtin:tiny@{seed}", "")
+        seeds[seed] = (_state(engine), engine.score(BATCH).logprobs)
+    engine.load_weights("builtin:tiny@1", "")
+    _push(engine, seeds[4][0], "p4")
+    first = _addresses(engine)
+    _push(engine, seeds[5][0], "p5")
+    second = _addresses(engine)
+    assert np.array_equal(engine.score(BATCH).logprobs, seeds[5][1])
+    _push(engine, seeds[4][0], "p4-again")
+    assert _addresses(engine) == first  # the buffers the second push freed
+    assert np.array_equal(engine.score(BATCH).logprobs, seeds[4][1])
+    assert not set(first.values()) & set(second.values())
 
 
 def test_a_reload_during_a_push_wins(engine):

@@ -64,7 +64,7 @@ def test_hf_push_equals_loading_the_same_weights(family, build, pgs, hf_dirs, tm
         if not targets[name].ignored:
             staging.add(name, tensor, layout[name])
     assert staging.problem(partial=False) is None
-    assert staging.apply() == len(_params(served))
+    assert len(staging.apply()) == len(_params(served))  # each replaced value is a buffer
 
     trainer.save_pretrained(tmp_path)
     expected, _ = _loaded(build, tmp_path)

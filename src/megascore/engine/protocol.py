@@ -218,7 +218,8 @@ def _header(command: Command, step: int, slots: dict[int, int] | None = None) ->
 
 
 def _bcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
-    dist.broadcast(tensor, src=src, group=group)
+    if dist.get_world_size(group) > 1:  # a one-rank replica has no one to tell
+        dist.broadcast(tensor, src=src, group=group)
 
 
 def _loss_bits(names: Sequence[str], registry: list[str]) -> int:

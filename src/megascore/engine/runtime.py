@@ -260,6 +260,8 @@ class DistributedEngine:
         )
         self._step = 0
         self._push: WeightStaging | None = None  # the open weight push's staged shards
+        # host tensors the next push stages into (WeightStaging.buffers), from the last one
+        self._staging_buffers: dict[str, torch.Tensor] = {}
         self._push_of: LoadedModel | None = None  # what was served when it began
         self._broken: str | None = None
         self._closed = False
@@ -531,7 +533,11 @@ class DistributedEngine:
             self._push_of = loaded
             try:
                 self._push = WeightStaging(
-                    loaded.model, loaded.config, self.pg_collection, message.names
+                    loaded.model,
+                    loaded.config,
+                    self.pg_collection,
+                    message.names,
+                    buffers=self._staging_buffers,
                 )
                 local = weight_targets(
                     loaded.model, loaded.config, self.pg_collection, message.names
@@ -546,6 +552,8 @@ class DistributedEngine:
                 raise self._mark_broken(f"weight push begin all-gather failed: {e}") from e
             return targets
         elif command == protocol.Command.WEIGHTS_ABORT:
+            if self._push is not None:
+                self._staging_buffers = self._push.release()
             self._push = None
         elif self._push is None:
             raise self._mark_broken(f"{command.name} without an open weight push")
@@ -561,8 +569,10 @@ class DistributedEngine:
             problem = push.problem(message.partial)
             if self._push_of is not self.loaded:  # a LoadWeights reloaded the model meanwhile
                 problem = "the served model was reloaded (LoadWeights) during the push: push again"
+            self._staging_buffers = push.release()  # kept when the ranks do not agree
             self._agree_or_raise(problem, "weight commit", "weight push")
-            changed = push.apply()
+            self._staging_buffers = push.apply()
+            changed = len(push.staged)
             self.loaded.weights_version = message.version
             logger.info(
                 "rank %d: %d pushed parameters swapped in (%.1f MB of tensor parts sent, "

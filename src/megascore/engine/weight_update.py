@@ -299,6 +299,9 @@ class WeightStaging:
         config: its architecture.
         pg_collection: its process groups.
         names: ``WEIGHT_NAMES_HF`` or ``WEIGHT_NAMES_MEGATRON``.
+        buffers: host tensors of the parameters' shapes and dtypes to stage into (what
+            the previous push's :meth:`apply` or :meth:`release` returned): memory
+            written before, so staging does not pay the page faults of new memory.
 
     Attributes:
         needs: expert layout -> pushed tensor name -> the parts of it this rank reads
@@ -310,9 +313,17 @@ class WeightStaging:
             and received from rank 0 (others) in this push.
     """
 
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, pg_collection, names: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        pg_collection,
+        names: int,
+        buffers: dict[str, torch.Tensor] | None = None,
+    ):
         self.model, self.config = model, config
         self.params = _parameters(model)
+        self.buffers = dict(buffers or {})  # host tensors to stage into, by parameter
         self.staged: dict[str, torch.Tensor] = {}
         self.pending = _Parts()  # pushed parts some shard still waits for
         self.error: str | None = None
@@ -407,7 +418,8 @@ class WeightStaging:
         reader.tensors[name] = parts
         blocks = [reader.read(name, _index(k)) for k in self.needs[LAYOUT_COMMON][name]]
         shard = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
-        self.staged[local] = _host_copy(shard, self.params[local])
+        self.staged[local] = self._buffer(local)
+        self.staged[local].copy_(shard)
 
     def _plan(self, layout: int) -> tuple[dict[str, Recipe], dict[str, list[str]]]:
         layout = _needs_table(layout)  # the common tensors' recipes are the same
@@ -433,8 +445,7 @@ class WeightStaging:
         for param in params:
             recipe = recipes[param]
             if param not in self.staged and all(s in pending for s in recipe.sources()):
-                target = self.params[param]
-                staged = torch.empty(target.shape, dtype=target.dtype)  # host
+                staged = self._buffer(param)
                 recipe.read_into(self.pending, staged)
                 self.staged[param] = staged
         for src in list(pending):
@@ -458,33 +469,44 @@ class WeightStaging:
             return f"{len(missing)} of {len(self.params)} parameters not sent, e.g. {missing[:3]}"
         return None
 
-    def apply(self) -> int:
-        """Puts the staged shards into the model; returns how many parameters changed.
+    def _buffer(self, param: str) -> torch.Tensor:
+        """A host tensor to stage parameter ``param`` into: its buffer, else a new one."""
+        target = self.params[param]
+        buffer = self.buffers.pop(param, None)
+        if buffer is not None and (buffer.shape, buffer.dtype) == (target.shape, target.dtype):
+            return buffer
+        return torch.empty(target.shape, dtype=target.dtype)
+
+    def apply(self) -> dict[str, torch.Tensor]:
+        """Puts the staged shards into the model.
 
         A CPU parameter takes its staged tensor as its data (no copy: the swap between two
-        steps is quick, and the old values are freed); others are copied into (to the
-        device).
+        steps is quick); others are copied into (to the device).
+
+        Returns:
+            The host tensors the next push may stage into (``buffers``): the replaced
+            values of CPU parameters (those that had their own memory), the staging
+            tensors of the others.
         """
+        freed = {}
         with torch.no_grad():
             for name, value in self.staged.items():
                 param = self.params[name]
                 if param.device.type == "cpu" and value.shape == param.shape:
-                    param.data = value
+                    old, param.data = param.data, value
+                    if old.untyped_storage().nbytes() == old.numel() * old.element_size():
+                        freed[name] = old  # its own memory, not part of a larger buffer
                 else:
                     param.copy_(value)
-        return len(self.staged)
+                    freed[name] = value
+        return freed
+
+    def release(self) -> dict[str, torch.Tensor]:
+        """An aborted push: the host tensors it held, for the next push to stage into."""
+        return {**self.buffers, **self.staged}
 
 
 def _needs_table(layout: int) -> int:
     """The table of :attr:`WeightStaging.needs` a tensor of ``layout`` is in (a tensor
     common to both expert layouts has the same parts in each: the per-expert one)."""
     return LAYOUT_PER_EXPERT if layout == LAYOUT_COMMON else layout
-
-
-def _host_copy(shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``shard`` as staged for ``param``: a new contiguous host tensor in its dtype (a
-    CPU parameter takes it as is at the commit; a view of pushed bytes, which may be
-    read-only message memory, is never kept)."""
-    staged = torch.empty(shard.shape, dtype=param.dtype)
-    staged.copy_(shard)
-    return staged
