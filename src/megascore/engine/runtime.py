@@ -489,7 +489,8 @@ class DistributedEngine:
     def stage_weight(
         self, name: str, dtype: str, shape: tuple[int, ...], data: bytes, layout: int
     ) -> None:
-        """Broadcasts one full tensor of the open push; every rank stages its shards."""
+        """One full tensor of the open push: its header to every rank, then each rank its
+        parts of it (:meth:`WeightStaging.receive`); every rank stages its shards."""
         self._require_driver("stage_weight")
         torch_dtype = getattr(torch, dtype)
         if len(data):
