@@ -347,17 +347,12 @@ class ScoreOutput:
 
     ``values`` holds the outputs of :data:`megascore.schema.OUTPUTS` by name; read them
     as attributes (``output.logprobs``; None when not computed, ``{}`` for a map
-    output). Today's entries:
-
-    * logprobs: float32 ``[T]``; entry 0 of each sequence is 0.0, entry t is
-      ``log p(x_t | x_<t)``.
-    * top_k_ids: int64 ``[T, k]`` (entry 0 of each sequence all -1); top_k_logprobs:
-      float32 ``[T, k]`` (entry 0 all 0.0).
-    * routing: int32 ``[T, num_moe_layers, topk]``: per token, per MoE layer of the
-      decoder, the expert ids used (the replayed ones when the batch gave them).
-    * losses: name -> float64 ``[B]`` per-sequence loss; num_loss_tokens: int64
-      ``[B]`` tokens that contributed to the losses
-      (:func:`megascore.layout.count_loss_tokens`); every engine sets it.
+    output). In the batch's flat layout: a per-token output is ``[T, *dims]`` of the
+    entry's dtype (a predicted one holds its ``fill`` at entry 0 of each sequence, where
+    there is no prediction); a per-sequence one ``[B]``, a map one name -> ``[B]``.
+    What each holds is documented on its ``ScoreResult`` attribute (the entry's
+    ``sdk``); ``num_loss_tokens`` (the tokens that contributed to the losses,
+    :func:`megascore.layout.count_loss_tokens`) is set by every engine.
 
     Attributes:
         values: output name -> array (a map output: name -> dict of ``[B]`` arrays).
