@@ -125,16 +125,21 @@ class Part:
 
     Attributes:
         request: the encoded request.
-        lengths: int64 ``[n]`` lengths of its sequences.
+        batch: its sequences (views of the call's batch).
         options: the call's options.
         start: index in the call's batch of its first sequence (the server's sequence
             indices in an error about this request are relative to it).
     """
 
     request: pb.ScoreRequest
-    lengths: np.ndarray
+    batch: Batch
     options: ScoreOptions
     start: int = 0
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 ``[n]`` lengths of its sequences."""
+        return self.batch.lengths
 
     @property
     def num_tokens(self) -> int:
@@ -240,7 +245,7 @@ def build_parts(
         )
         for name, values in sub.per_token().items():
             getattr(request, name).CopyFrom(encode_array(values))
-        parts.append(Part(request=request, lengths=sub.lengths, options=options, start=start))
+        parts.append(Part(request=request, batch=sub, options=options, start=start))
     return parts
 
 
@@ -316,23 +321,8 @@ def _decode(array: pb.Array, field: str, dtype: int, count: int) -> np.ndarray:
 
 
 class Asked:
-    """What a request asked for, as the output table's ``wanted`` / ``keys`` read it:
-    its options by name, and each input array (``target_ids``, ...) as True when the
-    request carries it, else None."""
-
-    def __init__(self, request: pb.ScoreRequest):
-        self._request = request
-
-    def __getattr__(self, name: str):
-        options = self.__dict__["_request"].options
-        if name in options.DESCRIPTOR.fields_by_name:
-            return getattr(options, name)
-        return True if self._request.HasField(name) else None
-
-
-class Planned:
-    """A call's options and batch, read like a ``ScoreBatch`` by the output table's
-    ``wanted`` / ``dims`` / ``keys``: the options by name, then the batch's attributes
+    """What a request asks for, read like a ``ScoreBatch`` by the output table's
+    ``wanted`` / ``dims`` / ``keys``: its options by name, then its batch's attributes
     (``target_ids``, ``num_target_ids``, ...; None for an input the client does not send)."""
 
     def __init__(self, options: ScoreOptions, batch: Batch):
@@ -354,7 +344,7 @@ def response_bytes(options: ScoreOptions, batch: Batch) -> tuple[int, int, bool]
         model (the routing) has no input of its name to give its shape (one to replay):
         :data:`ROUTING_VALUES_GUESS` values per token stand in.
     """
-    asked = Planned(options, batch)
+    asked = Asked(options, batch)
     per_token, per_sequence, guessed = 0, batch.lengths.itemsize, False
     for out in schema.OUTPUTS:
         if not out.wanted(asked):
@@ -380,7 +370,7 @@ def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
     if out.keys is not None:
         field = getattr(response, out.wire)
         decoded = {}
-        for key in out.keys(Asked(part.request)):
+        for key in out.keys(Asked(part.options, part.batch)):
             if key not in field:
                 raise malformed_response(f"{out.wire}[{key}] missing")
             decoded[key] = _decode(field[key], f"{out.wire}[{key}]", dtype, num_seqs)
@@ -415,7 +405,7 @@ def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:
     for out in schema.OUTPUTS:
         if out.optional and not response.HasField(out.wire):
             continue
-        if out.wanted(Asked(part.request)):
+        if out.wanted(Asked(part.options, part.batch)):
             setattr(result, out.sdk, _decode_output(response, out, part))
     result.moe_metrics = dict(response.moe_metrics)
     result.mtp_metrics = dict(response.mtp_metrics)
