@@ -169,10 +169,10 @@ class _Plan:
     want_mtp: bool
 
 
-def _min_shared(batch: ScoreBatch, cfg: StepConfig, cp_size: int, metrics: bool) -> int | None:
-    """The step's shortest shared prefix, or None for a dense step: sharing off, context
-    parallelism, or a forward recording MoE / MTP metrics (they are the dense batch's)."""
-    if cfg.min_shared_prefix is None or cp_size > 1 or metrics:
+def _min_shared(cfg: StepConfig, metrics: bool) -> int | None:
+    """The step's shortest shared prefix, or None for a dense step: sharing off, or a
+    forward recording MoE / MTP metrics (they are the dense batch's)."""
+    if cfg.min_shared_prefix is None or metrics:
         return None
     return cfg.min_shared_prefix
 
@@ -208,9 +208,7 @@ def _plan(
         lengths,
         pad_multiple=cfg.pad_multiple,
         count=cfg.microbatches,
-        min_shared=None
-        if cuts is not None
-        else _min_shared(batch, cfg, cp_size, metrics=want_moe or want_mtp),
+        min_shared=None if cuts is not None else _min_shared(cfg, metrics=want_moe or want_mtp),
         token_keys=_token_keys(batch),
         labels=batch.temperatures(),
         cuts=cuts,
