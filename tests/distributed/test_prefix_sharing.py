@@ -1,5 +1,5 @@
-"""Shared prefixes vs the dense forward at TP2 (with and without SP), EP2 (split: dense),
-PP2 and CP2 (dense and MoE models).
+"""Shared prefixes vs the dense forward at TP2 (with and without SP), EP2 (two
+data-parallel ranks splitting the step by groups), PP2 and CP2 (dense and MoE models).
 
 One 2-rank torchrun launch of ``scripts/prefix_sharing_layouts.py``: per layout the
 shared engine's logprobs, top-k and losses are within 1e-6 (fp32) of the dense
