@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -91,19 +92,23 @@ class _Tensor:
         self.name, self.shape, self.dtype, self.layout = name, shape, dtype, layout
         self.ignored = ignored  # received and checked, not staged
         self.total = math.prod(shape) * _DTYPES[dtype][1]
-        # one chunk's bytes as they came, else assembled (uninitialised: every byte is
-        # written once, no zero fill first)
-        self.data: bytes | bytearray | np.ndarray = b""
+        self.chunks: list[bytes] = []  # as they came; assembled by :attr:`data`
         self.received = 0
 
     def put(self, data: bytes) -> None:
-        if self.received == 0 and len(data) == self.total:
-            self.data = data  # the whole tensor in one message: no copy
-        else:
-            if not len(self.data):
-                self.data = np.empty(self.total, dtype=np.uint8)
-            self.data[self.received : self.received + len(data)] = np.frombuffer(data, np.uint8)
+        self.chunks.append(data)
         self.received += len(data)
+
+    @functools.cached_property
+    def data(self) -> bytes | np.ndarray:
+        """The complete tensor's bytes: its one message's as they came (no copy), else
+        its chunks joined. Read on the engine thread when staging (the copy is not the
+        event loop's, and numpy copies without the GIL)."""
+        if len(self.chunks) == 1:
+            return self.chunks.pop()
+        joined = np.concatenate([np.frombuffer(c, np.uint8) for c in self.chunks])
+        self.chunks.clear()
+        return joined
 
     @property
     def complete(self) -> bool:

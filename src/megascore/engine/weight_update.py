@@ -486,7 +486,7 @@ class WeightStaging:
         Returns:
             The host tensors the next push may stage into (``buffers``): the replaced
             values of CPU parameters (those that had their own memory), the staging
-            tensors of the others.
+            tensors of the others, and the buffers this push did not use.
         """
         freed = {}
         with torch.no_grad():
@@ -499,7 +499,7 @@ class WeightStaging:
                 else:
                     param.copy_(value)
                     freed[name] = value
-        return freed
+        return {**self.buffers, **freed}  # with those a partial push did not use
 
     def release(self) -> dict[str, torch.Tensor]:
         """An aborted push: the host tensors it held, for the next push to stage into."""
