@@ -9,7 +9,8 @@
   (Megatron name) switches both; every later response carries the new version and
   the same logprobs from either replica, different from the old ones. When one
   replica refuses (a push of its own is open there: ABORTED), the push fails naming
-  it and neither switches; both keep scoring with the old weights.
+  it and neither switches; both keep scoring with the old weights. The asyncio
+  client's push switches both the same way.
 * Delta pushes (bf16 tensors, Megatron names, to both): after a full push that the
   replicas keep, a delta of the same tensors with 1% of the elements changed sends
   <= 5% of the full push's bytes, and the logprobs it serves are bit-identical to a
@@ -33,7 +34,7 @@ import numpy as np
 import pytest
 
 from megascore.v1 import scoring_pb2 as pb
-from megascore_client import ScoringClient, ScoringError
+from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
 from tests.e2e.serve import ServeProcess
 
 pytestmark = pytest.mark.timeout(900)
@@ -154,6 +155,26 @@ def test_one_push_switches_every_replica_or_none(replicas):
         for a, b in zip(got.logprobs, after[0].logprobs, strict=True):
             np.testing.assert_array_equal(a, b)
     assert old == "builtin:tiny@1234"
+
+
+def test_the_async_client_pushes_to_both(replicas):
+    import asyncio
+
+    norm = np.full(HIDDEN, 1.25, dtype=np.float32)
+
+    async def push():
+        target = "ipv4:" + ",".join(s.target for s in replicas)
+        async with AsyncScoringClient(target, timeout=60) as client:
+            return await client.push_weights(
+                [(NORM, norm)], names="megatron", partial=True, weights_version="async-1"
+            )
+
+    result = asyncio.run(push())
+    assert [r.weights_version for r in result.replicas] == ["async-1", "async-1"]
+    after = scored_by_each(replicas)
+    assert [got.weights_version for got in after] == ["async-1", "async-1"]
+    for a, b in zip(after[0].logprobs, after[1].logprobs, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 EMBEDDING = "embedding.word_embeddings.weight"
