@@ -7,7 +7,8 @@ point to point): at TP = 2 a rank gets half of a column- or row-parallel tensor 
 the whole of a replicated one; an EP rank only its experts' tensors; a pipeline stage
 only its layers'. Which parts: each rank lists them at WEIGHTS_BEGIN
 (:attr:`WeightStaging.needs`, from a dry run of its recipes that records what they
-read) and :func:`gather_needs` gives rank 0 every rank's list.
+read; parts and readers in :mod:`megascore.engine.push_parts`) and
+:func:`gather_needs` gives rank 0 every rank's list.
 
 Each rank then stages its shards with the recipes the checkpoint loaders use, and
 through the same call (``Recipe.read_into``, which ``hf:`` loading runs into the
@@ -39,7 +40,6 @@ the weights, but no serving while it writes; a push keeps serving, so it stages.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
@@ -48,6 +48,13 @@ import torch.distributed as dist
 from megascore.checkpoint.hf_names import ParamMapper
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.engine import protocol
+from megascore.engine.push_parts import (
+    Parts,
+    Recorder,
+    all_gather_json,
+    block_keys,
+    part_index,
+)
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
 from megascore.model.weights import (
@@ -112,66 +119,6 @@ class _LayoutNames:
         return not self.fused and "block_sparse_moe." in name
 
 
-Index = tuple[int | slice, ...]
-"""A part of a tensor: basic indexing, an int or a step-1 slice per leading dimension."""
-
-
-def _key(index: Index) -> tuple:
-    """``index`` as a hashable, JSON-able value (a slice as ``[start, stop]``)."""
-    return tuple(i if isinstance(i, int) else (i.start, i.stop) for i in index)
-
-
-def _index(key) -> Index:
-    return tuple(i if isinstance(i, int) else slice(*i) for i in key)
-
-
-class _Parts:
-    """The reader interface recipes cut shards through, over the pushed tensors' parts
-    this rank has: ``name -> {key: tensor}``; the key ``()`` is a whole tensor (rank 0)
-    from which any part is a view."""
-
-    directory = "the pushed weights"
-
-    def __init__(self):
-        self.tensors: dict[str, dict[tuple, torch.Tensor]] = {}
-
-    def read(self, name: str, index: Index = ()) -> torch.Tensor:
-        parts = self.tensors[name]
-        key = _key(index)
-        return parts[key] if key in parts else parts[()][index]
-
-    def read_into(self, name: str, out: torch.Tensor, index: Index = ()) -> None:
-        out.copy_(self.read(name, index))
-
-
-class _Recorder:
-    """A reader that reads nothing: it records the parts a recipe asks for (a dry run
-    on ``meta`` tensors, :meth:`WeightStaging._record`)."""
-
-    directory = "the pushed weights"
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]]):
-        self.shapes = shapes
-        self.reads: dict[str, dict[tuple, None]] = {}
-
-    def read(self, name: str, index: Index = ()) -> torch.Tensor:
-        self.reads.setdefault(name, {})[_key(index)] = None
-        return torch.empty(self.shapes[name], device="meta")[index]
-
-    def read_into(self, name: str, out: torch.Tensor, index: Index = ()) -> None:
-        self.read(name, index)
-
-
-def _block_keys(dim: int | None, stride: int, rank: int, size: int, shape) -> list[tuple]:
-    """The parts of a full Megatron tensor that :func:`shard_full_tensor` takes for
-    ``rank``: ``stride`` blocks of ``dim`` (the whole tensor when it is not split)."""
-    if dim is None or size == 1:
-        return [()]
-    block = shape[dim] // size // stride
-    lead = tuple((0, n) for n in shape[:dim])
-    return [(*lead, (b * block, (b + 1) * block)) for b in range(rank, size * stride, size)]
-
-
 def _megatron_layout(model: torch.nn.Module, config: ModelConfig, pg_collection) -> dict:
     """This rank's parameters by canonical name (the unsharded single-stage local-spec
     model: global layer and expert indices): ``(local name, partition dim, stride, rank,
@@ -221,23 +168,6 @@ def weight_targets(
     }
 
 
-def _all_gather_json(value, group) -> list:
-    """Every rank's JSON-able ``value``, in group order (collective over ``group``; sent
-    as UTF-8 JSON, never pickled)."""
-    payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return [
-        json.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes, strict=True)
-    ]
-
-
 def gather_targets(
     local: dict[str, WeightTarget] | None, group, config: ModelConfig, names: int
 ) -> dict[str, WeightTarget]:
@@ -256,7 +186,7 @@ def gather_targets(
     own = None if local is None else [[n, t.shape, t.layout, t.ignored] for n, t in local.items()]
     union: dict[str, WeightTarget] = {}
     failed = []
-    for rank, rows in enumerate(_all_gather_json(own, group)):
+    for rank, rows in enumerate(all_gather_json(own, group)):
         if rows is None:
             failed.append(rank)
             continue
@@ -282,7 +212,7 @@ def gather_needs(staging: WeightStaging, group) -> None:
             int(layout): {name: [_json_key(k) for k in keys] for name, keys in table}
             for layout, table in needs.items()
         }
-        for rank, needs in zip(ranks, _all_gather_json(own, group), strict=True)
+        for rank, needs in zip(ranks, all_gather_json(own, group), strict=True)
         if rank != dist.get_rank()
     }
 
@@ -305,8 +235,9 @@ class WeightStaging:
 
     Attributes:
         needs: expert layout -> pushed tensor name -> the parts of it this rank reads
-            (keys of :func:`_key`; ``()`` the whole tensor). Names this rank does not
-            read are absent. Megatron names: one table, under ``LAYOUT_COMMON``.
+            (:func:`~megascore.engine.push_parts.part_key`; ``()`` the whole
+            tensor). Names this rank does not read are absent. Megatron names: one
+            table, under ``LAYOUT_COMMON``.
         peers: on the sending rank, every other rank's ``needs`` by global rank
             (:func:`gather_needs`).
         sent_bytes, received_bytes: bytes of tensor parts sent to other ranks (rank 0)
@@ -325,7 +256,7 @@ class WeightStaging:
         self.params = _parameters(model)
         self.buffers = dict(buffers or {})  # host tensors to stage into, by parameter
         self.staged: dict[str, torch.Tensor] = {}
-        self.pending = _Parts()  # pushed parts some shard still waits for
+        self.pending = Parts()  # pushed parts some shard still waits for
         self.error: str | None = None
         self.peers: dict[int, dict[int, dict[str, list[tuple]]]] = {}
         self.sent_bytes = self.received_bytes = 0
@@ -337,7 +268,7 @@ class WeightStaging:
             self._megatron = _megatron_layout(model, config, pg_collection)
             self.needs = {
                 LAYOUT_COMMON: {
-                    canon: _block_keys(dim, stride, rank, size, shape)
+                    canon: block_keys(dim, stride, rank, size, shape)
                     for canon, (_, dim, stride, rank, size, shape) in self._megatron.items()
                 }
             }
@@ -351,7 +282,7 @@ class WeightStaging:
         on ``meta`` tensors); a recipe that cannot run dry reads its sources whole."""
         recipes, _ = self._plan(layout)
         shapes = {src.name: src.full or src.shape for r in recipes.values() for src in r.srcs}
-        recorder = _Recorder(shapes)
+        recorder = Recorder(shapes)
         for param, recipe in recipes.items():
             out = torch.empty(self.params[param].shape, device="meta")
             try:
@@ -374,7 +305,7 @@ class WeightStaging:
         table = LAYOUT_COMMON if self._megatron is not None else _needs_table(layout)
         if dist.get_rank() == src:
             parts = {
-                rank: [tensor[_index(k)] for k in needs.get(table, {}).get(name, ())]
+                rank: [tensor[part_index(k)] for k in needs.get(table, {}).get(name, ())]
                 for rank, needs in self.peers.items()
             }
             self.sent_bytes += protocol.send_parts(parts, group)
@@ -383,7 +314,7 @@ class WeightStaging:
         keys = self.needs[table].get(name, [])
         if not keys:
             return
-        shapes = [tensor[_index(k)].shape for k in keys]
+        shapes = [tensor[part_index(k)].shape for k in keys]
         pieces = protocol.recv_parts(shapes, tensor.dtype, src, group)
         self.received_bytes += sum(p.numel() * p.element_size() for p in pieces)
         self._stage(name, dict(zip(keys, pieces, strict=True)), layout)
@@ -414,9 +345,9 @@ class WeightStaging:
         if entry is None:
             return  # another rank's (stage, expert)
         local, dim = entry[0], entry[1]
-        reader = _Parts()
+        reader = Parts()
         reader.tensors[name] = parts
-        blocks = [reader.read(name, _index(k)) for k in self.needs[LAYOUT_COMMON][name]]
+        blocks = [reader.read(name, part_index(k)) for k in self.needs[LAYOUT_COMMON][name]]
         shard = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
         self.staged[local] = self._buffer(local)
         self.staged[local].copy_(shard)
