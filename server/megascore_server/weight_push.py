@@ -38,6 +38,7 @@ import dataclasses
 import logging
 import math
 import re
+import sys
 import time
 import uuid
 import weakref
@@ -95,7 +96,8 @@ class TensorBuffers:
     not pay the page faults of new memory for every byte it receives (measured: that
     was most of what a push cost beyond the loopback). A buffer goes back to the free
     list when nothing uses its tensor any more (the engine may keep a view of one until
-    its fused partners arrive), at most ``limit`` bytes of them.
+    its fused partners arrive: a buffer is handed out again only when no array or tensor
+    uses it), at most ``limit`` bytes of them.
     """
 
     def __init__(self, limit: int):
@@ -105,10 +107,14 @@ class TensorBuffers:
 
     def take(self, size: int) -> np.ndarray:
         """A uint8 array of ``size`` bytes (uninitialised), a view of a pooled buffer."""
-        free = self._free.get(size)
-        if free:
-            base = free.pop()
-            self._held -= size
+        free = self._free.get(size, [])
+        for i in range(len(free)):
+            # the free list, ``free[i]`` and getrefcount's argument only: nothing else uses it
+            # (every numpy view of it, and whatever holds one, counts here)
+            if sys.getrefcount(free[i]) <= 2:
+                base = free.pop(i)
+                self._held -= size
+                break
         else:
             base = np.empty(size, dtype=np.uint8)
         view = base[:]
@@ -116,6 +122,7 @@ class TensorBuffers:
         return view
 
     def _give(self, base: np.ndarray) -> None:
+        """The tensor assembled in ``base`` is done with (its views may live on)."""
         if self._held + base.size <= self.limit:
             self._free.setdefault(base.size, []).append(base)
             self._held += base.size

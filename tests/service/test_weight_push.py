@@ -9,7 +9,8 @@ both expert layouts in one push, tensors missing without ``partial``, a stream t
 ends without commit (ABORTED), a second push while one is open (ABORTED), a commit
 that some rank refuses (FAILED_PRECONDITION), bytes that do not parse mid-stream. A
 good push stages each tensor's exact bytes (one chunk or several) and swaps in its
-version, which the next Score reports.
+version, which the next Score reports. The buffers tensors are assembled in are handed
+out again only once nothing uses them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megascore.errors import CheckpointError
 from megascore.types import LAYOUT_FUSED, LAYOUT_PER_EXPERT, WeightTarget
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import encode_array
+from megascore_server.weight_push import TensorBuffers
 from tests.service.fake_engine import FakeEngine
 from tests.service.harness import serving, wait_for
 
@@ -350,3 +352,18 @@ def test_a_bad_prepare_timeout_is_invalid(server):
     assert response.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "commit.prepare_timeout_s" in response.details()
     assert server.engine.aborts == 1 and score_version(server) == "v0"
+
+
+def test_tensor_buffers_are_reused_once_nothing_uses_them():
+    buffers = TensorBuffers(limit=150)
+    first = buffers.take(100)
+    base = id(first.base)  # (an id: a reference would count as a use)
+    engine_view = np.frombuffer(first, np.uint8)  # e.g. a tensor waiting for its partners
+    del first
+    other = buffers.take(100)
+    assert id(other.base) != base  # still in use: not handed out again
+    del engine_view
+    again = buffers.take(100)
+    assert id(again.base) == base  # back once nothing used it
+    del other, again  # two free buffers, room for one under the limit
+    assert sum(len(v) for v in buffers._free.values()) == 1
