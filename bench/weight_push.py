@@ -89,6 +89,13 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _hf_model(dtype):
     import torch
     import transformers
@@ -164,17 +171,23 @@ def measure(reps: int, workdir: Path) -> dict:
         procs.append(_start(cmd, workdir / f"{name}.log"))
     clients = {n: ScoringClient(f"127.0.0.1:{p}", timeout=600) for n, p in ports.items()}
     clients["delta"] = ScoringClient(f"127.0.0.1:{ports['bf16']}", timeout=600)
-    res: dict = {"push": {}, "sink": {}, "load": {}, "bytes": {}, "delta": {}}
+    res: dict = {"push": {}, "sink": {}, "load": {}, "bytes": {}, "delta": {}, "cpu": {}}
+    pids = {"sink": procs[0].pid, "fp32": procs[1].pid, "bf16": procs[2].pid}
     try:
         for name in ("fp32", "bf16"):
             clients[name].wait_until_serving(timeout=600)
         time.sleep(1.0)  # the sink is up long before the servers
         for rep in range(reps):
             for dtype in ("fp32", "bf16"):
+                before = _cpu_seconds(pids[dtype])
                 pushed = clients[dtype].push_weights(
                     states[dtype].items(), version=f"{dtype}-{rep}"
                 )
+                between = _cpu_seconds(pids["sink"])
+                server_cpu = _cpu_seconds(pids[dtype]) - before
                 sunk = clients["sink"].push_weights(states[dtype].items())
+                sink_cpu = _cpu_seconds(pids["sink"]) - between
+                res["cpu"].setdefault(dtype, []).append((server_cpu, sink_cpu))
                 assert sunk.num_bytes == pushed.num_bytes
                 res["push"].setdefault(dtype, []).append(pushed)
                 res["sink"].setdefault(dtype, []).append(sunk)
@@ -232,8 +245,8 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
         f"first fp32 push vs the pushed model: max abs diff {res['parity']:.1e}",
         "",
         "| dtype | MB | push s | push MB/s | loopback MB/s | push / loopback | "
-        "target | result | LoadWeights s |",
-        "|---|---:|---:|---:|---:|---:|---|---|---:|",
+        "target | result | server CPU s: push / loopback | LoadWeights s |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     met = 0
     for dtype in ("fp32", "bf16"):
@@ -244,11 +257,13 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
         ok = ratio >= TARGET
         met += ok
         seconds = med(p.seconds for p in res["push"][dtype])
+        server_cpu, sink_cpu = (med(c[i] for c in res["cpu"][dtype]) for i in (0, 1))
         lines.append(
             f"| {dtype} | {res['bytes'][dtype] / 1e6:.0f} | {seconds:.2f} | "
             f"{med(push) / 1e6:.0f} | {med(sink) / 1e6:.0f} | {ratio:.2f} "
             f"(reps {min(ratios):.2f}..{max(ratios):.2f}) | >= {TARGET} | "
-            f"{'pass' if ok else 'MISS'} | {med(res['load'][dtype]):.2f} |"
+            f"{'pass' if ok else 'MISS'} | {server_cpu:.2f} / {sink_cpu:.2f} | "
+            f"{med(res['load'][dtype]):.2f} |"
         )
     full = res["push"]["bf16"]
     lines += [
@@ -275,7 +290,10 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
         f"rank putting its staged shards in) took {swap:.0f} ms (fp32, median); the rest is "
         "the stream, the tensors staged on the engine thread while the next ones arrive. "
         "Both sides of each ratio ran back to back; the load average (machine table above "
-        "and here) says how busy the shared machine was.",
+        "and here) says how busy the shared machine was. Server CPU: seconds of CPU (every "
+        "thread) the megascore server, and the loopback sink, spent on one push (median), "
+        "the client's being the same on both sides: what the push adds, less sensitive to "
+        "the machine's load than bytes/s.",
         END,
     ]
     return "\n".join(lines) + "\n"
