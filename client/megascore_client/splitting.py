@@ -30,6 +30,7 @@ import uuid
 import numpy as np
 
 from megascore import schema
+from megascore.sequence_groups import find_groups, token_fields, wire_rows
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array, encode_array
 from megascore_client.errors import InvalidInputError, ScoringError, malformed_response
@@ -212,11 +213,16 @@ def build_parts(
     *,
     max_message_bytes: int,
     max_request_tokens: int | None = None,
+    groups: bool = False,
 ) -> list[Part]:
     """Plans the batch and encodes one ``ScoreRequest`` per range.
 
     A single request carries ``request_id``; parts of a split call carry
-    ``"{request_id}/{i}"``.
+    ``"{request_id}/{i}"``. With ``groups`` (a server with
+    ``ModelInfo.accepts_sequence_groups``), consecutive sequences of a request that
+    share a prompt of at least ``MIN_SHARED_PROMPT`` tokens travel as a group, the
+    prompt's rows of every per-token array sent once (``ScoreRequest.groups``); the
+    server expands them, so the results are those of the request without groups.
     """
     ranges = plan(
         batch, options, max_message_bytes=max_message_bytes, max_request_tokens=max_request_tokens
@@ -227,18 +233,19 @@ def build_parts(
         sub = batch.slice(start, stop)
         request = pb.ScoreRequest(
             request_id=request_id if len(ranges) == 1 else f"{request_id}/{i}",
-            token_ids=encode_array(sub.token_ids),
             lengths=encode_array(sub.lengths),
             options=proto_options,
         )
-        if sub.loss_mask is not None:
-            request.loss_mask.CopyFrom(encode_array(sub.loss_mask))
-        if sub.routing is not None:
-            request.routing.CopyFrom(encode_array(sub.routing))
-        if sub.target_ids is not None:
-            request.target_ids.CopyFrom(encode_array(sub.target_ids))
-        if sub.rollout_logprobs is not None:
-            request.rollout_logprobs.CopyFrom(encode_array(sub.rollout_logprobs))
+        found = find_groups(sub.token_ids, sub.lengths) if groups else None
+        rows = slice(None)
+        if found is not None:  # each shared prompt once (megascore.sequence_groups)
+            request.groups.sizes.CopyFrom(encode_array(found[0]))
+            request.groups.prompt_lengths.CopyFrom(encode_array(found[1]))
+            rows = wire_rows(sub.lengths, *found)
+        for name in token_fields():
+            value = getattr(sub, name)
+            if value is not None:
+                getattr(request, name).CopyFrom(encode_array(value[rows]))
         parts.append(Part(request=request, lengths=sub.lengths, options=options, start=start))
     return parts
 
@@ -260,6 +267,7 @@ def prepare(
     *,
     max_message_bytes: int,
     max_request_tokens: int | None = None,
+    groups: bool = False,
 ) -> tuple[list[Part], str]:
     """Checks a call's arguments and cuts its batch into requests (``score`` and the
     streams' ``submit``).
@@ -270,6 +278,7 @@ def prepare(
             but ``timeout``): :data:`BATCH_ARGUMENTS` and the :class:`ScoreOptions`.
         max_message_bytes: the message size limit (see :func:`plan`).
         max_request_tokens: the server's per-request token limit (None = none).
+        groups: send shared prompts once (see :func:`build_parts`).
 
     Returns:
         The parts, in order, and the call's request id.
@@ -287,6 +296,7 @@ def prepare(
         rid,
         max_message_bytes=max_message_bytes,
         max_request_tokens=max_request_tokens,
+        groups=groups,
     )
     return parts, rid
 
