@@ -32,8 +32,7 @@ def _check_groups(sizes: np.ndarray, prompts: np.ndarray, lengths: np.ndarray) -
     """Raises InvalidRequestError naming the field and the group / sequence."""
     if prompts.size != sizes.size:
         raise InvalidRequestError(
-            f"groups.prompt_lengths: {prompts.size} entries for {sizes.size} groups "
-            "(groups.sizes)"
+            f"groups.prompt_lengths: {prompts.size} entries for {sizes.size} groups (groups.sizes)"
         )
     bad = np.flatnonzero(sizes < 1)
     if bad.size:
