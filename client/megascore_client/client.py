@@ -447,6 +447,7 @@ class ScoringClient(ClientBase):
         mismatch_ratio_cap: float | None = None,
         return_importance_weights: bool = False,
         weights_version: str = "",
+        logprob_positions: str = "all",
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -487,6 +488,12 @@ class ScoringClient(ClientBase):
                 serving another version refuses the request (FAILED_PRECONDITION naming
                 both); it is re-sent up to 3 times within ``timeout`` (0.1, 0.2, 0.4 s
                 apart; the next replica under ``round_robin``), then the error is raised.
+            logprob_positions: "all" (default) or "masked": the per-token outputs of the
+                output head (logprobs, top-k, entropy, target logprobs, importance
+                weights) only where ``loss_mask`` is 1 (entry 0 of each sequence
+                excluded), their fill (0.0, top-k ids -1) elsewhere; the server then
+                runs the output head and log-softmax only at those positions. Losses,
+                routing and the mismatch statistics do not change.
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -515,6 +522,7 @@ class ScoringClient(ClientBase):
             mismatch_ratio_cap=mismatch_ratio_cap,
             return_importance_weights=return_importance_weights,
             weights_version=weights_version,
+            logprob_positions=logprob_positions,
             request_id=request_id,
         )
         parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())

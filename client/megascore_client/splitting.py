@@ -69,6 +69,7 @@ class ScoreOptions:
     mismatch_ratio_cap: float | None = None
     return_importance_weights: bool = False
     weights_version: str = ""
+    logprob_positions: str = "all"
 
     def __post_init__(self):
         losses = (self.losses,) if isinstance(self.losses, str) else tuple(self.losses)
@@ -84,6 +85,11 @@ class ScoreOptions:
         cap = self.mismatch_ratio_cap
         if cap is not None and not (math.isfinite(float(cap)) and float(cap) > 1):
             raise InvalidInputError(f"mismatch_ratio_cap must be finite and > 1, got {cap}")
+        if self.logprob_positions not in schema.LOGPROB_POSITIONS:
+            raise InvalidInputError(
+                f"logprob_positions must be one of {sorted(schema.LOGPROB_POSITIONS)}, "
+                f"got {self.logprob_positions!r}"
+            )
         unknown = set(metrics) - set(METRIC_GROUPS)
         if unknown:
             raise InvalidInputError(f"metrics must be among {METRIC_GROUPS}, got {sorted(unknown)}")
@@ -100,6 +106,7 @@ class ScoreOptions:
             return_entropy=bool(self.return_entropy),
             return_importance_weights=bool(self.return_importance_weights),
             weights_version=str(self.weights_version or ""),
+            logprob_positions=schema.LOGPROB_POSITIONS[self.logprob_positions],
         )
         if self.mismatch_ratio_cap is not None:
             options.mismatch_ratio_cap = float(self.mismatch_ratio_cap)

@@ -276,6 +276,9 @@ class ScoreBatch:
             (entry 0 of each sequence ignored), or None.
         mismatch_ratio_cap: float32 ``[B]`` the importance-ratio cap of each sequence
             (:mod:`megascore.mismatch`), or None (the default cap).
+        logprob_positions: ``schema.MASKED``: the per-token head outputs only at the
+            loss mask's positions (the fill elsewhere; the engine runs the output head
+            only there); 0 or 1: every position.
     """
 
     token_ids: np.ndarray
@@ -295,6 +298,7 @@ class ScoreBatch:
     target_ids: np.ndarray | None = None
     rollout_logprobs: np.ndarray | None = None
     mismatch_ratio_cap: np.ndarray | None = None
+    logprob_positions: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -148,6 +148,12 @@ CASES = [
         ["loss_mask", "sequence 2 position 1"],
     ),
     ("top-k-negative", with_options(top_k=-1), INVALID, ["options.top_k", "-1"]),
+    (
+        "logprob-positions-unknown",
+        with_options(logprob_positions=7),
+        INVALID,
+        ["options.logprob_positions", "7 is not a LogprobPositions value"],
+    ),
     ("top-k-too-large", with_options(top_k=MAX_TOP_K + 1), INVALID, ["options.top_k", "9"]),
     ("temperature-zero", with_options(temperature=0.0), INVALID, ["options.temperature"]),
     ("temperature-negative", with_options(temperature=-1.0), INVALID, ["options.temperature"]),
