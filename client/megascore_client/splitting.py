@@ -243,16 +243,16 @@ def build_parts(
             lengths=encode_array(sub.lengths),
             options=proto_options,
         )
-        found = find_groups(sub.token_ids, sub.lengths) if groups else None
+        arrays = {name: getattr(sub, name) for name in token_fields()}
+        arrays = {name: value for name, value in arrays.items() if value is not None}
+        found = find_groups(sub.lengths, list(arrays.values())) if groups else None
         rows = slice(None)
         if found is not None:  # each shared prompt once (megascore.sequence_groups)
             request.groups.sizes.CopyFrom(encode_array(found[0]))
             request.groups.prompt_lengths.CopyFrom(encode_array(found[1]))
             rows = wire_rows(sub.lengths, *found)
-        for name in token_fields():
-            value = getattr(sub, name)
-            if value is not None:
-                getattr(request, name).CopyFrom(encode_array(value[rows]))
+        for name, value in arrays.items():
+            getattr(request, name).CopyFrom(encode_array(value[rows]))
         parts.append(Part(request=request, lengths=sub.lengths, options=options, start=start))
     return parts
 

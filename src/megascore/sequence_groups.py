@@ -66,41 +66,45 @@ def wire_rows(lengths: np.ndarray, sizes: np.ndarray, prompts: np.ndarray) -> np
 
 
 def find_groups(
-    token_ids: np.ndarray, lengths: np.ndarray, min_shared: int = MIN_SHARED_PROMPT
+    lengths: np.ndarray, arrays: list[np.ndarray], min_shared: int = MIN_SHARED_PROMPT
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Groups consecutive sequences that share a prefix of at least ``min_shared`` tokens.
 
-    A sequence joins the group before it when the prefix it shares with the group's
-    prompt is long enough and the tokens the group saves (``prompt x (size - 1)``) do
-    not shrink; otherwise it opens a new group (a group of one has no prompt).
+    A prefix is shared where every per-token array has equal rows (the token ids, and a
+    loss mask, target ids, ... that the prompt's rows on the wire stand for). A sequence
+    joins the group before it when the prefix it shares with the group's prompt is long
+    enough and the tokens the group saves (``prompt x (size - 1)``) do not shrink;
+    otherwise it opens a new group (a group of one has no prompt).
 
     Args:
-        token_ids: ``[T]`` the sequences concatenated.
         lengths: int64 ``[B]``.
+        arrays: the per-token arrays, each ``[T, ...]`` (the token ids first).
         min_shared: shortest prompt worth sharing.
 
     Returns:
         ``(sizes, prompts)`` int64 ``[G]``, or None when no two sequences share one.
     """
     bounds = layout.offsets(lengths)
+    rows = [np.reshape(a, (a.shape[0], -1)) for a in arrays]
     sizes: list[int] = []
     prompts: list[int] = []
-    prompt = None  # the open group's common prefix
+    first, prompt = 0, 0  # the open group's first sequence and common prefix length
     for i in range(lengths.size):
-        seq = token_ids[bounds[i] : bounds[i + 1]]
-        if prompt is not None:
-            m = min(prompt.size, seq.size)
-            differ = np.flatnonzero(prompt[:m] != seq[:m])
+        if i:
+            m = int(min(prompt, lengths[i]))
+            a, b = int(bounds[first]), int(bounds[i])
+            differ = np.flatnonzero(
+                np.any([(r[a : a + m] != r[b : b + m]).any(axis=1) for r in rows], axis=0)
+            )
             shared = int(differ[0]) if differ.size else m
             n = sizes[-1]
-            if shared >= min_shared and shared * n >= prompt.size * (n - 1):
+            if shared >= min_shared and shared * n >= prompt * (n - 1):
                 sizes[-1] += 1
-                prompt = prompt[:shared]
-                prompts[-1] = shared
+                prompts[-1] = prompt = shared
                 continue
         sizes.append(1)
         prompts.append(0)
-        prompt = seq
+        first, prompt = i, int(lengths[i])
     if len(sizes) == lengths.size:
         return None
     return np.array(sizes, dtype=np.int64), np.array(prompts, dtype=np.int64)

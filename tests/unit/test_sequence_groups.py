@@ -30,7 +30,7 @@ def test_find_groups_and_the_wire_rows_round_trip():
     rng = np.random.default_rng(0)
     seqs = _groups(SPEC, lambda n: rng.integers(0, 1000, n))
     ids, lengths = np.concatenate(seqs), np.array([len(s) for s in seqs])
-    sizes, prompts = sequence_groups.find_groups(ids, lengths)
+    sizes, prompts = sequence_groups.find_groups(lengths, [ids])
     # a prompt of 3 tokens is not worth a group (< MIN_SHARED_PROMPT); a group of one has
     # no prompt; a continuation may be empty (the sequence is its prompt)
     np.testing.assert_array_equal(sizes, [3, 1, 1, 1, 1, 4])
@@ -45,7 +45,7 @@ def test_no_groups_without_a_shared_prompt():
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 1000, n) for n in (20, 30, 25)]
     lengths = np.array([len(s) for s in seqs])
-    assert sequence_groups.find_groups(np.concatenate(seqs), lengths) is None
+    assert sequence_groups.find_groups(lengths, [np.concatenate(seqs)]) is None
 
 
 def test_a_group_keeps_its_prompt_when_a_later_sequence_shares_less():
@@ -55,9 +55,22 @@ def test_a_group_keeps_its_prompt_when_a_later_sequence_shares_less():
     seqs = [base, base + 0, np.r_[base[:20], [7, 7]]]
     seqs[1] = np.r_[base[:90], [5]]
     lengths = np.array([len(s) for s in seqs])
-    sizes, prompts = sequence_groups.find_groups(np.concatenate(seqs), lengths)
+    sizes, prompts = sequence_groups.find_groups(lengths, [np.concatenate(seqs)])
     np.testing.assert_array_equal(sizes, [2, 1])
     np.testing.assert_array_equal(prompts, [90, 0])
+
+
+def test_a_prompt_is_shared_only_where_every_per_token_array_agrees():
+    """The same tokens with another loss mask (or target ids, ...) are not the same
+    prompt on the wire: the shared prefix ends where any array differs."""
+    ids = np.tile(np.arange(50), 3)
+    lengths = np.array([50, 50, 50])
+    mask = np.ones(150, np.uint8)
+    mask[50 + 30] = 0  # the second sequence's mask differs at position 30
+    mask[100 + 5] = 0  # the third's at position 5: too short a prefix to share
+    sizes, prompts = sequence_groups.find_groups(lengths, [ids, mask])
+    np.testing.assert_array_equal(sizes, [2, 1])
+    np.testing.assert_array_equal(prompts, [30, 0])
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -71,6 +84,8 @@ def test_server_expands_the_client_request_to_the_one_without_groups(split):
     rollout = _groups(spec, lambda n: rng.normal(size=n))
     targets = _groups(spec, lambda n: rng.integers(0, 1000, (n, 2)))
     routing = _groups(spec, lambda n: rng.integers(0, 8, (n, 3, 2)))
+    masks[1] = masks[1].copy()
+    masks[1][3] ^= 1  # inside its group's prompt: this sequence cannot share it
     batch = make_batch(
         seqs, loss_mask=masks, rollout_logprobs=rollout, target_ids=targets, routing=routing
     )
