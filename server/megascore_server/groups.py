@@ -92,7 +92,9 @@ def expand_groups(request: pb.ScoreRequest, lengths: np.ndarray) -> pb.ScoreRequ
                 getattr(expanded, field.name).CopyFrom(value)
             continue
         rows = decode_array(value, field.name)
-        if rows.size != sent if field.name == "token_ids" else rows.size % sent:
+        # token_ids: one id per token sent; the others: whole rows per token
+        fits = rows.size == sent if field.name == "token_ids" else rows.size % sent == 0
+        if not fits:
             raise InvalidRequestError(
                 f"{field.name}: has {rows.size} values for the {sent} tokens sent (groups: "
                 "each prompt once, then every sequence past its prompt)"
