@@ -295,8 +295,8 @@ def test_no_groups_to_a_server_that_does_not_take_them(server, client):
     from before groups) gets every sequence whole, shared prompt or not."""
     prompt = list(range(1, 41))
     seqs = [prompt + [5, 6], prompt + [7], prompt + [8, 9, 10]]
-    result = client.score(seqs)
-    check_scores(result, seqs, top_k=0)
+    result = client.score(seqs, top_k=2)
+    check_scores(result, seqs, top_k=2, metrics=False)
     assert not client.model_info().accepts_sequence_groups
     sent = server.scorer.requests[-1]
     assert sent["num_tokens"] == sum(len(s) for s in seqs)
