@@ -1,18 +1,20 @@
 """Two replicas vs one through the SDK's round robin, and the push to both.
 
-Two ``megascore serve --model tiny`` subprocesses (CPU, one thread each:
-``OMP_NUM_THREADS=1``). The SDK scores the rollout length mix in requests of
-``BATCH`` sequences, ``IN_FLIGHT`` in flight, once through a client of the first
-replica alone and once through ``ipv4:a,b`` with ``load_balancing="round_robin"``, the
-order alternating per repetition; tokens/s of each pass, the median of the
-per-repetition ratios (target: 2 replicas / 1 >= 1.7). Then the time of one
-``push_weights`` (the embedding and final norm in bf16, Megatron names, partial) to
-the first replica alone and to both (two phases).
+Two ``megascore serve --model bench`` subprocesses (CPU, one thread each:
+``OMP_NUM_THREADS=1``; ``--model`` picks another built-in: with ``tiny`` the client's
+own encode / decode is as large as the forward, and the ratio measures the client).
+The SDK scores the rollout length mix in requests of ``BATCH`` sequences,
+``IN_FLIGHT`` in flight, once through a client of the first replica alone and once
+through ``ipv4:a,b`` with ``load_balancing="round_robin"``, the order alternating per
+repetition; tokens/s of each pass, the median of the per-repetition ratios (target:
+2 replicas / 1 >= 1.7). Then the time of one ``push_weights`` (the embedding and final
+norm in bf16, Megatron names, partial) to the first replica alone and to both (two
+phases).
 
 Two replicas can only scale when the machine has a free core for each: the load
 average (at the start and the end) says how much of it the shared machine had.
 
-Usage: ``python bench/replica_scaling.py [--sequences N] [--reps R]`` writes (or
+Usage: ``python bench/replica_scaling.py [--model M] [--sequences N] [--reps R]`` writes (or
 replaces) the section between the ``replica_scaling.py`` markers of RESULTS.md.
 """
 
@@ -32,7 +34,6 @@ from e2e_vs_engine import Server
 
 HERE = Path(__file__).parent
 BEGIN, END = "<!-- replica_scaling.py: begin -->", "<!-- replica_scaling.py: end -->"
-VOCAB, HIDDEN = 512, 64  # the built-in tiny model
 BATCH, IN_FLIGHT = 8, 4
 TARGET = 1.7
 
@@ -45,13 +46,17 @@ def tokens_per_s(client, sequences: list[np.ndarray]) -> float:
     return sum(len(s) for s in sequences) / (time.perf_counter() - start)
 
 
-def push_seconds(client, step: int, **kwargs) -> float:
+def push_seconds(client, model: str, step: int, **kwargs) -> float:
     import torch
 
+    from megascore.model.config import builtin_model
+
+    cfg = builtin_model(model)
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
     gen = torch.Generator().manual_seed(step)
     weights = {
-        "embedding.word_embeddings.weight": torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05,
-        "decoder.final_layernorm.weight": 1 + 0.1 * torch.randn(HIDDEN, generator=gen),
+        "embedding.word_embeddings.weight": torch.randn(vocab, hidden, generator=gen) * 0.05,
+        "decoder.final_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
     }
     start = time.perf_counter()
     client.push_weights(
@@ -63,12 +68,14 @@ def push_seconds(client, step: int, **kwargs) -> float:
     return time.perf_counter() - start
 
 
-def measure(num: int, reps: int, workdir: Path) -> dict:
+def measure(model: str, num: int, reps: int, workdir: Path) -> dict:
+    from megascore.model.config import builtin_model
     from megascore_client import ScoringClient
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    rollout, _ = common.make_workloads(num, seed=0, vocab_size=VOCAB, max_len=1024)
-    servers = [Server("cpu", 4096, workdir / f"r{i}.log", model="tiny").start() for i in range(2)]
+    vocab = builtin_model(model).vocab_size
+    rollout, _ = common.make_workloads(num, seed=0, vocab_size=vocab, max_len=1024)
+    servers = [Server("cpu", 4096, workdir / f"r{i}.log", model=model).start() for i in range(2)]
     res: dict = {"one": [], "two": [], "push_one": [], "push_two": [], "summary": rollout.summary()}
     try:
         for server in servers:
@@ -81,8 +88,8 @@ def measure(num: int, reps: int, workdir: Path) -> dict:
         for rep in range(reps):
             for name, client in (("one", one), ("two", two))[:: 1 if rep % 2 == 0 else -1]:
                 res[name].append(tokens_per_s(client, rollout.sequences))
-            res["push_one"].append(push_seconds(one, rep, replicas=[servers[0].target]))
-            res["push_two"].append(push_seconds(two, rep))
+            res["push_one"].append(push_seconds(one, model, rep, replicas=[servers[0].target]))
+            res["push_two"].append(push_seconds(two, model, rep))
             print(f"rep {rep}: 1 replica {res['one'][-1]:.0f} tok/s, 2: {res['two'][-1]:.0f}")
         one.close()
         two.close()
@@ -93,7 +100,7 @@ def measure(num: int, reps: int, workdir: Path) -> dict:
     return res
 
 
-def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
+def section(res: dict, model: str, reps: int, machine: dict, elapsed: float) -> str:
     med = statistics.median
     ratios = [b / a for a, b in zip(res["one"], res["two"], strict=True)]
     ratio = med(ratios)
@@ -103,12 +110,12 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
                 BEGIN,
                 "## Replicas: two vs one through the SDK's round robin",
                 "",
-                f"Written by `python bench/replica_scaling.py --reps {reps}` in "
+                f"Written by `python bench/replica_scaling.py --model {model} --reps {reps}` in "
                 f"{elapsed / 60:.1f} min ({machine['date']}, load average "
                 f"{machine['load average']} at the start, {res['load_end']} at the end; "
                 f"{machine.get('cpu', '')}); rerun it to update this section.",
                 "",
-                f"* two `megascore serve --model tiny` (CPU, OMP_NUM_THREADS=1 each); workload "
+                f"* two `megascore serve --model {model}` (CPU, OMP_NUM_THREADS=1 each); workload "
                 f"`rollout`: {res['summary']}; requests of {BATCH} sequences, {IN_FLIGHT} in "
                 "flight, logprobs only",
                 "* push: embedding + final norm (bf16, Megatron names, partial) to the first "
@@ -135,6 +142,7 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="bench", help="built-in model served by both replicas")
     p.add_argument("--sequences", type=int, default=48)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
@@ -143,8 +151,8 @@ def main() -> int:
     machine = common.machine_info("cpu")
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="megascore-replicas-") as tmp:
-        res = measure(args.sequences, args.reps, Path(tmp))
-    text = section(res, args.reps, machine, time.time() - start)
+        res = measure(args.model, args.sequences, args.reps, Path(tmp))
+    text = section(res, args.model, args.reps, machine, time.time() - start)
     common.write_section(args.output, BEGIN, END, text)
     print(text)
     return 0

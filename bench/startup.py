@@ -300,8 +300,7 @@ def section(res: dict, reps: int, machine: dict, elapsed: float) -> str:
     lines += [
         f"| load phase (start -> SERVING, hf - tiny), s per GiB | {spread('s_per_gib')} | | |",
         f"| load phase, CPU s (user + system) per GiB | {spread('cpu_s_per_gib')} | | |",
-        f"| LoadWeights peak RSS above serving / checkpoint bytes | "
-        f"{spread('reload_above')} | | |",
+        f"| LoadWeights peak RSS above serving / checkpoint bytes | {spread('reload_above')} | | |",
         f"| LoadWeights s per GiB | {med(fig['reload_s']) / (res['bytes'] / GIB):.2f} | | |",
         "",
         f"{met} of 3 targets met. Both servers of a repetition start back to back, so "

@@ -77,14 +77,9 @@ class Batch:
     rollout_logprobs: np.ndarray | None = None
 
     @property
-    def target_ids_per_token(self) -> int:
+    def num_target_ids(self) -> int:
         """K of the target ids (0 without)."""
         return 0 if self.target_ids is None else int(self.target_ids.shape[1])
-
-    @property
-    def routing_values_per_token(self) -> int:
-        """``num_moe_layers * topk`` of the routing to replay (0 without one)."""
-        return 0 if self.routing is None else int(np.prod(self.routing.shape[1:]))
 
     @property
     def offsets(self) -> np.ndarray:
@@ -99,20 +94,18 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def per_token(self) -> dict[str, np.ndarray]:
+        """The arrays with one row per token it carries (every array but ``lengths``),
+        by ``ScoreRequest`` field name: ``token_ids`` and the inputs given."""
+        arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: a for name, a in arrays.items() if name != "lengths" and a is not None}
+
     def slice(self, start: int, stop: int) -> Batch:
         """Sequences ``[start, stop)`` as a new batch (array views, no copy)."""
         offsets = self.offsets
         lo, hi = int(offsets[start]), int(offsets[stop])
-        return Batch(
-            token_ids=self.token_ids[lo:hi],
-            lengths=self.lengths[start:stop],
-            loss_mask=None if self.loss_mask is None else self.loss_mask[lo:hi],
-            routing=None if self.routing is None else self.routing[lo:hi],
-            target_ids=None if self.target_ids is None else self.target_ids[lo:hi],
-            rollout_logprobs=None
-            if self.rollout_logprobs is None
-            else self.rollout_logprobs[lo:hi],
-        )
+        rows = {name: values[lo:hi] for name, values in self.per_token().items()}
+        return Batch(lengths=self.lengths[start:stop], **rows)
 
 
 def _rows(obj, lengths, what: str) -> tuple[np.ndarray, np.ndarray]:

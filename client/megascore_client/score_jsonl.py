@@ -71,9 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per batch")
     parser.add_argument("--concurrency", type=int, default=2, help="batches in flight")
     parser.add_argument("--top-k", type=int, default=0, help="top-k alternatives per token")
-    parser.add_argument(
-        "--temperature", type=float, default=1.0, help="softmax temperature (> 0)"
-    )
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
     parser.add_argument(
         "--return-routing",
         action="store_true",

@@ -4,12 +4,13 @@ A call's batch is cut, in order, into consecutive runs of sequences whose reques
 *and* response both fit the message limit (the channel's, or the server's
 ``ModelInfo.max_message_bytes`` when known and smaller; the server uses one limit
 for what it receives and sends) and, when known, the server's
-``max_request_tokens``. Sizes are estimated per token and per sequence from the
-options: request ``itemsize(ids) + 1 (mask) + 4 * L * k (routing to replay) + 8 * K
-(target ids) + 8 (rollout logprobs)`` bytes per token; response ``4 (logprob) + 12 *
-top_k + 4 * L * k (routing) + 4 * K + 4 (entropy) + 4 (importance weights)`` bytes per
-token and ``16 + 8 * len(losses) + 48 (mismatch)`` per sequence; a fixed reserve covers headers,
-strings and metric maps. A routing asked for without one to replay has ``L * k``
+``max_request_tokens``. Sizes are estimated per token and per sequence: a request
+carries ``lengths`` (8 bytes a sequence) and, per token, each array it sends (ids,
+mask, routing to replay, ...: itemsize x values per token); a response the ``lengths``
+echo and every output of :data:`megascore.schema.OUTPUTS` the request asks for
+(:func:`response_bytes`: itemsize x values per token, e.g. ``top_k`` ids and logprobs,
+or per sequence, one per key of a map such as the losses); a fixed reserve covers
+headers, strings and metric maps. A routing asked for without one to replay has ``L * k``
 unknown before the answer: ``ROUTING_VALUES_GUESS`` (64 MoE layers x top-8) stands in,
 for cutting only (a sequence over the guessed size still goes alone, and the server
 answers RESOURCE_EXHAUSTED if its response really is too large).
@@ -30,7 +31,7 @@ import uuid
 import numpy as np
 
 from megascore import schema
-from megascore.sequence_groups import find_groups, token_fields, wire_rows
+from megascore.sequence_groups import find_groups, wire_rows
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array, encode_array
 from megascore_client.errors import InvalidInputError, ScoringError, malformed_response
@@ -55,23 +56,53 @@ _RESERVE_BYTES = 8192
 _SAFETY = 0.97
 
 
+def _metric_flag(group: str) -> property:
+    return property(lambda self: group in self.metrics, doc=f"Whether ``metrics`` has {group!r}.")
+
+
+def _schema_options(cls):
+    """Declares on ``cls`` (before ``dataclass``) a field for every option of
+    :data:`megascore.schema.OPTIONS` it does not spell itself, named and defaulted as the
+    entry (``return_logprobs``, ``return_routing``, ``weights_version``, ...), and reads
+    the ``return_<group>_metrics`` options from ``metrics``: every option then has its
+    wire field's name, and a new one needs no edit here."""
+    for group in METRIC_GROUPS:
+        setattr(cls, f"return_{group}_metrics", _metric_flag(group))
+    cls._table_options = tuple(opt for opt in schema.OPTIONS if not hasattr(cls, opt.name))
+    for opt in cls._table_options:
+        default = opt.default if opt.names is None else next(iter(opt.names))
+        cls.__annotations__[opt.name] = type(default).__name__
+        setattr(cls, opt.name, default)
+    return cls
+
+
 @dataclasses.dataclass(frozen=True)
+@_schema_options
 class ScoreOptions:
-    """What to compute (see ``ScoringClient.score``)."""
+    """What to compute (see ``ScoringClient.score``): the arguments below, and one per
+    other option of :data:`megascore.schema.OPTIONS` (the ``return_*`` flags,
+    ``weights_version``: the entry's name and default; an enum option such as
+    ``logprob_positions`` by name, its first name the default; None stands for the
+    default)."""
 
     top_k: int = 0
     temperature: float = 1.0
     losses: tuple[str, ...] = ("nll",)
     metrics: tuple[str, ...] = ()
-    return_logprobs: bool = True
-    return_routing: bool = False
-    return_entropy: bool = False
     mismatch_ratio_cap: float | None = None
-    return_importance_weights: bool = False
-    weights_version: str = ""
-    logprob_positions: str = "all"
 
     def __post_init__(self):
+        for opt in self._table_options:  # as the wire field takes it
+            value = getattr(self, opt.name)
+            if opt.names is not None:  # an enum by name
+                value = next(iter(opt.names)) if value is None else value
+                if value not in opt.names:
+                    raise InvalidInputError(
+                        f"{opt.name} must be one of {list(opt.names)}, got {value!r}"
+                    )
+            else:
+                value = opt.default if value is None else type(opt.default)(value)
+            object.__setattr__(self, opt.name, value)
         losses = (self.losses,) if isinstance(self.losses, str) else tuple(self.losses)
         metrics = (self.metrics,) if isinstance(self.metrics, str) else tuple(self.metrics)
         object.__setattr__(self, "losses", losses)
@@ -85,28 +116,18 @@ class ScoreOptions:
         cap = self.mismatch_ratio_cap
         if cap is not None and not (math.isfinite(float(cap)) and float(cap) > 1):
             raise InvalidInputError(f"mismatch_ratio_cap must be finite and > 1, got {cap}")
-        if self.logprob_positions not in schema.LOGPROB_POSITIONS:
-            raise InvalidInputError(
-                f"logprob_positions must be one of {sorted(schema.LOGPROB_POSITIONS)}, "
-                f"got {self.logprob_positions!r}"
-            )
         unknown = set(metrics) - set(METRIC_GROUPS)
         if unknown:
             raise InvalidInputError(f"metrics must be among {METRIC_GROUPS}, got {sorted(unknown)}")
 
+    def _wire_value(self, opt: schema.Option):
+        value = getattr(self, opt.name)
+        return value if opt.names is None else opt.names[value]
+
     def to_proto(self) -> pb.ScoreOptions:
         options = pb.ScoreOptions(
-            return_logprobs=self.return_logprobs,
-            top_k=self.top_k,
-            losses=list(self.losses),
-            return_moe_metrics="moe" in self.metrics,
-            return_mtp_metrics="mtp" in self.metrics,
-            temperature=float(self.temperature),
-            return_routing=bool(self.return_routing),
-            return_entropy=bool(self.return_entropy),
-            return_importance_weights=bool(self.return_importance_weights),
-            weights_version=str(self.weights_version or ""),
-            logprob_positions=schema.LOGPROB_POSITIONS[self.logprob_positions],
+            temperature=self.temperature,
+            **{opt.name: self._wire_value(opt) for opt in schema.OPTIONS},
         )
         if self.mismatch_ratio_cap is not None:
             options.mismatch_ratio_cap = float(self.mismatch_ratio_cap)
@@ -119,16 +140,21 @@ class Part:
 
     Attributes:
         request: the encoded request.
-        lengths: int64 ``[n]`` lengths of its sequences.
+        batch: its sequences (views of the call's batch).
         options: the call's options.
         start: index in the call's batch of its first sequence (the server's sequence
             indices in an error about this request are relative to it).
     """
 
     request: pb.ScoreRequest
-    lengths: np.ndarray
+    batch: Batch
     options: ScoreOptions
     start: int = 0
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 ``[n]`` lengths of its sequences."""
+        return self.batch.lengths
 
     @property
     def num_tokens(self) -> int:
@@ -175,18 +201,12 @@ def plan(
     lengths = batch.lengths
     # The reserve shrinks under 32 KiB so that a server's small limit stays usable.
     budget = int(max_message_bytes * _SAFETY) - min(_RESERVE_BYTES, max_message_bytes // 4)
-    routes, k_ids = batch.routing_values_per_token, batch.target_ids_per_token
-    rollout = batch.rollout_logprobs is not None
-    req_tok = batch.token_ids.itemsize + (1 if batch.loss_mask is not None else 0) + 4 * routes
-    req_tok += 8 * k_ids + 8 * rollout
-    resp_tok = (4 if options.return_logprobs else 0) + 12 * options.top_k + 4 * k_ids
-    resp_tok += 4 * options.return_entropy + 4 * (rollout and options.return_importance_weights)
-    guessed = options.return_routing and not routes
-    if options.return_routing:
-        resp_tok += 4 * (routes or ROUTING_VALUES_GUESS)
-    resp_seq = 16 + 8 * len(options.losses) + 48 * rollout
+    req_tok = sum(
+        values.itemsize * math.prod(values.shape[1:]) for values in batch.per_token().values()
+    )
+    resp_tok, resp_seq, guessed = response_bytes(options, batch)
     zero = np.zeros(1, dtype=np.int64)
-    request_cost = np.cumsum(lengths * req_tok + 8)
+    request_cost = np.cumsum(lengths * req_tok + batch.lengths.itemsize)
     response_cost = np.cumsum(lengths * resp_tok + resp_seq)
     prefixes = [  # (prefix sums, limit, what, whether a size over the limit is an error)
         (np.concatenate([zero, request_cost]), budget, "request bytes", True),
@@ -243,17 +263,16 @@ def build_parts(
             lengths=encode_array(sub.lengths),
             options=proto_options,
         )
-        arrays = {name: getattr(sub, name) for name in token_fields()}
-        arrays = {name: value for name, value in arrays.items() if value is not None}
+        arrays = sub.per_token()
         found = find_groups(sub.lengths, list(arrays.values())) if groups else None
         rows = slice(None)
         if found is not None:  # each shared prompt once (megascore.sequence_groups)
             request.groups.sizes.CopyFrom(encode_array(found[0]))
             request.groups.prompt_lengths.CopyFrom(encode_array(found[1]))
             rows = wire_rows(sub.lengths, *found)
-        for name, value in arrays.items():
-            getattr(request, name).CopyFrom(encode_array(value[rows]))
-        parts.append(Part(request=request, lengths=sub.lengths, options=options, start=start))
+        for name, values in arrays.items():
+            getattr(request, name).CopyFrom(encode_array(values[rows]))
+        parts.append(Part(request=request, batch=sub, options=options, start=start))
     return parts
 
 
@@ -332,18 +351,45 @@ def _decode(array: pb.Array, field: str, dtype: int, count: int) -> np.ndarray:
 
 
 class Asked:
-    """What a request asked for, as the output table's ``wanted`` / ``keys`` read it:
-    its options by name, and each input array (``target_ids``, ...) as True when the
-    request carries it, else None."""
+    """What a request asks for, read like a ``ScoreBatch`` by the output table's
+    ``wanted`` / ``dims`` / ``keys``: its options by name, then its batch's attributes
+    (``target_ids``, ``num_target_ids``, ...; None for an input the client does not send)."""
 
-    def __init__(self, request: pb.ScoreRequest):
-        self._request = request
+    def __init__(self, options: ScoreOptions, batch: Batch):
+        self._options, self._batch = options, batch
 
     def __getattr__(self, name: str):
-        options = self.__dict__["_request"].options
-        if name in options.DESCRIPTOR.fields_by_name:
-            return getattr(options, name)
-        return True if self._request.HasField(name) else None
+        options, batch = self.__dict__["_options"], self.__dict__["_batch"]
+        return getattr(options, name) if hasattr(options, name) else getattr(batch, name, None)
+
+
+def response_bytes(options: ScoreOptions, batch: Batch) -> tuple[int, int, bool]:
+    """The estimated response size of a request of ``batch`` asking ``options``: bytes per
+    token and per sequence of the outputs of :data:`megascore.schema.OUTPUTS` it asks for
+    (itemsize x values per token or sequence; a map: one value per key per sequence), and
+    the lengths echo.
+
+    Returns:
+        ``(per_token, per_sequence, guessed)``: ``guessed`` when an output shaped by the
+        model (the routing) has no input of its name to give its shape (one to replay):
+        :data:`ROUTING_VALUES_GUESS` values per token stand in.
+    """
+    asked = Asked(options, batch)
+    per_token, per_sequence, guessed = 0, batch.lengths.itemsize, False
+    for out in schema.OUTPUTS:
+        if not out.wanted(asked):
+            continue
+        itemsize = np.dtype(out.dtype).itemsize
+        if out.per == schema.SEQUENCE:
+            per_sequence += itemsize * (1 if out.keys is None else len(out.keys(asked)))
+        elif out.dims is not None:
+            per_token += itemsize * math.prod(out.dims(asked))
+        else:  # shaped by the model
+            given = getattr(batch, out.name, None)
+            guessed = guessed or given is None
+            values = ROUTING_VALUES_GUESS if given is None else math.prod(given.shape[1:])
+            per_token += itemsize * values
+    return per_token, per_sequence, guessed
 
 
 def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
@@ -354,7 +400,7 @@ def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
     if out.keys is not None:
         field = getattr(response, out.wire)
         decoded = {}
-        for key in out.keys(Asked(part.request)):
+        for key in out.keys(Asked(part.options, part.batch)):
             if key not in field:
                 raise malformed_response(f"{out.wire}[{key}] missing")
             decoded[key] = _decode(field[key], f"{out.wire}[{key}]", dtype, num_seqs)
@@ -389,7 +435,7 @@ def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:
     for out in schema.OUTPUTS:
         if out.optional and not response.HasField(out.wire):
             continue
-        if out.wanted(Asked(part.request)):
+        if out.wanted(Asked(part.options, part.batch)):
             setattr(result, out.sdk, _decode_output(response, out, part))
     result.moe_metrics = dict(response.moe_metrics)
     result.mtp_metrics = dict(response.mtp_metrics)

@@ -55,6 +55,8 @@ class Option:
             integer header slot (``protocol``) or, for ``losses``, the loss bitmask.
         broadcast: sent to the other ranks at all; False: rank 0's business only
             (``weights_version``, checked against the served version before the step).
+        names: an enum option: the SDK takes these names (the first is its default)
+            and sends their wire values.
     """
 
     name: str
@@ -64,6 +66,7 @@ class Option:
     convert: Callable[[Any], Any] = lambda value: value
     flag: bool = True
     broadcast: bool = True
+    names: dict[str, int] | None = None
 
 
 def _check_top_k(value, limits) -> str | None:
@@ -168,7 +171,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("return_entropy", False, any, convert=bool),
     Option("return_importance_weights", False, any, convert=bool),
     Option("weights_version", "", _pinned, _check_version, str, flag=False, broadcast=False),
-    Option("logprob_positions", 0, _masked, _check_positions, int, flag=False),
+    Option(
+        "logprob_positions", 0, _masked, _check_positions, int, flag=False, names=LOGPROB_POSITIONS
+    ),
 )
 
 

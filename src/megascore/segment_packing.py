@@ -15,7 +15,9 @@ places read it:
   position, ``_apply_rotary_pos_emb_thd``); dense packings take the same path (one
   rotation over the batch instead of one per sequence).
 
-Context parallelism is not supported here (the engine runs dense under CP).
+Under context parallelism the segments are sharded like sequences (2 x CP chunks
+each, load-balanced); the attention all-gathers K and V, so a continuation's rows reach
+its prefix's rows on every CP rank.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def pack_layout(
         pad_multiple: per-segment pad multiple.
         pad_to: packed length.
         cp_rank: this rank in the CP group.
-        cp_size: CP group size (1 for a layout with shared prefixes).
+        cp_size: CP group size.
         pad_segment: the padding up to ``pad_to`` is a segment of its own
             (:func:`~megascore.packing.pack_sequences`); it continues nothing.
 
@@ -111,8 +113,6 @@ def pack_layout(
     )
     if not segments.shared:
         return packed
-    if cp_size > 1:
-        raise ValueError("shared prefixes are not supported with context parallelism")
     p = packed.packed_seq_params
     padded = packed.cu_seqlens_padded.diff().tolist()
     extra = len(padded) - len(segments.lengths)  # the padding's own segment: a root
@@ -185,10 +185,8 @@ def check_prefix_sharing_device(engine_cfg: EngineConfig, device: torch.device) 
         raise ValueError(GPU_REFUSAL)
 
 
-def _unsupported(model, cp_size: int) -> str | None:
+def _unsupported(model) -> str | None:
     """Why a built model cannot compute shared prefixes, or None."""
-    if cp_size > 1:
-        return "context parallelism (steps run dense under CP)"
     if model.config.multi_latent_attention:
         return "multi-latent attention (it applies RoPE inside its attention)"
     if model.position_embedding_type not in ("rope", "learned_absolute", "none"):
@@ -218,7 +216,7 @@ def min_shared_prefix(engine_cfg: EngineConfig, device: torch.device, model) -> 
     check_prefix_sharing_device(engine_cfg, device)
     if engine_cfg.prefix_sharing is False or device.type == "cuda":
         return None
-    reason = _unsupported(model, engine_cfg.context_parallel_size)
+    reason = _unsupported(model)
     if reason is not None:
         log = logger.warning if engine_cfg.prefix_sharing else logger.info
         log("prefix sharing off: %s", reason)

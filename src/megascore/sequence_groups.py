@@ -13,17 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore import layout, schema
+from megascore import layout
 
 MIN_SHARED_PROMPT = 16
 """Shortest common prefix for which :func:`find_groups` groups consecutive sequences."""
-
-
-def token_fields() -> tuple[str, ...]:
-    """The per-token arrays of a request, those a group's prompt shares: ``token_ids``
-    and the :data:`megascore.schema.INPUTS` per token (``ScoreRequest`` fields, client
-    ``Batch`` attributes)."""
-    return ("token_ids", *(spec.name for spec in schema.INPUTS if spec.per == schema.TOKEN))
 
 
 def expand_index(lengths: np.ndarray, sizes: np.ndarray, prompts: np.ndarray) -> np.ndarray:

@@ -243,62 +243,49 @@ def check_scored_inputs(batch: ScoreBatch, limits: Limits) -> None:
             raise InvalidRequestError("options.mismatch_ratio_cap: must be finite and > 1")
 
 
+def _schema_fields(cls):
+    """Declares on ``cls`` (before ``dataclass``) a field per entry of
+    :data:`megascore.schema.OPTIONS` (the entry's default) and of
+    :data:`megascore.schema.INPUTS` (None: not sent), so that a new entry needs no edit here."""
+    for opt in schema.OPTIONS:
+        cls.__annotations__[opt.name] = type(opt.default).__name__
+        setattr(cls, opt.name, opt.default)
+    for spec in schema.INPUTS:
+        cls.__annotations__[spec.name] = "np.ndarray | None"
+        setattr(cls, spec.name, None)
+    return cls
+
+
 @dataclasses.dataclass(frozen=True)
+@_schema_fields
 class ScoreBatch:
     """One engine step's worth of sequences.
 
-    The options (``top_k``, ``losses``, ``return_*``) are those of
-    :data:`megascore.schema.OPTIONS`, named as in ``ScoreOptions``; the optional
-    arrays those of :data:`megascore.schema.INPUTS`.
+    Besides ``token_ids`` and ``lengths``, a batch has one attribute per option of
+    :data:`megascore.schema.OPTIONS` (``top_k``, ``losses``, the ``return_*`` flags,
+    ``weights_version``: named and defaulted as the entry; ``weights_version`` is
+    rank 0's only, see :func:`check_pinned_version`) and one per input array of
+    :data:`megascore.schema.INPUTS` (None when the request did not send it):
+
+    * loss_mask: uint8 ``[T]`` of 0/1 (None: all ones); entry 0 of each sequence never
+      contributes (it has no prediction).
+    * temperature: float32 ``[B]`` per-sequence softmax temperature (> 0; None: ones).
+    * routing: integer ``[T, num_moe_layers, topk]`` expert ids to replay instead of
+      routing (:class:`RoutingShape`, ``megascore.engine.routing``).
+    * target_ids: int64 ``[T, K]`` caller-chosen ids whose logprobs to return at every
+      position (row 0 of each sequence ignored).
+    * rollout_logprobs: float64 ``[T]`` the rollout engine's logprobs of the tokens
+      (entry 0 of each sequence ignored).
+    * mismatch_ratio_cap: float32 ``[B]`` the importance-ratio cap of each sequence
+      (:mod:`megascore.mismatch`; None: the default cap).
 
     Attributes:
         token_ids: int64 ``[T]``, all sequences concatenated.
         lengths: int64 ``[B]``, every entry >= 1, ``lengths.sum() == T``.
-        loss_mask: uint8 ``[T]`` of 0/1, or None for all ones. Entry 0 of each
-            sequence never contributes (it has no prediction).
-        temperature: float32 ``[B]``, per-sequence softmax temperature (> 0).
-        top_k: number of top alternatives per token (0 = none).
-        losses: loss names to compute per sequence.
-        return_logprobs: whether per-token logprobs are needed in the output.
-        return_moe_metrics: whether to compute MoE router metrics.
-        return_mtp_metrics: whether to compute MTP metrics.
-        return_routing: whether to return the MoE routing (``ScoreOutput.routing``).
-        weights_version: the weights version every request of the step is pinned to
-            ("" = any; rank 0 only, see :func:`check_pinned_version`).
-        routing: integer ``[T, num_moe_layers, topk]`` expert ids to replay instead of
-            routing (:class:`RoutingShape`, ``megascore.engine.routing``), or None to route.
-        return_entropy: whether to return the per-token entropy.
-        return_importance_weights: whether to return the truncated importance weights
-            (with ``rollout_logprobs``).
-        target_ids: int64 ``[T, K]`` caller-chosen ids whose logprobs to return at
-            every position (row 0 of each sequence ignored), or None.
-        rollout_logprobs: float64 ``[T]`` the rollout engine's logprobs of the tokens
-            (entry 0 of each sequence ignored), or None.
-        mismatch_ratio_cap: float32 ``[B]`` the importance-ratio cap of each sequence
-            (:mod:`megascore.mismatch`), or None (the default cap).
-        logprob_positions: ``schema.MASKED``: the per-token head outputs only at the
-            loss mask's positions (the fill elsewhere; the engine runs the output head
-            only there); 0 or 1: every position.
     """
 
     token_ids: np.ndarray
     lengths: np.ndarray
-    loss_mask: np.ndarray | None = None
-    temperature: np.ndarray | None = None
-    top_k: int = 0
-    losses: tuple[str, ...] = ()
-    return_logprobs: bool = True
-    return_moe_metrics: bool = False
-    return_mtp_metrics: bool = False
-    return_routing: bool = False
-    weights_version: str = ""
-    routing: np.ndarray | None = None
-    return_entropy: bool = False
-    return_importance_weights: bool = False
-    target_ids: np.ndarray | None = None
-    rollout_logprobs: np.ndarray | None = None
-    mismatch_ratio_cap: np.ndarray | None = None
-    logprob_positions: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -360,17 +347,12 @@ class ScoreOutput:
 
     ``values`` holds the outputs of :data:`megascore.schema.OUTPUTS` by name; read them
     as attributes (``output.logprobs``; None when not computed, ``{}`` for a map
-    output). Today's entries:
-
-    * logprobs: float32 ``[T]``; entry 0 of each sequence is 0.0, entry t is
-      ``log p(x_t | x_<t)``.
-    * top_k_ids: int64 ``[T, k]`` (entry 0 of each sequence all -1); top_k_logprobs:
-      float32 ``[T, k]`` (entry 0 all 0.0).
-    * routing: int32 ``[T, num_moe_layers, topk]``: per token, per MoE layer of the
-      decoder, the expert ids used (the replayed ones when the batch gave them).
-    * losses: name -> float64 ``[B]`` per-sequence loss; num_loss_tokens: int64
-      ``[B]`` tokens that contributed to the losses
-      (:func:`megascore.layout.count_loss_tokens`); every engine sets it.
+    output). In the batch's flat layout: a per-token output is ``[T, *dims]`` of the
+    entry's dtype (a predicted one holds its ``fill`` at entry 0 of each sequence, where
+    there is no prediction); a per-sequence one ``[B]``, a map one name -> ``[B]``.
+    What each holds is documented on its ``ScoreResult`` attribute (the entry's
+    ``sdk``); ``num_loss_tokens`` (the tokens that contributed to the losses,
+    :func:`megascore.layout.count_loss_tokens`) is set by every engine.
 
     Attributes:
         values: output name -> array (a map output: name -> dict of ``[B]`` arrays).

@@ -222,7 +222,7 @@ def test_routing_is_split_with_its_sequences_and_rejoined(small_server):
 def test_plan_counts_routing_bytes():
     seqs = _batch(6, 200, 10, 100)
     batch = make_batch(seqs, routing=[ref_routing(s) for s in seqs])
-    assert batch.routing_values_per_token == 6
+    assert batch.routing.shape[1:] == (3, 2)  # 6 int32 values per token
     unrouted = plan(make_batch(seqs), ScoreOptions(), max_message_bytes=LIMIT)
     replayed = plan(batch, ScoreOptions(), max_message_bytes=LIMIT)
     assert len(replayed) > len(unrouted)  # 24 more request bytes per token

@@ -1,4 +1,5 @@
-"""Shared prefixes vs the dense forward at TP2 (with and without SP), EP2, PP2 and CP2 (dense).
+"""Shared prefixes vs the dense forward at TP2 (with and without SP), EP2 (two
+data-parallel ranks splitting the step by groups), PP2 and CP2 (dense and MoE models).
 
 One 2-rank torchrun launch of ``scripts/prefix_sharing_layouts.py``: per layout the
 shared engine's logprobs, top-k and losses are within 1e-6 (fp32) of the dense
@@ -16,7 +17,7 @@ from tests.torchrun import run_check_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "prefix_sharing_layouts.py"
 NPROC = 2
-LAYOUTS = ("tp2", "moe_tp2_sp", "ep2", "pp2", "cp2")  # as in the script
+LAYOUTS = ("tp2", "moe_tp2_sp", "ep2", "pp2", "cp2", "moe_cp2")  # as in the script
 
 
 @pytest.fixture(scope="module")

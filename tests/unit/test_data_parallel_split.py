@@ -7,8 +7,9 @@ import pytest
 
 from megascore import layout
 from megascore.engine.data_parallel import balanced_parts, split_step, sub_batch
-from megascore.engine.pipeline import split_microbatches
+from megascore.engine.pipeline import plan_microbatches, shared_units, split_microbatches
 from megascore.types import ScoreBatch
+from tests.prefix_groups import MIN_SHARED, prefix_group_batch
 
 
 def test_parts_cover_every_sequence_once_in_caller_order():
@@ -79,3 +80,62 @@ def test_sub_batch_takes_rows_of_every_per_token_and_per_sequence_field():
     assert part.top_k == 3
     empty = sub_batch(batch, np.array([], dtype=np.int64))
     assert empty.num_tokens == 0 and empty.num_sequences == 0 and empty.routing.shape == (0, 2, 1)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 3])
+def test_a_shared_split_keeps_groups_whole_and_plans_them_shared(microbatches):
+    """With prefix sharing the units are the groups sharing a prefix: every group goes
+    whole to one DP rank, microbatch i of every rank together holds the groups of the
+    lone rank's microbatch i, and the rank's plan of its part computes them shared
+    within the common packed length."""
+    batch = prefix_group_batch(seed=3)
+    units = shared_units(
+        batch.token_ids,
+        batch.lengths,
+        pad_multiple=4,
+        min_shared=MIN_SHARED,
+        labels=batch.temperatures(),
+    )
+    assert any(g.size > 1 for g in units.groups)
+    lone, _ = plan_microbatches(
+        batch.token_ids,
+        batch.lengths,
+        pad_multiple=4,
+        count=microbatches,
+        min_shared=MIN_SHARED,
+        labels=batch.temperatures(),
+    )
+    split = split_step(batch.lengths, 2, pad_multiple=4, microbatches=microbatches, shared=units)
+    (pad_to,) = {plan.pad_to for plan in split.plans}
+    assert sorted(np.concatenate(split.parts).tolist()) == list(range(batch.num_sequences))
+    owner = {int(s): rank for rank, part in enumerate(split.parts) for s in part}
+    assert all(len({owner[int(s)] for s in g}) == 1 for g in units.groups)
+    for i, mb in enumerate(lone):
+        together = []
+        for part, plan in zip(split.parts, split.plans, strict=True):
+            assert plan.min_shared == MIN_SHARED and len(plan.ranges) == len(lone)
+            first, end = plan.ranges[i]
+            together += part[first:end].tolist()
+        assert sorted(together) == sorted(mb.sequences.tolist())
+    for part, plan in zip(split.parts, split.plans, strict=True):
+        sub = sub_batch(batch, part)
+        mbs, got_pad_to = plan_microbatches(
+            sub.token_ids,
+            sub.lengths,
+            pad_multiple=4,
+            count=microbatches,
+            labels=sub.temperatures(),
+            cuts=plan,
+        )
+        assert got_pad_to == pad_to
+        for mb in mbs:
+            rows = layout.padded_lengths(mb.segments.lengths, 4).sum()
+            assert rows <= pad_to
+            if mb.sequences.size > 1:  # shared: fewer rows than its sequences' own
+                assert mb.segments.token_ids.size <= sub.lengths[mb.sequences].sum()
+        seqs = np.concatenate([mb.sequences for mb in mbs])
+        assert sorted(seqs.tolist()) == list(range(part.size))
+    assert (
+        sum(layout.padded_lengths(mb.segments.lengths, 4).sum() for mb in lone)
+        < layout.padded_lengths(batch.lengths, 4).sum()
+    )

@@ -2,7 +2,9 @@
 
 A per-token output added to the table alone (no other product edit) is computed by the
 engine step from the output head, mapped packed -> flat with its fill, merged across
-requests, cut per request and joined back; the recipe of docs/architecture.md.
+requests, cut per request and joined back, and counted in the client's size estimate;
+every option is a ``ScoreBatch`` attribute and an SDK ``ScoreOptions`` argument sent
+under its name; the recipe of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from megascore.layout import concat_outputs, select_sequences
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from megascore.types import ScoreBatch
+from megascore_client.inputs import make_batch
+from megascore_client.splitting import ROUTING_VALUES_GUESS, ScoreOptions, response_bytes
 from megascore_server.step_planner import merge_batches
 
 # The most likely next token's logprob: the top-1 logprob, from the chunk's normaliser.
@@ -94,6 +98,42 @@ def test_every_output_and_option_is_declared_once():
     assert len(wires) == len(set(wires))
     fields = {f.name for f in dataclasses.fields(ScoreBatch)}
     assert {opt.name for opt in schema.OPTIONS} | {i.name for i in schema.INPUTS} <= fields
+
+
+def test_the_client_sizes_a_response_from_the_table(monkeypatch):
+    """Bytes per token and per sequence of what a request asks for (the split plan's
+    estimate), a new output included."""
+    k_ids = [np.zeros((3, 2), np.int64), np.zeros((2, 2), np.int64)]
+    batch = make_batch([[1, 2, 3], [4, 5]], target_ids=k_ids)
+
+    def size(**options):
+        return response_bytes(ScoreOptions(**options), batch)
+
+    # logprobs f32 + target logprobs f32 [K=2]; lengths echo + num_loss_tokens (int64)
+    assert size(losses=()) == (4 + 4 * 2, 8 + 8, False)
+    # + top-k ids i64 and logprobs f32 [k]; routing i32, its shape guessed; 2 losses f64
+    assert size(top_k=3, return_routing=True, losses=("nll", "mean_nll")) == (
+        4 + 8 + 3 * (8 + 4) + 4 * ROUTING_VALUES_GUESS,
+        8 + 8 + 2 * 8,
+        True,
+    )
+    monkeypatch.setattr(schema, "OUTPUTS", (*schema.OUTPUTS, BEST))
+    assert size(losses=())[0] == 4 + 8 + 4
+    assert size(losses=(), return_logprobs=False)[0] == 8
+
+
+def test_every_option_is_a_batch_attribute_and_an_sdk_argument_of_its_name():
+    batch = _batch([2], 0)
+    sdk = {f.name for f in dataclasses.fields(ScoreOptions)}
+    for opt in schema.OPTIONS:
+        assert getattr(batch, opt.name) == opt.default
+        if opt.name in sdk and isinstance(opt.default, bool):
+            sent = ScoreOptions(**{opt.name: not opt.default}).to_proto()
+            assert getattr(sent, opt.name) is (not opt.default), opt.name
+            assert getattr(ScoreOptions().to_proto(), opt.name) is opt.default
+    sent = ScoreOptions(top_k=4, losses="nll", metrics="mtp", weights_version="v7").to_proto()
+    assert (sent.top_k, list(sent.losses), sent.weights_version) == (4, ["nll"], "v7")
+    assert (sent.return_moe_metrics, sent.return_mtp_metrics) == (False, True)
 
 
 def test_head_outputs_follow_the_options():

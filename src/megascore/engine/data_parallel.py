@@ -7,7 +7,10 @@ ranks). Every rank receives the whole batch (``megascore.engine.protocol``); the
 1. every rank computes the same split (:func:`split_step`, no communication): the step
    is cut into microbatches as a lone replica would cut it, and each microbatch's
    sequences go to the DP ranks balanced by padded tokens (longest first, each to the
-   least loaded rank), each part in the caller's order. Every DP rank runs the *same
+   least loaded rank), each part in the caller's order. With prefix sharing on, the
+   units are the groups of sequences that share a prefix (a group stays on one DP
+   rank, which computes its prefix once; balanced by the rows of its segments), each
+   part group after group. Every DP rank runs the *same
    number* of microbatches of the *same* packed length (the largest share; a DP rank
    without sequences in a microbatch runs one of pad tokens only, a DP rank without
    any sequence only those), because the expert layers' token dispatch is a
@@ -55,8 +58,20 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megascore import layout, schema
-from megascore.engine.pipeline import MicrobatchPlan, split_microbatches
-from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
+from megascore.engine.pipeline import (
+    MicrobatchPlan,
+    SharedUnits,
+    shared_units,
+    split_microbatches,
+)
+from megascore.engine.step import (
+    StepConfig,
+    StepGroups,
+    finish_step,
+    run_step,
+    shared_prefix,
+    token_keys,
+)
 from megascore.errors import WorkerLostError
 from megascore.types import ScoreBatch, ScoreOutput
 
@@ -89,37 +104,54 @@ def balanced_parts(padded: np.ndarray, size: int) -> list[np.ndarray]:
     return [np.flatnonzero(owner == rank) for rank in range(size)]
 
 
-def split_step(lengths: np.ndarray, size: int, pad_multiple: int, microbatches: int) -> StepSplit:
+def split_step(
+    lengths: np.ndarray,
+    size: int,
+    pad_multiple: int,
+    microbatches: int,
+    shared: SharedUnits | None = None,
+) -> StepSplit:
     """Splits a step's sequences across ``size`` DP ranks (module docstring, 1).
 
     The step is cut into microbatches as one rank would cut it
-    (:func:`~megascore.engine.pipeline.split_microbatches`); each microbatch's sequences
-    are then shared out (:func:`balanced_parts`), so microbatch ``i`` of every DP rank
-    together is the lone rank's microbatch ``i``.
+    (:func:`~megascore.engine.pipeline.split_microbatches` of its sequences, or of its
+    groups sharing a prefix); each microbatch's sequences (groups) are then shared out
+    (:func:`balanced_parts`), so microbatch ``i`` of every DP rank together is the lone
+    rank's microbatch ``i``, and a group's prefix is computed once, by one DP rank.
 
     Args:
         lengths: int64 ``[B]`` sequence lengths of the step.
         size: data-parallel ranks.
         pad_multiple: per-sequence pad multiple.
         microbatches: microbatches wanted (fewer when the step is small).
+        shared: the step's groups sharing a prefix
+            (:func:`~megascore.engine.pipeline.shared_units`), or None for a dense step.
 
     Returns:
-        The :class:`StepSplit`.
+        The :class:`StepSplit` (dense: every part ascending, the caller's order; shared:
+        group after group).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    padded = layout.padded_lengths(lengths, pad_multiple)
+    if shared is None:
+        units = [np.array([i], dtype=np.int64) for i in range(lengths.size)]
+        costs = layout.padded_lengths(lengths, pad_multiple)
+    else:
+        units, costs = shared.groups, shared.costs
     parts: list[list[np.ndarray]] = [[] for _ in range(size)]
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(size)]
     counts, pad_to = [0] * size, 0
-    for a, b in split_microbatches(lengths, pad_multiple, microbatches)[0]:
-        for rank, share in enumerate(balanced_parts(padded[a:b], size)):
-            parts[rank].append(share + a)
-            ranges[rank].append((counts[rank], counts[rank] + share.size))
-            counts[rank] += share.size
-            pad_to = max(pad_to, int(padded[a:b][share].sum()))
+    for a, b in split_microbatches(costs, pad_multiple, microbatches)[0]:
+        for rank, share in enumerate(balanced_parts(costs[a:b], size)):
+            seqs = [units[a + int(i)] for i in share]
+            n = sum(s.size for s in seqs)
+            parts[rank] += seqs
+            ranges[rank].append((counts[rank], counts[rank] + n))
+            counts[rank] += n
+            pad_to = max(pad_to, int(costs[a:b][share].sum()))
+    min_shared = None if shared is None else shared.min_shared
     return StepSplit(
-        parts=[np.concatenate(p).astype(np.int64) for p in parts],
-        plans=[MicrobatchPlan(ranges=r, pad_to=pad_to) for r in ranges],
+        parts=[np.concatenate([np.zeros(0, np.int64), *p]).astype(np.int64) for p in parts],
+        plans=[MicrobatchPlan(ranges=r, pad_to=pad_to, min_shared=min_shared) for r in ranges],
     )
 
 
@@ -270,7 +302,18 @@ class DataParallelGroup:
         if self.size == 1:
             result = run_step(model, batch, groups, cfg)
             return finish_step(batch, result) if dist.get_rank() == cfg.output_rank else None
-        split = split_step(batch.lengths, self.size, cfg.pad_multiple, cfg.microbatches)
+        min_shared = shared_prefix(model, batch, cfg)
+        shared = None
+        if min_shared is not None:
+            shared = shared_units(
+                batch.token_ids,
+                batch.lengths,
+                pad_multiple=cfg.pad_multiple,
+                min_shared=min_shared,
+                token_keys=token_keys(batch),
+                labels=batch.temperatures(),
+            )
+        split = split_step(batch.lengths, self.size, cfg.pad_multiple, cfg.microbatches, shared)
         part = sub_batch(batch, split.parts[self.rank])
         split_metrics = batch.return_moe_metrics and bool(model.config.num_moe_experts)
         cfg = dataclasses.replace(cfg, data_parallel_split=True)

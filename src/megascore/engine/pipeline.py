@@ -101,14 +101,18 @@ class MicrobatchPlan:
             data-parallel rank without sequences in it still joins its peers' expert
             collectives (:mod:`megascore.engine.data_parallel`).
         pad_to: packed length of every microbatch.
+        min_shared: None: every sequence computed whole; else every range holds whole
+            groups of sequences sharing a prefix (:func:`shared_units`), and the prefixes
+            of at least ``min_shared`` tokens are computed once.
     """
 
     ranges: list[tuple[int, int]]
     pad_to: int
+    min_shared: int | None = None
 
     @classmethod
     def split(cls, lengths: np.ndarray, pad_multiple: int, count: int) -> MicrobatchPlan:
-        """The plan of a rank that runs its step alone (:func:`split_microbatches`)."""
+        """The dense plan of a rank that runs its step alone (:func:`split_microbatches`)."""
         ranges, pad_to = split_microbatches(lengths, pad_multiple, count)
         return cls(ranges=ranges, pad_to=pad_to)
 
@@ -126,48 +130,37 @@ class MicrobatchSegments:
     segments: SegmentLayout
 
 
-def plan_microbatches(
+@dataclasses.dataclass(frozen=True)
+class SharedUnits:
+    """A step's sequences in groups that share a prefix: the units a step's microbatches
+    (and data-parallel parts) are cut from, a group never cut apart.
+
+    Attributes:
+        min_shared: the shortest prefix shared.
+        groups: sequence indices per group (:func:`~megascore.prefix_tree.shared_groups`).
+        layouts: each group's :class:`~megascore.prefix_tree.SegmentLayout`.
+        costs: int64 ``[G]`` packed rows of each group's segments, padded.
+    """
+
+    min_shared: int
+    groups: list[np.ndarray]
+    layouts: list[SegmentLayout]
+    costs: np.ndarray
+
+
+def shared_units(
     token_ids: np.ndarray,
     lengths: np.ndarray,
     *,
     pad_multiple: int,
-    count: int,
-    min_shared: int | None = None,
+    min_shared: int,
     token_keys: np.ndarray | None = None,
     labels: np.ndarray | None = None,
-    cuts: MicrobatchPlan | None = None,
-) -> tuple[list[MicrobatchSegments], int]:
-    """Splits a step into microbatches, computing shared prefixes once when asked.
-
-    Dense (``min_shared`` None): :func:`split_microbatches` of the sequences in batch
-    order. Shared: the sequences that share a prefix (:func:`~megascore.prefix_tree.
-    shared_groups`) stay in one microbatch; groups are split like sequences, by what
-    their segments occupy (:func:`~megascore.prefix_tree.shared_layout`).
-
-    Args:
-        token_ids: int64 ``[T]`` the step's tokens.
-        lengths: int64 ``[B]``.
-        pad_multiple: per-segment pad multiple.
-        count: microbatches wanted.
-        min_shared: shortest prefix worth sharing, or None for the dense layout.
-        token_keys: int64 ``[T, w]`` what must match for tokens to be shared (None: ids).
-        labels: ``[B]`` sequences of different labels share nothing (None: all equal).
-        cuts: a dense step's given microbatches (a data-parallel rank's share,
-            :mod:`megascore.engine.data_parallel`); None: :meth:`MicrobatchPlan.split`.
-
-    Returns:
-        ``(plans, pad_to)``: the microbatches in order and their common packed length.
-    """
+) -> SharedUnits:
+    """The groups of a step's sequences that share a prefix of ``>= min_shared`` tokens,
+    with their layouts (arguments as :func:`plan_microbatches`)."""
     token_ids = np.asarray(token_ids, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
-    if min_shared is None:
-        cuts = cuts or MicrobatchPlan.split(lengths, pad_multiple, count)
-        plans = []
-        for a, b in cuts.ranges:
-            seqs = np.arange(a, b, dtype=np.int64)
-            tokens = token_ids[layout.token_index(lengths, seqs)]
-            plans.append(MicrobatchSegments(seqs, dense_layout(tokens, lengths[a:b])))
-        return plans, cuts.pad_to
     keys = token_ids[:, None] if token_keys is None else token_keys
     labels = np.zeros(len(lengths)) if labels is None else labels
     groups = shared_groups(keys, lengths, labels, min_shared)
@@ -185,16 +178,85 @@ def plan_microbatches(
         )
     costs = np.array(
         [layout.padded_lengths(g.lengths, pad_multiple).sum() for g in layouts], dtype=np.int64
+    ).reshape(-1)
+    return SharedUnits(min_shared, groups, layouts, costs)
+
+
+def _joined(units: SharedUnits, lengths: np.ndarray, a: int, b: int) -> MicrobatchSegments:
+    """One microbatch of groups ``a .. b - 1``."""
+    groups = units.groups[a:b]
+    return MicrobatchSegments(
+        np.concatenate(groups), concat_layouts(units.layouts[a:b], [lengths[g] for g in groups])
     )
-    ranges, pad_to = split_microbatches(costs, pad_multiple, count)
-    plans = [
-        MicrobatchSegments(
-            np.concatenate(groups[a:b]),
-            concat_layouts(layouts[a:b], [lengths[g] for g in groups[a:b]]),
+
+
+def plan_microbatches(
+    token_ids: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    pad_multiple: int,
+    count: int,
+    min_shared: int | None = None,
+    token_keys: np.ndarray | None = None,
+    labels: np.ndarray | None = None,
+    cuts: MicrobatchPlan | None = None,
+) -> tuple[list[MicrobatchSegments], int]:
+    """Splits a step into microbatches, computing shared prefixes once when asked.
+
+    Dense (``min_shared`` None): :func:`split_microbatches` of the sequences in batch
+    order. Shared: the sequences that share a prefix (:func:`shared_units`) stay in one
+    microbatch; groups are split like sequences, by what their segments occupy. Given
+    ``cuts`` (a data-parallel rank's share), its ranges are the microbatches, dense or
+    shared as the plan says.
+
+    Args:
+        token_ids: int64 ``[T]`` the step's tokens.
+        lengths: int64 ``[B]``.
+        pad_multiple: per-segment pad multiple.
+        count: microbatches wanted.
+        min_shared: shortest prefix worth sharing, or None for the dense layout.
+        token_keys: int64 ``[T, w]`` what must match for tokens to be shared (None: ids).
+        labels: ``[B]`` sequences of different labels share nothing (None: all equal).
+        cuts: the step's given microbatches (:mod:`megascore.engine.data_parallel`,
+            whose ``min_shared`` replaces the argument); None: cut here.
+
+    Returns:
+        ``(plans, pad_to)``: the microbatches in order and their common packed length.
+    """
+    token_ids = np.asarray(token_ids, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if cuts is None and min_shared is not None:
+        units = shared_units(
+            token_ids,
+            lengths,
+            pad_multiple=pad_multiple,
+            min_shared=min_shared,
+            token_keys=token_keys,
+            labels=labels,
         )
-        for a, b in ranges
-    ]
-    return plans, pad_to
+        ranges, pad_to = split_microbatches(units.costs, pad_multiple, count)
+        return [_joined(units, lengths, a, b) for a, b in ranges], pad_to
+    cuts = cuts or MicrobatchPlan.split(lengths, pad_multiple, count)
+    plans = []
+    for a, b in cuts.ranges:
+        seqs = np.arange(a, b, dtype=np.int64)
+        tok = layout.token_index(lengths, seqs)
+        if cuts.min_shared is None or a == b:
+            plans.append(MicrobatchSegments(seqs, dense_layout(token_ids[tok], lengths[seqs])))
+            continue
+        units = shared_units(
+            token_ids[tok],
+            lengths[seqs],
+            pad_multiple=pad_multiple,
+            min_shared=cuts.min_shared,
+            token_keys=None if token_keys is None else token_keys[tok],
+            labels=None if labels is None else labels[seqs],
+        )
+        if int(units.costs.sum()) > cuts.pad_to:
+            raise RuntimeError(f"microbatch [{a}, {b}): {units.costs.sum()} > {cuts.pad_to} rows")
+        mb = _joined(units, lengths[seqs], 0, len(units.groups))
+        plans.append(MicrobatchSegments(mb.sequences + a, mb.segments))
+    return plans, cuts.pad_to
 
 
 @dataclasses.dataclass

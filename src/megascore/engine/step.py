@@ -169,15 +169,22 @@ class _Plan:
     want_mtp: bool
 
 
-def _min_shared(batch: ScoreBatch, cfg: StepConfig, cp_size: int, metrics: bool) -> int | None:
-    """The step's shortest shared prefix, or None for a dense step: sharing off, context
-    parallelism, or a forward recording MoE / MTP metrics (they are the dense batch's)."""
-    if cfg.min_shared_prefix is None or cp_size > 1 or metrics:
-        return None
-    return cfg.min_shared_prefix
+def shared_prefix(model, batch: ScoreBatch, cfg: StepConfig) -> int | None:
+    """The step's shortest shared prefix, or None for a dense step: sharing off, or a
+    forward recording MoE / MTP metrics (they are the dense batch's)."""
+    return None if any(_metrics_forward(model, batch)) else cfg.min_shared_prefix
 
 
-def _token_keys(batch: ScoreBatch) -> np.ndarray | None:
+def _metrics_forward(model, batch: ScoreBatch) -> tuple[bool, bool]:
+    """Whether the step records MoE and MTP metrics (a model without such layers has
+    empty metrics, not an error)."""
+    return (
+        batch.return_moe_metrics and bool(model.config.num_moe_experts),
+        batch.return_mtp_metrics and bool(model.config.mtp_num_layers),
+    )
+
+
+def token_keys(batch: ScoreBatch) -> np.ndarray | None:
     """What must match for two tokens to be shared: the id, the routes it replays and the
     target ids scored at it."""
     extra = [  # [T, -1] (an empty data-parallel share has T = 0 and no columns to infer)
@@ -195,23 +202,19 @@ def _token_keys(batch: ScoreBatch) -> np.ndarray | None:
 def _plan(
     model, batch: ScoreBatch, groups: StepGroups, cfg: StepConfig, cuts: MicrobatchPlan | None
 ) -> _Plan:
-    """Stage 1: split into microbatches (``cuts``, a data-parallel rank's share, run dense;
-    else :func:`plan_microbatches`, sharing prefixes when on) and pack each for this rank's
-    CP rank; what the last stage computes (:class:`ScoreSpec`)."""
+    """Stage 1: split into microbatches (:func:`plan_microbatches`, sharing prefixes when
+    on; ``cuts``: a data-parallel rank's share, shared or dense as its plan says) and pack
+    each for this rank's CP rank; what the last stage computes (:class:`ScoreSpec`)."""
     lengths = np.asarray(batch.lengths, dtype=np.int64)
     cp_size = dist.get_world_size(groups.cp)
-    # Metrics of a model without MoE / MTP layers are empty, not an error.
-    want_moe = batch.return_moe_metrics and bool(model.config.num_moe_experts)
-    want_mtp = batch.return_mtp_metrics and bool(model.config.mtp_num_layers)
+    want_moe, want_mtp = _metrics_forward(model, batch)
     layouts, pad_to = plan_microbatches(
         batch.token_ids,
         lengths,
         pad_multiple=cfg.pad_multiple,
         count=cfg.microbatches,
-        min_shared=None
-        if cuts is not None
-        else _min_shared(batch, cfg, cp_size, metrics=want_moe or want_mtp),
-        token_keys=_token_keys(batch),
+        min_shared=shared_prefix(model, batch, cfg),
+        token_keys=token_keys(batch),
         labels=batch.temperatures(),
         cuts=cuts,
     )

@@ -15,7 +15,8 @@ constructor and forward arguments and supports what the local module does not:
   query chunk attends to the keys that precede it. The layout is Megatron's
   load-balanced one: each (padded) sequence is cut into ``2 * cp`` chunks and CP
   rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` in that order;
-* shared prefixes (:class:`megascore.segment_packing.SharedPrefixParams`, CP size 1):
+* shared prefixes (:class:`megascore.segment_packing.SharedPrefixParams`, any CP size:
+  the prefix rows are looked up in the gathered keys):
   a segment that continues a prefix attends to the prefix's rows
   (:func:`megascore.segment_packing.prefix_rows`) and then causally to its own, in
   one softmax per query (the prefix's keys come first, as in the dense sequence).
@@ -83,13 +84,12 @@ def _build_plan(
         cp_size: size of the CP group.
         device: where the index tensors live.
         prefixes: per segment, the packed rows it attends to before its own
-            (:func:`megascore.segment_packing.prefix_rows`; CP size 1), or None.
+            (:func:`megascore.segment_packing.prefix_rows`, rows of the full packed
+            axis), or None.
 
     Returns:
         The buckets of SDPA calls covering every non-empty segment.
     """
-    if prefixes is not None and cp_size > 1:
-        raise ValueError("shared-prefix segments need context parallel size 1")
     n_chunks = 2 * cp_size if cp_size > 1 else 1
     cu = torch.tensor([0, *seg_lens], dtype=torch.long).cumsum(0)
     if cp_size > 1:

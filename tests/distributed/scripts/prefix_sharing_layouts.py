@@ -3,17 +3,19 @@
 For every layout, one engine with ``prefix_sharing=False`` and one with it on
 (``min_shared_prefix`` 8) score :func:`tests.prefix_groups.prefix_group_batch`:
 
-* TP2 (tiny), TP2 with sequence parallelism, EP2 and PP2 (tiny-moe, routing recorded;
-  PP2 in up to 4 microbatches, the groups interleaved in the batch): shared within
-  1e-6 of dense (fp32), top-k ids and recorded routes equal, and the shared engine's
-  replay of its own routes is bit-identical to its recording forward;
-* CP2 (tiny): the engine falls back to dense (``min_shared_prefix`` None) and scores alike.
+* TP2 (tiny), TP2 with sequence parallelism, EP2, PP2 and CP2 (tiny-moe, routing
+  recorded; PP2 in up to 4 microbatches, the groups interleaved in the batch) and CP2
+  (tiny): shared within 1e-6 of dense (fp32), top-k ids and recorded routes equal, and
+  the shared engine's replay of its own routes is bit-identical to its recording forward;
+* the shared engine's attention did attend to shared prefix rows in every layout (at
+  EP2 the two ranks are data-parallel: each computes the prefixes of its groups).
 
 Check outcomes go to ``OUT_DIR/prefix_rank{r}.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import sys
@@ -25,6 +27,7 @@ from engine_common import CheckLog
 
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
+from megascore.model import attention
 from tests.prefix_groups import MIN_SHARED, assert_same_scores, prefix_group_batch
 
 # name -> (model, tp, cp, ep, pp)
@@ -34,7 +37,26 @@ LAYOUTS = {
     "ep2": ("tiny-moe", 1, 1, 2, 1),
     "pp2": ("tiny-moe", 1, 1, 1, 2),
     "cp2": ("tiny", 1, 2, 1, 1),
+    "moe_cp2": ("tiny-moe", 1, 2, 1, 1),
 }
+
+
+@contextlib.contextmanager
+def spy_prefix_attention():
+    """Yields a list that gets, per attention plan built on this rank inside the block,
+    whether a segment attended to prefix rows."""
+    seen: list[bool] = []
+    build = attention._build_plan
+
+    def spy(seg_lens, cp_rank, cp_size, device, prefixes=None):
+        seen.append(prefixes is not None and any(len(p) for p in prefixes))
+        return build(seg_lens, cp_rank, cp_size, device, prefixes)
+
+    attention._build_plan = spy
+    try:
+        yield seen
+    finally:
+        attention._build_plan = build
 
 
 def with_engine(spec, sharing: bool, rank: int, work):
@@ -73,11 +95,13 @@ def run_layout(name: str, spec, rank: int) -> None:
         return engine.step_cfg.min_shared_prefix, out, again
 
     dense = with_engine(spec, False, rank, lambda engine: engine.score(batch))
-    shared = with_engine(spec, True, rank, shared_work)
+    with spy_prefix_attention() as seen:
+        shared = with_engine(spec, True, rank, shared_work)
     if rank != 0:
         return
     min_shared, out, again = shared
-    assert min_shared == (None if name == "cp2" else MIN_SHARED), min_shared
+    assert min_shared == MIN_SHARED, min_shared
+    assert any(seen), "the shared engine never attended to prefix rows"
     assert_same_scores(out, dense)
     if moe:
         assert np.array_equal(again.logprobs, out.logprobs)

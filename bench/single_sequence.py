@@ -1,0 +1,170 @@
+"""One long sequence through gRPC vs a transformers forward + log-softmax (issue 23).
+
+A random transformers ``LlamaForCausalLM`` (hidden 256, 4 layers, vocab 32000, float32)
+is saved to a temporary directory and served by ``megascore serve --model hf:DIR``
+(CPU, one process). For each length (default 2048 and 16384 tokens), one random
+sequence is scored, the two sides taking turns (the order alternating per repetition):
+
+* **megascore**: the SDK's ``score([sequence], losses=())`` through gRPC, wall clock
+  from the call to the decoded result (client encode, wire, batching, the packed
+  forward with its chunked vocabulary head, response);
+* **transformers**: in this process, ``model(ids).logits`` then ``log_softmax`` over
+  the vocabulary and the gather of the next tokens' logprobs: what a trainer's
+  reference-logprob code does for one sequence.
+
+Both sides use every core of the machine (the server and this process run one at a
+time). The ratio is transformers seconds / megascore seconds, the median over the
+repetitions (targets: >= 1.0 at 2k tokens, >= 2.0 at 16k), with the max |delta
+logprob| between the two.
+
+Usage: ``python bench/single_sequence.py [--lengths 2048,16384] [--reps 3]`` writes (or
+replaces) the section between the ``single_sequence.py`` markers of RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import common
+import numpy as np
+from e2e_vs_engine import Server
+
+HERE = Path(__file__).parent
+BEGIN, END = "<!-- single_sequence.py: begin -->", "<!-- single_sequence.py: end -->"
+VOCAB, HIDDEN, LAYERS = 32000, 256, 4
+TARGETS = {2048: 1.0, 16384: 2.0}
+
+
+def make_model(max_len: int):
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=688,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def transformers_logprobs(model, seq: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        ids = torch.from_numpy(seq)[None]
+        lp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        return lp[:-1].gather(-1, ids[0, 1:, None])[:, 0].numpy()
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def measure(tmp: Path, lengths: list[int], reps: int) -> dict:
+    import torch
+
+    from megascore_client import ScoringClient
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    model = make_model(max(lengths))
+    model.save_pretrained(tmp / "llama")
+    rng = np.random.default_rng(0)
+    seqs = {n: rng.integers(0, VOCAB, n) for n in lengths}
+    server = Server("cpu", max(lengths), tmp / "server.log", model=f"hf:{tmp / 'llama'}")
+    server.start()
+    rows: dict[int, dict] = {}
+    try:
+        server.wait_serving(timeout=900)
+        with ScoringClient(server.target, timeout=1800, retries=None) as client:
+            for n, seq in seqs.items():
+                client.score([seq[:64]], losses=())  # warm-up: first-call costs
+                transformers_logprobs(model, seq[:64])
+                ours, theirs, diff = [], [], 0.0
+                for rep in range(reps):
+                    sides = [("ms", lambda s=seq: client.score([s], losses=()))]
+                    sides.append(("hf", lambda s=seq: transformers_logprobs(model, s)))
+                    for name, fn in sides if rep % 2 == 0 else sides[::-1]:
+                        seconds, out = timed(fn)
+                        (ours if name == "ms" else theirs).append(seconds)
+                        if name == "ms":
+                            got = out.logprobs[0][1:].astype(np.float64)
+                        else:
+                            want = out.astype(np.float64)
+                    diff = max(diff, float(np.abs(got - want).max()))
+                ratios = [h / m for h, m in zip(theirs, ours, strict=True)]
+                rows[n] = dict(ms=ours, hf=theirs, ratios=ratios, diff=diff)
+                print(f"{n} tokens: megascore {ours} s, transformers {theirs} s", flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def section(rows: dict, machine: dict, elapsed: float, reps: int, start_load: str) -> str:
+    lines = [
+        BEGIN,
+        "## One sequence through gRPC vs transformers (`bench/single_sequence.py`)",
+        "",
+        f"Written by `python bench/single_sequence.py --reps {reps}` in {elapsed / 60:.1f} min "
+        f"({machine['date']}, {machine['cpu']}, {machine['torch']}, "
+        f"load average {start_load} at the start, {common.load_average()} at the end); rerun "
+        "it to update this section.",
+        "",
+        f"* model: random transformers LlamaForCausalLM, hidden {HIDDEN}, {LAYERS} layers, "
+        f"vocab {VOCAB}, float32, served as `hf:DIR` by one `megascore serve` (CPU)",
+        "* megascore: SDK `score([seq], losses=())` through gRPC, wall clock; transformers: "
+        "`model(ids).logits`, `log_softmax`, gather, in-process; sides alternate per "
+        "repetition, every core each",
+        "",
+        "| tokens | megascore s (median) | transformers s (median) | transformers / megascore "
+        "| target | result | max abs logprob diff |",
+        "|---:|---:|---:|---:|---|---|---:|",
+    ]
+    met = 0
+    for n, row in rows.items():
+        ratio = statistics.median(row["ratios"])
+        target = TARGETS.get(n)
+        ok = target is not None and ratio >= target
+        met += ok
+        result = "-" if target is None else ("pass" if ok else "MISS")
+        lines.append(
+            f"| {n} | {statistics.median(row['ms']):.3f} | {statistics.median(row['hf']):.3f} "
+            f"| {ratio:.2f} (reps {min(row['ratios']):.2f}..{max(row['ratios']):.2f}) "
+            f"| {'' if target is None else f'>= {target}'} | {result} | {row['diff']:.1e} |"
+        )
+    judged = sum(n in TARGETS for n in rows)
+    lines += ["", f"{met} of {judged} targets met.", END]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="2048,16384")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    args = p.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    start_load = common.load_average()
+    common.run_own_section(
+        "megascore-single-",
+        (BEGIN, END),
+        args.output,
+        lambda tmp: measure(tmp, lengths, args.reps),
+        lambda rows, machine, elapsed: section(rows, machine, elapsed, args.reps, start_load),
+    )
+
+
+if __name__ == "__main__":
+    main()
