@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore import layout, schema
+from megascore import schema
 from megascore.errors import InvalidRequestError
 from megascore.sequence_groups import expand_index
 from megascore.v1 import scoring_pb2 as pb
@@ -34,37 +34,41 @@ def _counts(groups: pb.SequenceGroups, field: str) -> np.ndarray:
     return decode_array(getattr(groups, field), f"groups.{field}", _INT_DTYPES).astype(np.int64)
 
 
+def _refuse_first(bad: np.ndarray, message) -> None:
+    """Raises ``InvalidRequestError(message(i))`` for the first ``i`` where ``bad`` holds."""
+    hits = np.flatnonzero(bad)
+    if hits.size:
+        raise InvalidRequestError(message(int(hits[0])))
+
+
 def _check_groups(sizes: np.ndarray, prompts: np.ndarray, lengths: np.ndarray) -> None:
     """Raises InvalidRequestError naming the field and the group / sequence."""
     if prompts.size != sizes.size:
         raise InvalidRequestError(
             f"groups.prompt_lengths: {prompts.size} entries for {sizes.size} groups (groups.sizes)"
         )
-    bad = np.flatnonzero(sizes < 1)
-    if bad.size:
-        g = int(bad[0])
-        raise InvalidRequestError(
-            f"groups.sizes: group {g} has {int(sizes[g])} sequences; every group needs >= 1"
-        )
+    _refuse_first(
+        sizes < 1,
+        lambda g: f"groups.sizes: group {g} has {int(sizes[g])} sequences; every group needs >= 1",
+    )
     if int(sizes.sum()) != lengths.size:
         raise InvalidRequestError(
             f"groups.sizes: the groups hold {int(sizes.sum())} sequences, lengths has "
             f"{lengths.size}"
         )
-    bad = np.flatnonzero(prompts < 0)
-    if bad.size:
-        g = int(bad[0])
-        raise InvalidRequestError(
-            f"groups.prompt_lengths: group {g} has a prompt of {int(prompts[g])} tokens (< 0)"
-        )
-    bad = np.flatnonzero(np.repeat(prompts, sizes) > lengths)
-    if bad.size:
-        i = int(bad[0])
-        g = layout.sequence_at(layout.offsets(sizes), i)
-        raise InvalidRequestError(
-            f"groups.prompt_lengths: group {g}'s prompt has {int(prompts[g])} tokens, more "
-            f"than its sequence {i} (length {int(lengths[i])})"
-        )
+    _refuse_first(
+        prompts < 0,
+        lambda g: f"groups.prompt_lengths: group {g} has a prompt of {int(prompts[g])} tokens",
+    )
+    group_of = np.repeat(np.arange(sizes.size), sizes)
+    _refuse_first(
+        prompts[group_of] > lengths,
+        lambda i: (
+            f"groups.prompt_lengths: group {group_of[i]}'s prompt has "
+            f"{int(prompts[group_of[i]])} tokens, more than its sequence {i} "
+            f"(length {int(lengths[i])})"
+        ),
+    )
 
 
 def expand_groups(request: pb.ScoreRequest, lengths: np.ndarray) -> pb.ScoreRequest:
