@@ -10,20 +10,25 @@ sequence is scored, the two sides taking turns (the order alternating per repeti
   forward with its chunked vocabulary head, response);
 * **transformers**: in this process, ``model(ids).logits`` then ``log_softmax`` over
   the vocabulary and the gather of the next tokens' logprobs: what a trainer's
-  reference-logprob code does for one sequence.
+  reference-logprob code does for one sequence; once with transformers' default
+  attention (``sdpa``: torch's CPU flash attention, the kernel megascore's attention
+  calls too; the judged row) and once with ``eager`` (the score matrix materialised;
+  transformers' default before SDPA, a reference point, not judged).
 
 Both sides use every core of the machine (the server and this process run one at a
 time). The ratio is transformers seconds / megascore seconds, the median over the
 repetitions (targets: >= 1.0 at 2k tokens, >= 2.0 at 16k), with the max |delta
 logprob| between the two.
 
-Usage: ``python bench/single_sequence.py [--lengths 2048,16384] [--reps 3]`` writes (or
+Usage: ``python bench/single_sequence.py [--lengths 2048,16384] [--reps 3]
+[--attention sdpa,eager]`` writes (or
 replaces) the section between the ``single_sequence.py`` markers of RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -37,6 +42,7 @@ HERE = Path(__file__).parent
 BEGIN, END = "<!-- single_sequence.py: begin -->", "<!-- single_sequence.py: end -->"
 VOCAB, HIDDEN, LAYERS = 32000, 256, 4
 TARGETS = {2048: 1.0, 16384: 2.0}
+JUDGED = "sdpa"  # transformers' default attention
 
 
 def make_model(max_len: int):
@@ -73,7 +79,7 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def measure(tmp: Path, lengths: list[int], reps: int) -> dict:
+def measure(tmp: Path, lengths: list[int], reps: int, attentions: list[str]) -> dict:
     import torch
 
     from megascore_client import ScoringClient
@@ -85,11 +91,12 @@ def measure(tmp: Path, lengths: list[int], reps: int) -> dict:
     seqs = {n: rng.integers(0, VOCAB, n) for n in lengths}
     server = Server("cpu", max(lengths), tmp / "server.log", model=f"hf:{tmp / 'llama'}")
     server.start()
-    rows: dict[int, dict] = {}
+    rows: dict[tuple[int, str], dict] = {}
     try:
         server.wait_serving(timeout=900)
         with ScoringClient(server.target, timeout=1800, retries=None) as client:
-            for n, seq in seqs.items():
+            for (n, seq), attention in itertools.product(seqs.items(), attentions):
+                model.set_attn_implementation(attention)
                 client.score([seq[:64]], losses=())  # warm-up: first-call costs
                 transformers_logprobs(model, seq[:64])
                 ours, theirs, diff = [], [], 0.0
@@ -105,8 +112,8 @@ def measure(tmp: Path, lengths: list[int], reps: int) -> dict:
                             want = out.astype(np.float64)
                     diff = max(diff, float(np.abs(got - want).max()))
                 ratios = [h / m for h, m in zip(theirs, ours, strict=True)]
-                rows[n] = dict(ms=ours, hf=theirs, ratios=ratios, diff=diff)
-                print(f"{n} tokens: megascore {ours} s, transformers {theirs} s", flush=True)
+                rows[n, attention] = dict(ms=ours, hf=theirs, ratios=ratios, diff=diff)
+                print(f"{n} tokens: megascore {ours} s, transformers ({attention}) {theirs} s")
     finally:
         server.stop()
     return rows
@@ -128,23 +135,24 @@ def section(rows: dict, machine: dict, elapsed: float, reps: int, start_load: st
         "`model(ids).logits`, `log_softmax`, gather, in-process; sides alternate per "
         "repetition, every core each",
         "",
-        "| tokens | megascore s (median) | transformers s (median) | transformers / megascore "
-        "| target | result | max abs logprob diff |",
-        "|---:|---:|---:|---:|---|---|---:|",
+        "| tokens | transformers attention | megascore s (median) | transformers s (median) "
+        "| transformers / megascore | target | result | max abs logprob diff |",
+        "|---:|---|---:|---:|---:|---|---|---:|",
     ]
     met = 0
-    for n, row in rows.items():
+    for (n, attention), row in rows.items():
         ratio = statistics.median(row["ratios"])
-        target = TARGETS.get(n)
+        target = TARGETS.get(n) if attention == JUDGED else None
         ok = target is not None and ratio >= target
         met += ok
         result = "-" if target is None else ("pass" if ok else "MISS")
+        ms, hf = statistics.median(row["ms"]), statistics.median(row["hf"])
         lines.append(
-            f"| {n} | {statistics.median(row['ms']):.3f} | {statistics.median(row['hf']):.3f} "
+            f"| {n} | {attention} | {ms:.3f} | {hf:.3f} "
             f"| {ratio:.2f} (reps {min(row['ratios']):.2f}..{max(row['ratios']):.2f}) "
             f"| {'' if target is None else f'>= {target}'} | {result} | {row['diff']:.1e} |"
         )
-    judged = sum(n in TARGETS for n in rows)
+    judged = sum(n in TARGETS and attention == JUDGED for n, attention in rows)
     lines += ["", f"{met} of {judged} targets met.", END]
     return "\n".join(lines) + "\n"
 
@@ -153,6 +161,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="2048,16384")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--attention", default="sdpa,eager", help="transformers attentions to time")
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -161,7 +170,7 @@ def main() -> None:
         "megascore-single-",
         (BEGIN, END),
         args.output,
-        lambda tmp: measure(tmp, lengths, args.reps),
+        lambda tmp: measure(tmp, lengths, args.reps, args.attention.split(",")),
         lambda rows, machine, elapsed: section(rows, machine, elapsed, args.reps, start_load),
     )
 

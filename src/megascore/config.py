@@ -86,7 +86,7 @@ class EngineConfig:
 
     None (auto) is on for the CPU and off on GPU; True on GPU is refused at start-up (no
     tested varlen kernel returning the log-sum-exp yet); False is the dense forward.
-    Context parallelism, multi-latent attention and the TE backend run dense."""
+    Multi-latent attention and the TE backend run dense."""
     min_shared_prefix: int = 16
     """Shortest shared prefix (in tokens) computed once when ``prefix_sharing`` is on."""
 
