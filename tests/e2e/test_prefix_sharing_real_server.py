@@ -3,7 +3,7 @@ sharing is on by default on the CPU): a batch of prefix groups scores like every
 sequence scored alone (a step of one sequence shares nothing), and so do verl rows
 that repeat a prompt n times. Groups on the wire (``ScoreRequest.groups``): the SDK
 sends each shared prompt once, and the answer is bit for bit that of the request sent
-whole."""
+whole. ``logprob_positions="masked"``: the dense values at the masked positions."""
 
 from __future__ import annotations
 
@@ -138,3 +138,24 @@ def test_async_score_groups_sends_the_prompt_once(tp1, monkeypatch):
         for got, cont in zip(result.logprobs, conts, strict=True):
             alone = client.score([np.r_[prompt, cont]]).logprobs[0]
             np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
+
+
+def test_masked_positions_through_the_sdk(tp1):
+    """``logprob_positions="masked"`` end to end: the dense values at the loss mask's
+    positions, the fill elsewhere (losses unchanged)."""
+    rng = np.random.default_rng(14)
+    seqs = [rng.integers(1, 500, n) for n in (40, 25, 60)]
+    masks = [(rng.random(len(s)) < 0.4).astype(np.uint8) for s in seqs]
+    with ScoringClient(tp1.target) as client:
+        dense = client.score(seqs, loss_mask=masks, top_k=2, return_entropy=True)
+        got = client.score(
+            seqs, loss_mask=masks, top_k=2, return_entropy=True, logprob_positions="masked"
+        )
+    for i, mask in enumerate(masks):
+        inside = mask.astype(bool)
+        inside[0] = False
+        for name, fill in (("logprobs", 0.0), ("top_k_ids", -1), ("entropy", 0.0)):
+            a, b = getattr(got, name)[i], getattr(dense, name)[i]
+            np.testing.assert_allclose(a[inside], b[inside], rtol=0, atol=1e-6, err_msg=name)
+            assert (a[~inside] == fill).all(), name
+    np.testing.assert_allclose(got.loss["nll"], dense.loss["nll"], rtol=1e-6)
