@@ -113,8 +113,10 @@ class ClientBase:
                 (``grpc.http2.min_recv_ping_interval_without_data_ms``).
             max_request_tokens: tokens per request before a batch is split: an int,
                 None (no token limit), or "auto" (ask the server once through
-                GetModelInfo, on the first ``score``, for its token limit and its message
-                size limit).
+                GetModelInfo, on the first ``score``, for its token limit, its message
+                size limit and whether it takes groups: consecutive sequences sharing a
+                prompt then send it once, ``ScoreRequest.groups``; with another value
+                every sequence is sent whole).
             max_concurrency: parts of one split batch in flight at once.
             wait_for_server_s: how long to ride out a server that is down or restarting
                 (0 = off: UNAVAILABLE is raised after gRPC's own retries). When > 0, a
@@ -148,6 +150,7 @@ class ClientBase:
         self._token_limit = UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
         self._delta_bases: dict[tuple[str, ...], tuple[str, dict]] = {}  # targets -> kept
         self._server_message_bytes = 0  # ModelInfo.max_message_bytes, with "auto" (0 = unknown)
+        self._server_groups = False  # ModelInfo.accepts_sequence_groups, with "auto"
         self._open()
 
     def _open(self) -> None:
@@ -269,9 +272,11 @@ class ClientBase:
         each of its continuations (GRPO's n responses to one prompt, agentic turns after
         one history).
 
-        The sequences ``prompts[g] + continuations[g][j]`` go to the server in this order
-        with the loss mask on the continuations; the server computes a prompt that its
-        sequences share once when they land in one engine step (docs/engine.md, "Shared
+        The sequences ``prompts[g] + continuations[g][j]`` are scored in this order with
+        the loss mask on the continuations; each prompt travels once per request
+        (``ScoreRequest.groups``, as for any consecutive sequences sharing a prompt, see
+        ``max_request_tokens``) and the server computes a prompt that its sequences
+        share once when they land in one engine step (docs/engine.md, "Shared
         prefixes").
 
         Args:
@@ -292,7 +297,11 @@ class ClientBase:
     def prepare_call(self, sequences, arguments: dict, limit) -> tuple[list[Part], str]:
         """The requests of one ``score`` / ``submit`` call (:func:`splitting.prepare`)."""
         return prepare(
-            sequences, arguments, max_message_bytes=self.message_limit, max_request_tokens=limit
+            sequences,
+            arguments,
+            max_message_bytes=self.message_limit,
+            max_request_tokens=limit,
+            groups=self._server_groups,
         )
 
     def _failed_probe(self, exc: ScoringError) -> HealthStatus:
@@ -337,9 +346,11 @@ class ClientBase:
 
     def _learn_limits(self, info: ModelInfo) -> ModelInfo:
         """Resolves ``max_request_tokens="auto"`` from a GetModelInfo answer: the server's
-        token limit and message size limit (0 = not reported: the client's applies)."""
+        token limit and message size limit (0 = not reported: the client's applies), and
+        whether it takes groups (shared prompts sent once)."""
         if self._token_limit is UNRESOLVED:
             self._server_message_bytes = max(int(info.max_message_bytes), 0)
+            self._server_groups = bool(info.accepts_sequence_groups)
             self._token_limit = info.max_request_tokens or None
         return info
 
@@ -436,6 +447,7 @@ class ScoringClient(ClientBase):
         mismatch_ratio_cap: float | None = None,
         return_importance_weights: bool = False,
         weights_version: str = "",
+        logprob_positions: str = "all",
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -476,6 +488,12 @@ class ScoringClient(ClientBase):
                 serving another version refuses the request (FAILED_PRECONDITION naming
                 both); it is re-sent up to 3 times within ``timeout`` (0.1, 0.2, 0.4 s
                 apart; the next replica under ``round_robin``), then the error is raised.
+            logprob_positions: "all" (default) or "masked": the per-token outputs of the
+                output head (logprobs, top-k, entropy, target logprobs, importance
+                weights) only where ``loss_mask`` is 1 (entry 0 of each sequence
+                excluded), their fill (0.0, top-k ids -1) elsewhere; the server then
+                runs the output head and log-softmax only at those positions. Losses,
+                routing and the mismatch statistics do not change.
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -504,6 +522,7 @@ class ScoringClient(ClientBase):
             mismatch_ratio_cap=mismatch_ratio_cap,
             return_importance_weights=return_importance_weights,
             weights_version=weights_version,
+            logprob_positions=logprob_positions,
             request_id=request_id,
         )
         parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())

@@ -31,6 +31,7 @@ import uuid
 import numpy as np
 
 from megascore import schema
+from megascore.sequence_groups import find_groups, wire_rows
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array, encode_array
 from megascore_client.errors import InvalidInputError, ScoringError, malformed_response
@@ -69,8 +70,9 @@ def _schema_options(cls):
         setattr(cls, f"return_{group}_metrics", _metric_flag(group))
     cls._table_options = tuple(opt for opt in schema.OPTIONS if not hasattr(cls, opt.name))
     for opt in cls._table_options:
-        cls.__annotations__[opt.name] = type(opt.default).__name__
-        setattr(cls, opt.name, opt.default)
+        default = opt.default if opt.names is None else next(iter(opt.names))
+        cls.__annotations__[opt.name] = type(default).__name__
+        setattr(cls, opt.name, default)
     return cls
 
 
@@ -79,7 +81,9 @@ def _schema_options(cls):
 class ScoreOptions:
     """What to compute (see ``ScoringClient.score``): the arguments below, and one per
     other option of :data:`megascore.schema.OPTIONS` (the ``return_*`` flags,
-    ``weights_version``: the entry's name and default; None stands for the default)."""
+    ``weights_version``: the entry's name and default; an enum option such as
+    ``logprob_positions`` by name, its first name the default; None stands for the
+    default)."""
 
     top_k: int = 0
     temperature: float = 1.0
@@ -90,7 +94,14 @@ class ScoreOptions:
     def __post_init__(self):
         for opt in self._table_options:  # as the wire field takes it
             value = getattr(self, opt.name)
-            value = opt.default if value is None else type(opt.default)(value)
+            if opt.names is not None:  # an enum by name
+                value = next(iter(opt.names)) if value is None else value
+                if value not in opt.names:
+                    raise InvalidInputError(
+                        f"{opt.name} must be one of {list(opt.names)}, got {value!r}"
+                    )
+            else:
+                value = opt.default if value is None else type(opt.default)(value)
             object.__setattr__(self, opt.name, value)
         losses = (self.losses,) if isinstance(self.losses, str) else tuple(self.losses)
         metrics = (self.metrics,) if isinstance(self.metrics, str) else tuple(self.metrics)
@@ -109,10 +120,14 @@ class ScoreOptions:
         if unknown:
             raise InvalidInputError(f"metrics must be among {METRIC_GROUPS}, got {sorted(unknown)}")
 
+    def _wire_value(self, opt: schema.Option):
+        value = getattr(self, opt.name)
+        return value if opt.names is None else opt.names[value]
+
     def to_proto(self) -> pb.ScoreOptions:
         options = pb.ScoreOptions(
             temperature=self.temperature,
-            **{opt.name: getattr(self, opt.name) for opt in schema.OPTIONS},
+            **{opt.name: self._wire_value(opt) for opt in schema.OPTIONS},
         )
         if self.mismatch_ratio_cap is not None:
             options.mismatch_ratio_cap = float(self.mismatch_ratio_cap)
@@ -225,11 +240,16 @@ def build_parts(
     *,
     max_message_bytes: int,
     max_request_tokens: int | None = None,
+    groups: bool = False,
 ) -> list[Part]:
     """Plans the batch and encodes one ``ScoreRequest`` per range.
 
     A single request carries ``request_id``; parts of a split call carry
-    ``"{request_id}/{i}"``.
+    ``"{request_id}/{i}"``. With ``groups`` (a server with
+    ``ModelInfo.accepts_sequence_groups``), consecutive sequences of a request that
+    share a prompt of at least ``MIN_SHARED_PROMPT`` tokens travel as a group, the
+    prompt's rows of every per-token array sent once (``ScoreRequest.groups``); the
+    server expands them, so the results are those of the request without groups.
     """
     ranges = plan(
         batch, options, max_message_bytes=max_message_bytes, max_request_tokens=max_request_tokens
@@ -243,8 +263,15 @@ def build_parts(
             lengths=encode_array(sub.lengths),
             options=proto_options,
         )
-        for name, values in sub.per_token().items():
-            getattr(request, name).CopyFrom(encode_array(values))
+        arrays = sub.per_token()
+        found = find_groups(sub.lengths, list(arrays.values())) if groups else None
+        rows = slice(None)
+        if found is not None:  # each shared prompt once (megascore.sequence_groups)
+            request.groups.sizes.CopyFrom(encode_array(found[0]))
+            request.groups.prompt_lengths.CopyFrom(encode_array(found[1]))
+            rows = wire_rows(sub.lengths, *found)
+        for name, values in arrays.items():
+            getattr(request, name).CopyFrom(encode_array(values[rows]))
         parts.append(Part(request=request, batch=sub, options=options, start=start))
     return parts
 
@@ -266,6 +293,7 @@ def prepare(
     *,
     max_message_bytes: int,
     max_request_tokens: int | None = None,
+    groups: bool = False,
 ) -> tuple[list[Part], str]:
     """Checks a call's arguments and cuts its batch into requests (``score`` and the
     streams' ``submit``).
@@ -276,6 +304,7 @@ def prepare(
             but ``timeout``): :data:`BATCH_ARGUMENTS` and the :class:`ScoreOptions`.
         max_message_bytes: the message size limit (see :func:`plan`).
         max_request_tokens: the server's per-request token limit (None = none).
+        groups: send shared prompts once (see :func:`build_parts`).
 
     Returns:
         The parts, in order, and the call's request id.
@@ -293,6 +322,7 @@ def prepare(
         rid,
         max_message_bytes=max_message_bytes,
         max_request_tokens=max_request_tokens,
+        groups=groups,
     )
     return parts, rid
 

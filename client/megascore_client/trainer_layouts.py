@@ -89,9 +89,16 @@ class PaddedLayout:
     def score_arguments(self, kwargs: dict) -> dict:
         """``score`` arguments of the layout's sequences from an adapter's ``kwargs``:
         a ``rollout_logprobs`` in the trainer's layout (``[B, S]``, or ``[B, R]`` with
-        ``keep``) becomes one array per sequence, and the loss mask keeps only the
-        ``keep`` columns (the mismatch statistics count the response tokens only)."""
+        ``keep``) becomes one array per sequence. With ``keep`` the loss mask holds only
+        the ``keep`` columns (the mismatch statistics count the response tokens only)
+        and the logprobs are asked for there only (``logprob_positions="masked"``: the
+        server runs the output head on the response rows, the result is the same)."""
         arguments = {"losses": (), **kwargs}
+        if self.keep != slice(None):
+            in_keep = np.zeros(self.shape[1], bool)
+            in_keep[self.keep] = True
+            arguments["loss_mask"] = [in_keep[c].astype(np.uint8) for c in self.columns]
+            arguments["logprob_positions"] = "masked"
         rollout = kwargs.get("rollout_logprobs")
         if rollout is None:
             return arguments
@@ -106,10 +113,6 @@ class PaddedLayout:
         full[:, self.keep] = values
         pairs = zip(self.rows, self.columns, strict=True)
         arguments["rollout_logprobs"] = [full[b, c] for b, c in pairs]
-        if self.keep != slice(None):
-            in_keep = np.zeros(self.shape[1], bool)
-            in_keep[self.keep] = True
-            arguments["loss_mask"] = [in_keep[c].astype(np.uint8) for c in self.columns]
         return arguments
 
     def answer(self, scored, kwargs: dict):

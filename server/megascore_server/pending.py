@@ -14,7 +14,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megascore.layout import concat_outputs, padded_lengths, select_sequences
+from megascore import schema
+from megascore.layout import (
+    concat_outputs,
+    keep_masked_positions,
+    padded_lengths,
+    select_sequences,
+)
 from megascore.types import ScoreBatch, ScoreOutput
 
 logger = logging.getLogger(__name__)
@@ -149,6 +155,8 @@ class PendingRequest:
     def result(self) -> TimedOutput:
         """The assembled result (every sequence must have been recorded)."""
         output = concat_outputs(self.parts, self.batch.lengths)
+        if self.batch.logprob_positions == schema.MASKED:  # also from a step computing all
+            keep_masked_positions(output.values, self.batch.lengths, self.batch.loss_mask)
         output.weights_version = self.parts[-1][1].weights_version
         if self.solo and self.metric_tokens:
             for kind, sums in self.metric_sums.items():

@@ -29,6 +29,7 @@ from megascore.types import (
 )
 from megascore.v1 import scoring_pb2 as pb
 from megascore.wire import decode_array
+from megascore_server.groups import expand_groups
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,8 @@ def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
     check_length("request_id", request.request_id, MAX_ID_CHARS)
     options = validate_options(request.options, limits)
     lengths = validate_lengths(_decode_required(request, "lengths", _INT_DTYPES), limits)
+    if request.HasField("groups"):  # from here on, the request as sent without groups
+        request = expand_groups(request, lengths)
     ids = _decode_required(request, "token_ids", _INT_DTYPES)
     if limits.max_request_tokens is not None and ids.size > limits.max_request_tokens:
         raise ResourceExhaustedError(

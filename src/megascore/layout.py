@@ -111,6 +111,20 @@ def count_loss_tokens(lengths: np.ndarray, loss_mask: np.ndarray | None) -> np.n
     return segment_sum(effective_loss_mask(lengths, loss_mask), lengths).astype(np.int64)
 
 
+def keep_masked_positions(values: dict, lengths: np.ndarray, loss_mask: np.ndarray | None):
+    """``logprob_positions`` "masked": every per-token output of the output head
+    (:func:`megascore.schema.positional`) holds its fill outside the loss mask (entry 0
+    of each sequence included). Replaces the arrays of ``values`` (never writes into
+    them: they may be views of a step's output)."""
+    outside = effective_loss_mask(lengths, loss_mask) == 0
+    for out in schema.OUTPUTS:
+        value = values.get(out.name)
+        if value is not None and schema.positional(out):
+            value = np.array(value)
+            value[outside] = out.fill
+            values[out.name] = value
+
+
 def select_sequences(
     output: ScoreOutput, lengths: np.ndarray, seq_idx: np.ndarray, options
 ) -> ScoreOutput:

@@ -55,6 +55,8 @@ class Option:
             integer header slot (``protocol``) or, for ``losses``, the loss bitmask.
         broadcast: sent to the other ranks at all; False: rank 0's business only
             (``weights_version``, checked against the served version before the step).
+        names: an enum option: the SDK takes these names (the first is its default)
+            and sends their wire values.
     """
 
     name: str
@@ -64,6 +66,7 @@ class Option:
     convert: Callable[[Any], Any] = lambda value: value
     flag: bool = True
     broadcast: bool = True
+    names: dict[str, int] | None = None
 
 
 def _check_top_k(value, limits) -> str | None:
@@ -140,6 +143,24 @@ def _one(values: list) -> bool:
     return len(values) == 1 and bool(values[0])
 
 
+LOGPROB_POSITIONS = {"all": 1, "masked": 2}
+"""``ScoreOptions.logprob_positions`` by name (the ``LogprobPositions`` enum; 0, unset,
+is every position as "all")."""
+MASKED = LOGPROB_POSITIONS["masked"]
+
+
+def _check_positions(value, limits) -> str | None:
+    if value not in (0, *LOGPROB_POSITIONS.values()):
+        return f"{value} is not a LogprobPositions value (1 = all, 2 = masked)"
+    return None
+
+
+def _masked(values: list) -> int:
+    """A step computes the head only at the masked positions when all its requests ask
+    for that (the others' results are cut to their mask afterwards)."""
+    return MASKED if all(value == MASKED for value in values) else 0
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("return_logprobs", True, any, convert=bool),
     Option("top_k", 0, max, _check_top_k, int, flag=False),
@@ -150,6 +171,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("return_entropy", False, any, convert=bool),
     Option("return_importance_weights", False, any, convert=bool),
     Option("weights_version", "", _pinned, _check_version, str, flag=False, broadcast=False),
+    Option(
+        "logprob_positions", 0, _masked, _check_positions, int, flag=False, names=LOGPROB_POSITIONS
+    ),
 )
 
 
@@ -376,6 +400,12 @@ def head_outputs(options) -> list[Output]:
         for o in OUTPUTS
         if o.head is not None and (o.wanted(options) or (o.name == "logprobs" and needs_logprobs))
     ]
+
+
+def positional(output: Output) -> bool:
+    """Whether ``logprob_positions`` restricts ``output``: a per-token output of the
+    output head, or computed from them (``finish``); not the routing."""
+    return output.per == TOKEN and (output.head is not None or output.finish is not None)
 
 
 def flat_dims(output: Output, options) -> tuple[int, ...]:

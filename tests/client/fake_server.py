@@ -130,6 +130,7 @@ class FakeScorer(pb_grpc.ScorerServicer):
                     options=opts,
                     id_dtype=request.token_ids.dtype,
                     has_temperature=opts.HasField("temperature"),
+                    loss_mask=mask,
                     routing=decode_array(request.routing, "routing", INT_DTYPES)
                     if request.HasField("routing")
                     else None,

@@ -22,7 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "client" / "megascore_client"
 SERVER = ROOT / "server" / "megascore_server"
 LIBRARY = ROOT / "src" / "megascore"
-WIRE_LAYER = ("megascore.v1", "megascore.wire", "megascore.schema")
+# the groups of ScoreRequest.groups are indices into the flat token layout (numpy only)
+WIRE_LAYER = (
+    "megascore.v1",
+    "megascore.wire",
+    "megascore.schema",
+    "megascore.sequence_groups",
+    "megascore.layout",
+)
 # the batcher and its helpers: the step planner and the pending-request bookkeeping
 BATCHER = ("batcher.py", "step_planner.py", "pending.py")
 

@@ -288,3 +288,15 @@ def test_channel_settings():
         RetryPolicy(max_attempts=9)
     with pytest.raises(ValueError):
         ChannelSettings.build("h:1", tls=None, retries=True, load_balancing="random")
+
+
+def test_no_groups_to_a_server_that_does_not_take_them(server, client):
+    """A server whose ModelInfo lacks ``accepts_sequence_groups`` (this fake, a server
+    from before groups) gets every sequence whole, shared prompt or not."""
+    prompt = list(range(1, 41))
+    seqs = [prompt + [5, 6], prompt + [7], prompt + [8, 9, 10]]
+    result = client.score(seqs, top_k=2)
+    check_scores(result, seqs, top_k=2, metrics=False)
+    assert not client.model_info().accepts_sequence_groups
+    sent = server.scorer.requests[-1]
+    assert sent["num_tokens"] == sum(len(s) for s in seqs)

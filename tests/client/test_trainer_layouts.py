@@ -15,6 +15,7 @@ import pydoc
 import numpy as np
 import pytest
 
+from megascore.v1 import scoring_pb2 as pb
 from megascore_client import AsyncScoringClient, InvalidInputError, ScoringClient
 from tests.client import fake_server
 
@@ -104,6 +105,12 @@ def test_score_responses_is_the_verl_layout(client, server):
     # Rows with a response are sent, their real tokens only (row 1 has no response).
     sent = server.scorer.requests[-2]
     assert sent["num_sequences"] == 3 and sent["num_tokens"] == mask[[0, 2, 3]].sum()
+    # ... asking for the logprobs at the response tokens only (a server that computes
+    # every row, as this fake does, gives the same answer)
+    assert sent["options"].logprob_positions == pb.LOGPROB_POSITIONS_MASKED
+    in_response = np.zeros_like(mask)
+    in_response[:, -4:] = 1
+    np.testing.assert_array_equal(sent["loss_mask"], in_response[[0, 2, 3]][mask[[0, 2, 3]] == 1])
 
 
 def test_torch_in_torch_out(client):

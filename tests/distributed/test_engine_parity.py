@@ -22,7 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.distributed.scripts.engine_common import load_output
+from tests.distributed.scripts.engine_common import (
+    assert_masked_match,
+    edge_case_batch,
+    load_output,
+)
 from tests.torchrun import run_torchrun
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -144,6 +148,15 @@ def test_layout_matches_reference(layouts, name):
         want = (want[0], {**want[1], **no_metrics})
     assert_outputs_match(got, want)
     assert got[1]["num_parameters"] == want[1]["num_parameters"]
+
+
+@pytest.mark.parametrize("name", ["tiny_tp2", "tiny_tp2_cp2"])
+def test_masked_positions_match_the_dense_layout(layouts, name):
+    """``logprob_positions`` masked at TP=2 (and x CP=2): the output head on the loss
+    mask's rows only gives the layout's dense results there, the fill elsewhere."""
+    masked, _ = load_output(layouts["dir"] / f"{name}_masked")
+    dense, _ = load_output(layouts["dir"] / name)
+    assert_masked_match(masked, dense, edge_case_batch(), ATOL)
 
 
 @pytest.mark.parametrize("name", sorted(set(MOE) - {"moe_tp2_ep2_nosp"}))

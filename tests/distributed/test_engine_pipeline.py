@@ -19,8 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.scripts.engine_common import load_output
-from tests.distributed.test_engine_parity import assert_metrics_match, assert_outputs_match
+from tests.distributed.scripts.engine_common import assert_masked_match, load_output, pp_batch
+from tests.distributed.test_engine_parity import (
+    ATOL,
+    assert_metrics_match,
+    assert_outputs_match,
+)
 from tests.torchrun import run_check_script
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -88,6 +92,15 @@ def test_moe_metrics_do_not_depend_on_microbatches_or_stages(pipeline, name):
     (SP) report the metrics of one stage running the batch as one microbatch (<= 1e-6)."""
     got = load_output(pipeline["dir"] / name)
     assert_metrics_match(got, load_output(pipeline["dir"] / "moe_ref_mb1"))
+
+
+@pytest.mark.parametrize("name", ["tiny_pp2_tp2", "tiny_pp2_cp2"])
+def test_masked_positions_match_the_dense_layout(pipeline, name):
+    """``logprob_positions`` masked at PP=2 (x TP=2, x CP=2): the last stage's output
+    head on the loss mask's rows only gives the layout's dense results there."""
+    masked, _ = load_output(pipeline["dir"] / f"{name}_masked")
+    dense, _ = load_output(pipeline["dir"] / name)
+    assert_masked_match(masked, dense, pp_batch(), ATOL)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
+from megascore.v1 import scoring_pb2 as pb
 from tests.service.fake_engine import FakeEngine, compute
 from tests.service.harness import (
     Req,
@@ -42,8 +43,6 @@ def test_max_sequence_length_clamped_to_budget(server):
 
 
 def pb_info():
-    from megascore.v1 import scoring_pb2 as pb
-
     return pb.GetModelInfoRequest()
 
 
@@ -292,3 +291,33 @@ def test_max_batch_wait_collects_then_full_budget_launches_at_once():
         assert response.timings.queue_ms < 300  # a full step does not wait
     finally:
         srv.stop()
+
+
+def test_masked_positions_when_merged_with_a_request_asking_for_all(server):
+    """A step holding a request with ``logprob_positions`` masked and one without runs
+    every position (the merged option says all); each request still gets its own: the
+    masked one its fill outside its loss mask, the same values inside."""
+    engine = server.engine
+    mask = [[0, 0, 1, 1, 0], [1, 1, 0]]
+    whole = Req([[1, 2, 3, 4, 5], [6, 7, 8]], request_id="all", top_k=2, mask=mask)
+    masked = dataclasses.replace(whole, request_id="masked")
+    request = masked.proto()
+    request.options.logprob_positions = pb.LOGPROB_POSITIONS_MASKED
+    stub = server.stub()
+    with engine_held(server):
+        since = len(engine.steps) + 1
+        futures = [stub.Score.future(r, timeout=30) for r in (whole.proto(), request)]
+        queued(server, 2)
+    want, got = (f.result() for f in futures)
+    (step,) = new_steps(engine, since)
+    assert step.logprob_positions == 0
+    inside = np.array([0, 0, 1, 1, 0, 0, 1, 0], bool)  # entry 0 of each sequence never
+    for field, dtype, fill in (
+        ("token_logprobs", "<f4", 0.0),
+        ("top_k_ids", "<i8", -1),
+        ("top_k_logprobs", "<f4", 0.0),
+    ):
+        a = np.frombuffer(getattr(got, field).data, dtype).reshape(8, -1)
+        b = np.frombuffer(getattr(want, field).data, dtype).reshape(8, -1)
+        np.testing.assert_array_equal(a[inside], b[inside])
+        assert (a[~inside] == fill).all() and (b[~inside] != fill).any(), field

@@ -79,6 +79,25 @@ def without(field: str) -> pb.ScoreRequest:
     return request
 
 
+GROUPED = [[1, 2, 3], [1, 2, 4, 5], [8, 9]]  # groups: the prompt [1, 2] twice, then [8, 9]
+
+
+def grouped(sizes=(2, 1), prompts=(2, 0), ids=(1, 2, 3, 4, 5, 8, 9), dtype=np.int64):
+    """A request of :data:`GROUPED` sent with ``ScoreRequest.groups`` (ids on the wire)."""
+    request = Req(GROUPED, request_id="ok").proto()
+    request.token_ids.CopyFrom(encode_array(np.asarray(ids, dtype=np.int64)))
+    if sizes is not None:
+        request.groups.sizes.CopyFrom(encode_array(np.asarray(sizes, dtype=dtype)))
+    request.groups.prompt_lengths.CopyFrom(encode_array(np.asarray(prompts, dtype=np.int64)))
+    return request
+
+
+def grouped_with(field: str, values) -> pb.ScoreRequest:
+    request = grouped()
+    getattr(request, field).CopyFrom(encode_array(np.asarray(values)))
+    return request
+
+
 # (case id, request, status code, substrings the message must contain)
 CASES = [
     ("empty-batch", with_ids([], []), INVALID, ["lengths", "empty batch"]),
@@ -129,6 +148,12 @@ CASES = [
         ["loss_mask", "sequence 2 position 1"],
     ),
     ("top-k-negative", with_options(top_k=-1), INVALID, ["options.top_k", "-1"]),
+    (
+        "logprob-positions-unknown",
+        with_options(logprob_positions=7),
+        INVALID,
+        ["options.logprob_positions", "7 is not a LogprobPositions value"],
+    ),
     ("top-k-too-large", with_options(top_k=MAX_TOP_K + 1), INVALID, ["options.top_k", "9"]),
     ("temperature-zero", with_options(temperature=0.0), INVALID, ["options.temperature"]),
     ("temperature-negative", with_options(temperature=-1.0), INVALID, ["options.temperature"]),
@@ -178,6 +203,61 @@ CASES = [
         ["loss_mask", "byte length 35"],
     ),
     ("missing-token-ids", without("token_ids"), INVALID, ["token_ids", "not set"]),
+    (
+        "groups-sizes-sum",
+        grouped(sizes=(2, 2), prompts=(2, 0)),
+        INVALID,
+        ["groups.sizes", "4 sequences", "lengths has 3"],
+    ),
+    (
+        "groups-empty-group",
+        grouped(sizes=(3, 0), prompts=(0, 0)),
+        INVALID,
+        ["groups.sizes", "group 1 has 0 sequences"],
+    ),
+    (
+        "groups-prompt-count",
+        grouped(prompts=(2,)),
+        INVALID,
+        ["groups.prompt_lengths", "1 entries for 2 groups"],
+    ),
+    (
+        "groups-prompt-negative",
+        grouped(prompts=(2, -1)),
+        INVALID,
+        ["groups.prompt_lengths", "group 1", "-1"],
+    ),
+    (
+        "groups-prompt-longer-than-sequence",
+        grouped(sizes=(1, 2), prompts=(0, 3)),
+        INVALID,
+        ["groups.prompt_lengths", "group 1's prompt has 3 tokens", "sequence 2 (length 2)"],
+    ),
+    ("groups-sizes-missing", grouped(sizes=None), INVALID, ["groups.sizes", "not set"]),
+    (
+        "groups-sizes-float",
+        grouped(dtype=np.float32),
+        INVALID,
+        ["groups.sizes", "DTYPE_FLOAT32"],
+    ),
+    (
+        "groups-ids-count",
+        grouped(ids=range(1, 10)),
+        INVALID,
+        ["token_ids", "9 values", "7 tokens sent"],
+    ),
+    (
+        "groups-mask-full-layout",
+        grouped_with("loss_mask", np.ones(9, np.uint8)),
+        INVALID,
+        ["loss_mask", "9 values", "7 tokens sent"],
+    ),
+    (
+        "groups-id-named-in-the-full-layout",
+        grouped(ids=(1, 2, 3, 4, VOCAB, 8, 9)),
+        INVALID,
+        ["token_ids", "sequence 1 position 3", str(VOCAB)],
+    ),
     ("missing-lengths", without("lengths"), INVALID, ["lengths", "not set"]),
 ]
 IDS = [case[0] for case in CASES]
@@ -207,6 +287,26 @@ def test_validate_request_accepts_and_converts():
     np.testing.assert_array_equal(batch.temperature, np.full(3, 0.5, dtype=np.float32))
     assert batch.top_k == 3 and batch.losses == ("nll", "mean_nll")  # deduplicated, in order
     assert batch.return_logprobs and not batch.return_moe_metrics
+
+
+def test_grouped_request_validates_to_the_request_without_groups():
+    """Every per-token array is expanded: the batch equals the one of the same request
+    sent whole."""
+    whole = Req(GROUPED, request_id="ok", top_k=2).proto()
+    mask = np.array([0, 0, 1, 0, 0, 1, 1, 0, 1], np.uint8)
+    rollout = -np.arange(1, 10, dtype=np.float64) / 10
+    rollout[3:5] = rollout[0:2]  # the shared prompt's rows (a group sends them once)
+    whole.loss_mask.CopyFrom(encode_array(mask))
+    whole.rollout_logprobs.CopyFrom(encode_array(rollout))
+    request = grouped()
+    request.options.CopyFrom(whole.options)
+    wire = np.array([True, True, True, False, False, True, True, True, True])
+    request.loss_mask.CopyFrom(encode_array(mask[wire]))
+    request.rollout_logprobs.CopyFrom(encode_array(rollout[wire]))
+    got, want = validate_request(request, LIMITS), validate_request(whole, LIMITS)
+    for name in ("token_ids", "lengths", "loss_mask", "rollout_logprobs", "temperature"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+    assert got.top_k == want.top_k == 2
 
 
 def test_validate_million_tokens_is_vectorised():

@@ -407,8 +407,10 @@ class ScoreSpec:
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
         num_target_ids: K of the batch's target ids (0 without).
         scored_rows_only: compute the output head and log-softmax only at the rows that
-            predict a scored token (``Microbatch.loss_mask``); the other rows' logprobs
-            are 0.0. For steps that return no per-token output (no logprobs, no top-k).
+            predict a scored token (``Microbatch.loss_mask``); the other rows get each
+            output's fill. For steps that return no per-token output (no logprobs, no
+            top-k), or that ask for them at the masked positions only
+            (``logprob_positions`` "masked").
     """
 
     outputs: tuple[schema.Output, ...]
@@ -430,12 +432,13 @@ def _score_microbatch(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """The loss closure (last stage): per-token results and the normalised loss."""
     cu_padded = mb.packed.cu_seqlens_padded.to("cpu", torch.int64)
-    targets, temperature, rows = mb.targets, mb.temperature, None
+    targets, temperature, target_ids, rows = mb.targets, mb.temperature, mb.target_ids, None
     if spec.scored_rows_only:  # the output head runs only where a scored token is predicted
         rows = mb.loss_mask.nonzero().squeeze(1)
         head = dataclasses.replace(head, hidden_states=head.hidden_states[rows])
         targets = targets[rows]
         temperature = None if temperature is None else temperature[rows]
+        target_ids = None if target_ids is None else target_ids[rows]
     scores = score_tokens(
         head if spec.lm_head_dtype == "model" else Float32Logits(head),
         targets,
@@ -444,7 +447,7 @@ def _score_microbatch(
         top_k=spec.top_k,
         chunk_tokens=spec.chunk_tokens,
         vocab_size=spec.vocab_size,
-        target_ids=mb.target_ids,
+        target_ids=target_ids,
         # the logprobs always: Megatron's schedule takes a loss from every microbatch
         outputs=list(dict.fromkeys([schema.output("logprobs"), *spec.outputs])),
     )

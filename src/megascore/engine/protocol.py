@@ -18,10 +18,11 @@ slot  name              meaning
 6     flags             FORWARD: bitmask of the boolean options and the inputs sent
 7     losses            FORWARD: bit ``i`` = ``sorted(loss_names)[i]``
 8     path_bytes        RELOAD: UTF-8 length of the checkpoint path;
-                        FORWARD: see below (routing layers ``L``)
+                        FORWARD: see below (``logprob_positions``)
 9     version_bytes     RELOAD, WEIGHTS_COMMIT: UTF-8 length of the weights version;
+                        FORWARD: see below (routing layers ``L``)
+10    name_bytes        WEIGHTS_TENSOR: UTF-8 length of the tensor name;
                         FORWARD: see below (routing top-k ``k``)
-10    name_bytes        WEIGHTS_TENSOR: UTF-8 length of the tensor name
 11    dtype             WEIGHTS_TENSOR: index in ``WEIGHT_DTYPES``
 12    ndim              WEIGHTS_TENSOR: number of dimensions
 13    data_bytes        WEIGHTS_TENSOR: byte size of the whole tensor
@@ -33,8 +34,8 @@ A FORWARD header is laid out from :mod:`megascore.schema`: the boolean options
 (``Option.flag``) are flag bits ``0, 1, ...`` in table order, each input sent sets
 flag bit ``INPUT_FLAG_BASE + i`` (``i`` its index in ``INPUTS``); the integer options,
 then the trailing dimensions of every input (``Input.ndim`` each), take the slots of
-``FORWARD_SLOTS`` in table order (today: ``top_k`` in slot 5, the routing's ``L`` and
-``k`` in slots 8 and 9).
+``FORWARD_SLOTS`` in table order (today: ``top_k`` in slot 5, ``logprob_positions`` in
+slot 8, the routing's ``L`` and ``k`` in slots 9 and 10, the target ids' ``K`` in 11).
 
 Payloads, in order, after the header:
 

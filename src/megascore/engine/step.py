@@ -251,8 +251,10 @@ def _plan(
         metrics_forward=want_moe or want_mtp,
         lm_head_dtype=cfg.lm_head_dtype,
         record_routes=record,
-        # only the losses leave the step: the head runs where the loss mask scores a token
-        scored_rows_only=not any(out.wanted(batch) for out in outputs),
+        # only the losses leave the step, or the outputs are asked for at the masked
+        # positions only: the head runs where the loss mask scores a token
+        scored_rows_only=batch.logprob_positions == schema.MASKED
+        or not any(out.wanted(batch) for out in outputs),
         num_target_ids=batch.num_target_ids,
     )
     return _Plan(microbatches, layouts, tokens, pad_to, spec, record, want_moe, want_mtp)
@@ -494,6 +496,8 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
     for out in schema.OUTPUTS:
         if out.finish is not None and out.wanted(batch):
             values[out.name] = out.finish(batch, values)
+    if batch.logprob_positions == schema.MASKED:  # e.g. importance weights from the fill
+        layout.keep_masked_positions(values, batch.lengths, batch.loss_mask)
     if not batch.return_logprobs:
         values.pop("logprobs", None)
     return ScoreOutput(

@@ -17,6 +17,12 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[Dtype]
     DTYPE_FLOAT16: _ClassVar[Dtype]
 
+class LogprobPositions(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROB_POSITIONS_UNSPECIFIED: _ClassVar[LogprobPositions]
+    LOGPROB_POSITIONS_ALL: _ClassVar[LogprobPositions]
+    LOGPROB_POSITIONS_MASKED: _ClassVar[LogprobPositions]
+
 class WeightNames(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WEIGHT_NAMES_UNSPECIFIED: _ClassVar[WeightNames]
@@ -30,6 +36,9 @@ DTYPE_FLOAT64: Dtype
 DTYPE_UINT8: Dtype
 DTYPE_BFLOAT16: Dtype
 DTYPE_FLOAT16: Dtype
+LOGPROB_POSITIONS_UNSPECIFIED: LogprobPositions
+LOGPROB_POSITIONS_ALL: LogprobPositions
+LOGPROB_POSITIONS_MASKED: LogprobPositions
 WEIGHT_NAMES_UNSPECIFIED: WeightNames
 WEIGHT_NAMES_HF: WeightNames
 WEIGHT_NAMES_MEGATRON: WeightNames
@@ -43,7 +52,7 @@ class Array(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ScoreOptions(_message.Message):
-    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "return_entropy", "mismatch_ratio_cap", "return_importance_weights", "weights_version")
+    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "return_entropy", "mismatch_ratio_cap", "return_importance_weights", "weights_version", "logprob_positions")
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +64,7 @@ class ScoreOptions(_message.Message):
     MISMATCH_RATIO_CAP_FIELD_NUMBER: _ClassVar[int]
     RETURN_IMPORTANCE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     return_logprobs: bool
     top_k: int
     losses: _containers.RepeatedScalarFieldContainer[str]
@@ -66,10 +76,19 @@ class ScoreOptions(_message.Message):
     mismatch_ratio_cap: float
     return_importance_weights: bool
     weights_version: str
-    def __init__(self, return_logprobs: bool = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: bool = ..., return_mtp_metrics: bool = ..., temperature: _Optional[float] = ..., return_routing: bool = ..., return_entropy: bool = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: bool = ..., weights_version: _Optional[str] = ...) -> None: ...
+    logprob_positions: LogprobPositions
+    def __init__(self, return_logprobs: bool = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: bool = ..., return_mtp_metrics: bool = ..., temperature: _Optional[float] = ..., return_routing: bool = ..., return_entropy: bool = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: bool = ..., weights_version: _Optional[str] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ...) -> None: ...
+
+class SequenceGroups(_message.Message):
+    __slots__ = ("sizes", "prompt_lengths")
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    sizes: Array
+    prompt_lengths: Array
+    def __init__(self, sizes: _Optional[_Union[Array, _Mapping]] = ..., prompt_lengths: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing", "target_ids", "rollout_logprobs")
+    __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing", "target_ids", "rollout_logprobs", "groups")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +97,7 @@ class ScoreRequest(_message.Message):
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: Array
     lengths: Array
@@ -86,7 +106,8 @@ class ScoreRequest(_message.Message):
     routing: Array
     target_ids: Array
     rollout_logprobs: Array
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., options: _Optional[_Union[ScoreOptions, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., target_ids: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    groups: SequenceGroups
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., options: _Optional[_Union[ScoreOptions, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., target_ids: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ..., groups: _Optional[_Union[SequenceGroups, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "total_ms", "num_steps")
@@ -191,7 +212,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., tensor_model_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., expert_model_parallel_size: _Optional[int] = ..., pipeline_model_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch", "max_message_bytes", "max_target_ids")
+    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch", "max_message_bytes", "max_target_ids", "accepts_sequence_groups")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +232,7 @@ class ModelInfo(_message.Message):
     MAX_TOKENS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_SEQUENCE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_parameters: int
@@ -230,7 +252,8 @@ class ModelInfo(_message.Message):
     max_tokens_per_batch: int
     max_message_bytes: int
     max_target_ids: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: bool = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ...) -> None: ...
+    accepts_sequence_groups: bool
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: bool = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ..., accepts_sequence_groups: bool = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("model", "weights_version")

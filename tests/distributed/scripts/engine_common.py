@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megascore import layout, schema
 from megascore.config import EngineConfig
 from megascore.errors import WorkerLostError
 from megascore.types import ScoreBatch, ScoreOutput
@@ -24,6 +25,8 @@ from megascore.types import ScoreBatch, ScoreOutput
 # and many short ones. Every layout also returns the entropy, the logprobs of
 # TARGET_IDS caller-chosen ids per token and the rollout-mismatch statistics (issue 22).
 LENGTHS = (1, 5, 1024, 1, 17, 3, 2, 40, 1, 9, 2)
+# Many sequences of similar lengths: the pipeline step splits into several microbatches.
+PP_LENGTHS = (1, 5, 60, 1, 17, 3, 2, 40, 1, 9, 2, 33, 64, 20, 7, 50)
 TOP_K = 8
 TARGET_IDS = 6
 VOCAB = 512
@@ -50,6 +53,11 @@ def edge_case_batch(
         target_ids=rng.integers(0, VOCAB, (total, TARGET_IDS)),
         rollout_logprobs=rng.normal(-6.0, 1.0, total),
     )
+
+
+def pp_batch(moe: bool = False) -> ScoreBatch:
+    """The batch every pipeline layout scores."""
+    return edge_case_batch(moe=moe, lengths=PP_LENGTHS)
 
 
 def save_output(path: Path, out: ScoreOutput, **extra) -> None:
@@ -176,3 +184,22 @@ def exit_without_teardown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+MASKED_OUTPUTS = ("logprobs", "top_k_ids", "top_k_logprobs", "entropy", "target_logprobs")
+"""The per-token head outputs of :func:`save_output`, those ``logprob_positions`` masks."""
+
+
+def assert_masked_match(masked: dict, dense: dict, batch: ScoreBatch, atol: float) -> None:
+    """``logprob_positions`` masked (``masked``, arrays of :func:`load_output`) against the
+    dense output of the same batch: equal within ``atol`` at the loss mask's positions,
+    each output's fill elsewhere; the losses and counts the same."""
+    inside = layout.effective_loss_mask(batch.lengths, batch.loss_mask) == 1
+    assert 0 < inside.sum() < batch.num_tokens
+    for name in MASKED_OUTPUTS:
+        got, want = masked[name], dense[name]
+        np.testing.assert_allclose(got[inside], want[inside], rtol=0, atol=atol, err_msg=name)
+        assert (got[~inside] == schema.output(name).fill).all(), name
+    for name in (k for k in dense if k.startswith(("loss_", "mismatch_"))):
+        np.testing.assert_allclose(masked[name], dense[name], rtol=1e-5, atol=atol, err_msg=name)
+    np.testing.assert_array_equal(masked["num_loss_tokens"], dense["num_loss_tokens"])

@@ -14,6 +14,7 @@ hangs past the status timeout. Check outcomes: ``OUT_DIR/layouts_rank{r}.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from engine_common import (
     stall_before,
 )
 
+from megascore import schema
 from megascore.config import EngineConfig
 from megascore.engine import pipeline as pipeline_module
 from megascore.engine import step as step_module
@@ -45,6 +47,8 @@ from megascore.errors import InvalidRequestError, WorkerLostError
 # "moe_tp2_ep2_nosp" disables it explicitly and must reject metric requests. MoE layouts
 # whose pad multiple is 4 (CP=2; TP=2 with SP and pad_to_multiple_of=4) are compared with
 # "moe_ref_pad4", which packs the same way (pads count in Megatron's MoE aux losses).
+MASKED = ("tiny_tp2", "tiny_tp2_cp2")
+"""Layouts that also score the batch with ``logprob_positions`` masked."""
 LAYOUTS = {
     "tiny_ref": ("tiny", 1, 1, 1, None, 1),
     "tiny_tp2": ("tiny", 2, 1, 1, None, 1),
@@ -114,6 +118,9 @@ def run_layout(name, spec, rank, out_dir, log) -> None:
         batch = edge_case_batch(moe=name in WITH_METRICS)
         out = engine.score(batch)
         save_output(out_dir / name, out, num_parameters=engine.info().num_parameters)
+        if name in MASKED:  # the output head only at the loss mask's rows
+            masked = dataclasses.replace(batch, logprob_positions=schema.MASKED)
+            save_output(out_dir / f"{name}_masked", engine.score(masked))
         if name == "tiny_tp2_cp2":
             engine.load_weights("builtin:tiny@7", "")
             save_output(out_dir / f"{name}_seed7", engine.score(batch))

@@ -13,6 +13,7 @@ rank that raises, and a last-stage rank that hangs. Check outcomes:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import sys
@@ -21,17 +22,19 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 from engine_common import (
+    PP_LENGTHS,
     CheckLog,
-    edge_case_batch,
     exit_without_teardown,
     expect_injected_failure,
     expect_worker_lost,
     layout_config,
+    pp_batch,
     raise_after,
     save_output,
     stall_before,
 )
 
+from megascore import schema
 from megascore.config import EngineConfig
 from megascore.engine import pipeline as pipeline_module
 from megascore.engine import step as step_module
@@ -39,12 +42,12 @@ from megascore.engine.pipeline import split_microbatches
 from megascore.engine.runtime import DistributedEngine
 from megascore.errors import WorkerLostError
 
-# Many sequences of similar lengths: the step splits into MICROBATCHES microbatches.
-PP_LENGTHS = (1, 5, 60, 1, 17, 3, 2, 40, 1, 9, 2, 33, 64, 20, 7, 50)
-MICROBATCHES = 3
+MICROBATCHES = 3  # the step splits PP_LENGTHS into this many microbatches
 # name -> (model, tp, cp, ep, pp[, pad_to_multiple_of]). "moe_pp2_tp2" turns sequence
 # parallelism on (MoE at TP > 1): per-sequence pad multiple 2, so its reference packs
 # with pad multiple 2 too (pads count in Megatron's MoE aux losses).
+MASKED = ("tiny_pp2_tp2", "tiny_pp2_cp2")
+"""Layouts that also score the batch with ``logprob_positions`` masked."""
 LAYOUTS = {
     "tiny_ref": ("tiny", 1, 1, 1, 1),
     "tiny_pp2": ("tiny", 1, 1, 1, 2),
@@ -76,10 +79,6 @@ def engine_config(
     )  # fmt: skip
 
 
-def pp_batch(moe: bool = False):
-    return edge_case_batch(moe=moe, lengths=PP_LENGTHS)
-
-
 def stage_contents(engine) -> dict:
     """What this rank's stage holds: global decoder layer numbers and the model's ends."""
     model = engine.loaded.model
@@ -107,6 +106,9 @@ def run_layout(name, spec, rank, out_dir) -> None:
             assert engine.sequence_parallel and engine.pad_multiple == 2, engine.pad_multiple
         out = engine.score(pp_batch(moe=name in MOE))
         save_output(out_dir / name, out, num_parameters=info.num_parameters)
+        if name in MASKED:  # the output head only at the loss mask's rows, on the last stage
+            masked = dataclasses.replace(pp_batch(), logprob_positions=schema.MASKED)
+            save_output(out_dir / f"{name}_masked", engine.score(masked))
     finally:
         engine.shutdown()
 
