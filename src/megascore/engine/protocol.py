@@ -79,7 +79,7 @@ from megascore.types import ScoreBatch
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: WEIGHTS_TENSOR without its bytes (parts sent point to point)
 HEADER_SLOTS = 16
 MAX_LOSSES = 63
 
