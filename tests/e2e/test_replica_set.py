@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -237,17 +238,33 @@ def test_a_replica_refusing_a_tensor_fails_the_push_and_nothing_switches(replica
     assert_unchanged(before, scored_by_each(group))
 
 
+def wait_for_push_in_progress(server, timeout: float = 30.0) -> None:
+    """Returns once ``server`` refuses a push of its own as "in progress" (an empty
+    stream: when no push is open it is refused at once, as not starting with begin)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            server.stub().UpdateWeights(iter([]), timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.ABORTED and "in progress" in exc.details():
+                return
+        assert time.monotonic() < end, "the push never reached the replica"
+        time.sleep(0.05)
+
+
 def test_a_replica_killed_mid_push_fails_it_and_the_others_keep_scoring(replicas, odd):
     before = scored_by_each(replicas)
     rng = np.random.default_rng(7)
     streamed = []
 
     def tensors():
-        """Three tensors in 4 KiB chunks; the third replica is killed after the first."""
+        """Three tensors in 4 KiB chunks; the third replica is killed after the first,
+        once it holds the push open (a second push there is refused as in progress)."""
         for name, shape in ((EMBEDDING, (512, HIDDEN)), ("output_layer.weight", (512, HIDDEN))):
             yield name, (rng.standard_normal(shape) * 0.05).astype(np.float32)
             streamed.append(name)
             if len(streamed) == 1:
+                wait_for_push_in_progress(odd)
                 os.kill(odd.pid, signal.SIGKILL)
                 odd.proc.wait(30)
         yield NORM, np.full(HIDDEN, 0.5, np.float32)
