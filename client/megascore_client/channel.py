@@ -5,7 +5,10 @@ policy and the load-balancing policy) is computed once into :class:`ChannelSetti
 the clients only differ in which ``grpc`` module opens the channel.
 
 Retries are gRPC's own (``grpc.enable_retries`` + a ``retryPolicy`` in the
-``grpc.service_config`` JSON): only UNAVAILABLE is retried, with exponential backoff.
+``grpc.service_config`` JSON): only UNAVAILABLE is retried, with exponential backoff,
+and only the calls that read (:data:`RETRIED_METHODS`: scoring, model info, health);
+LoadWeights, UpdateWeights and FinishWeightUpdate change the served weights and go out
+once (a push that fails UNAVAILABLE is the caller's to repeat, from its start).
 Each delay is the current backoff +-20 % (gRPC core's retry code jitters its backoff by
 0.2, ``RetryFilter::BackoffJitter()``; the ``[0, backoff]`` draw of the retry design
 doc, gRFC A6, is not what grpcio 1.85 does): the backoff starts at
@@ -40,6 +43,8 @@ __all__ = [
 
 SCORER_SERVICE = "megascore.v1.Scorer"
 HEALTH_SERVICE = "grpc.health.v1.Health"
+RETRIED_METHODS = ("Score", "ScoreStream", "GetModelInfo")
+"""The Scorer methods gRPC retries (they read; the weight-changing ones are not retried)."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _LB_POLICIES = ("pick_first", "round_robin")
 
@@ -180,7 +185,10 @@ class ChannelSettings:
         if self.retries is not None:
             config["methodConfig"] = [
                 {
-                    "name": [{"service": SCORER_SERVICE}, {"service": HEALTH_SERVICE}],
+                    "name": [
+                        *({"service": SCORER_SERVICE, "method": m} for m in RETRIED_METHODS),
+                        {"service": HEALTH_SERVICE},
+                    ],
                     "retryPolicy": self.retries.to_json(),
                 }
             ]

@@ -279,6 +279,8 @@ def test_channel_settings():
     config = settings.service_config()
     retry = config["methodConfig"][0]["retryPolicy"]
     assert retry["retryableStatusCodes"] == ["UNAVAILABLE"] and retry["maxAttempts"] == 3
+    retried = {n.get("method", "*") for n in config["methodConfig"][0]["name"]}
+    assert retried == {"Score", "ScoreStream", "GetModelInfo", "*"}  # "*": all of Health
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
     off = dict(ChannelSettings.build("h:1", tls=None, retries=0, keepalive_time_s=None).options())
     assert off["grpc.enable_retries"] == 0 and "grpc.keepalive_time_ms" not in off
@@ -300,3 +302,19 @@ def test_no_groups_to_a_server_that_does_not_take_them(server, client):
     assert not client.model_info().accepts_sequence_groups
     sent = server.scorer.requests[-1]
     assert sent["num_tokens"] == sum(len(s) for s in seqs)
+
+
+def test_only_reading_calls_are_retried(server, client):
+    """gRPC retries a Score that got UNAVAILABLE; a LoadWeights that got it is not re-sent
+    (it changes the served weights: the caller decides)."""
+    client.score([[1, 2]])  # the client's first call also asks for the model info
+    server.scorer.fail_next.append((grpc.StatusCode.UNAVAILABLE, "restarting"))
+    before = server.scorer.calls["Score"]
+    assert client.score([[1, 2, 3]]).lengths.tolist() == [3]
+    assert server.scorer.calls["Score"] == before + 2
+    server.scorer.fail_next.append((grpc.StatusCode.UNAVAILABLE, "restarting"))
+    before = server.scorer.calls["LoadWeights"]
+    with pytest.raises(ScoringError) as info:
+        client.load_weights("hf:/ckpt")
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE
+    assert server.scorer.calls["LoadWeights"] == before + 1
