@@ -51,6 +51,12 @@ def _check_groups(sizes: np.ndarray, prompts: np.ndarray, lengths: np.ndarray) -
         sizes < 1,
         lambda g: f"groups.sizes: group {g} has {int(sizes[g])} sequences; every group needs >= 1",
     )
+    _refuse_first(  # bounded before the sum, which could otherwise wrap around
+        sizes > lengths.size,
+        lambda g: (
+            f"groups.sizes: group {g} has {int(sizes[g])} sequences, lengths has {lengths.size}"
+        ),
+    )
     if int(sizes.sum()) != lengths.size:
         raise InvalidRequestError(
             f"groups.sizes: the groups hold {int(sizes.sum())} sequences, lengths has "

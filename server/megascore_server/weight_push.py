@@ -39,6 +39,7 @@ import logging
 import math
 import re
 import sys
+import threading
 import time
 import uuid
 import weakref
@@ -98,34 +99,44 @@ class TensorBuffers:
     list when nothing uses its tensor any more (the engine may keep a view of one until
     its fused partners arrive: a buffer is handed out again only when no array or tensor
     uses it), at most ``limit`` bytes of them.
+
+    "No array uses it" is CPython's reference count of the buffer: every numpy view of it
+    holds a reference to it (``view.base``), and so does whatever holds such a view
+    (``torch.frombuffer`` keeps its source). Views are dropped on the event loop and on
+    the engine thread, so the free lists are guarded by a lock.
     """
 
     def __init__(self, limit: int):
         self.limit = limit
         self._free: dict[int, list[np.ndarray]] = {}
         self._held = 0  # bytes on the free lists
+        self._lock = threading.Lock()
 
     def take(self, size: int) -> np.ndarray:
         """A uint8 array of ``size`` bytes (uninitialised), a view of a pooled buffer."""
-        free = self._free.get(size, [])
-        for i in range(len(free)):
-            # the free list, ``free[i]`` and getrefcount's argument only: nothing else uses it
-            # (every numpy view of it, and whatever holds one, counts here)
-            if sys.getrefcount(free[i]) <= 2:
-                base = free.pop(i)
-                self._held -= size
-                break
-        else:
+        base = None
+        with self._lock:
+            free = self._free.get(size, [])
+            for i in range(len(free)):
+                # the free list, ``free[i]`` and getrefcount's argument only: nothing else
+                # uses it (every numpy view of it, and whatever holds one, counts here)
+                if sys.getrefcount(free[i]) <= 2:
+                    base = free.pop(i)
+                    self._held -= size
+                    break
+        if base is None:
             base = np.empty(size, dtype=np.uint8)
         view = base[:]
         weakref.finalize(view, self._give, base)
         return view
 
     def _give(self, base: np.ndarray) -> None:
-        """The tensor assembled in ``base`` is done with (its views may live on)."""
-        if self._held + base.size <= self.limit:
-            self._free.setdefault(base.size, []).append(base)
-            self._held += base.size
+        """The tensor assembled in ``base`` is done with (its views may live on); runs in
+        whichever thread dropped the last view."""
+        with self._lock:
+            if self._held + base.size <= self.limit:
+                self._free.setdefault(base.size, []).append(base)
+                self._held += base.size
 
 
 class _Tensor:

@@ -151,7 +151,8 @@ MASKED = LOGPROB_POSITIONS["masked"]
 
 def _check_positions(value, limits) -> str | None:
     if value not in (0, *LOGPROB_POSITIONS.values()):
-        return f"{value} is not a LogprobPositions value (1 = all, 2 = masked)"
+        names = ", ".join(f"{v} = {name}" for name, v in LOGPROB_POSITIONS.items())
+        return f"{value} is not a LogprobPositions value ({names})"
     return None
 
 

@@ -210,6 +210,12 @@ CASES = [
         ["groups.sizes", "4 sequences", "lengths has 3"],
     ),
     (
+        "groups-sizes-wrap-around",  # 4 x 2**62 + 3 wraps to 3 in int64
+        grouped(sizes=(2**62, 2**62, 2**62, 2**62, 3), prompts=(0, 0, 0, 0, 0)),
+        INVALID,
+        ["groups.sizes", f"group 0 has {2**62} sequences", "lengths has 3"],
+    ),
+    (
         "groups-empty-group",
         grouped(sizes=(3, 0), prompts=(0, 0)),
         INVALID,

@@ -117,6 +117,7 @@ def test_a_shared_split_keeps_groups_whole_and_plans_them_shared(microbatches):
             first, end = plan.ranges[i]
             together += part[first:end].tolist()
         assert sorted(together) == sorted(mb.sequences.tolist())
+    shared_microbatches = 0
     for part, plan in zip(split.parts, split.plans, strict=True):
         sub = sub_batch(batch, part)
         mbs, got_pad_to = plan_microbatches(
@@ -131,10 +132,15 @@ def test_a_shared_split_keeps_groups_whole_and_plans_them_shared(microbatches):
         for mb in mbs:
             rows = layout.padded_lengths(mb.segments.lengths, 4).sum()
             assert rows <= pad_to
-            if mb.sequences.size > 1:  # shared: fewer rows than its sequences' own
-                assert mb.segments.token_ids.size <= sub.lengths[mb.sequences].sum()
+            held = set(part[mb.sequences].tolist())
+            if any(g.size > 1 and set(g.tolist()) <= held for g in units.groups):
+                # a group sharing a prefix is computed shared: fewer rows than its tokens
+                assert mb.segments.shared
+                assert mb.segments.token_ids.size < sub.lengths[mb.sequences].sum()
+                shared_microbatches += 1
         seqs = np.concatenate([mb.sequences for mb in mbs])
         assert sorted(seqs.tolist()) == list(range(part.size))
+    assert shared_microbatches >= 1
     assert (
         sum(layout.padded_lengths(mb.segments.lengths, 4).sum() for mb in lone)
         < layout.padded_lengths(batch.lengths, 4).sum()

@@ -52,8 +52,7 @@ def test_a_group_keeps_its_prompt_when_a_later_sequence_shares_less():
     """Joining a sequence that shares only part of the prompt would save fewer tokens:
     it opens a new group."""
     base = np.arange(100)
-    seqs = [base, base + 0, np.r_[base[:20], [7, 7]]]
-    seqs[1] = np.r_[base[:90], [5]]
+    seqs = [base, np.r_[base[:90], [5]], np.r_[base[:20], [7, 7]]]
     lengths = np.array([len(s) for s in seqs])
     sizes, prompts = sequence_groups.find_groups(lengths, [np.concatenate(seqs)])
     np.testing.assert_array_equal(sizes, [2, 1])

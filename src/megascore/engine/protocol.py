@@ -23,7 +23,8 @@ slot  name              meaning
                         FORWARD: see below (routing layers ``L``)
 10    name_bytes        WEIGHTS_TENSOR: UTF-8 length of the tensor name;
                         FORWARD: see below (routing top-k ``k``)
-11    dtype             WEIGHTS_TENSOR: index in ``WEIGHT_DTYPES``
+11    dtype             WEIGHTS_TENSOR: index in ``WEIGHT_DTYPES``;
+                        FORWARD: see below (target ids ``K``)
 12    ndim              WEIGHTS_TENSOR: number of dimensions
 13    data_bytes        WEIGHTS_TENSOR: byte size of the whole tensor
 14    names / layout    WEIGHTS_BEGIN: name format; WEIGHTS_TENSOR: layout code
@@ -79,7 +80,9 @@ from megascore.types import ScoreBatch
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # 2: WEIGHTS_TENSOR without its bytes (parts sent point to point)
+PROTOCOL_VERSION = 2
+"""2: WEIGHTS_TENSOR without its bytes (parts sent point to point); FORWARD's slot 8 holds
+``logprob_positions`` (the routing's ``L`` and ``k`` moved to slots 9 and 10)."""
 HEADER_SLOTS = 16
 MAX_LOSSES = 63
 

@@ -65,6 +65,7 @@ import time
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -487,14 +488,18 @@ class DistributedEngine:
         return self._on_weights(protocol.Command.WEIGHTS_BEGIN, message)
 
     def stage_weight(
-        self, name: str, dtype: str, shape: tuple[int, ...], data: bytes, layout: int
+        self, name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray, layout: int
     ) -> None:
         """One full tensor of the open push: its header to every rank, then each rank its
-        parts of it (:meth:`WeightStaging.receive`); every rank stages its shards."""
+        parts of it (:meth:`WeightStaging.receive`); every rank stages its shards.
+
+        ``data`` is the tensor's bytes, uint8 (a view of the server's pooled buffer,
+        ``megascore_server.weight_push.TensorBuffers``: the tensor built on it keeps it in
+        use until every part is sent and staged)."""
         self._require_driver("stage_weight")
         torch_dtype = getattr(torch, dtype)
         if len(data):
-            with warnings.catch_warnings():  # read-only bytes: only read (shards are copies)
+            with warnings.catch_warnings():  # a read-only buffer is only read (shards are copies)
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 tensor = torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
         else:
