@@ -66,6 +66,8 @@ class PendingRequest:
     parts: list[tuple[np.ndarray, ScoreOutput]] = dataclasses.field(default_factory=list)
     metric_sums: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     metric_tokens: int = 0
+    steps_computing_all: int = 0
+    """Steps of this request that computed every position (a mixed step, see result())."""
     first_start: float | None = None
     compute_s: float = 0.0
     num_steps: int = 0
@@ -145,6 +147,7 @@ class PendingRequest:
             return
         part = select_sequences(output, step.lengths, step_idx, self.batch)
         self.parts.append((idx, part))
+        self.steps_computing_all += step.logprob_positions != schema.MASKED
         if self.solo:
             for kind in ("moe", "mtp"):
                 sums = self.metric_sums.setdefault(kind, {})
@@ -155,7 +158,8 @@ class PendingRequest:
     def result(self) -> TimedOutput:
         """The assembled result (every sequence must have been recorded)."""
         output = concat_outputs(self.parts, self.batch.lengths)
-        if self.batch.logprob_positions == schema.MASKED:  # also from a step computing all
+        if self.batch.logprob_positions == schema.MASKED and self.steps_computing_all:
+            # a masked step's output holds its fill outside the mask already (finish_step)
             keep_masked_positions(output.values, self.batch.lengths, self.batch.loss_mask)
         output.weights_version = self.parts[-1][1].weights_version
         if self.solo and self.metric_tokens:
