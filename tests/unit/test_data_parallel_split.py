@@ -113,7 +113,7 @@ def test_a_shared_split_keeps_groups_whole_and_plans_them_shared(microbatches):
     for i, mb in enumerate(lone):
         together = []
         for part, plan in zip(split.parts, split.plans, strict=True):
-            assert plan.min_shared == MIN_SHARED and len(plan.ranges) == len(lone)
+            assert plan.segments is not None and len(plan.ranges) == len(lone)
             first, end = plan.ranges[i]
             together += part[first:end].tolist()
         assert sorted(together) == sorted(mb.sequences.tolist())
@@ -132,6 +132,9 @@ def test_a_shared_split_keeps_groups_whole_and_plans_them_shared(microbatches):
         for mb in mbs:
             rows = layout.padded_lengths(mb.segments.lengths, 4).sum()
             assert rows <= pad_to
+            # the split's layout computes the part's own tokens: every token by a row of its id
+            tokens = sub.token_ids[layout.token_index(sub.lengths, mb.sequences)]
+            np.testing.assert_array_equal(mb.segments.token_ids[mb.segments.token_rows], tokens)
             held = set(part[mb.sequences].tolist())
             if any(g.size > 1 and set(g.tolist()) <= held for g in units.groups):
                 # a group sharing a prefix is computed shared: fewer rows than its tokens

@@ -60,7 +60,9 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megascore import layout, schema
 from megascore.engine.pipeline import (
     MicrobatchPlan,
+    MicrobatchSegments,
     SharedUnits,
+    joined_groups,
     shared_units,
     split_microbatches,
 )
@@ -139,19 +141,26 @@ def split_step(
         units, costs = shared.groups, shared.costs
     parts: list[list[np.ndarray]] = [[] for _ in range(size)]
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    segments: list[list[MicrobatchSegments]] = [[] for _ in range(size)]
     counts, pad_to = [0] * size, 0
     for a, b in split_microbatches(costs, pad_multiple, microbatches)[0]:
         for rank, share in enumerate(balanced_parts(costs[a:b], size)):
             seqs = [units[a + int(i)] for i in share]
             n = sum(s.size for s in seqs)
+            if shared is not None:  # the groups' layouts, numbered like the part's sequences
+                mb = joined_groups(shared, lengths, share + a)
+                numbered = np.arange(counts[rank], counts[rank] + n, dtype=np.int64)
+                segments[rank].append(MicrobatchSegments(numbered, mb.segments))
             parts[rank] += seqs
             ranges[rank].append((counts[rank], counts[rank] + n))
             counts[rank] += n
             pad_to = max(pad_to, int(costs[a:b][share].sum()))
-    min_shared = None if shared is None else shared.min_shared
     return StepSplit(
         parts=[np.concatenate([np.zeros(0, np.int64), *p]).astype(np.int64) for p in parts],
-        plans=[MicrobatchPlan(ranges=r, pad_to=pad_to, min_shared=min_shared) for r in ranges],
+        plans=[
+            MicrobatchPlan(ranges=r, pad_to=pad_to, segments=None if shared is None else s)
+            for r, s in zip(ranges, segments, strict=True)
+        ],
     )
 
 

@@ -101,14 +101,14 @@ class MicrobatchPlan:
             data-parallel rank without sequences in it still joins its peers' expert
             collectives (:mod:`megascore.engine.data_parallel`).
         pad_to: packed length of every microbatch.
-        min_shared: None: every sequence computed whole; else every range holds whole
-            groups of sequences sharing a prefix (:func:`shared_units`), and the prefixes
-            of at least ``min_shared`` tokens are computed once.
+        segments: None: every sequence computed whole; else each range's microbatch as
+            its groups sharing a prefix are computed (:func:`shared_units`, laid out by
+            the split, ``sequences`` numbered like ``ranges``).
     """
 
     ranges: list[tuple[int, int]]
     pad_to: int
-    min_shared: int | None = None
+    segments: list[MicrobatchSegments] | None = None
 
     @classmethod
     def split(cls, lengths: np.ndarray, pad_multiple: int, count: int) -> MicrobatchPlan:
@@ -136,13 +136,11 @@ class SharedUnits:
     (and data-parallel parts) are cut from, a group never cut apart.
 
     Attributes:
-        min_shared: the shortest prefix shared.
         groups: sequence indices per group (:func:`~megascore.prefix_tree.shared_groups`).
         layouts: each group's :class:`~megascore.prefix_tree.SegmentLayout`.
         costs: int64 ``[G]`` packed rows of each group's segments, padded.
     """
 
-    min_shared: int
     groups: list[np.ndarray]
     layouts: list[SegmentLayout]
     costs: np.ndarray
@@ -179,14 +177,18 @@ def shared_units(
     costs = np.array(
         [layout.padded_lengths(g.lengths, pad_multiple).sum() for g in layouts], dtype=np.int64
     ).reshape(-1)
-    return SharedUnits(min_shared, groups, layouts, costs)
+    return SharedUnits(groups, layouts, costs)
 
 
-def _joined(units: SharedUnits, lengths: np.ndarray, a: int, b: int) -> MicrobatchSegments:
-    """One microbatch of groups ``a .. b - 1``."""
-    groups = units.groups[a:b]
+def joined_groups(units: SharedUnits, lengths: np.ndarray, which) -> MicrobatchSegments:
+    """One microbatch of the groups ``which`` (indices into ``units``), in that order."""
+    groups = [units.groups[g] for g in which]
+    if not groups:  # a data-parallel rank's microbatch of pad tokens only
+        empty = np.zeros(0, dtype=np.int64)
+        return MicrobatchSegments(empty, dense_layout(empty, empty))
     return MicrobatchSegments(
-        np.concatenate(groups), concat_layouts(units.layouts[a:b], [lengths[g] for g in groups])
+        np.concatenate(groups),
+        concat_layouts([units.layouts[g] for g in which], [lengths[g] for g in groups]),
     )
 
 
@@ -207,7 +209,7 @@ def plan_microbatches(
     order. Shared: the sequences that share a prefix (:func:`shared_units`) stay in one
     microbatch; groups are split like sequences, by what their segments occupy. Given
     ``cuts`` (a data-parallel rank's share), its ranges are the microbatches, dense or
-    shared as the plan says.
+    laid out shared by the split.
 
     Args:
         token_ids: int64 ``[T]`` the step's tokens.
@@ -218,7 +220,7 @@ def plan_microbatches(
         token_keys: int64 ``[T, w]`` what must match for tokens to be shared (None: ids).
         labels: ``[B]`` sequences of different labels share nothing (None: all equal).
         cuts: the step's given microbatches (:mod:`megascore.engine.data_parallel`,
-            whose ``min_shared`` replaces the argument); None: cut here.
+            whose ``segments`` replace ``min_shared``); None: cut here.
 
     Returns:
         ``(plans, pad_to)``: the microbatches in order and their common packed length.
@@ -235,27 +237,15 @@ def plan_microbatches(
             labels=labels,
         )
         ranges, pad_to = split_microbatches(units.costs, pad_multiple, count)
-        return [_joined(units, lengths, a, b) for a, b in ranges], pad_to
+        return [joined_groups(units, lengths, range(a, b)) for a, b in ranges], pad_to
     cuts = cuts or MicrobatchPlan.split(lengths, pad_multiple, count)
+    if cuts.segments is not None:
+        return list(cuts.segments), cuts.pad_to
     plans = []
     for a, b in cuts.ranges:
         seqs = np.arange(a, b, dtype=np.int64)
-        tok = layout.token_index(lengths, seqs)
-        if cuts.min_shared is None or a == b:
-            plans.append(MicrobatchSegments(seqs, dense_layout(token_ids[tok], lengths[seqs])))
-            continue
-        units = shared_units(
-            token_ids[tok],
-            lengths[seqs],
-            pad_multiple=pad_multiple,
-            min_shared=cuts.min_shared,
-            token_keys=None if token_keys is None else token_keys[tok],
-            labels=None if labels is None else labels[seqs],
-        )
-        if int(units.costs.sum()) > cuts.pad_to:
-            raise RuntimeError(f"microbatch [{a}, {b}): {units.costs.sum()} > {cuts.pad_to} rows")
-        mb = _joined(units, lengths[seqs], 0, len(units.groups))
-        plans.append(MicrobatchSegments(mb.sequences + a, mb.segments))
+        tokens = token_ids[layout.token_index(lengths, seqs)]
+        plans.append(MicrobatchSegments(seqs, dense_layout(tokens, lengths[seqs])))
     return plans, cuts.pad_to
 
 
