@@ -99,18 +99,19 @@ def measure(tmp: Path, lengths: list[int], reps: int, attentions: list[str]) -> 
                 model.set_attn_implementation(attention)
                 client.score([seq[:64]], losses=())  # warm-up: first-call costs
                 transformers_logprobs(model, seq[:64])
-                ours, theirs, diff = [], [], 0.0
+                sides = {  # each: the logprobs of tokens 1 .. n-1
+                    "ms": lambda s=seq: client.score([s], losses=()).logprobs[0][1:],
+                    "hf": lambda s=seq: transformers_logprobs(model, s),
+                }
+                seconds: dict[str, list[float]] = {"ms": [], "hf": []}
+                diff = 0.0
                 for rep in range(reps):
-                    sides = [("ms", lambda s=seq: client.score([s], losses=()))]
-                    sides.append(("hf", lambda s=seq: transformers_logprobs(model, s)))
-                    for name, fn in sides if rep % 2 == 0 else sides[::-1]:
-                        seconds, out = timed(fn)
-                        (ours if name == "ms" else theirs).append(seconds)
-                        if name == "ms":
-                            got = out.logprobs[0][1:].astype(np.float64)
-                        else:
-                            want = out.astype(np.float64)
-                    diff = max(diff, float(np.abs(got - want).max()))
+                    got = {}
+                    for name in ("ms", "hf") if rep % 2 == 0 else ("hf", "ms"):
+                        took, got[name] = timed(sides[name])
+                        seconds[name].append(took)
+                    diff = max(diff, float(np.abs(got["ms"].astype(np.float64) - got["hf"]).max()))
+                ours, theirs = seconds["ms"], seconds["hf"]
                 ratios = [h / m for h, m in zip(theirs, ours, strict=True)]
                 rows[n, attention] = dict(ms=ours, hf=theirs, ratios=ratios, diff=diff)
                 print(f"{n} tokens: megascore {ours} s, transformers ({attention}) {theirs} s")
