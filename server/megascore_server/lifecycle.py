@@ -15,7 +15,8 @@ assembled. The server may start before the engine exists:
    a. Health NOT_SERVING for good; new Scorer calls fail fast with UNAVAILABLE
       ("server shutting down") while the gRPC server keeps running.
    b. The calls in progress finish (at most ``grace`` s in all).
-   c. For the last :data:`PARK_S` s new calls are parked (not answered), then
+   c. For :data:`PARK_S` s new calls are parked (not answered; also when ``grace``
+      is 0, as after a lost rank, so a stop may take ``grace + PARK_S``), then
       ``server.stop()`` begins (grpc core stops accepting calls and sends GOAWAY),
       and only then do the parked calls get UNAVAILABLE.
    d. Batcher closed -> ``engine.shutdown()`` on the engine thread, queued after
@@ -239,10 +240,8 @@ class ServerHandles:
                 self.gate.active_calls,
                 grace,
             )
-        park_s = min(PARK_S, deadline - time.monotonic())
-        if park_s > 0:
-            self.gate.park_new_calls()
-            await asyncio.sleep(park_s)
+        self.gate.park_new_calls()  # also with no grace (a lost rank): see module doc, c
+        await asyncio.sleep(PARK_S)
         stopping = asyncio.ensure_future(self.server.stop(max(deadline - time.monotonic(), 0.0)))
         await asyncio.sleep(0)  # stop() has run up to its first wait: core shut down, GOAWAY sent
         self.gate.release_parked()
