@@ -3,7 +3,7 @@
 (a) scores from ``forward_packed``'s head, chunk by chunk, equal scores from the full
     logits of GPTModel's own output path (the pre-chunking result) to 1e-6 in fp32
     (chunks of >= 16 rows; a few ulp more for 1-7-row chunks, see the test);
-(b) an engine step with ``T_local > chunk_tokens`` asks the output layer for at most
+(b) an engine step with ``T_local > chunk_tokens`` asks the output head for at most
     ``chunk_tokens`` rows at a time, each row once, and no tensor with
     ``T_local x V/tp`` elements (or more than ``chunk_tokens`` vocabulary-wide rows)
     is ever created: every aten op's output is checked through a ``TorchDispatchMode``.
@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megascore.config import EngineConfig
-from megascore.engine.forward import packed_labels_and_mask, packed_position_ids
+from megascore.engine.forward import OutputHead, packed_labels_and_mask, packed_position_ids
 from megascore.engine.logprobs import score_tokens
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
@@ -141,14 +141,17 @@ def test_step_never_materialises_all_rows_of_logits(pgs, monkeypatch, name, metr
     num_tokens = int(lengths.sum())  # pad multiple 1: T_local = tokens
     assert num_tokens > 7 * chunk_tokens
 
-    rows_per_call = []
-    layer_forward = model.output_layer.forward
+    rows_per_call, layer_calls = [], []
+    head_logits = OutputHead.logits
 
-    def spy(input_, *args, **kwargs):
-        rows_per_call.append(input_.shape[0])
-        return layer_forward(input_, *args, **kwargs)
+    def spy(head, start, end):
+        rows_per_call.append(end - start)
+        return head_logits(head, start, end)
 
-    monkeypatch.setattr(model.output_layer, "forward", spy)
+    monkeypatch.setattr(OutputHead, "logits", spy)
+    # the head multiplies by the layer's weight itself (the reused buffer): nothing,
+    # GPTModel included, calls the output layer
+    monkeypatch.setattr(model.output_layer, "forward", lambda *a, **k: layer_calls.append(a))
     groups = StepGroups(tp=pgs.tp, cp=pgs.cp, pp=pgs.pp, status=dist.group.WORLD)
     cfg = StepConfig(pad_multiple=1, chunk_tokens=chunk_tokens, vocab_size=vocab, device="cpu")
     watch = _LargestOutputs(vocab_local=vocab)
@@ -157,6 +160,7 @@ def test_step_never_materialises_all_rows_of_logits(pgs, monkeypatch, name, metr
     out = finish_step(batch, result)
 
     assert max(rows_per_call) <= chunk_tokens and sum(rows_per_call) == num_tokens
+    assert not layer_calls
     assert len(rows_per_call) == -(-num_tokens // chunk_tokens)
     assert watch.max_vocab_rows <= chunk_tokens, watch.max_vocab_rows
     assert watch.max_numel < num_tokens * vocab, watch.max_numel
@@ -167,3 +171,29 @@ def test_step_never_materialises_all_rows_of_logits(pgs, monkeypatch, name, metr
     assert set(out.moe_metrics) == (
         {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"} if metrics else set()
     )
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("name", ["tiny", "tiny-tied"])
+def test_logits_in_the_reused_buffer_are_the_layers_bit_for_bit(pgs, name, invariant):
+    """The head writes each chunk's logits into one buffer kept on the output layer; they
+    equal what Megatron's output layer returns for the same rows, bit for bit."""
+    from megascore.model.batch_invariant import make_batch_invariant
+
+    model = _build(pgs, MODELS[name])
+    if invariant:
+        make_batch_invariant(model)
+    packed = _packed([7, 1, 40, 3, 19, 2], model.vocab_size, seed=2)
+    head = forward_packed(model, packed).head
+    assert head.scratch is not None
+    layer_path = dataclasses.replace(head, scratch=None)
+    assert head.num_tokens == 80
+    pointers = set()
+    for start, end in ((0, 41), (41, 46), (46, 47), (47, 80)):  # the largest chunk first
+        got = head.logits(start, end)
+        assert torch.equal(got, layer_path.logits(start, end)), (start, end)
+        pointers.add(got.data_ptr())
+    assert len(pointers) == 1  # every chunk in the one buffer
+    # the next forward of the same model reuses it as well
+    again = forward_packed(model, _packed([5, 9], model.vocab_size, seed=3)).head
+    assert again.logits(0, again.num_tokens).data_ptr() in pointers

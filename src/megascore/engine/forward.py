@@ -63,7 +63,7 @@ import logging
 from collections.abc import Callable
 
 import torch
-from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_logging import (
     destroy_moe_metrics_tracker,
     get_moe_metrics_tracker,
@@ -73,6 +73,8 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from megascore.config import METRICS_REDUCTIONS
 from megascore.engine import step_metrics
+from megascore.engine.scratch import Scratch
+from megascore.model.batch_invariant import is_batch_invariant, pad_rows
 from megascore.packing import PackedSequences, cp_shard_indices, roll_within_segments
 from megascore.segment_packing import full_positions, rope_positions
 
@@ -92,12 +94,14 @@ class OutputHead:
         weight: the weight to pass to it: the shared word-embedding weight when
             embeddings are tied, None for the layer's own weight.
         scale_logits: the model's logit scaling (``GPTModel._scale_logits``, MuP).
+        scratch: the buffers the head reuses (:func:`head_scratch`; None: new tensors).
     """
 
     hidden_states: torch.Tensor
     output_layer: torch.nn.Module
     weight: torch.Tensor | None
     scale_logits: Callable[[torch.Tensor], torch.Tensor]
+    scratch: Scratch | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +135,14 @@ class OutputHead:
         # rows: [C, 1, H]; already gathered over TP, so the layer must not gather again
         rows = self.hidden_states[start:end]
         layer = self.output_layer
+        if self.scratch is not None and _plain_matmul(layer):
+            # what the layer computes (a forward-only ColumnParallelLinear without bias is
+            # ``matmul(input, weight.t())``), written into the reused buffer
+            weight = layer.weight if self.weight is None else self.weight
+            x = pad_rows(rows[:, 0]) if is_batch_invariant(layer) else rows[:, 0]
+            out = self.scratch.take("logits", x.shape[0], weight.shape[0], x.dtype, x.device)
+            torch.matmul(x, weight.t(), out=out)
+            return self.scale_logits(out[: end - start])
         saved = layer.sequence_parallel
         layer.sequence_parallel = False
         try:
@@ -139,6 +151,22 @@ class OutputHead:
         finally:
             layer.sequence_parallel = saved
         return self.scale_logits(logits).squeeze(1)  # [C, V / tp]
+
+
+def _plain_matmul(layer: torch.nn.Module) -> bool:
+    """Whether the output layer's forward is a plain ``matmul(input, weight.t())``: Megatron's
+    local ``ColumnParallelLinear`` (not TransformerEngine's) without a bias; with TP > 1 its
+    forward only marks the input for the backward, and the rows were gathered already."""
+    return type(layer) is ColumnParallelLinear and layer.bias is None
+
+
+def head_scratch(output_layer: torch.nn.Module) -> Scratch:
+    """The head's reused buffers (:mod:`megascore.engine.scratch`), kept on the model's
+    output layer: they live as long as the model."""
+    scratch = output_layer.__dict__.get("_megascore_scratch")
+    if scratch is None:
+        scratch = output_layer.__dict__["_megascore_scratch"] = Scratch()
+    return scratch
 
 
 def moe_metric_names(cfg) -> list[str]:
@@ -313,6 +341,7 @@ def _head_processor(*, hidden_states, output_layer, output_weight, scale_logits,
         output_layer=output_layer,
         weight=None if output_weight is None else output_weight.detach(),
         scale_logits=scale_logits,
+        scratch=head_scratch(output_layer),
     )
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megascore import schema
+from megascore.engine.scratch import Scratch
 from megascore.model.batch_invariant import is_batch_invariant, padded_linear
 
 logger = logging.getLogger(__name__)
@@ -409,6 +410,7 @@ def score_tokens(
     vocab_size: int | None = None,
     outputs: list[schema.Output] | None = None,
     target_ids: torch.Tensor | None = None,
+    scratch: Scratch | None = None,
 ) -> TokenScores:
     """Per-token outputs (logprobs of ``targets``, top-k, ...) from vocab-parallel logits.
 
@@ -436,6 +438,8 @@ def score_tokens(
             None: the logprobs when ``targets`` is given and the top-k when ``top_k > 0``.
         target_ids: int64 ``[T, K]`` caller-chosen global ids whose logprobs the
             ``target_logprobs`` output returns, or None.
+        scratch: where the vocabulary-wide temporaries live (:mod:`megascore.engine.scratch`;
+            the engine passes the head's, reused from step to step); None: new ones.
 
     Returns:
         A :class:`TokenScores` with float32 / int64 tensors on the logits' device.
@@ -458,8 +462,11 @@ def score_tokens(
     # Scratch reused by every chunk: the exp pass (and the padding mask of the top-k),
     # and the temperature-scaled logits.
     rows = min(chunk_tokens, num_tokens)
-    work = torch.empty(rows, v_local, dtype=torch.float32, device=device)
-    scaled = None if temperature is None else torch.empty_like(work)
+    scratch = Scratch() if scratch is None else scratch
+    work = scratch.take("work", rows, v_local, torch.float32, device)
+    scaled = (
+        None if temperature is None else scratch.take("scaled", *work.shape, work.dtype, device)
+    )
     needs_targets = any(out.name == "logprobs" for out in outputs)
     with torch.no_grad():
         for start in range(0, num_tokens, chunk_tokens):

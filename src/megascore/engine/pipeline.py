@@ -438,6 +438,7 @@ def _score_microbatch(
         chunk_tokens=spec.chunk_tokens,
         vocab_size=spec.vocab_size,
         target_ids=target_ids,
+        scratch=head.scratch,
         # the logprobs always: Megatron's schedule takes a loss from every microbatch
         outputs=list(dict.fromkeys([schema.output("logprobs"), *spec.outputs])),
     )
