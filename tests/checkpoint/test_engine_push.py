@@ -17,6 +17,7 @@ import torch
 
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.weight_update import WeightStaging
 from megascore.errors import CheckpointError
 from megascore.types import LAYOUT_COMMON, WEIGHT_NAMES_MEGATRON, ScoreBatch
 from tests.one_rank import one_rank_world
@@ -105,3 +106,29 @@ def test_a_reload_during_a_push_wins(engine):
         _push(engine, state, "never", between=reload)
     assert engine.info().weights_version == "loaded-3"
     assert engine.score(BATCH).weights_version == "loaded-3"
+
+
+def test_staging_runs_on_one_thread_and_scoring_keeps_the_pool(engine, monkeypatch):
+    """A pushed tensor's copies run single-threaded (the pool's threads would spin after
+    each, taking cores from the stream); the steps around them keep every thread."""
+    seen = []
+    receive = WeightStaging.receive
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return receive(self, *args, **kwargs)
+
+    monkeypatch.setattr(WeightStaging, "receive", spy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+
+        def score_between():
+            assert torch.get_num_threads() == 2
+            engine.score(BATCH)
+
+        _push(engine, _state(engine), "one-thread", between=score_between)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
