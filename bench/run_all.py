@@ -54,6 +54,7 @@ import pipeline
 import prefix_sharing
 import replica_scaling
 import routing_cost
+import single_sequence
 import startup
 import weight_push
 import wire_cost
@@ -486,6 +487,7 @@ def main() -> int:
         startup,
         data_parallel,
         replica_scaling,
+        single_sequence,
     )
     for own in own_sections:
         if own.BEGIN in previous and own.END in previous:
