@@ -25,13 +25,6 @@ factors of the ratio) and prints a short profile. See docs/benchmarks.md.
 
 from __future__ import annotations
 
-import os
-
-# Before torch loads (imported below): the in-process sides allocate as `megascore serve`
-# does (huge pages, docs/engine.md "Memory: huge pages"), so e2e / engine compares the
-# server with the same engine, and transformers runs under the same allocator.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 import argparse
 import dataclasses
 import logging

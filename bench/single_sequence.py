@@ -16,10 +16,7 @@ sequence is scored, the two sides taking turns (the order alternating per repeti
   transformers' default before SDPA, a reference point, not judged).
 
 Both sides use every core of the machine (the server and this process run one at a
-time). ``megascore serve`` allocates large tensors on huge pages (docs/engine.md); the
-transformers side runs under this process's environment: torch's default 4 KiB pages,
-or huge pages when started with ``THP_MEM_ALLOC_ENABLE=1`` (the section says which).
-The ratio is transformers seconds / megascore seconds, the median over the
+time). The ratio is transformers seconds / megascore seconds, the median over the
 repetitions (targets: >= 1.0 at 2k tokens, >= 2.0 at 16k), with the max |delta
 logprob| between the two.
 
@@ -138,11 +135,6 @@ def section(rows: dict, machine: dict, elapsed: float, reps: int, start_load: st
         "* megascore: SDK `score([seq], losses=())` through gRPC, wall clock; transformers: "
         "`model(ids).logits`, `log_softmax`, gather, in-process; sides alternate per "
         "repetition, every core each",
-        "* allocator: `megascore serve` puts large tensors on huge pages "
-        "(`THP_MEM_ALLOC_ENABLE=1`, docs/engine.md); the transformers side runs with "
-        f"`THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}` "
-        "(unset: torch's default, 4 KiB pages; rerun with `THP_MEM_ALLOC_ENABLE=1` "
-        "for both sides on huge pages)",
         "",
         "| tokens | transformers attention | megascore s (median) | transformers s (median) "
         "| transformers / megascore | target | result | max abs logprob diff |",

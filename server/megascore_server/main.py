@@ -44,16 +44,6 @@ def setup_logging(level: str) -> None:
     hide_third_party_notices(level)  # summarised once the engine is built
 
 
-def use_huge_pages() -> None:
-    """Tensors of 2 MiB and more on transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE``,
-    read at torch's first allocation, so before torch is imported; inherited by the
-    launched ranks). A step allocates its activations and logits chunks afresh, and on
-    4 KiB pages the kernel's page faults were ~20 % of a 2k-token step on the CPU
-    (docs/engine.md, "Memory: huge pages"). ``THP_MEM_ALLOC_ENABLE=0`` in the environment keeps
-    4 KiB pages."""
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
 def resolve_config(argv: Sequence[str]) -> ReplicaConfig:
     """The config passed down by the launcher, or the one resolved from flags / file / env."""
     resolved = os.environ.get(RESOLVED_CONFIG_ENV)
@@ -72,7 +62,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit code.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    use_huge_pages()
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         config = resolve_config(argv)

@@ -88,6 +88,5 @@ def create(engine_config):
         raise CheckpointError(os.environ["MEGASCORE_FAKE_LOAD_ERROR"])
     if rank == 0:
         (directory / "built_on").write_text(threading.current_thread().name)
-        (directory / "thp").write_text(os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"))
         return Rank0Engine(directory, int(os.environ["WORLD_SIZE"]))
     return WorkerEngine(directory, rank)

@@ -139,8 +139,6 @@ def test_nproc2_ctrl_c_drains_and_exits_zero(serve, tmp_path):
     check_response(s.stub.Score(REQ.proto(), timeout=10), REQ)
     pids = s.rank_pids(2)
     assert s.proc.pid not in pids  # the launcher is not a rank
-    for pid in pids:  # torch reads it at its first allocation: set before any rank starts
-        assert b"THP_MEM_ALLOC_ENABLE=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     os.killpg(s.proc.pid, signal.SIGINT)  # Ctrl-C: every process of the group gets it
     assert s.wait() == 0, s.output()
     assert (tmp_path / "SHUTDOWN").exists() and (tmp_path / "clean1").exists()
@@ -161,10 +159,9 @@ def test_worker_death_stops_the_replica_nonzero(serve, tmp_path):
 
 
 def test_rank0_sees_lost_rank_and_exits_one(serve, tmp_path):
-    s = serve(env={"THP_MEM_ALLOC_ENABLE": "0"})  # nproc 1: rank 0 in the process itself
+    s = serve()  # nproc 1: rank 0 in the process itself
     s.wait_serving()
     assert s.rank_pids(1) == [s.proc.pid]
-    assert (tmp_path / "thp").read_text() == "0"  # a value in the environment wins
     check_response(s.stub.Score(REQ.proto(), timeout=10), REQ)
     (tmp_path / "lose").write_text("")
     with pytest.raises(grpc.RpcError) as info:

@@ -4,11 +4,10 @@ The head's vocabulary-wide tensors (one chunk's logits, the exp pass, the
 temperature-scaled copy: ``chunk_tokens x V/tp`` each) are the largest a step
 allocates. Allocated afresh, on the CPU each is handed back to the OS when freed and
 page-faulted and zeroed by the kernel again for the next chunk: measured for a
-``[1024, 256] x [256, 32000]`` logits matmul, writing into a reused buffer took
-0.64x the time of a new output on 4 KiB pages and 0.93x on huge pages
-(docs/engine.md, "Memory: huge pages"). The buffers live as long as the output layer
-(:func:`megascore.engine.forward.head_scratch`); one engine thread uses them, one
-step at a time.
+``[1024, 256] x [256, 32000]`` logits matmul, writing into a reused buffer took 0.64x
+the time of a new output (docs/engine.md, "Memory: the head's buffers"). The buffers
+live as long as the output layer (:func:`megascore.engine.forward.head_scratch`); one
+engine thread uses them, one step at a time.
 """
 
 from __future__ import annotations
