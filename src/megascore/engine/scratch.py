@@ -22,13 +22,14 @@ class Scratch:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def take(
-        self, name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+        self, name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
         """An uninitialised ``[rows, cols]`` view of buffer ``name``: its first rows.
 
         The buffer is replaced (not kept beside) when it has fewer rows, another width,
         dtype or device. A view taken earlier under the same name shares its memory.
         """
+        device = torch.device(device)
         buf = self._buffers.get(name)
         if (
             buf is None
