@@ -139,10 +139,7 @@ class OutputHead:
             # what the layer computes (a forward-only ColumnParallelLinear without bias is
             # ``matmul(input, weight.t())``), written into the reused buffer
             weight = layer.weight if self.weight is None else self.weight
-            x = pad_rows(rows[:, 0]) if is_batch_invariant(layer) else rows[:, 0]
-            out = self.scratch.take("logits", x.shape[0], weight.shape[0], x.dtype, x.device)
-            torch.matmul(x, weight.t(), out=out)
-            return self.scale_logits(out[: end - start])
+            return self.scale_logits(self.matmul(rows[:, 0], weight))
         saved = layer.sequence_parallel
         layer.sequence_parallel = False
         try:
@@ -151,6 +148,17 @@ class OutputHead:
         finally:
             layer.sequence_parallel = saved
         return self.scale_logits(logits).squeeze(1)  # [C, V / tp]
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``matmul(x, weight.t())`` for rows ``x [C, H]`` and ``weight [V/tp, H]``: padded
+        like the output layer's matmuls when it is batch-invariant
+        (:mod:`megascore.model.batch_invariant`), written into the head's reused buffer
+        (a new tensor without one). Returns ``[C, V/tp]``."""
+        padded = pad_rows(x) if is_batch_invariant(self.output_layer) else x
+        if self.scratch is None:
+            return torch.matmul(padded, weight.t())[: len(x)]
+        out = self.scratch.take("logits", len(padded), weight.shape[0], x.dtype, x.device)
+        return torch.matmul(padded, weight.t(), out=out)[: len(x)]
 
 
 def _plain_matmul(layer: torch.nn.Module) -> bool:

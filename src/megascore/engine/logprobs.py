@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from megascore import schema
 from megascore.engine.scratch import Scratch
-from megascore.model.batch_invariant import is_batch_invariant, padded_linear
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +124,7 @@ class Float32Logits:
 
     def logits(self, start: int, end: int) -> torch.Tensor:
         rows = self.head.hidden_states[start:end, 0].float()  # [C, H]
-        layer = self.head.output_layer
-        linear = padded_linear if is_batch_invariant(layer) else torch.nn.functional.linear
-        return self.head.scale_logits(linear(rows, self.weight))
+        return self.head.scale_logits(self.head.matmul(rows, self.weight))
 
 
 def _group_rank_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -103,8 +103,3 @@ def make_batch_invariant(model: torch.nn.Module) -> int:
         setattr(module, _MARK, True)
         changed += 1
     return changed
-
-
-def padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``torch.nn.functional.linear(x, weight)`` on row-padded ``x`` (``[rows, in]``)."""
-    return torch.nn.functional.linear(pad_rows(x), weight)[: x.shape[0]]
