@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh server,cli
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # A free port below the ephemeral range, so no other process's bind(0) takes it
-# while the server imports torch (the --nproc launcher picks MASTER_PORT the same way).
-port=$(.venv/bin/python -c 'from megascore_server.launcher import pick_port; print(pick_port())')
+# while the server imports torch.
+port=$(.venv/bin/python -c 'from megascore_server.ports import pick_port; print(pick_port())')
 log=$(mktemp "${TMPDIR:-/tmp}/megascore-demo.XXXXXX.log")
 echo "starting megascore serve on 127.0.0.1:$port (server log: $log)"
 .venv/bin/megascore serve --host 127.0.0.1 --port "$port" "$@" >"$log" 2>&1 &

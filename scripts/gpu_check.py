@@ -202,7 +202,7 @@ def gpu_tests(table: Table, out: Path) -> None:
 
 
 def _free_port() -> int:
-    from megascore_server.launcher import pick_port
+    from megascore_server.ports import pick_port
 
     return pick_port()
 

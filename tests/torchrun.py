@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megascore_server.launcher import pick_port
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,8 +22,7 @@ def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 30
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={pick_port()}",
+        "--standalone",  # its store binds a port of the kernel's choice: none to collide
         "--max-restarts=0",
         str(script),
         *args,

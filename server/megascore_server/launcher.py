@@ -1,8 +1,8 @@
 """Local multi-rank launcher for ``megascore serve --nproc N`` (torchrun-equivalent).
 
-Starts N processes of ``python -m megascore_server.main`` with the ``env://``
-rendezvous variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and the already-resolved config,
+Starts N processes of ``python -m megascore_server.main`` with the rendezvous
+variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR; MASTER_PORT as below) and the already-resolved config,
 then supervises them. A plain subprocess supervisor rather than torch's
 ``elastic_launch`` because shutdown must be driven by rank 0 (torch's agent
 signals every worker at once and needs torch imported in this process):
@@ -14,12 +14,11 @@ signals every worker at once and needs torch imported in this process):
   exit (rank 0 notices the loss and exits 1), then SIGKILL; exit code non-zero.
 * Children die with this process (``PR_SET_PDEATHSIG``), so no orphan survives
   even a SIGKILL of the launcher.
-* MASTER_PORT (rank 0's TCPStore) is a free port *below* the kernel's ephemeral
-  range (:func:`pick_port`), not one from ``bind(0)``: the launcher cannot hold
-  the port while rank 0 imports torch (seconds), and a port from ``bind(0)`` is
-  exactly what any other process's ``bind(0)`` / outgoing connection may take in
-  between (EADDRINUSE at rendezvous). ``scripts/demo.sh`` picks its gRPC port the
-  same way.
+* Rank 0's TCPStore binds a port of the kernel's choice and rank 0 writes it to a
+  file the other ranks wait for (``MASTER_PORT_FILE_ENV``,
+  :mod:`megascore.engine.rendezvous`). A port picked here could not be held while
+  rank 0 imports torch (seconds), and another process could take it meanwhile: the
+  other ranks would then knock on that process's port.
 """
 
 from __future__ import annotations
@@ -28,13 +27,14 @@ import ctypes
 import json
 import logging
 import os
-import random
+import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 
+from megascore.config import MASTER_PORT_FILE_ENV
 from megascore_server.config import ReplicaConfig
 
 logger = logging.getLogger(__name__)
@@ -51,55 +51,8 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-_PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-_LINUX_EPHEMERAL_LOW = 32768  # the kernel's default when the file cannot be read
-
-
-def ephemeral_port_low() -> int:
-    """First port of the kernel's ephemeral range (``bind(0)`` and outgoing connections)."""
-    try:
-        with open(_PORT_RANGE_FILE, encoding="ascii") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return _LINUX_EPHEMERAL_LOW
-
-
-def pick_port(host: str = "127.0.0.1", low: int = 20000, tries: int = 200) -> int:
-    """A port free now on ``host``, below the ephemeral range (see the module docstring).
-
-    Only a process that asks for this very port can take it before the caller's
-    server binds it; ``bind(0)`` users and outgoing connections never get it.
-
-    Args:
-        host: address the port must be free on.
-        low: lowest port tried (the ports below stay for services' fixed ports).
-        tries: random candidates tried in ``[low, ephemeral_port_low())``.
-
-    Returns:
-        The port (nothing holds it when this returns).
-
-    Raises:
-        RuntimeError: no free candidate, or no room below the ephemeral range.
-    """
-    high = ephemeral_port_low()
-    if high <= low:
-        raise RuntimeError(
-            f"no port between {low} and the ephemeral range, which starts at {high} "
-            f"({_PORT_RANGE_FILE})"
-        )
-    rng = random.Random()  # not the global one: callers may seed it
-    for port in rng.sample(range(low, high), min(tries, high - low)):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port among {tries} tried in [{low}, {high})")
-
-
-def rank_env(config: ReplicaConfig, rank: int, master_port: int) -> dict[str, str]:
-    """Environment of local rank ``rank``."""
+def rank_env(config: ReplicaConfig, rank: int, port_file: str) -> dict[str, str]:
+    """Environment of local rank ``rank``; rank 0 writes its store's port to ``port_file``."""
     n = config.nproc
     env = dict(os.environ)
     env.update(
@@ -109,8 +62,9 @@ def rank_env(config: ReplicaConfig, rank: int, master_port: int) -> dict[str, st
         WORLD_SIZE=str(n),
         LOCAL_WORLD_SIZE=str(n),
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(master_port),
     )
+    env.pop("MASTER_PORT", None)  # rank 0 chooses it (module docstring)
+    env[MASTER_PORT_FILE_ENV] = port_file
     env[RESOLVED_CONFIG_ENV] = json.dumps(config.to_dict())
     env[LAUNCHED_ENV] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks must not oversubscribe
@@ -153,16 +107,17 @@ class LocalLauncher:
 
     def run(self) -> int:
         """Launches the ranks and waits for them; returns the launcher's exit code."""
-        port = pick_port()  # below the ephemeral range: see the module docstring
         n = self.config.nproc
-        logger.info("launching %d local ranks (master 127.0.0.1:%d)", n, port)
+        rendezvous = tempfile.mkdtemp(prefix="megascore-rendezvous-")
+        port_file = os.path.join(rendezvous, "master_port")
+        logger.info("launching %d local ranks", n)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             for rank in range(n):
                 self.procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "megascore_server.main"],
-                        env=rank_env(self.config, rank, port),
+                        env=rank_env(self.config, rank, port_file),
                         preexec_fn=_die_with_parent,
                     )
                 )
@@ -174,6 +129,7 @@ class LocalLauncher:
                 proc.wait()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            shutil.rmtree(rendezvous, ignore_errors=True)
 
     def _supervise(self) -> int:
         failed: int | None = None

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore.wire import encode_array
-from megascore_server.launcher import pick_port
+from megascore_server.ports import pick_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MEGASCORE = Path(sys.executable).with_name("megascore")
@@ -141,7 +141,7 @@ class ServeProcess:
         env: extra environment variables.
         credentials: TLS credentials of the helper's own channel (health polling);
             None for a plaintext server.
-        port: the port to serve on (e.g. ``megascore_server.launcher.pick_port()``, to
+        port: the port to serve on (e.g. ``megascore_server.ports.pick_port()``, to
             restart a server on the same address); None = a free port.
     """
 
@@ -172,8 +172,7 @@ class ServeProcess:
                 "-m",
                 "torch.distributed.run",
                 f"--nproc-per-node={torchrun_nproc}",
-                "--master-addr=127.0.0.1",
-                f"--master-port={pick_port()}",
+                "--standalone",  # its store binds a port of the kernel's choice
                 "--max-restarts=0",
                 "-m",
                 "megascore_server.main",

@@ -35,7 +35,7 @@ from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import AsyncScoringClient, RetryPolicy, ScoringClient, ScoringError
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import ScoreOptions, build_parts
-from megascore_server.launcher import pick_port
+from megascore_server.ports import pick_port
 from tests.e2e.reference import LOSSES, VOCAB, assert_results_equal, assert_top_k_close
 from tests.e2e.serve import ServeProcess, own_servers
 

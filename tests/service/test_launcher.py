@@ -1,18 +1,19 @@
-"""The ``--nproc`` launcher's MASTER_PORT: a free port below the ephemeral range.
+"""The ``--nproc`` launcher's rendezvous: no MASTER_PORT picked in advance, a port file.
 
-A port from ``bind(0)``, released before rank 0 binds it, is what any other
-process's ``bind(0)`` (or outgoing connection) may take meanwhile; a port below
-the ephemeral range is not.
+A port picked by the launcher and bound by rank 0 seconds later (after its imports)
+may be taken by another process meanwhile; rank 0 binds a port of the kernel's choice
+instead and writes it to the file every rank is told of.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
-from megascore.config import EngineConfig
-from megascore_server import launcher
+from megascore.config import MASTER_PORT_FILE_ENV, EngineConfig
+from megascore_server import launcher, ports
 from megascore_server.config import ReplicaConfig
 
 
@@ -28,22 +29,23 @@ class _ExitedRank:
         return 0
 
 
-def test_launcher_master_port_is_below_the_ephemeral_range(monkeypatch):
+def test_launcher_gives_every_rank_one_port_file_and_no_master_port(monkeypatch):
     started: list[_ExitedRank] = []
 
     def popen(cmd, env, preexec_fn):
+        assert os.path.isdir(os.path.dirname(env[MASTER_PORT_FILE_ENV]))  # exists meanwhile
         started.append(_ExitedRank(env))
         return started[-1]
 
     monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    monkeypatch.setenv("MASTER_PORT", "29500")  # the user's own must not reach the ranks
     config = ReplicaConfig(engine=EngineConfig(tensor_model_parallel_size=2), nproc=2)
     assert launcher.LocalLauncher(config).run() == 0
-    ports = {int(rank.env["MASTER_PORT"]) for rank in started}
-    assert len(started) == 2 and len(ports) == 1
-    port = ports.pop()
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral_low = int(f.read().split()[0])
-    assert 20000 <= port < ephemeral_low
+    files = {rank.env[MASTER_PORT_FILE_ENV] for rank in started}
+    assert len(started) == 2 and len(files) == 1
+    assert all("MASTER_PORT" not in rank.env for rank in started)
+    assert [rank.env["RANK"] for rank in started] == ["0", "1"]
+    assert not os.path.exists(os.path.dirname(files.pop()))  # removed after the run
 
 
 def test_pick_port_skips_ports_in_use(monkeypatch):
@@ -51,19 +53,25 @@ def test_pick_port_skips_ports_in_use(monkeypatch):
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
         # Candidates: [taken, taken + 1]; taken is busy.
-        monkeypatch.setattr(launcher, "ephemeral_port_low", lambda: taken + 2)
-        assert launcher.pick_port(low=taken) == taken + 1
-        monkeypatch.setattr(launcher, "ephemeral_port_low", lambda: taken + 1)
+        monkeypatch.setattr(ports, "ephemeral_port_low", lambda: taken + 2)
+        assert ports.pick_port(low=taken) == taken + 1
+        monkeypatch.setattr(ports, "ephemeral_port_low", lambda: taken + 1)
         with pytest.raises(RuntimeError, match="no free port"):
-            launcher.pick_port(low=taken)
+            ports.pick_port(low=taken)
+
+
+def test_pick_port_is_below_the_ephemeral_range():
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    assert 20000 <= ports.pick_port() < ephemeral_low
 
 
 def test_pick_port_without_room_below_the_ephemeral_range(monkeypatch):
-    monkeypatch.setattr(launcher, "ephemeral_port_low", lambda: 20000)
+    monkeypatch.setattr(ports, "ephemeral_port_low", lambda: 20000)
     with pytest.raises(RuntimeError, match="ephemeral range"):
-        launcher.pick_port()
+        ports.pick_port()
 
 
 def test_ephemeral_port_low_reads_the_kernel_range():
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        assert launcher.ephemeral_port_low() == int(f.read().split()[0])
+        assert ports.ephemeral_port_low() == int(f.read().split()[0])

@@ -10,6 +10,7 @@ MODULES = [
     "megascore_server.main",
     "megascore_server.bootstrap",
     "megascore_server.launcher",
+    "megascore_server.ports",
     "megascore_server.preflight",
     "megascore_server.servicer",
     "megascore_server.batcher",

@@ -76,6 +76,7 @@ from megascore.engine import protocol
 from megascore.engine.data_parallel import DataParallelGroup
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.losses import loss_names
+from megascore.engine.rendezvous import init_default_group
 from megascore.engine.routing import routing_shape
 from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status
@@ -131,12 +132,11 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     # (imports, checkpoint reads): a short collective_timeout_s must not fail start-up.
     # Steps use the explicit groups, with the collective timeout.
     timeout = max(engine_cfg.collective_timeout_s, _STARTUP_TIMEOUT_S)
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        timeout=datetime.timedelta(seconds=timeout),
+    init_default_group(
+        backend,
+        datetime.timedelta(seconds=timeout),
         # NCCL: bind this rank's GPU (its barriers would otherwise guess one)
-        device_id=device if device.type == "cuda" else None,
+        device if device.type == "cuda" else None,
     )
     logger.info("rank %d/%d: %s initialised", dist.get_rank(), dist.get_world_size(), backend)
     return True
