@@ -5,8 +5,9 @@ A pin on the served version is scored (and may share a step with unpinned reques
 a pin on another version fails with FAILED_PRECONDITION naming both versions and the
 server keeps serving; a swap queued before a pinned request is applied before its
 step (the pin on the version being committed is served, the pin on the old one is
-refused), while one queued after it waits for it; the engine refuses a pinned batch
-of another version itself. The SDK re-sends a refused pinned request over a
+refused), while one queued after it waits for it; an SDK stream's pinned submit is
+scored on its version or fails the stream; the engine refuses a pinned batch of another
+version itself. The SDK re-sends a refused pinned request over a
 round-robin channel until the replica with that version answers.
 """
 
@@ -56,6 +57,22 @@ def test_pin_on_another_version_fails_naming_both_and_the_server_serves_on(serve
     assert "weights_version" in info.value.details()
     req = Req([[9, 8]], request_id="after")
     check_response(stub.Score(req.proto(), timeout=10), req, "a2")
+
+
+def test_sdk_stream_pins_are_scored_on_their_version_or_fail_the_stream(server):
+    load(server, "s1")
+    with ScoringClient(server.address, timeout=10) as client:
+        with client.stream() as stream:
+            ok = stream.submit([[1, 2, 3], [4, 5]], weights_version="s1").result(10)
+            assert ok.weights_version == "s1"
+            assert len(ok.logprobs) == 2
+        with client.stream() as stream:  # a stream is on one replica: no re-send
+            with pytest.raises(ScoringError) as info:
+                stream.submit([[1, 2]], weights_version="s0").result(10)
+    assert info.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert "'s0'" in info.value.details and "'s1'" in info.value.details
+    req = Req([[7, 7]], request_id="after-stream")
+    check_response(server.stub().Score(req.proto(), timeout=10), req, "s1")
 
 
 def test_too_long_pin_is_invalid_argument(server):
