@@ -1,4 +1,4 @@
-"""The code blocks of README.md and docs/*.md, and what is checked of each.
+"""The code blocks of README.md, server/README.md and docs/*.md, and what is checked of each.
 
 A block is a fenced ```bash / ```sh / ```console / ```python block. A block whose
 fence follows the line ``<!-- docs-test: run -->`` is *runnable*: the docs test runs
@@ -17,7 +17,7 @@ import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "server" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN_MARKER = "<!-- docs-test: run -->"
 SHELL = ("bash", "sh", "console", "shell")
 DEFAULT_TARGET = "127.0.0.1:50051"

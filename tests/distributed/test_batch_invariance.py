@@ -1,19 +1,23 @@
 """Issue 24: a sequence's outputs are bit-identical whatever else is in the step.
 
 200 random sequences (lengths 1-512, capped by the model's positions) are scored alone,
-twice; in 20 random packings; and in one packing with 2 and 4 microbatches. Every
-per-token and per-sequence output (logprobs, top-k ids and logprobs, losses, loss-token
-counts, MoE routing) must be ``==`` to the sequence scored alone, on ``tiny``,
-``tiny-moe`` and a Qwen3-MoE ``hf:DIR`` checkpoint. The served side (SDK splitting,
+twice; in 20 random packings; and in one packing with 2 and 4 microbatches, each with
+its own temperature, target ids and rollout logprobs. Every per-token and per-sequence
+output of the table (logprobs, top-k ids and logprobs, losses, loss-token counts,
+entropy, target-id logprobs, mismatch statistics, importance weights, MoE routing) must
+be ``==`` to the sequence scored alone, on ``tiny``, ``tiny-moe`` and a Qwen3-MoE
+``hf:DIR`` checkpoint. The served side (SDK splitting,
 concurrent clients) is ``tests/e2e/test_batch_invariance_served.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from megascore import schema
+from megascore import mismatch, schema
 from megascore.config import EngineConfig
 from megascore.types import ScoreBatch
 from tests.checkpoint.scripts.ckpt_common import write_hf_checkpoint
@@ -22,6 +26,26 @@ from tests.one_rank import one_rank_world
 NUM_SEQUENCES = 200
 PACKINGS = 20
 LOSSES = ("nll", "mean_nll", "perplexity")
+NUM_TARGETS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    """One sequence and its per-sequence inputs (the same wherever it is scored)."""
+
+    ids: np.ndarray
+    temperature: float
+    target_ids: np.ndarray  # [L, NUM_TARGETS]
+    rollout_logprobs: np.ndarray  # [L]
+
+    @classmethod
+    def draw(cls, rng, length: int, vocab: int) -> Sequence:
+        return cls(
+            rng.integers(0, vocab, size=length),
+            float(rng.choice([0.7, 1.0, 1.3])),
+            rng.integers(0, vocab, size=(length, NUM_TARGETS)),
+            -rng.exponential(6.0, size=length),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +85,19 @@ def _assert_identical(got: dict, want: dict, where: str) -> None:
         )
 
 
-def _score(engine, seqs: list[np.ndarray], routing: bool) -> list[dict]:
-    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+def _score(engine, seqs: list[Sequence], routing: bool) -> list[dict]:
+    lengths = np.array([len(s.ids) for s in seqs], dtype=np.int64)
     batch = ScoreBatch(
-        token_ids=np.concatenate(seqs),
+        token_ids=np.concatenate([s.ids for s in seqs]),
         lengths=lengths,
         top_k=5,
         losses=LOSSES,
         return_routing=routing,
+        return_entropy=True,
+        return_importance_weights=True,
+        temperature=np.array([s.temperature for s in seqs], dtype=np.float32),
+        target_ids=np.concatenate([s.target_ids for s in seqs]),
+        rollout_logprobs=np.concatenate([s.rollout_logprobs for s in seqs]),
     )
     return _per_sequence(engine.score(batch), lengths)
 
@@ -98,8 +127,10 @@ def test_outputs_are_bit_identical_alone_packed_and_in_microbatches(model, reque
             routing = info.routing is not None
             max_len = min(512, info.max_sequence_length)
             lengths = rng.integers(1, max_len + 1, size=NUM_SEQUENCES)
-            seqs = [rng.integers(0, info.vocab_size, size=n) for n in lengths]
+            seqs = [Sequence.draw(rng, n, info.vocab_size) for n in lengths]
             alone = [_score(engine, [s], routing)[0] for s in seqs]
+            wanted = {"entropy", "target_logprobs", "importance_weights", *mismatch.NAMES}
+            assert wanted | ({"routing"} if routing else set()) <= alone[0].keys()
             for i in rng.choice(NUM_SEQUENCES, size=20, replace=False):
                 _assert_identical(_score(engine, [seqs[i]], routing)[0], alone[i], f"rerun {i}")
             for p in range(PACKINGS):
@@ -139,10 +170,10 @@ def test_without_batch_invariance_a_short_sequence_alone_rounds_differently():
         )
         try:
             vocab = engine.info().vocab_size
-            others = [rng.integers(0, vocab, size=n) for n in (300, 200, 100)]
+            others = [Sequence.draw(rng, n, vocab) for n in (300, 200, 100)]
             differs = 0
             for _ in range(10):
-                short = rng.integers(0, vocab, size=2)
+                short = Sequence.draw(rng, 2, vocab)
                 alone = _score(engine, [short], False)[0]["logprobs"]
                 packed = _score(engine, [*others, short], False)[-1]["logprobs"]
                 differs += int(not np.array_equal(alone, packed))

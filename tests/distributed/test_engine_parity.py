@@ -6,12 +6,12 @@ Two torchrun launches (module-scoped fixtures):
   torchrun's environment; batch composition does not change results, results
   equal log_softmax of the model's own logits per sequence, losses, output
   switches, validation, hot reload, shutdown;
-* ``engine_layouts.py`` on 4 ranks: TP=2, CP=2, TP=2xCP=2 (tiny) and EP=2/4,
-  CP=2xEP=2, TP=2xEP=2 with automatic sequence parallelism and with it disabled
-  (tiny-moe) each score the edge-case batch (length-1
-  sequences, one at max length, one long + many short); vocab-parallel logprobs
-  / top-k on random logits at TP=2; a worker failure and a hung worker make
-  rank 0 raise WorkerLostError.
+* ``engine_layouts.py`` on 4 ranks: TP=2, CP=2, TP=2xCP=2 (tiny) and TP=2, CP=2,
+  EP=2/4, CP=2xEP=2, TP=2xEP=2 with automatic sequence parallelism and with it disabled
+  (tiny-moe; the ranks a layout leaves over are data-parallel) each score the
+  edge-case batch (length-1 sequences, one at max length, one long + many short);
+  vocab-parallel logprobs / top-k on random logits at TP=2; a worker failure and a
+  hung worker make rank 0 raise WorkerLostError.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ SINGLE_CHECKS = (
     "shutdown",
 )
 DENSE = ("tiny_tp2", "tiny_cp2", "tiny_tp2_cp2")
-MOE = ("moe_ep2", "moe_ep4", "moe_cp2_ep2", "moe_tp2_ep2", "moe_tp2_ep2_nosp")
+MOE = ("moe_tp2", "moe_cp2", "moe_ep2", "moe_ep4", "moe_cp2_ep2", "moe_tp2_ep2", "moe_tp2_ep2_nosp")
 LAYOUT_CHECKS = (
     *(f"{name}:run" for name in ("tiny_ref", *DENSE, "moe_ref", "moe_ref_pad4", *MOE)),
     "tiny_tp2:vocab_parallel_random_logits",
@@ -161,8 +161,8 @@ def test_masked_positions_match_the_dense_layout(layouts, name):
 
 @pytest.mark.parametrize("name", sorted(set(MOE) - {"moe_tp2_ep2_nosp"}))
 def test_moe_metrics_equal_reference_within_1e6(layouts, name):
-    """Step-level metrics (the default): EP=2/4, CP=2 x EP=2, TP=2 (SP) x EP=2 report the
-    one-rank reference's MoE / MTP metrics to 1e-6."""
+    """Step-level metrics (the default): TP=2 (SP), CP=2, EP=2/4, CP=2 x EP=2, TP=2 (SP) x
+    EP=2 report the one-rank reference's MoE / MTP metrics to 1e-6."""
     got, want = load_output(layouts["dir"] / name), load_output(layouts["dir"] / "moe_ref")
     assert_metrics_match(got, want)
 

@@ -1,8 +1,12 @@
 """Issue 24, served: through ``megascore serve`` and the SDK a sequence's outputs are the
 same bits whether it is sent alone, inside a batch the SDK splits into many requests, or
 by one of 4 clients sending at once (the dynamic batcher then packs their requests into
-shared steps in whatever order they arrive). The engine-side packings and microbatch
-splits are ``tests/distributed/test_batch_invariance.py``.
+shared steps in whatever order they arrive), on ``tiny``, ``tiny-moe`` (with routing) and
+a Qwen3-MoE ``hf:DIR`` checkpoint. Every output the SDK returns is compared with ``==``:
+logprobs, top-k, losses, loss-token counts, entropy, target-id logprobs, mismatch
+statistics, importance weights and routing, at temperature 0.7; each sequence carries
+its own target ids and rollout logprobs. The engine-side packings and microbatch splits are
+``tests/distributed/test_batch_invariance.py``.
 """
 
 from __future__ import annotations
@@ -13,22 +17,49 @@ import numpy as np
 import pytest
 
 from megascore_client import ScoringClient
+from tests.checkpoint.scripts.ckpt_common import write_hf_checkpoint
+from tests.e2e.server_pool import ServerSpec, module_pool
 
 NUM_SEQUENCES = 200
 CLIENTS = 4
-KW = dict(top_k=5, losses=("nll", "mean_nll", "perplexity"))
+NUM_TARGETS = 3
+KW = dict(
+    top_k=5,
+    temperature=0.7,
+    losses=("nll", "mean_nll", "perplexity"),
+    return_entropy=True,
+    return_importance_weights=True,
+)
+PER_TOKEN = ("logprobs", "top_k_ids", "top_k_logprobs", "entropy", "target_logprobs")
+PER_TOKEN += ("importance_weights", "routing")
+CONFIGS = ("tiny", "tiny-moe", "hf-qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def pool(request, tmp_path_factory):
+    hf_dir = tmp_path_factory.mktemp("hf") / "qwen3_moe"
+    write_hf_checkpoint("qwen3_moe", hf_dir)
+    specs = {
+        "tiny": ServerSpec("tiny"),
+        "tiny-moe": ServerSpec("tiny-moe"),
+        "hf-qwen3-moe": ServerSpec(f"hf:{hf_dir}"),
+    }
+    yield from module_pool(request, tmp_path_factory, "serve-invariance", specs)
+
+
+@pytest.fixture
+def server(pool, config):
+    yield from pool.lend(config)
 
 
 def _per_sequence(result) -> list[dict[str, np.ndarray]]:
+    """Every output of the result, per sequence, by name."""
     out = []
     for i in range(len(result)):
-        entry = {
-            "logprobs": result.logprobs[i],
-            "top_k_ids": result.top_k_ids[i],
-            "top_k_logprobs": result.top_k_logprobs[i],
-            "num_tokens": result.num_tokens[i],
-        }
-        entry.update({name: values[i] for name, values in result.loss.items()})
+        entry = {"num_tokens": result.num_tokens[i]}
+        entry.update({n: getattr(result, n)[i] for n in PER_TOKEN if getattr(result, n)})
+        entry.update({f"loss.{n}": values[i] for n, values in result.loss.items()})
+        entry.update({f"mismatch.{n}": v[i] for n, v in result.mismatch_stats.items()})
         out.append(entry)
     return out
 
@@ -39,32 +70,49 @@ def _assert_identical(got: dict, want: dict, where: str) -> None:
         assert np.array_equal(got[name], value), f"{where}: {name} differs"
 
 
-@pytest.mark.timeout(600)
-def test_alone_split_and_concurrent_clients_give_the_same_bits(tp1):
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_alone_split_and_concurrent_clients_give_the_same_bits(server, config):
     rng = np.random.default_rng(2024)
-    with ScoringClient(tp1.target, timeout=300) as client:
+    with ScoringClient(server.target, timeout=300) as client:
         info = client.model_info()
         lengths = rng.integers(1, min(512, info.max_sequence_length) + 1, size=NUM_SEQUENCES)
         seqs = [rng.integers(0, info.vocab_size, size=n).tolist() for n in lengths]
-        alone = [_per_sequence(client.score([s], **KW))[0] for s in seqs]
+        targets = [rng.integers(0, info.vocab_size, (n, NUM_TARGETS)) for n in lengths]
+        rollouts = [-rng.exponential(6.0, size=n) for n in lengths]
+        routing = config != "tiny"
+        kw = dict(KW, return_routing=routing)
 
-    with ScoringClient(tp1.target, timeout=300, max_request_tokens=3000) as client:
-        result = client.score(seqs, **KW)
+        def score(c: ScoringClient, chosen):
+            chosen = list(chosen)
+            return c.score(
+                [seqs[i] for i in chosen],
+                target_ids=[targets[i] for i in chosen],
+                rollout_logprobs=[rollouts[i] for i in chosen],
+                **kw,
+            )
+
+        alone = [_per_sequence(score(client, [i]))[0] for i in range(NUM_SEQUENCES)]
+    expected = {"entropy", "target_logprobs", "importance_weights", "mismatch.max_abs_diff"}
+    assert expected | ({"routing"} if routing else set()) <= alone[0].keys()
+
+    with ScoringClient(server.target, timeout=300, max_request_tokens=3000) as client:
+        result = score(client, range(NUM_SEQUENCES))
         assert result.timings.num_requests > 10  # the SDK did split the batch
         for i, got in enumerate(_per_sequence(result)):
-            _assert_identical(got, alone[i], f"split batch, sequence {i}")
+            _assert_identical(got, alone[i], f"{config}: split batch, sequence {i}")
 
     def one_client(seed: int) -> list[tuple[int, dict]]:
         order = np.random.default_rng(seed).permutation(NUM_SEQUENCES)
         scored = []
-        with ScoringClient(tp1.target, timeout=300) as client:
+        with ScoringClient(server.target, timeout=300) as client:
             for chunk in np.array_split(order, 25):
-                result = client.score([seqs[i] for i in chunk], **KW)
-                scored += list(zip(chunk.tolist(), _per_sequence(result), strict=True))
+                got = _per_sequence(score(client, chunk.tolist()))
+                scored += list(zip(chunk.tolist(), got, strict=True))
         return scored
 
-    with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
-        runs = list(pool.map(one_client, range(CLIENTS)))
+    with concurrent.futures.ThreadPoolExecutor(CLIENTS) as workers:
+        runs = list(workers.map(one_client, range(CLIENTS)))
     for c, scored in enumerate(runs):
         for i, got in scored:
-            _assert_identical(got, alone[i], f"client {c}, sequence {i}")
+            _assert_identical(got, alone[i], f"{config}: client {c}, sequence {i}")

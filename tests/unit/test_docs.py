@@ -130,9 +130,19 @@ def test_each_example_names_the_extra_it_needs():
         assert VENV_SENTENCE in " ".join(doc.split()), example.name
 
 
+def torchrun_world_size(argv: list[str]) -> int:
+    """The ranks of a one-node ``torchrun`` command line (``--nproc-per-node N``)."""
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name.replace("_", "-") == "--nproc-per-node":
+            return int(value or argv[i + 1])
+    return 1
+
+
 def test_documented_serve_layouts_pass_the_preflight_checks():
-    """Every documented ``megascore serve`` of a built-in model names a layout that fits
-    its ranks and the model (the device check aside: docs show GPU commands)."""
+    """Every documented ``megascore serve`` (or ``torchrun ... -m megascore_server.main``)
+    of a built-in model names a layout that fits its ranks and the model (the device
+    check aside: docs show GPU commands)."""
     import dataclasses
 
     from megascore.model.config import BUILTIN_MODELS
@@ -151,6 +161,8 @@ def test_documented_serve_layouts_pass_the_preflight_checks():
             config = dataclasses.replace(
                 config, engine=dataclasses.replace(config.engine, device="cpu")
             )
-            check_before_launch(config, config.nproc, torchrun=False)
+            under_torchrun = argv[0].rsplit("/", 1)[-1] == "torchrun"
+            world = torchrun_world_size(argv) if under_torchrun else config.nproc
+            check_before_launch(config, world, torchrun=under_torchrun)
             checked += 1
     assert checked >= 4

@@ -56,6 +56,8 @@ LAYOUTS = {
     "tiny_tp2_cp2": ("tiny", 2, 2, 1, None, 1),
     "moe_ref": ("tiny-moe", 1, 1, 1, None, 1),
     "moe_ref_pad4": ("tiny-moe", 1, 1, 1, None, 4),
+    "moe_tp2": ("tiny-moe", 2, 1, 1, None, 4),
+    "moe_cp2": ("tiny-moe", 1, 2, 1, None, 1),
     "moe_ep2": ("tiny-moe", 1, 1, 2, None, 1),
     "moe_ep4": ("tiny-moe", 1, 1, 4, None, 1),
     "moe_cp2_ep2": ("tiny-moe", 1, 2, 2, None, 1),
@@ -63,7 +65,10 @@ LAYOUTS = {
     "moe_tp2_ep2_nosp": ("tiny-moe", 2, 1, 2, False, 1),
 }
 # Layouts that also return the MoE / MTP metrics.
-WITH_METRICS = {"moe_ref", "moe_ref_pad4", "moe_ep2", "moe_ep4", "moe_cp2_ep2", "moe_tp2_ep2"}
+WITH_METRICS = {
+    "moe_ref", "moe_ref_pad4", "moe_tp2", "moe_cp2", "moe_ep2", "moe_ep4", "moe_cp2_ep2",
+    "moe_tp2_ep2",
+}  # fmt: skip
 
 
 def engine_config(model, tp, cp, ep, sp, pad=1, timeout=60.0) -> EngineConfig:

@@ -1,0 +1,134 @@
+"""Issue 22 on the built-in models through the real server and the SDK: per-token entropy,
+the logprobs of caller-chosen target ids and top-256, served by ``megascore serve`` with
+``tiny`` and ``tiny-moe`` at TP=1, TP=2, CP=2, EP=2 (``tiny-moe``) and PP=2, equal a
+plain-torch reference on the same weights within 1e-5 (absolute, fp32).
+
+The reference: the model built in this process on one rank (the servers' model string and
+seed), each sequence alone through its forward (no packing with others, no chunked
+vocab-parallel pass), the full-vocabulary float64 log-softmax of its logits divided by
+the temperature. The ``hf:DIR`` family of the same check is in
+:mod:`tests.e2e.test_family_serving`.
+
+Nine servers, each started ahead of its test and stopped after it (:class:`ServerPool`,
+at most 5 ranks alive); each must exit 0 on SIGTERM and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megascore_client import ScoringClient
+from tests.e2e.server_pool import ServerSpec, module_pool
+from tests.packed_forward import forward_packed, pack_for_rank
+
+VOCAB = 512  # both built-in models
+TOP_K = 256
+NUM_TARGETS = 6
+TEMPERATURE = 0.7
+ATOL = 1e-5
+MODELS = ("tiny", "tiny-moe")
+LAYOUTS = {
+    "tp1": (1, ()),
+    "tp2": (2, ("--tp", "2")),
+    "cp2": (2, ("--cp", "2")),
+    "ep2": (2, ("--ep", "2")),
+    "pp2": (2, ("--pp", "2")),
+}
+CONFIGS = [
+    f"{model}:{layout}"
+    for model in MODELS
+    for layout in LAYOUTS
+    if layout != "ep2" or model == "tiny-moe"
+]
+_rng = np.random.default_rng(22)
+SEQS = [_rng.integers(0, VOCAB, n).tolist() for n in (9, 1, 23, 2, 6)]
+TARGETS = [_rng.integers(0, VOCAB, (len(s), NUM_TARGETS)) for s in SEQS]
+
+
+def plain_torch_log_softmax(model: str) -> list[np.ndarray]:
+    """Per sequence, ``[L - 1, V]`` float64 log-softmax of the next-token distribution
+    after each of its first ``L - 1`` tokens (sequence alone, temperature applied)."""
+    from megascore.config import EngineConfig
+    from megascore.engine.runtime import DistributedEngine
+    from tests.one_rank import one_rank_world
+
+    with one_rank_world():
+        engine = DistributedEngine.create(EngineConfig(model=model, device="cpu"))
+        try:
+            net, pgs = engine.loaded.model, engine.pg_collection
+            rows = []
+            with torch.no_grad():
+                for seq in SEQS:
+                    out = forward_packed(net, pack_for_rank(torch.tensor(seq), [len(seq)], pgs))
+                    logits = out.head.logits(0, out.head.num_tokens)[: len(seq) - 1]
+                    rows.append(torch.log_softmax(logits.double() / TEMPERATURE, -1).numpy())
+            return rows
+        finally:
+            engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[np.ndarray]]:
+    return {model: plain_torch_log_softmax(model) for model in MODELS}
+
+
+@pytest.fixture(scope="module")
+def pool(request, tmp_path_factory):
+    specs = {}
+    for config in CONFIGS:
+        model, layout = config.split(":")
+        nproc, flags = LAYOUTS[layout]
+        specs[config] = ServerSpec(model, nproc, flags)
+    yield from module_pool(request, tmp_path_factory, "serve-rl-outputs", specs)
+
+
+@pytest.fixture
+def server(pool, config):
+    yield from pool.lend(config)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_entropy_target_ids_and_top_256_equal_plain_torch(server, config, references):
+    model, layout = config.split(":")
+    with ScoringClient(server.target, timeout=120, retries=None) as client:
+        info = client.model_info()
+        result = client.score(
+            SEQS,
+            top_k=TOP_K,
+            temperature=TEMPERATURE,
+            return_entropy=True,
+            target_ids=TARGETS,
+        )
+    assert info.parallel.world_size == LAYOUTS[layout][0], info.parallel
+    worst: dict[str, float] = {}
+    for i, (seq, full) in enumerate(zip(SEQS, references[model], strict=True)):
+        assert result.entropy[i].shape == (len(seq),) and result.entropy[i][0] == 0.0
+        assert result.target_logprobs[i].shape == (len(seq), NUM_TARGETS)
+        assert not result.target_logprobs[i][0].any()
+        assert (
+            result.top_k_ids[i].shape == (len(seq), TOP_K) and (result.top_k_ids[i][0] == -1).all()
+        )
+        ids = result.top_k_ids[i][1:]
+        vals = result.top_k_logprobs[i][1:].astype(np.float64)
+        assert (np.diff(vals, axis=-1) <= 0).all(), f"{config}: top-k not in descending order"
+        assert all(len(set(row)) == TOP_K for row in ids.tolist()), f"{config}: repeated ids"
+        pairs = {
+            "logprobs": (
+                result.logprobs[i][1:],
+                np.take_along_axis(full, np.array(seq[1:], np.int64)[:, None], -1)[:, 0],
+            ),
+            "entropy": (result.entropy[i][1:], -(np.exp(full) * full).sum(-1)),
+            "target_logprobs": (
+                result.target_logprobs[i][1:],
+                np.take_along_axis(full, TARGETS[i][1:], -1),
+            ),
+            "top_k_logprobs": (vals, -np.sort(-full, -1)[:, :TOP_K]),
+            "top_k_ids": (vals, np.take_along_axis(full, ids, -1)),  # near-ties may order apart
+        }
+        for name, (got, want) in pairs.items():
+            err = np.abs(np.asarray(got, np.float64) - want)
+            worst[name] = max(worst.get(name, 0.0), float(err.max(initial=0.0)))
+    assert max(worst.values()) <= ATOL, f"{config}: max |delta| {worst}"
