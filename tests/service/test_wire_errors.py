@@ -1,4 +1,5 @@
-"""Bytes that do not parse, and huge strings: INVALID_ARGUMENT with a short message.
+"""Bytes that do not parse, huge strings, and target ids / rollout logprobs that do not
+fit: INVALID_ARGUMENT with a short message naming the field (and the sequence).
 
 Raw bytes go through generic channel methods (no serializer), so the server sees
 exactly what a hostile client sends. The server keeps serving afterwards, and the
@@ -10,13 +11,15 @@ from __future__ import annotations
 import logging
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
 from megascore.v1 import scoring_pb2 as pb
+from megascore.wire import encode_array
 from megascore_server.status import MAX_MESSAGE_CHARS, status_for
 from megascore_server.validation import MAX_ID_CHARS
-from tests.service.fake_engine import FakeEngine
+from tests.service.fake_engine import MAX_TOP_K, VOCAB, FakeEngine
 from tests.service.harness import Req, check_response, serving
 from tests.service.test_weight_push import EMBED, NORM, PushEngine, begin, chunk, commit, full_push
 
@@ -192,3 +195,51 @@ def test_garbage_is_counted_as_invalid_argument(server):
     for payload in GARBAGE:
         _unary(server, "/megascore.v1.Scorer/Score", payload)
     assert counter._value.get() - before == len(GARBAGE)
+
+
+def _scored_inputs_request(case: str) -> pb.ScoreRequest:
+    """A request of sequences [1, 2, 3] and [4, 5] (5 tokens) with one bad field."""
+    request = Req([[1, 2, 3], [4, 5]], request_id=f"bad-{case}").proto()
+    targets = np.zeros((5, 2), dtype=np.int64)
+    rollout = np.full(5, -1.0)
+    if case == "target_id_out_of_range":
+        targets[4, 1] = VOCAB  # sequence 1 position 1
+    if case == "too_many_target_ids":
+        targets = np.zeros((5, MAX_TOP_K + 1), dtype=np.int64)
+    if case == "target_ids_size":
+        targets = np.zeros(7, dtype=np.int64)
+    if case == "rollout_nan":
+        rollout[1] = np.nan  # sequence 0 position 1
+    if case == "rollout_size":
+        rollout = rollout[:4]
+    if case == "importance_weights_without_rollout":
+        request.options.return_importance_weights = True
+        return request
+    if case == "ratio_cap":
+        request.options.mismatch_ratio_cap = 0.5
+    request.target_ids.CopyFrom(encode_array(targets))
+    request.rollout_logprobs.CopyFrom(encode_array(rollout))
+    return request
+
+
+SCORED_INPUT_ERRORS = {
+    "target_id_out_of_range": f"target_ids: sequence 1 position 1: ids must be in [0, {VOCAB})",
+    "too_many_target_ids": f"target_ids: {MAX_TOP_K + 1} ids per token, more than max_target_ids",
+    "target_ids_size": "target_ids",
+    "rollout_nan": "rollout_logprobs: sequence 0 position 1: not finite",
+    "rollout_size": "rollout_logprobs: 4 values, expected 5",
+    "importance_weights_without_rollout": "options.return_importance_weights: needs rollout",
+    "ratio_cap": "options.mismatch_ratio_cap: 0.5 is invalid; it must be finite and > 1",
+}
+
+
+@pytest.mark.parametrize("case", list(SCORED_INPUT_ERRORS))
+def test_bad_target_ids_and_rollout_logprobs_are_invalid_argument(server, case):
+    """Issue 22's inputs on the wire: INVALID_ARGUMENT naming the field (and the sequence
+    and position where the fault is in one), and the server keeps serving."""
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub().Score(_scored_inputs_request(case), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert SCORED_INPUT_ERRORS[case] in info.value.details(), info.value.details()
+    assert f"bad-{case}" in info.value.details()
+    _assert_serving(server)
