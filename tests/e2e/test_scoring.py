@@ -225,3 +225,27 @@ def test_rollout_logprobs_through_the_stream_and_the_verl_adapter(tp1):
         assert abs(stats["max_abs_diff"][b] - np.abs(d).max()) < 1e-6
         for name, values in streamed.mismatch_stats.items():
             assert abs(values[b] - stats[name][b]) < 1e-6, name
+
+
+def test_rollout_logprobs_through_the_nemo_rl_adapter(tp1):
+    """``score_padded`` with ``[B, S]`` rollout logprobs: per row, the statistics of its
+    tokens ``1 <= t < length``, equal to numpy on the returned logprobs (a row of length
+    1 has none: every statistic 0.0, as documented)."""
+    rng = np.random.default_rng(7)
+    lengths = np.array([5, 1, 8])
+    ids = rng.integers(0, VOCAB, (3, 8))
+    rollout = rng.normal(-5.0, 1.0, (3, 8))
+    with ScoringClient(tp1.target, timeout=120) as client:
+        logprobs, stats = client.score_padded(ids, lengths, rollout_logprobs=rollout)
+    for b, n in enumerate(lengths):
+        d = logprobs[b, 1:n].astype(np.float64) - rollout[b, 1:n]
+        ratio = np.exp(d)
+        want = {
+            "max_abs_diff": np.abs(d).max(initial=0.0),
+            "mean_abs_diff": np.abs(d).mean() if d.size else 0.0,
+            "kl_k3": np.mean(ratio - 1 - d) if d.size else 0.0,
+            "mean_log_ratio": d.mean() if d.size else 0.0,
+            "ratio_outside_cap": np.mean((ratio < 0.5) | (ratio > 2.0)) if d.size else 0.0,
+        }
+        for name, value in want.items():
+            assert abs(stats[name][b] - value) <= 1e-6, (b, name, stats[name][b], value)
