@@ -6,7 +6,7 @@ its own temperature, target ids and rollout logprobs. Every per-token and per-se
 output of the table (logprobs, top-k ids and logprobs, losses, loss-token counts,
 entropy, target-id logprobs, mismatch statistics, importance weights, MoE routing) must
 be ``==`` to the sequence scored alone, on ``tiny``, ``tiny-moe`` and a Qwen3-MoE
-``hf:DIR`` checkpoint. The served side (SDK splitting,
+``hf:DIR`` checkpoint in float32, and on ``tiny-moe`` in bfloat16. The served side (SDK splitting,
 concurrent clients) is ``tests/e2e/test_batch_invariance_served.py``.
 """
 
@@ -110,8 +110,16 @@ def _random_packs(rng, n: int) -> list[list[int]]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", ["tiny", "tiny-moe", "hf-qwen3-moe"])
-def test_outputs_are_bit_identical_alone_packed_and_in_microbatches(model, request):
+@pytest.mark.parametrize(
+    "model, dtype",
+    [
+        ("tiny", "float32"),
+        ("tiny-moe", "float32"),
+        ("hf-qwen3-moe", "float32"),
+        ("tiny-moe", "bfloat16"),
+    ],
+)
+def test_outputs_are_bit_identical_alone_packed_and_in_microbatches(model, dtype, request):
     from megascore.engine.runtime import DistributedEngine
 
     model_string = (
@@ -120,7 +128,7 @@ def test_outputs_are_bit_identical_alone_packed_and_in_microbatches(model, reque
     rng = np.random.default_rng(24)
     with one_rank_world():
         engine = DistributedEngine.create(
-            EngineConfig(model=model_string, device="cpu", collective_timeout_s=120)
+            EngineConfig(model=model_string, device="cpu", dtype=dtype, collective_timeout_s=120)
         )
         try:
             info = engine.info()
@@ -145,6 +153,7 @@ def test_outputs_are_bit_identical_alone_packed_and_in_microbatches(model, reque
                 EngineConfig(
                     model=model_string,
                     device="cpu",
+                    dtype=dtype,
                     collective_timeout_s=120,
                     pipeline_microbatches=microbatches,
                 )
