@@ -59,7 +59,8 @@ class ServerPool:
         # MASTER_PORT=0: a single-process server's TCPStore binds a port of its own choice.
         # Otherwise ``ensure_dist_env`` picks a free port at start and binds it only after
         # the imports (~1 min on busy cores), and another server can take it meanwhile
-        # (seen: EADDRINUSE). Multi-rank launchers set their own MASTER_PORT.
+        # (seen: EADDRINUSE). Under --nproc the launcher drops MASTER_PORT: rank 0 binds port 0
+        # and publishes it (megascore.engine.rendezvous).
         self.servers[name] = ServeProcess(
             self.log_dir / f"{name}.log", *args, env={"MASTER_PORT": "0"}
         )
