@@ -56,11 +56,10 @@ class ServerPool:
         args = ["--model", spec.model, "--grace-s", "5", *spec.flags]
         if spec.nproc > 1:
             args += ["--nproc", str(spec.nproc)]
-        # MASTER_PORT=0: a single-process server's TCPStore binds a port of its own choice.
-        # Otherwise ``ensure_dist_env`` picks a free port at start and binds it only after
-        # the imports (~1 min on busy cores), and another server can take it meanwhile
-        # (seen: EADDRINUSE). Under --nproc the launcher drops MASTER_PORT: rank 0 binds port 0
-        # and publishes it (megascore.engine.rendezvous).
+        # MASTER_PORT=0 (what ``ensure_dist_env`` sets when it is unset, here also over one
+        # the test run inherited): a single-process server's TCPStore binds a port of its
+        # own choice, never one another server took first. Under --nproc the launcher drops
+        # MASTER_PORT: rank 0 binds port 0 and publishes it (megascore.engine.rendezvous).
         self.servers[name] = ServeProcess(
             self.log_dir / f"{name}.log", *args, env={"MASTER_PORT": "0"}
         )
