@@ -16,6 +16,14 @@ from pathlib import Path
 from tests.e2e.serve import ServeProcess
 
 START_TIMEOUT_S = 600.0  # several servers importing torch + megatron at once on 2 cores
+LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "tp1": (1, ()),
+    "tp2": (2, ("--tp", "2")),
+    "ep2": (2, ("--ep", "2")),
+    "cp2": (2, ("--cp", "2")),
+    "pp2": (2, ("--pp", "2")),
+}
+"""The one- and two-rank layouts the parity modules serve: name -> (ranks, flags)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ from tests.checkpoint.scripts.ckpt_common import (
     save_hf_model,
 )
 from tests.checkpoint.test_mtp import MTPReference
-from tests.e2e.server_pool import ServerSpec, module_pool
+from tests.e2e.server_pool import LAYOUTS, ServerSpec, module_pool
 from tests.e2e.test_checkpoint_serving import PARITY_SEQS, TOP_K, hf_reference, max_error
 
 pytestmark = pytest.mark.timeout(1500)  # the first test waits for the servers' start-up
@@ -61,13 +61,6 @@ scaled by max(1, |reference|) (fp32 sums in another order move a logprob of -6 b
 RL_FAMILY = "qwen3_moe"
 RPC_TIMEOUT_S = 120.0
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe")
-LAYOUTS = {
-    "tp1": (1, ()),
-    "tp2": (2, ("--tp", "2")),
-    "ep2": (2, ("--ep", "2")),
-    "cp2": (2, ("--cp", "2")),
-    "pp2": (2, ("--pp", "2")),
-}
 FAMILY_LAYOUTS = ("tp1", "tp2", "ep2")
 """Every family's layouts (ep2 for the MoE ones); RL_FAMILY also runs at cp2 and pp2."""
 CONFIGS = [

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megascore_client import ScoringClient
-from tests.e2e.server_pool import ServerSpec, module_pool
+from tests.e2e.server_pool import LAYOUTS, ServerSpec, module_pool
 from tests.packed_forward import forward_packed, pack_for_rank
 
 VOCAB = 512  # both built-in models
@@ -29,13 +29,6 @@ NUM_TARGETS = 6
 TEMPERATURE = 0.7
 ATOL = 1e-5
 MODELS = ("tiny", "tiny-moe")
-LAYOUTS = {
-    "tp1": (1, ()),
-    "tp2": (2, ("--tp", "2")),
-    "cp2": (2, ("--cp", "2")),
-    "ep2": (2, ("--ep", "2")),
-    "pp2": (2, ("--pp", "2")),
-}
 CONFIGS = [
     f"{model}:{layout}"
     for model in MODELS

@@ -19,6 +19,7 @@ from megascore.errors import InvalidRequestError
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from megascore.types import Limits, ScoreBatch
+from tests.mismatch_reference import numpy_mismatch_stats
 from tests.packed_forward import forward_packed, pack_for_rank
 
 VOCAB = 512
@@ -80,31 +81,6 @@ def test_entropy_target_ids_and_top_256_equal_plain_torch(model, pgs, score):
         assert (out.top_k_ids[a] == -1).all() and out.entropy[a] == 0.0
 
 
-def _numpy_stats(scored, rollout, lengths, mask, cap):
-    """An independent, per-sequence loop of the documented formulas."""
-    stats = {name: [] for name in mismatch.NAMES}
-    start = 0
-    for n in lengths:
-        keep = np.ones(n, bool) if mask is None else mask[start : start + n].astype(bool)
-        keep[0] = False
-        d = scored[start : start + n].astype(np.float64)[keep] - rollout[start : start + n][keep]
-        if d.size == 0:
-            values = [0.0] * 5
-        else:
-            ratio = np.exp(d)
-            values = [
-                np.abs(d).max(),
-                np.abs(d).mean(),
-                np.mean(ratio - 1 - d),
-                d.mean(),
-                np.mean((ratio < 1 / cap) | (ratio > cap)),
-            ]
-        for name, value in zip(mismatch.NAMES, values, strict=True):
-            stats[name].append(value)
-        start += n
-    return {k: np.array(v) for k, v in stats.items()}
-
-
 def test_mismatch_statistics_equal_numpy(score):
     rng = np.random.default_rng(2)
     base = _batch()
@@ -120,7 +96,7 @@ def test_mismatch_statistics_equal_numpy(score):
     )
     out = score(batch)
     np.testing.assert_array_equal(out.logprobs, scored)
-    want = _numpy_stats(scored, rollout, LENGTHS, mask, 1.5)
+    want = numpy_mismatch_stats(scored, rollout, LENGTHS, mask, 1.5)
     for name in mismatch.NAMES:
         np.testing.assert_allclose(out.mismatch[name], want[name], rtol=0, atol=1e-6)
     assert all(out.mismatch[name][3] == 0.0 for name in mismatch.NAMES)  # empty mask
