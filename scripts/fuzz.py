@@ -257,7 +257,7 @@ def main(argv=None) -> int:
                 problems.append("health is not SERVING after the run")
             if not server.running() or server.rank_pids() != ranks:
                 problems.append(f"ranks changed: {ranks} -> {server.rank_pids()}")
-            if "Traceback" in server.log_path.read_text(errors="replace"):
+            if "Traceback (most recent call last)" in server.log_path.read_text(errors="replace"):
                 problems.append(f"traceback in the server log {server.log_path}")
         counts = {kind: dict(sorted(c.items())) for kind, c in sorted(fuzzer.counts.items())}
         totals = sum((Counter(c) for c in counts.values()), Counter())

@@ -13,6 +13,8 @@ servers in one process, as in the tests, do not collide). Names:
 * ``megascore_step_latency_seconds`` — one engine step on the executor.
 * ``megascore_steps_total``, ``megascore_dropped_requests_total`` (cancelled or
   expired before their turn).
+* ``megascore_status_not_sent_total{rpc,code}`` — failed calls whose status could not
+  be sent: the call had already ended on the client's side (cancelled, deadline).
 * ``megascore_model_info{model,world_size,tp,cp,ep,pp}`` — the served model and its
   parallel layout (value 1), set once the engine is attached.
 """
@@ -95,6 +97,12 @@ class ServerMetrics:
         self.dropped = prom.Counter(
             "megascore_dropped_requests",
             "Requests cancelled or expired while queued",
+            registry=r,
+        )
+        self.status_not_sent = prom.Counter(
+            "megascore_status_not_sent",
+            "Failed calls whose status could not be sent (the call had already ended)",
+            ["rpc", "code"],
             registry=r,
         )
         self.model = prom.Info(

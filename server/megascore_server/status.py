@@ -229,7 +229,27 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         code, message = status_for(exc, request_label.get())
         self._log(rpc, exc, code, message)
         self._observe(rpc, counted, code, since)
-        await context.abort(code, message)
+        try:
+            await context.abort(code, message)
+        except grpc.aio.InternalError as error:  # ExecuteBatchError: the call had ended
+            self._not_sent(rpc, code, error)
+
+    def _not_sent(self, rpc: str, code: grpc.StatusCode, error: Exception) -> None:
+        """A status that grpc core could not send: the call had already ended on the
+        client's side (cancelled, or its deadline passed while the handler ran) before
+        grpc's own cancellation noticed. One log line and a count, then the call ends
+        as cancelled (grpc ends a cancelled handler quietly; the error itself would
+        escape with a traceback)."""
+        logger.info(
+            "%s request_id=%s: status %s not sent, the call had already ended (%s)",
+            rpc,
+            request_label.get() or "-",
+            code.name,
+            type(error).__name__,
+        )
+        if self._metrics is not None:
+            self._metrics.status_not_sent.labels(rpc=rpc, code=code.name).inc()
+        raise asyncio.CancelledError
 
     def _cancelled(self, rpc: str, counted: bool, since: float) -> None:
         logger.info("%s request_id=%s cancelled by the client", rpc, request_label.get() or "-")
