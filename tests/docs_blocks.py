@@ -114,7 +114,7 @@ def megascore_args(argv: list[str]) -> tuple[str, list[str]] | None:
         if image is not None:
             return "serve", argv[image + 1 :]
     if "-m" in argv:
-        at = argv.index("-m")
+        at = len(argv) - 1 - argv[::-1].index("-m")  # the last: ``main torchrun ... -m main``
         if at + 1 < len(argv) and argv[at + 1] == "megascore_server.main":
             return "serve", argv[at + 2 :]
     return None

@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 ENGINE_FACTORY_ENV = "MEGASCORE_ENGINE_FACTORY"
 """``module:callable`` building the engine from an EngineConfig instead of DistributedEngine."""
+EXIT_DIR_ENV = "MEGASCORE_EXIT_DIR"
+"""A directory where each rank records its exit code (read by ``main.torchrun``)."""
 
 
 def _create_engine(engine_config: EngineConfig):
@@ -191,7 +193,18 @@ async def _load(handles: ServerHandles, config: ReplicaConfig, stop: asyncio.Eve
 
 
 def run_rank(config: ReplicaConfig) -> int:
-    """Runs this process's rank (RANK from the environment); returns its exit code."""
+    """Runs this process's rank (RANK from the environment); returns its exit code, also
+    written to ``$MEGASCORE_EXIT_DIR/rank-<RANK>`` when that is set (read by
+    :func:`megascore_server.main.torchrun`)."""
+    code = _run_rank(config)
+    exit_dir = os.environ.get(EXIT_DIR_ENV)
+    if exit_dir:
+        with open(os.path.join(exit_dir, f"rank-{os.environ['RANK']}"), "w") as f:
+            f.write(str(code))
+    return code
+
+
+def _run_rank(config: ReplicaConfig) -> int:
     ensure_dist_env()
     rank = int(os.environ["RANK"])
     if rank != 0:

@@ -9,6 +9,11 @@ Three ways to run:
   RANK / WORLD_SIZE in the environment; each process runs its rank
   (``--nproc`` is then ignored). Multi-node replicas use torchrun's rendezvous.
 
+``python -m megascore_server.main torchrun ARGS`` is ``torchrun ARGS`` (:func:`torchrun`)
+that exits 0 when a SIGTERM / SIGINT drained every local rank (torchrun itself
+re-raises the signal as a ``SignalException`` traceback, exit 1, however cleanly its
+workers stopped).
+
 Exit codes: 0 after a clean SIGTERM / SIGINT drain, 1 when a rank was lost or
 the engine failed, 2 for an invalid configuration (a layout that does not fit the
 ranks, an unknown model, ``--device cuda`` without CUDA: found before any rank
@@ -21,9 +26,11 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
-from megascore_server.bootstrap import ensure_dist_env, run_rank
+from megascore_server.bootstrap import EXIT_DIR_ENV, ensure_dist_env, run_rank
 from megascore_server.config import ReplicaConfig
 from megascore_server.config_loader import load_serve_config, unknown_env
 from megascore_server.launcher import LAUNCHED_ENV, RESOLVED_CONFIG_ENV, LocalLauncher
@@ -88,5 +95,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_rank(config)
 
 
+def torchrun(argv: Sequence[str]) -> int:
+    """``torchrun ARGS`` that ends quietly after a drain.
+
+    On SIGTERM / SIGINT torchrun's agent forwards the signal to its workers, waits for
+    them, then re-raises it (a ``SignalException`` traceback, exit 1) whatever their
+    exit codes. Here each rank records its exit code in a directory
+    (``MEGASCORE_EXIT_DIR``, :func:`megascore_server.bootstrap.run_rank`), and after a
+    signal this returns 0 when every local rank exited 0, else 1 naming the codes.
+    Without a signal, torchrun's own behaviour and exit code.
+    """
+    from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    args = torch_run.parse_args(list(argv))
+    nproc = torch_run.determine_local_world_size(args.nproc_per_node)
+    with tempfile.TemporaryDirectory(prefix="megascore-exit-") as exit_dir:
+        os.environ[EXIT_DIR_ENV] = exit_dir
+        try:
+            torch_run.run(args)
+            return 0
+        except SignalException as exc:
+            name = exc.sigval.name
+            files = sorted(Path(exit_dir).glob("rank-*"))
+            codes = {f.name.removeprefix("rank-"): f.read_text().strip() for f in files}
+    if len(codes) == nproc and set(codes.values()) == {"0"}:
+        print(f"megascore: torchrun: {name}: {nproc} local ranks drained, exit 0", file=sys.stderr)
+        return 0
+    print(f"megascore: torchrun: {name}: local rank exit codes {codes} of {nproc}", file=sys.stderr)
+    return 1
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["torchrun"]:
+        sys.exit(torchrun(sys.argv[2:]))
     sys.exit(main())

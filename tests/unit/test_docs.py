@@ -161,7 +161,7 @@ def test_documented_serve_layouts_pass_the_preflight_checks():
             config = dataclasses.replace(
                 config, engine=dataclasses.replace(config.engine, device="cpu")
             )
-            under_torchrun = argv[0].rsplit("/", 1)[-1] == "torchrun"
+            under_torchrun = any(a.rsplit("/", 1)[-1] == "torchrun" for a in argv)
             world = torchrun_world_size(argv) if under_torchrun else config.nproc
             check_before_launch(config, world, torchrun=under_torchrun)
             checked += 1
