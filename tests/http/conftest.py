@@ -102,7 +102,7 @@ def _session_plan(session) -> list[str]:
     for item in session.items:
         if item.get_closest_marker("skip"):
             continue
-        if "llama" in getattr(item, "fixturenames", ()):
+        if {"llama", "one_rank_answers"} & set(getattr(item, "fixturenames", ())):
             plan.append("llama")
         callspec = getattr(item, "callspec", None)
         if callspec and callspec.params.get("server_name") in SERVERS:

@@ -63,12 +63,14 @@ def _model_args(server, **extra) -> str:
 
 
 def test_local_completions_equals_hf(llama, lm_tasks, hf_results, checkpoints):
-    """Tokenized requests with the checkpoint's tokenizer; four prompts per request."""
+    """Tokenized requests with the checkpoint's tokenizer; four prompts per request, two
+    requests at a time (lm-eval's aiohttp path)."""
     args = _model_args(
         llama,
         tokenizer=checkpoints["llama"],
         tokenizer_backend="huggingface",
         tokenized_requests=True,
+        num_concurrent=2,
     )
     got = evaluate(lm_tasks, "local-completions", args, batch_size=4)
     delta = _compare(got, hf_results)

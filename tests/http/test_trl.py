@@ -42,13 +42,18 @@ def vllm_client(llama, monkeypatch):
     return client
 
 
-def test_get_sequence_logprobs_equals_transformers(vllm_client, references):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_get_sequence_logprobs_equals_transformers(vllm_client, references, temperature):
+    """Also at the distillation temperature: the teacher's log-softmax of logits / T."""
     ref = references["llama"]
     sequences, prompt_lengths = _sequences(ref)
-    out = vllm_client.get_sequence_logprobs(sequences, prompt_lengths, top_logprobs=TOP)
+    out = vllm_client.get_sequence_logprobs(
+        sequences, prompt_lengths, top_logprobs=TOP, temperature=temperature
+    )
     worst = 0.0
     for i, (seq, start) in enumerate(zip(sequences, prompt_lengths, strict=True)):
-        rows = ref.logprobs(seq)  # [L, V]: row t-1 predicts seq[t]
+        scaled = ref.logprobs(seq) / temperature  # [L, V]: row t-1 predicts seq[t]
+        rows = scaled - np.logaddexp.reduce(scaled, axis=-1, keepdims=True)
         n = len(seq) - start
         for key in ("logprobs", "logprob_token_ids", "actual_logprobs", "actual_token_ids"):
             assert len(out[key][i]) == n, (key, i, len(out[key][i]), n)
@@ -65,7 +70,7 @@ def test_get_sequence_logprobs_equals_transformers(vllm_client, references):
             assert math.isfinite(actual), (i, t)  # vLLM adds the actual token beside the top-k
             worst = max(worst, abs(actual - row[seq[t]]))
     assert worst <= TOL, worst
-    print(f"TRL get_sequence_logprobs vs transformers: max |delta| {worst:.3g}")
+    print(f"TRL get_sequence_logprobs (T={temperature}) vs transformers: max |delta| {worst:.3g}")
 
 
 def test_prompt_logprobs_shape_and_ranks(llama, references):
