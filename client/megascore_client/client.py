@@ -448,6 +448,8 @@ class ScoringClient(ClientBase):
         return_importance_weights: bool = False,
         weights_version: str = "",
         logprob_positions: str = "all",
+        return_token_ranks: bool = False,
+        return_next_token: bool = False,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -490,10 +492,18 @@ class ScoringClient(ClientBase):
                 apart; the next replica under ``round_robin``), then the error is raised.
             logprob_positions: "all" (default) or "masked": the per-token outputs of the
                 output head (logprobs, top-k, entropy, target logprobs, importance
-                weights) only where ``loss_mask`` is 1 (entry 0 of each sequence
-                excluded), their fill (0.0, top-k ids -1) elsewhere; the server then
-                runs the output head and log-softmax only at those positions. Losses,
-                routing and the mismatch statistics do not change.
+                weights, token ranks) only where ``loss_mask`` is 1 (entry 0 of each
+                sequence excluded), their fill (0.0, top-k ids -1) elsewhere; the server
+                then runs the output head and log-softmax only at those positions.
+                Losses, routing, the mismatch statistics and the next token do not
+                change.
+            return_token_ranks: return the rank of every token among the whole
+                vocabulary at its position (``ScoreResult.token_ranks``; 1 = the most
+                likely, ties count against the token, as vLLM's ``rank``; entry 0 is 0).
+            return_next_token: return the prediction after the last token of each
+                sequence: the ``max(1, top_k)`` most likely next tokens and their
+                logprobs (``ScoreResult.next_token_ids`` / ``next_token_logprobs``,
+                ``[B, max(1, top_k)]``; column 0 is the greedy next token).
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -523,6 +533,8 @@ class ScoringClient(ClientBase):
             return_importance_weights=return_importance_weights,
             weights_version=weights_version,
             logprob_positions=logprob_positions,
+            return_token_ranks=return_token_ranks,
+            return_next_token=return_next_token,
             request_id=request_id,
         )
         parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())

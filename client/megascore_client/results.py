@@ -86,6 +86,17 @@ class ScoreResult:
         importance_weights: with ``rollout_logprobs`` and ``return_importance_weights``,
             per sequence a float32 ``[L]`` array ``min(exp(scored - rollout), cap)``
             (entry 0 is 0.0); None otherwise.
+        token_ranks: with ``return_token_ranks``, per sequence an int64 ``[L]`` array:
+            entry t (t >= 1) is the rank of x_t among the whole vocabulary at position
+            t, at the requested temperature: the number of ids at least as likely as
+            x_t, x_t included (1 = the most likely; a tie counts against x_t, as vLLM's
+            ``rank``); entry 0 is 0. None otherwise.
+        next_token_ids: with ``return_next_token``, int64 ``[B, max(1, top_k)]``: per
+            sequence the most likely tokens *after* its last token, most likely first
+            (column 0 is the greedy next token; ties: the lowest id first). None
+            otherwise.
+        next_token_logprobs: with ``return_next_token``, float32 ``[B, max(1, top_k)]``:
+            their log-probabilities at the requested temperature. None otherwise.
         weights_version: the weights that scored the batch. If a split batch was
             scored across a weight swap, the distinct versions joined by ``","``.
         timings: see :class:`Timings`.
@@ -105,6 +116,9 @@ class ScoreResult:
     target_logprobs: list[np.ndarray] | None = None
     mismatch_stats: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     importance_weights: list[np.ndarray] | None = None
+    token_ranks: list[np.ndarray] | None = None
+    next_token_ids: np.ndarray | None = None
+    next_token_logprobs: np.ndarray | None = None
     weights_version: str = ""
     timings: Timings = dataclasses.field(default_factory=Timings)
 

@@ -381,7 +381,8 @@ def response_bytes(options: ScoreOptions, batch: Batch) -> tuple[int, int, bool]
             continue
         itemsize = np.dtype(out.dtype).itemsize
         if out.per == schema.SEQUENCE:
-            per_sequence += itemsize * (1 if out.keys is None else len(out.keys(asked)))
+            values = math.prod(out.dims(asked)) if out.keys is None else len(out.keys(asked))
+            per_sequence += itemsize * values
         elif out.dims is not None:
             per_token += itemsize * math.prod(out.dims(asked))
         else:  # shaped by the model
@@ -394,7 +395,8 @@ def response_bytes(options: ScoreOptions, batch: Batch) -> tuple[int, int, bool]
 
 def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
     """One output of :data:`megascore.schema.OUTPUTS` of a response, in the
-    ``ScoreResult`` layout (per token: one array per sequence)."""
+    ``ScoreResult`` layout (per token: one array per sequence; per sequence: one
+    ``[B, *dims]`` array)."""
     num_seqs, num_tokens = int(part.lengths.shape[0]), part.num_tokens
     dtype = _DTYPES[out.dtype]
     if out.keys is not None:
@@ -405,15 +407,14 @@ def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
                 raise malformed_response(f"{out.wire}[{key}] missing")
             decoded[key] = _decode(field[key], f"{out.wire}[{key}]", dtype, num_seqs)
         return decoded
-    if out.per == schema.SEQUENCE:
-        return _decode(getattr(response, out.wire), out.wire, dtype, num_seqs)
+    rows = num_seqs if out.per == schema.SEQUENCE else num_tokens
     dims = tuple(getattr(response, name) for name in out.wire_dims)
     if dims and min(dims) <= 0:
-        raise malformed_response(
-            f"{out.wire} shape {(num_tokens, *dims)} for a request asking for it"
-        )
-    flat = _decode(getattr(response, out.wire), out.wire, dtype, num_tokens * math.prod(dims))
-    return np.split(flat.reshape(num_tokens, *dims), np.cumsum(part.lengths)[:-1])
+        raise malformed_response(f"{out.wire} shape {(rows, *dims)} for a request asking for it")
+    flat = _decode(getattr(response, out.wire), out.wire, dtype, rows * math.prod(dims))
+    if out.per == schema.SEQUENCE:
+        return flat.reshape(rows, *dims)
+    return np.split(flat.reshape(rows, *dims), np.cumsum(part.lengths)[:-1])
 
 
 def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:

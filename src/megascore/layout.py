@@ -131,8 +131,8 @@ def select_sequences(
     """Cuts sequences ``seq_idx`` of a step's output, trimmed to one request's options.
 
     Every output of :data:`megascore.schema.OUTPUTS` the request wants is kept: per-token
-    rows of those sequences (the first ``dims(options)`` columns of the step's),
-    per-sequence rows (a map output: the request's keys only).
+    rows of those sequences, per-sequence rows (each the first ``dims(options)`` columns
+    of the step's; a map output: the request's keys only).
 
     Args:
         output: the step's output (layout of ``lengths``).
@@ -151,11 +151,10 @@ def select_sequences(
         value = output.values[out.name]
         if out.keys is not None:
             values[out.name] = {key: value[key][seq_idx] for key in out.keys(options)}
-        elif out.per == schema.SEQUENCE:
-            values[out.name] = value[seq_idx]
-        else:
-            columns = tuple(slice(0, d) for d in schema.flat_dims(out, options))
-            values[out.name] = value[(tokens, *columns)]
+            continue
+        rows = seq_idx if out.per == schema.SEQUENCE else tokens
+        columns = tuple(slice(0, d) for d in schema.flat_dims(out, options))
+        values[out.name] = value[(rows, *columns)]
     return type(output)(values=values, weights_version=output.weights_version)
 
 

@@ -9,7 +9,7 @@ Every layer reads these declarations instead of naming fields one by one:
 * :data:`INPUTS`: arrays a request may carry besides ids and lengths (per token or per
   sequence): dtype, the value a merged step gives requests that did not send one, how
   the broadcast protocol sends it (``megascore.engine.protocol``).
-* :data:`OUTPUTS`: per-token and per-sequence results: dtype, per-token trailing shape,
+* :data:`OUTPUTS`: per-token and per-sequence results: dtype, trailing shape,
   the value of entry 0 of a sequence (no prediction there), the ``ScoreResponse``
   field, the SDK attribute, when a request wants it, and how the engine computes it.
   The step's PP broadcast and packed -> flat mapping (``megascore.engine.step``),
@@ -33,7 +33,9 @@ from megascore.errors import quoted
 TOKEN = "token"
 """An output or input with one row per token (``[T, *dims]``)."""
 SEQUENCE = "sequence"
-"""An output or input with one row per sequence (``[B]``)."""
+"""An output or input with one row per sequence (``[B, *dims]``; inputs ``[B]``). A
+per-sequence output with a ``head`` is the output head's row at the *last* position of
+each sequence: the prediction after its last token (:func:`at_last_row`)."""
 
 
 # ---- options --------------------------------------------------------------------------------
@@ -171,6 +173,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("return_routing", False, any, _check_routing, bool),
     Option("return_entropy", False, any, convert=bool),
     Option("return_importance_weights", False, any, convert=bool),
+    Option("return_token_ranks", False, any, convert=bool),
+    Option("return_next_token", False, any, convert=bool),
     Option("weights_version", "", _pinned, _check_version, str, flag=False, broadcast=False),
     Option(
         "logprob_positions", 0, _masked, _check_positions, int, flag=False, names=LOGPROB_POSITIONS
@@ -228,16 +232,18 @@ class Output:
 
     Attributes:
         name: the :class:`~megascore.types.ScoreOutput` key (``output.<name>``).
-        per: :data:`TOKEN` (``[T, *dims]``) or :data:`SEQUENCE` (``[B]``).
+        per: :data:`TOKEN` (``[T, *dims]``) or :data:`SEQUENCE` (``[B, *dims]``).
         dtype: numpy dtype in the output and on the wire.
         wire: the ``ScoreResponse`` field (an ``Array``, or for ``keys`` a
             ``map<string, Array>``).
         sdk: the ``ScoreResult`` attribute (per-token: a list of one array per
-            sequence; per-sequence: one ``[B]`` array, or a dict of them for ``keys``).
+            sequence; per-sequence: one ``[B, *dims]`` array, or a dict of ``[B]`` ones
+            for ``keys``).
         wanted: ``options -> bool`` (a ``ScoreBatch`` or a ``pb.ScoreOptions``: the
             option names are the same).
-        dims: ``options -> trailing shape`` of a per-token output; a request's columns
-            are the first ``dims`` of a merged step's. None: set by the model (routing).
+        dims: ``options -> trailing shape`` of a per-token or per-sequence output; a
+            request's columns are the first ``dims`` of a merged step's. None: set by
+            the model (routing).
         wire_dims: ``ScoreResponse`` integer fields carrying the trailing shape.
         fill: the value of entry 0 of each sequence (a predicted output has no
             prediction there).
@@ -248,7 +254,9 @@ class Output:
         head: computed on the last pipeline stage from each chunk of the output
             head's logits (``megascore.engine.logprobs.ChunkScores``):
             ``chunk -> [C, *dims]`` tensor; it is then CP-gathered, sent to the output
-            rank and mapped from packed to flat like the logprobs.
+            rank and mapped from packed to flat like the logprobs. A per-sequence
+            output's head reads only the rows at the last position of each sequence
+            (:func:`at_last_row`), with a top-k of ``max(1, top_k)``.
     """
 
     name: str
@@ -264,6 +272,11 @@ class Output:
     optional: bool = False
     head: Callable[[Any], Any] | None = None
     finish: Callable[[Any, dict], Any] | None = None
+
+
+def _next_top_k(options) -> tuple[int]:
+    """The columns of the next-token outputs: ``max(1, top_k)`` (the greedy token at least)."""
+    return (max(1, options.top_k),)
 
 
 OUTPUTS: tuple[Output, ...] = (
@@ -374,6 +387,37 @@ OUTPUTS: tuple[Output, ...] = (
             values["logprobs"], batch.rollout_logprobs, batch.lengths, batch.mismatch_ratio_cap
         ),
     ),
+    Output(
+        "token_ranks",
+        TOKEN,
+        "int64",
+        "token_ranks",
+        "token_ranks",
+        wanted=lambda o: o.return_token_ranks,
+        head=lambda chunk: chunk.token_ranks(),
+    ),
+    Output(
+        "next_token_ids",
+        SEQUENCE,
+        "int64",
+        "next_token_ids",
+        "next_token_ids",
+        wanted=lambda o: o.return_next_token,
+        dims=_next_top_k,
+        wire_dims=("next_top_k",),
+        head=lambda chunk: chunk.top_k()[0],
+    ),
+    Output(
+        "next_token_logprobs",
+        SEQUENCE,
+        "float32",
+        "next_token_logprobs",
+        "next_token_logprobs",
+        wanted=lambda o: o.return_next_token,
+        dims=_next_top_k,
+        wire_dims=("next_top_k",),
+        head=lambda chunk: chunk.top_k()[1],
+    ),
 )
 
 
@@ -409,6 +453,15 @@ def positional(output: Output) -> bool:
     return output.per == TOKEN and (output.head is not None or output.finish is not None)
 
 
+def at_last_row(output: Output) -> bool:
+    """Whether ``output`` is the output head's row at the last position of each sequence
+    (a per-sequence output with a ``head``): the prediction after the last token, which
+    the per-token layout has no entry for. The engine computes it in a pass of its own
+    over those rows, with a top-k of ``max(1, top_k)``, whatever rows the per-token
+    outputs are computed at (``logprob_positions``)."""
+    return output.per == SEQUENCE and output.head is not None
+
+
 def flat_dims(output: Output, options) -> tuple[int, ...]:
-    """Trailing shape of a per-token output for ``options`` (``()`` when set by the data)."""
+    """Trailing shape of an output for ``options`` (``()`` when set by the data)."""
     return () if output.dims is None else tuple(output.dims(options))

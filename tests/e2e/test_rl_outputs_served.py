@@ -1,7 +1,12 @@
 """Issue 22 on the built-in models through the real server and the SDK: per-token entropy,
 the logprobs of caller-chosen target ids and top-256, served by ``megascore serve`` with
 ``tiny`` and ``tiny-moe`` at TP=1, TP=2, CP=2, EP=2 (``tiny-moe``) and PP=2, equal a
-plain-torch reference on the same weights within 1e-5 (absolute, fp32).
+plain-torch reference on the same weights within 1e-5 (absolute, fp32). Issue 32's token
+ranks and next token on the same servers: the ranks equal the reference's exactly, the
+next tokens' ids too (but for the order of near-ties, ``|delta| <= 1e-5``, deep in the
+top-256) and their logprobs within 1e-5; again on sequences sharing a prompt (one is
+another's prefix, two are identical: the servers share prefixes on the CPU) at the
+masked positions only, with one next token each.
 
 The reference: the model built in this process on one rank (the servers' model string and
 seed), each sequence alone through its forward (no packing with others, no chunked
@@ -38,11 +43,15 @@ CONFIGS = [
 _rng = np.random.default_rng(22)
 SEQS = [_rng.integers(0, VOCAB, n).tolist() for n in (9, 1, 23, 2, 6)]
 TARGETS = [_rng.integers(0, VOCAB, (len(s), NUM_TARGETS)) for s in SEQS]
+_prompt = _rng.integers(0, VOCAB, 20).tolist()  # >= the servers' min_shared_prefix (16)
+SHARED = [_prompt + _rng.integers(0, VOCAB, 5).tolist(), _prompt, _prompt + [7, 9], _prompt]
+SHARED_MASK = [(_rng.random(len(s)) < 0.6).astype(int).tolist() for s in SHARED]
+NEAR_TIE = 1e-5
 
 
-def plain_torch_log_softmax(model: str) -> list[np.ndarray]:
-    """Per sequence, ``[L - 1, V]`` float64 log-softmax of the next-token distribution
-    after each of its first ``L - 1`` tokens (sequence alone, temperature applied)."""
+def plain_torch_logits(model: str) -> list[np.ndarray]:
+    """Per sequence of ``SEQS + SHARED``, ``[L, V]`` float64 logits divided by the
+    temperature, row t the distribution after token t (sequence alone)."""
     from megascore.config import EngineConfig
     from megascore.engine.runtime import DistributedEngine
     from tests.one_rank import one_rank_world
@@ -53,10 +62,10 @@ def plain_torch_log_softmax(model: str) -> list[np.ndarray]:
             net, pgs = engine.loaded.model, engine.pg_collection
             rows = []
             with torch.no_grad():
-                for seq in SEQS:
+                for seq in SEQS + SHARED:
                     out = forward_packed(net, pack_for_rank(torch.tensor(seq), [len(seq)], pgs))
-                    logits = out.head.logits(0, out.head.num_tokens)[: len(seq) - 1]
-                    rows.append(torch.log_softmax(logits.double() / TEMPERATURE, -1).numpy())
+                    logits = out.head.logits(0, out.head.num_tokens)[: len(seq)]
+                    rows.append(logits.double().numpy() / TEMPERATURE)
             return rows
         finally:
             engine.shutdown()
@@ -64,7 +73,7 @@ def plain_torch_log_softmax(model: str) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[np.ndarray]]:
-    return {model: plain_torch_log_softmax(model) for model in MODELS}
+    return {model: plain_torch_logits(model) for model in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +91,35 @@ def server(pool, config):
     yield from pool.lend(config)
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+
+
+def _ranks(logits: np.ndarray, seq: list[int]) -> np.ndarray:
+    """Entry t: ids whose logit after token t - 1 is >= token t's (itself included)."""
+    prev = logits[:-1]
+    actual = np.take_along_axis(prev, np.array(seq[1:], np.int64)[:, None], -1)
+    return np.concatenate([[0], (prev >= actual).sum(-1)])
+
+
+def _next_token_error(ids: np.ndarray, logprobs: np.ndarray, logits: np.ndarray) -> float:
+    """Checks one sequence's next tokens against the reference's after its last token:
+    the ids its most likely first (ties: the lowest id); a pair of ids within
+    ``NEAR_TIE`` of each other in the reference may come in either order. Returns the
+    largest |logprob - reference|."""
+    ref = _log_softmax(logits[-1])
+    want = np.argsort(-ref, kind="stable")[: len(ids)]
+    for col in np.flatnonzero(ids != want):
+        assert abs(ref[ids[col]] - ref[want[col]]) <= NEAR_TIE, (col, ids[:8], want[:8])
+    assert len(set(ids.tolist())) == len(ids)
+    return float(np.abs(logprobs.astype(np.float64) - ref[want]).max())
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_entropy_target_ids_and_top_256_equal_plain_torch(server, config, references):
+def test_entropy_target_ids_top_256_ranks_and_next_token_equal_plain_torch(
+    server, config, references
+):
     model, layout = config.split(":")
     with ScoringClient(server.target, timeout=120, retries=None) as client:
         info = client.model_info()
@@ -94,10 +129,22 @@ def test_entropy_target_ids_and_top_256_equal_plain_torch(server, config, refere
             temperature=TEMPERATURE,
             return_entropy=True,
             target_ids=TARGETS,
+            return_token_ranks=True,
+            return_next_token=True,
+        )
+        masked = client.score(
+            SHARED,
+            loss_mask=SHARED_MASK,
+            temperature=TEMPERATURE,
+            logprob_positions="masked",
+            return_token_ranks=True,
+            return_next_token=True,
         )
     assert info.parallel.world_size == LAYOUTS[layout][0], info.parallel
     worst: dict[str, float] = {}
-    for i, (seq, full) in enumerate(zip(SEQS, references[model], strict=True)):
+    assert result.next_token_ids.shape == result.next_token_logprobs.shape == (len(SEQS), TOP_K)
+    for i, (seq, logits) in enumerate(zip(SEQS, references[model][: len(SEQS)], strict=True)):
+        full = _log_softmax(logits[:-1])
         assert result.entropy[i].shape == (len(seq),) and result.entropy[i][0] == 0.0
         assert result.target_logprobs[i].shape == (len(seq), NUM_TARGETS)
         assert not result.target_logprobs[i][0].any()
@@ -108,6 +155,7 @@ def test_entropy_target_ids_and_top_256_equal_plain_torch(server, config, refere
         vals = result.top_k_logprobs[i][1:].astype(np.float64)
         assert (np.diff(vals, axis=-1) <= 0).all(), f"{config}: top-k not in descending order"
         assert all(len(set(row)) == TOP_K for row in ids.tolist()), f"{config}: repeated ids"
+        np.testing.assert_array_equal(result.token_ranks[i], _ranks(logits, seq), err_msg=config)
         pairs = {
             "logprobs": (
                 result.logprobs[i][1:],
@@ -124,4 +172,16 @@ def test_entropy_target_ids_and_top_256_equal_plain_torch(server, config, refere
         for name, (got, want) in pairs.items():
             err = np.abs(np.asarray(got, np.float64) - want)
             worst[name] = max(worst.get(name, 0.0), float(err.max(initial=0.0)))
+        error = _next_token_error(result.next_token_ids[i], result.next_token_logprobs[i], logits)
+        worst["next_token_logprobs"] = max(worst.get("next_token_logprobs", 0.0), error)
+    # shared prompts, masked positions: the ranks there (0 elsewhere), one next token each
+    assert masked.next_token_ids.shape == (len(SHARED), 1)
+    for i, (seq, logits) in enumerate(zip(SHARED, references[model][len(SEQS) :], strict=True)):
+        inside = np.array(SHARED_MASK[i], bool) & (np.arange(len(seq)) > 0)
+        want = np.where(inside, _ranks(logits, seq), 0)
+        np.testing.assert_array_equal(masked.token_ranks[i], want, err_msg=config)
+        ref = _log_softmax(logits[-1])
+        assert masked.next_token_ids[i, 0] == np.argmax(ref), config
+        error = abs(float(masked.next_token_logprobs[i, 0]) - ref.max())
+        worst["next_token_logprobs"] = max(worst["next_token_logprobs"], error)
     assert max(worst.values()) <= ATOL, f"{config}: max |delta| {worst}"

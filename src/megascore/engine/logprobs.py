@@ -42,6 +42,8 @@ class TokenScores(dict):
     * logprobs: float32 ``[T]``, ``log softmax(logits[t] / temperature[t])[targets[t]]``.
     * top_k_ids: int64 ``[T, k]`` global vocabulary ids, most likely first;
       top_k_logprobs: float32 ``[T, k]`` their log-probabilities.
+    * the other head outputs of the table (entropy, token_ranks, ...) likewise, one row
+      per token.
     """
 
     def __getattr__(self, name: str):
@@ -336,6 +338,17 @@ class ChunkScores:
         expected = probs.exp_().mul_(self.logits).sum(dim=-1)
         return self.lse - self._sum_over_tp(expected)
 
+    def token_ranks(self) -> torch.Tensor:
+        """int64 ``[C]`` rank of each row's target: the number of vocabulary ids whose
+        scaled logit is ``>=`` the target's, the target included (1 = the most likely; a
+        tie counts against the target, as vLLM's rank). Padding columns at or above
+        ``vocab_size`` never count. This shard's count, then one SUM over TP."""
+        shard, width = self.shard, self.logits.shape[1]
+        valid = width if shard.vocab_size is None else shard.vocab_size - shard.start
+        valid = min(max(valid, 0), width)
+        at_least = self.logits[:, :valid] >= self._target_logit.unsqueeze(-1)
+        return self._sum_over_tp(at_least.sum(dim=-1, dtype=torch.int64))
+
     def target_id_logprobs(self) -> torch.Tensor:
         """float32 ``[C, K]`` log-probabilities of the rows' caller-chosen ids."""
         return self._sum_over_tp(self._owned_logits(self.target_ids)) - self.lse.unsqueeze(-1)
@@ -421,7 +434,8 @@ def score_tokens(
         logits: this rank's vocabulary slice, ``[T, V_local]`` any float dtype: a
             tensor, or a :class:`ChunkedLogits` asked for one chunk of at most
             ``chunk_tokens`` rows at a time (in order, each row once).
-        targets: int64 ``[T]`` global target ids, or None to skip logprobs.
+        targets: int64 ``[T]`` global target ids, or None to skip the outputs that
+            read them (logprobs, token ranks).
         tp_group: tensor-parallel group over which the vocabulary is split, or None
             when ``logits`` holds the full vocabulary.
         temperature: float32 ``[T]`` per-token temperature (> 0), or None for 1.0.
@@ -464,7 +478,6 @@ def score_tokens(
     scaled = (
         None if temperature is None else scratch.take("scaled", *work.shape, work.dtype, device)
     )
-    needs_targets = any(out.name == "logprobs" for out in outputs)
     with torch.no_grad():
         for start in range(0, num_tokens, chunk_tokens):
             end = min(start + chunk_tokens, num_tokens)
@@ -475,7 +488,7 @@ def score_tokens(
             if temperature is not None:
                 temp = temperature[start:end].to(device, torch.float32).unsqueeze(-1)
                 chunk = torch.div(chunk, temp, out=scaled[: end - start])
-            tgt = targets[start:end] if needs_targets else None
+            tgt = None if targets is None else targets[start:end]
             ids = None if target_ids is None else target_ids[start:end]
             context = ChunkScores(chunk, tgt, shard, work, top_k, ids)
             for out in outputs:

@@ -273,6 +273,13 @@ class Microbatch:
             int64 ``[n, L_stage, k]`` (None on a stage without MoE layers).
         target_ids: int64 ``[T_local, K]`` caller-chosen ids scored at each position
             (those given for the token the position predicts), or None.
+        num_sequences: the microbatch's sequences.
+        last_rows: int64 ``[n]`` (CPU) the local rows (this CP shard's) that hold the
+            last token of a sequence: their output predicts the token after it
+            (:func:`megascore.schema.at_last_row`). A sequence that ends where a shared
+            prefix ends has its last token in the prefix's last row, which it shares.
+        last_sequences: int64 ``[n]`` (CPU) which of the microbatch's sequences (its
+            ``sequences`` order) each of ``last_rows`` ends.
     """
 
     packed: PackedSequences
@@ -284,6 +291,9 @@ class Microbatch:
     replay_routes: torch.Tensor | None = None
     recorded_routes: torch.Tensor | None = None
     target_ids: torch.Tensor | None = None
+    num_sequences: int = 0
+    last_rows: torch.Tensor | None = None
+    last_sequences: torch.Tensor | None = None
 
 
 def build_microbatch(
@@ -349,6 +359,7 @@ def build_microbatch(
     full[0, packed.token_positions] = torch.from_numpy(row_mask)
     mask = roll_within_segments(full, cu_padded, shifts=-1)[0, shard]
     positions = packed.token_positions[torch.from_numpy(segments.token_rows)]
+    last_rows, last_sequences = _last_rows(positions, lengths, packed, pad_to)
     return Microbatch(
         packed=packed,
         token_positions=positions,
@@ -359,7 +370,27 @@ def build_microbatch(
         target_ids=None
         if target_ids is None
         else _predicting_rows(target_ids, lengths, positions, packed, pad_to),
+        num_sequences=0 if lengths is None else len(lengths),
+        last_rows=last_rows,
+        last_sequences=last_sequences,
     )
+
+
+def _last_rows(
+    positions: torch.Tensor, lengths: np.ndarray | None, packed: PackedSequences, pad_to: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local rows, sequences)`` of this CP shard's rows that hold a sequence's last token
+    (``positions``: each token's packed row on the full axis), in sequence order."""
+    if lengths is None or len(lengths) == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty
+    last = positions[torch.from_numpy(layout.offsets(lengths)[1:] - 1)]  # [B_mb], full axis
+    shard = packed.shard_indices.to("cpu", torch.int64)
+    local = torch.full((pad_to,), -1, dtype=torch.int64)
+    local[shard] = torch.arange(len(shard))
+    rows = local[last]
+    mine = (rows >= 0).nonzero().squeeze(1)
+    return rows[mine], mine
 
 
 def _predicting_rows(
@@ -420,17 +451,20 @@ class ScoreSpec:
 def _score_microbatch(
     mb: Microbatch, spec: ScoreSpec, tp_group, cp_group, head
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
-    """The loss closure (last stage): per-token results and the normalised loss."""
+    """The loss closure (last stage): per-token results, the results at each sequence's
+    last row (:func:`_score_last_rows`) and the normalised loss."""
     cu_padded = mb.packed.cu_seqlens_padded.to("cpu", torch.int64)
+    per_token = [out for out in spec.outputs if not schema.at_last_row(out)]
     targets, temperature, target_ids, rows = mb.targets, mb.temperature, mb.target_ids, None
+    source = head
     if spec.scored_rows_only:  # the output head runs only where a scored token is predicted
         rows = mb.loss_mask.nonzero().squeeze(1)
-        head = dataclasses.replace(head, hidden_states=head.hidden_states[rows])
+        source = dataclasses.replace(head, hidden_states=head.hidden_states[rows])
         targets = targets[rows]
         temperature = None if temperature is None else temperature[rows]
         target_ids = None if target_ids is None else target_ids[rows]
     scores = score_tokens(
-        head if spec.lm_head_dtype == "model" else Float32Logits(head),
+        source if spec.lm_head_dtype == "model" else Float32Logits(source),
         targets,
         tp_group=tp_group,
         temperature=temperature,
@@ -440,7 +474,7 @@ def _score_microbatch(
         target_ids=target_ids,
         scratch=head.scratch,
         # the logprobs always: Megatron's schedule takes a loss from every microbatch
-        outputs=list(dict.fromkeys([schema.output("logprobs"), *spec.outputs])),
+        outputs=list(dict.fromkeys([schema.output("logprobs"), *per_token])),
     )
     if rows is not None:  # [T_local, ...]: each output's fill where nothing was scored
         for name, value in list(scores.items()):
@@ -464,12 +498,54 @@ def _score_microbatch(
     if cp_size > 1:
         dist.all_reduce(local_loss, group=cp_group)
     results = {"loss": local_loss.cpu()}
-    for out in spec.outputs:  # [T_local, ...] -> [T_padded, ...] on the CPU, same dtype
+    for out in per_token:  # [T_local, ...] -> [T_padded, ...] on the CPU, same dtype
         if spec.gather:
             local = scores[out.name].unsqueeze(0)
             gathered = gather_cp_shards(local, cu_padded.to(local.device), cp_group)[0]
             results[out.name] = gathered.cpu()
+    last = [out for out in spec.outputs if schema.at_last_row(out)]
+    if last:
+        results.update(_score_last_rows(mb, spec, last, tp_group, cp_group, head))
     return loss, results
+
+
+def _score_last_rows(
+    mb: Microbatch, spec: ScoreSpec, outputs: list[schema.Output], tp_group, cp_group, head
+) -> dict[str, torch.Tensor]:
+    """The outputs read at the last row of each sequence (the prediction after its last
+    token, :func:`megascore.schema.at_last_row`): the head of those rows only, with a
+    top-k of ``max(1, top_k)``, then one SUM over CP (each row lives on one CP rank).
+
+    Returns:
+        Output name -> ``[B_mb, *dims]`` on the CPU in the microbatch's sequence order
+        (where this rank's CP group gathers the results; else empty).
+    """
+    rows = mb.last_rows.to(head.hidden_states.device)
+    sub = dataclasses.replace(head, hidden_states=head.hidden_states[rows])
+    scores = score_tokens(
+        sub if spec.lm_head_dtype == "model" else Float32Logits(sub),
+        None,
+        tp_group=tp_group,
+        temperature=None if mb.temperature is None else mb.temperature[rows],
+        top_k=max(1, spec.top_k),
+        chunk_tokens=spec.chunk_tokens,
+        vocab_size=spec.vocab_size,
+        scratch=head.scratch,
+        outputs=outputs,
+    )
+    results = {}
+    if not spec.gather:
+        return results
+    for out in outputs:
+        value = scores[out.name]
+        full = torch.zeros(
+            (mb.num_sequences, *value.shape[1:]), dtype=value.dtype, device=value.device
+        )
+        full[mb.last_sequences.to(value.device)] = value
+        if dist.get_world_size(cp_group) > 1:  # one rank holds each row, the others 0
+            dist.all_reduce(full, group=cp_group)
+        results[out.name] = full.cpu()
+    return results
 
 
 def forward_step(data_iterator, model, *, spec: ScoreSpec):

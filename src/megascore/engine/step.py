@@ -133,7 +133,9 @@ class StepResult:
     over CP, on the CPU, on the ranks of the output rank's CP group; absent elsewhere.
 
     Attributes:
-        values: head output name -> ``[T_padded, *dims]`` tensor.
+        values: head output name -> ``[T_padded, *dims]`` tensor (an output at each
+            sequence's last row, :func:`megascore.schema.at_last_row`: ``[B, *dims]``
+            in the batch's order).
         token_positions: int64 ``[T]`` packed position of every token of the batch
             on the step's packed axis (microbatch ``i`` occupies rows
             ``[i * L, (i + 1) * L)``, ``L`` the common microbatch length).
@@ -252,9 +254,10 @@ def _plan(
         lm_head_dtype=cfg.lm_head_dtype,
         record_routes=record,
         # only the losses leave the step, or the outputs are asked for at the masked
-        # positions only: the head runs where the loss mask scores a token
+        # positions only: the head runs where the loss mask scores a token (the last
+        # rows of the sequences are computed apart, schema.at_last_row)
         scored_rows_only=batch.logprob_positions == schema.MASKED
-        or not any(out.wanted(batch) for out in outputs),
+        or not any(out.wanted(batch) for out in outputs if not schema.at_last_row(out)),
         num_target_ids=batch.num_target_ids,
     )
     return _Plan(microbatches, layouts, tokens, pad_to, spec, record, want_moe, want_mtp)
@@ -318,13 +321,20 @@ def _local_results(
             config=model.config,
             output_rank=cfg.output_rank,
         )
-    if plan.spec.gather:  # stage 3: the microbatches' results, joined
+    # stage 3: the microbatches' results, joined: per token in packed order, per sequence
+    # (schema.at_last_row) in the batch's
+    order = np.concatenate([mb.sequences for mb in plan.layouts]).astype(np.int64)
+    order = torch.from_numpy(order)
+    if plan.spec.gather:
         for out in plan.spec.outputs:
-            result.values[out.name] = torch.cat([results[out.name] for results in store])
+            joined = torch.cat([results[out.name] for results in store])
+            if schema.at_last_row(out):
+                joined = torch.empty_like(joined).index_copy_(0, order, joined)
+            result.values[out.name] = joined
         result.loss = float(sum(results["loss"] for results in store))
     if groups.pp.size() > 1 and cfg.output_rank in dist.get_process_group_ranks(groups.pp):
         mtp_names = mtp_metric_names(model.config) if plan.want_mtp else []
-        rows = len(microbatches) * plan.pad_to
+        rows = {schema.TOKEN: len(microbatches) * plan.pad_to, schema.SEQUENCE: len(order)}
         _send_results_to_output_rank(result, plan.spec, rows, mtp_names, groups.pp, cfg)
     return result
 
@@ -332,7 +342,7 @@ def _local_results(
 def _send_results_to_output_rank(
     result: StepResult,
     spec: ScoreSpec,
-    rows: int,
+    rows: dict[str, int],
     mtp_names: list[str],
     pp_group: dist.ProcessGroup,
     cfg: StepConfig,
@@ -340,8 +350,9 @@ def _send_results_to_output_rank(
     """Broadcasts the results from the result rank over the output rank's pipeline group.
 
     Typed: every receiver allocates the buffers from the step's head outputs (``rows``
-    packed positions, each output's dtype and trailing shape, the MTP metric names),
-    so only tensors travel. Fills ``result`` in place on the receivers.
+    by ``per``: packed positions, or sequences; each output's dtype and trailing shape,
+    the MTP metric names), so only tensors travel. Fills ``result`` in place on the
+    receivers.
     """
     device = collective_device(pp_group)
     is_src = dist.get_rank() == cfg.result_rank
@@ -349,7 +360,7 @@ def _send_results_to_output_rank(
         if is_src:
             tensor = result.values[out.name].to(device).contiguous()
         else:
-            shape = (rows, *schema.flat_dims(out, spec))
+            shape = (rows[out.per], *schema.flat_dims(out, spec))
             tensor = torch.empty(shape, dtype=getattr(torch, out.dtype), device=device)
         dist.broadcast(tensor, src=cfg.result_rank, group=pp_group)
         result.values[out.name] = tensor.cpu()
@@ -468,8 +479,8 @@ class PredictionIndex:
 def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
     """Output rank: builds the :class:`ScoreOutput` from the gathered step results.
 
-    Every head output is mapped from packed to flat (its ``fill`` at entry 0 of each
-    sequence), the losses computed from the logprobs, the routing taken from the
+    Every per-token head output is mapped from packed to flat (its ``fill`` at entry 0 of
+    each sequence), the losses computed from the logprobs, the routing taken from the
     recorded (or replayed) routes.
 
     Args:
@@ -480,10 +491,11 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         The output in the batch's flat token layout (``weights_version`` left empty).
     """
     index = PredictionIndex.build(result.token_positions, batch.lengths)
-    values = {
-        name: index.to_flat(packed, schema.output(name).fill)
-        for name, packed in result.values.items()
-    }
+    values = {}
+    for name, packed in result.values.items():
+        out = schema.output(name)
+        flat = schema.at_last_row(out)  # [B, *dims] already
+        values[name] = packed.numpy() if flat else index.to_flat(packed, out.fill)
     logprobs = values.get("logprobs")
     scored = logprobs if logprobs is not None else np.zeros(batch.num_tokens)
     values["losses"], values["num_loss_tokens"] = compute_losses(

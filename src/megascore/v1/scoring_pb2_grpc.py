@@ -45,6 +45,16 @@ class ScorerStub(object):
                 request_serializer=megascore_dot_v1_dot_scoring__pb2.FinishWeightUpdateRequest.SerializeToString,
                 response_deserializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.FromString,
                 )
+        self.Tokenize = channel.unary_unary(
+                '/megascore.v1.Scorer/Tokenize',
+                request_serializer=megascore_dot_v1_dot_scoring__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=megascore_dot_v1_dot_scoring__pb2.TokenizeResponse.FromString,
+                )
+        self.Detokenize = channel.unary_unary(
+                '/megascore.v1.Scorer/Detokenize',
+                request_serializer=megascore_dot_v1_dot_scoring__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=megascore_dot_v1_dot_scoring__pb2.DetokenizeResponse.FromString,
+                )
 
 
 class ScorerServicer(object):
@@ -119,6 +129,23 @@ class ScorerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Turns texts into token ids with the server's tokenizer (`megascore serve
+        --tokenizer DIR`, or the hf: checkpoint's own). FAILED_PRECONDITION when
+        the server has no tokenizer (ModelInfo.has_tokenizer is false).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turns token ids back into text, and each id into its token string, with
+        the server's tokenizer. FAILED_PRECONDITION without a tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ScorerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +178,16 @@ def add_ScorerServicer_to_server(servicer, server):
                     servicer.FinishWeightUpdate,
                     request_deserializer=megascore_dot_v1_dot_scoring__pb2.FinishWeightUpdateRequest.FromString,
                     response_serializer=megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=megascore_dot_v1_dot_scoring__pb2.TokenizeRequest.FromString,
+                    response_serializer=megascore_dot_v1_dot_scoring__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=megascore_dot_v1_dot_scoring__pb2.DetokenizeRequest.FromString,
+                    response_serializer=megascore_dot_v1_dot_scoring__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,5 +299,39 @@ class Scorer(object):
         return grpc.experimental.unary_unary(request, target, '/megascore.v1.Scorer/FinishWeightUpdate',
             megascore_dot_v1_dot_scoring__pb2.FinishWeightUpdateRequest.SerializeToString,
             megascore_dot_v1_dot_scoring__pb2.UpdateWeightsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/megascore.v1.Scorer/Tokenize',
+            megascore_dot_v1_dot_scoring__pb2.TokenizeRequest.SerializeToString,
+            megascore_dot_v1_dot_scoring__pb2.TokenizeResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/megascore.v1.Scorer/Detokenize',
+            megascore_dot_v1_dot_scoring__pb2.DetokenizeRequest.SerializeToString,
+            megascore_dot_v1_dot_scoring__pb2.DetokenizeResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
