@@ -25,13 +25,14 @@ from megascore_client.replica_push import push_to_replicas
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import AsyncScoreStream
+from megascore_client.text import AsyncTextMethods
 from megascore_client.trainer_layouts import PaddedLayout
 from megascore_client.transport import AsyncTransport
 
 __all__ = ["AsyncScoringClient"]
 
 
-class AsyncScoringClient(ClientBase):
+class AsyncScoringClient(AsyncTextMethods, ClientBase):
     """Asyncio megascore client. Create it inside the event loop that uses it.
 
     Takes the constructor arguments of :class:`~megascore_client.client.ClientBase`.
@@ -69,9 +70,12 @@ class AsyncScoringClient(ClientBase):
                 if await self.transport.sleep(delay):
                     raise closed_error()
             try:
-                return await self.transport.call(method, request, deadline)
+                response = await self.transport.call(method, request, deadline)
             except ScoringError as exc:
                 error = exc
+            else:
+                self._tell_wait(schedule, None)
+                return response
 
     async def request_token_limit(self) -> int | None:
         """The per-request token limit used for splitting (resolves "auto" once, which

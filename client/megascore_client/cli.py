@@ -10,7 +10,8 @@ Subcommands::
     megascore push-weights PATH               stream safetensors from here (progress bar)
 
 Connection flags (all but ``serve``): ``--target`` (default ``$MEGASCORE_TARGET`` or
-127.0.0.1:50051), ``--token`` (default ``$MEGASCORE_TOKEN``), ``--tls``,
+127.0.0.1:50051), ``--token`` (default ``$MEGASCORE_TOKEN``), ``--token-file``
+(default ``$MEGASCORE_TOKEN_FILE``), ``--tls``,
 ``--root-ca``, ``--client-cert``, ``--client-key``, ``--server-name``, ``--timeout``,
 ``--load-balancing``. ``megascore score --wait-for-server S`` rides out a server that is
 down or restarting for up to S seconds (the client's ``wait_for_server_s``); the
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -64,6 +67,11 @@ def _add_connection_args(parser: argparse.ArgumentParser, command: str) -> None:
         "--token",
         default=os.environ.get("MEGASCORE_TOKEN"),
         help="bearer token (env MEGASCORE_TOKEN)",
+    )
+    group.add_argument(
+        "--token-file",
+        default=os.environ.get("MEGASCORE_TOKEN_FILE"),
+        help="file holding the bearer token, instead of --token (env MEGASCORE_TOKEN_FILE)",
     )
     group.add_argument("--tls", action="store_true", help="use TLS (implied by the TLS files)")
     group.add_argument("--root-ca", help="PEM CA bundle of the server certificate")
@@ -117,6 +125,32 @@ def _missing_input(args: argparse.Namespace) -> str | None:
     return None
 
 
+class WaitNotice:
+    """Says on stderr what a command waits for and for how long (the client's
+    ``on_wait``): a line when the wait starts, one every ``every_s`` seconds, and one
+    when the server answered."""
+
+    def __init__(self, command: str, target: str, budget_s: float, every_s: float = 5.0):
+        self.prefix = f"megascore {command}:"
+        self.target, self.budget_s, self.every_s = target, budget_s, every_s
+        self._said = -math.inf
+        self._lock = threading.Lock()
+
+    def __call__(self, waited_s: float, error: ScoringError | None) -> None:
+        with self._lock:
+            if error is None:
+                text = f"the server at {self.target} answered after {waited_s:.1f} s"
+            elif self._said == -math.inf:
+                self._said = waited_s
+                text = f"waiting up to {self.budget_s:g} s for the server at {self.target}: {error}"
+            elif waited_s - self._said >= self.every_s:
+                self._said = waited_s
+                text = f"still waiting for the server at {self.target}: {waited_s:.1f} s"
+            else:
+                return
+            print(f"{self.prefix} {text}", file=sys.stderr, flush=True)
+
+
 def make_client(args: argparse.Namespace) -> ScoringClient:
     """Builds a :class:`ScoringClient` from the connection flags (and ``score``'s
     ``--wait-for-server``)."""
@@ -129,13 +163,17 @@ def make_client(args: argparse.Namespace) -> ScoringClient:
             client_key=args.client_key,
             server_name=args.server_name,
         )
+    token = args.token
+    if args.token_file:
+        token = Path(args.token_file).read_text().strip()
     return ScoringClient(
         args.target,
         tls=tls,
-        token=args.token,
+        token=token,
         timeout=_timeout(args),
         load_balancing=args.load_balancing,
         wait_for_server_s=_wait_for_server(args),
+        on_wait=WaitNotice(args.command, args.target, _wait_for_server(args)),
     )
 
 

@@ -29,6 +29,7 @@ from megascore_client.replica_push import push_to_replicas
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
+from megascore_client.text import TextMethods
 from megascore_client.trainer_layouts import (
     PaddedLayout,
     group_sequences,
@@ -47,6 +48,8 @@ LOAD_WEIGHTS_TIMEOUT_S = 600.0
 LOAD_PROGRESS_INTERVAL_S = 1.0
 LoadProgress = Callable[[float], None]
 """``progress(elapsed_s)``, called about once a second while a ``load_weights`` runs."""
+WaitCallback = Callable[[float, ScoringError | None], None]
+"""``on_wait(waited_s, error)``: a request waits for the server (see ``on_wait``)."""
 
 
 def _adapter_arguments(
@@ -85,6 +88,7 @@ class ClientBase:
         max_request_tokens: int | str | None = "auto",
         max_concurrency: int = 4,
         wait_for_server_s: float = 0.0,
+        on_wait: WaitCallback | None = None,
     ):
         """Configures the client and opens its channel.
 
@@ -128,6 +132,10 @@ class ClientBase:
                 once. The re-sends stay inside the request's ``timeout``, which must
                 exceed ``wait_for_server_s`` (or be None). ``load_weights``,
                 ``health`` and streams are never re-sent (see ``docs/client.md``).
+            on_wait: ``on_wait(waited_s, error)`` while a request waits for the server:
+                before each re-send with the UNAVAILABLE that caused it, and once with
+                ``error=None`` when the server answered. Default: the ``megascore_client``
+                logger says so (a warning when the wait starts, info when it ends).
         """
         if max_request_tokens != "auto" and not (
             max_request_tokens is None or int(max_request_tokens) > 0
@@ -147,6 +155,7 @@ class ClientBase:
         self.timeout = timeout
         self.wait_for_server_s = check_wait(wait_for_server_s, timeout)
         self.max_concurrency = max_concurrency
+        self.on_wait = on_wait
         self._token_limit = UNRESOLVED if max_request_tokens == "auto" else max_request_tokens
         self._delta_bases: dict[tuple[str, ...], tuple[str, dict]] = {}  # targets -> kept
         self._server_message_bytes = 0  # ModelInfo.max_message_bytes, with "auto" (0 = unknown)
@@ -193,7 +202,27 @@ class ClientBase:
         delay = schedule.next_delay()
         if delay is None:
             raise schedule.gave_up(error)
+        self._tell_wait(schedule, error)
         return schedule, delay
+
+    def _tell_wait(self, schedule: ServerWait | None, error: ScoringError | None) -> None:
+        """Says that a request waits for the server (``error``: the UNAVAILABLE before a
+        re-send) or got its answer after waiting (``error`` None): ``on_wait``, else a
+        log line."""
+        if schedule is None or not schedule.resends:
+            return
+        waited = schedule.waited()
+        if self.on_wait is not None:
+            self.on_wait(waited, error)
+        elif error is None:
+            logger.info("the server at %s answered after %.1f s", self.target, waited)
+        elif schedule.resends == 1:
+            logger.warning(
+                "waiting up to %g s for the server at %s: %s",
+                self.wait_for_server_s,
+                self.target,
+                error,
+            )
 
     def score_padded(
         self,
@@ -374,7 +403,7 @@ def finish_score(results: list[ScoreResult], request_id: str, start: float) -> S
     return result
 
 
-class ScoringClient(ClientBase):
+class ScoringClient(TextMethods, ClientBase):
     """Blocking megascore client. Thread-safe; use as a context manager.
 
     The constructor takes ``target`` and the keyword arguments of
@@ -413,9 +442,12 @@ class ScoringClient(ClientBase):
                 if self.transport.sleep(delay):
                     raise closed_error()
             try:
-                return self.transport.call(method, request, deadline)
+                response = self.transport.call(method, request, deadline)
             except ScoringError as exc:
                 error = exc
+            else:
+                self._tell_wait(schedule, None)
+                return response
 
     def request_token_limit(self) -> int | None:
         """The per-request token limit used for splitting (resolves "auto" once, which

@@ -9,7 +9,7 @@ Row forms (one JSON value per line; blank lines are ignored)::
 
     {"id": ..., "token_ids": [...], "loss_mask": [...]}   # id and loss_mask optional
     [...]                                                 # a bare list of token ids
-    {"id": ..., "text": "..."}                            # with --tokenizer DIR
+    {"id": ..., "text": "..."}                            # the server's or --tokenizer DIR's
 
 A row without ``id`` is identified by its index among the non-blank lines. An object
 row may carry ``"routing"``, a MoE routing to replay: per token, per MoE layer, the
@@ -198,8 +198,8 @@ def read_rows(
         limits: what the model accepts.
         skip: called with each row's id :func:`key`; rows for which it returns True
             (already in the output) are passed over without checking their content.
-        tokenize: turns the ``text`` of a row into token ids (None = ``text`` rows
-            are bad rows).
+        tokenize: turns the ``text`` of a row into token ids (None = no tokenizer:
+            ``text`` rows are bad rows).
 
     Raises:
         OSError: the file cannot be read.
@@ -251,10 +251,13 @@ def _content(value, limits: RowLimits, tokenize):
             if not isinstance(value["text"], str):
                 raise ValueError(f"text is {_kind(value['text'])}; expected a string")
             if tokenize is None:
-                raise ValueError("a 'text' row needs --tokenizer DIR")
+                raise ValueError(
+                    "a 'text' row needs a tokenizer: the server has none "
+                    "(ModelInfo.has_tokenizer); pass --tokenizer DIR"
+                )
             ids = list(tokenize(value["text"]))
         else:
-            raise ValueError("missing 'token_ids' (or 'text' with --tokenizer DIR)")
+            raise ValueError("missing 'token_ids' (or 'text')")
     else:
         raise ValueError(f"expected an object or a list of token ids, got {_kind(value)}")
     reason = check_token_ids(ids, limits)

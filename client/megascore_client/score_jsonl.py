@@ -1,14 +1,14 @@
 """``megascore score``: score a JSONL file of token sequences (or texts) into a JSONL file.
 
 Input rows are read and checked by :mod:`megascore_client.jsonl_rows` (``text`` rows
-need ``--tokenizer DIR``, a local Hugging Face tokenizer directory:
-``transformers.AutoTokenizer`` when installed, else ``tokenizers`` with
-``DIR/tokenizer.json``). Ids must be unique. Output rows, in input order::
+are tokenized by the server's tokenizer, or by ``--tokenizer DIR``:
+:mod:`megascore_client.text_rows`). Ids must be unique. Output rows, in input order::
 
     {"id": ..., "num_tokens": L, "num_loss_tokens": n, "nll": sum, "logprobs": [...],
      "top_k_ids": [[...]], "top_k_logprobs": [[...]],   # top-k only with --top-k
      "routing": [[[...]]],                               # only with --return-routing
-     "mismatch": {"max_abs_diff": ..., ...}}             # only for a row with rollout_logprobs
+     "mismatch": {"max_abs_diff": ..., ...},             # only for a row with rollout_logprobs
+     "token_ids": [...], "tokens": ["...", ...]}         # only with --echo-tokens
 
 ``routing`` is, per token, per MoE layer of the decoder, the expert ids its router
 chose (the replayed ones for a row that gave a ``routing``); fed back as the row's
@@ -42,6 +42,7 @@ import numpy as np
 
 from megascore_client.errors import InvalidInputError, ScoringError
 from megascore_client.jsonl_rows import BadRow, Row, RowLimits, key, read_rows
+from megascore_client.text_rows import RowTokenizer, choose_tokenizer
 
 __all__ = ["add_arguments", "load_done", "rejected_path", "run"]
 
@@ -61,7 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the ``score`` subcommand's own arguments."""
     parser.add_argument("input", type=Path, help="input JSONL file")
     parser.add_argument("-o", "--output", type=Path, required=True, help="output JSONL file")
-    parser.add_argument("--tokenizer", help="local tokenizer directory for rows with 'text'")
+    parser.add_argument(
+        "--tokenizer",
+        help="local tokenizer directory for rows with 'text' (default: the server's "
+        "tokenizer when it has one, ModelInfo.has_tokenizer)",
+    )
+    parser.add_argument(
+        "--echo-tokens",
+        action="store_true",
+        help="write each row's 'token_ids' and 'tokens' (the string of each id, by the "
+        "tokenizer in use; token_ids only when there is none)",
+    )
     parser.add_argument(
         "--no-special-tokens",
         dest="add_special_tokens",
@@ -141,36 +152,6 @@ def load_done(path: Path) -> dict[str, tuple[int, int, float]]:
     return done
 
 
-def _load_tokenizer(path: str, add_special_tokens: bool):
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        AutoTokenizer = None  # noqa: N806
-    if AutoTokenizer is not None:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return lambda text: tok(text, add_special_tokens=add_special_tokens)["input_ids"]
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise SystemExit("--tokenizer needs 'transformers' or 'tokenizers' installed") from None
-    tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-    return lambda text: tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-
-def _tokenizer(args):
-    """The ``text`` -> ids function of ``--tokenizer`` (loaded at its first use), or None."""
-    if not args.tokenizer:
-        return None
-    loaded = []
-
-    def tokenize(text: str) -> list[int]:
-        if not loaded:
-            loaded.append(_load_tokenizer(args.tokenizer, args.add_special_tokens))
-        return loaded[0](text)
-
-    return tokenize
-
-
 class _Rejects:
     """Where bad rows go: the side file with ``--skip-invalid``; else they stop the run."""
 
@@ -237,7 +218,8 @@ def _floats(values: np.ndarray) -> str:
     return "[" + ",".join(values.astype(str).ravel().tolist()) + "]"
 
 
-def _format_rows(batch: list[Row], result, args) -> tuple[str, list[tuple[int, int, float]]]:
+def _format_rows(batch: list[Row], scored, args) -> tuple[str, list[tuple[int, int, float]]]:
+    result, tokens = scored
     lines, stats = [], []
     for i, row in enumerate(batch):
         n_loss, nll = int(result.num_tokens[i]), float(result.loss["nll"][i])
@@ -247,6 +229,10 @@ def _format_rows(batch: list[Row], result, args) -> tuple[str, list[tuple[int, i
             f'"num_loss_tokens": {n_loss}',
             f'"nll": {json.dumps(nll)}',
         ]
+        if args.echo_tokens:
+            parts.append(f'"token_ids": {json.dumps(row.token_ids)}')
+            if tokens is not None:
+                parts.append(f'"tokens": {json.dumps(tokens[i], ensure_ascii=False)}')
         if result.logprobs is not None:
             parts.append(f'"logprobs": {_floats(result.logprobs[i])}')
         if result.top_k:
@@ -267,21 +253,30 @@ class _NoProgress:
     def update(self, n: int) -> None:
         pass
 
-    def set_postfix(self, **kwargs) -> None:
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
         pass
 
     def close(self) -> None:
         pass
 
 
-def _progress(enabled: bool):
+def count_rows(path: Path) -> int:
+    """The rows of an input file (its non-blank lines), read up front for the progress
+    bar's total."""
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _progress(enabled: bool, total: int | None):
+    """The progress bar on stderr: rows scored of ``total`` (the rows not yet in the
+    output, at most ``--limit``), rows/s, tokens/s and the time left."""
     if not enabled:
         return _NoProgress()
     try:
         from tqdm import tqdm
     except ImportError:
         return _NoProgress()
-    return tqdm(unit="tok", unit_scale=True, desc="scoring", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, unit="row", desc="scoring", file=sys.stderr, dynamic_ncols=True)
 
 
 def _refused_row(batch: list[Row], error: ScoringError, path: Path) -> tuple[int, BadRow]:
@@ -301,6 +296,7 @@ class _Output:
 
     def __init__(self, file, done: dict, bar, args):
         self._file, self._bar, self._args = file, bar, args
+        self._start = time.perf_counter()
         self.totals = [sum(v[i] for v in done.values()) for i in range(3)]
         self.rows = self.tokens = 0
 
@@ -316,18 +312,20 @@ class _Output:
         tokens = sum(s[0] for s in stats)
         self.rows += len(stats)
         self.tokens += tokens
-        self._bar.update(tokens)
-        self._bar.set_postfix(rows=self.rows)
+        self._bar.update(len(stats))
+        elapsed = time.perf_counter() - self._start
+        self._bar.set_postfix_str(f"{self.tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
 
 
-def _scorer(client, args) -> Callable[[list[Row]], object]:
-    """Scores a batch of rows with the CLI's options."""
+def _scorer(client, args, tokenizer: RowTokenizer) -> Callable[[list[Row]], tuple]:
+    """Scores a batch of rows with the CLI's options: ``(result, tokens)``, ``tokens``
+    the token strings of each row with ``--echo-tokens`` and a tokenizer, else None."""
 
     def score(batch: list[Row]):
         has_mask = any(row.loss_mask is not None for row in batch)
         masks = [row.loss_mask or [1] * len(row.token_ids) for row in batch]
         replay, rollout = _inputs(batch[0])  # all rows or none (see _batches)
-        return client.score(
+        result = client.score(
             [row.token_ids for row in batch],
             loss_mask=masks if has_mask else None,
             routing=[row.routing for row in batch] if replay else None,
@@ -338,6 +336,8 @@ def _scorer(client, args) -> Callable[[list[Row]], object]:
             losses=("nll",),
             return_logprobs=args.logprobs,
         )
+        echo = args.echo_tokens and tokenizer.available
+        return result, tokenizer.token_strings([r.token_ids for r in batch]) if echo else None
 
     return score
 
@@ -370,19 +370,33 @@ def run(args, client) -> int:
     """Runs ``megascore score`` with a connected client; returns the exit code."""
     if args.batch_tokens < 1 or args.concurrency < 1:
         raise InvalidInputError("--batch-tokens and --concurrency must be >= 1")
+    start = time.perf_counter()  # the summary's elapsed time includes any wait for the server
     done = load_done(args.output)
-    limits = RowLimits.from_model_info(client.model_info())
-    start = time.perf_counter()
+    info = client.model_info()
+    limits = RowLimits.from_model_info(info)
+    tokenizer = choose_tokenizer(args, client, info)
+    if args.echo_tokens and not tokenizer.available:
+        print(
+            "megascore score: --echo-tokens: no tokenizer (the server has none and no "
+            "--tokenizer DIR was given): rows carry token_ids only",
+            file=sys.stderr,
+        )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     rejects = _Rejects(rejected_path(args.output) if args.skip_invalid else None)
-    bar = _progress(args.progress)
-    score = _scorer(client, args)
+    todo = max(count_rows(args.input) - len(done), 0)
+    bar = _progress(args.progress, todo if args.limit is None else min(todo, args.limit))
+    score = _scorer(client, args, tokenizer)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.concurrency)
     inflight: collections.deque = collections.deque()
     try:
         with args.output.open("a") as out:
             output = _Output(out, done, bar, args)
-            rows = read_rows(args.input, limits, skip=done.__contains__, tokenize=_tokenizer(args))
+            rows = read_rows(
+                args.input,
+                limits,
+                skip=done.__contains__,
+                tokenize=tokenizer.encode if tokenizer.available else None,
+            )
             batches = _batches(_good_rows(rows, rejects), args.batch_tokens, args.limit)
             stop = None  # a bad row read: the rows before it are scored first
             while True:

@@ -132,6 +132,10 @@ class ServerWait:
         self.pin_resends += 1
         return delay
 
+    def waited(self) -> float:
+        """Seconds since the first UNAVAILABLE of the request."""
+        return self._clock() - self.started
+
     def gave_up(self, error: ScoringError) -> ScoringError:
         """The error to raise after :meth:`next_delay` returned None: ``error``'s code
         and details, plus how long the client waited and why it stopped."""

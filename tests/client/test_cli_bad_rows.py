@@ -59,7 +59,7 @@ BAD_ROWS = {
     "empty object": ("{}", 12, "missing 'token_ids'"),
     "non-object row": ('"hello"', None, "expected an object or a list of token ids, got a string"),
     "null row": ("null", None, "expected an object or a list of token ids, got null"),
-    "text without tokenizer": ('{"id": "txt", "text": "hi"}', "txt", "needs --tokenizer DIR"),
+    "text without tokenizer": ('{"id": "txt", "text": "hi"}', "txt", "pass --tokenizer DIR"),
     "duplicate id": ('{"id": "r3", "token_ids": [1, 2]}', "r3", 'duplicate id "r3"'),
     "routing length": (
         '{"id": "rt", "token_ids": [1, 2], "routing": [[[0, 1]]]}',
