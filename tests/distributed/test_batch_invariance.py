@@ -4,7 +4,8 @@
 twice; in 20 random packings; and in one packing with 2 and 4 microbatches, each with
 its own temperature, target ids and rollout logprobs. Every per-token and per-sequence
 output of the table (logprobs, top-k ids and logprobs, losses, loss-token counts,
-entropy, target-id logprobs, mismatch statistics, importance weights, MoE routing) must
+entropy, target-id logprobs, mismatch statistics, importance weights, token ranks, the
+next token, MoE routing) must
 be ``==`` to the sequence scored alone, on ``tiny``, ``tiny-moe`` and a Qwen3-MoE
 ``hf:DIR`` checkpoint in float32, and on ``tiny-moe`` in bfloat16. The served side (SDK splitting,
 concurrent clients) is ``tests/e2e/test_batch_invariance_served.py``.
@@ -95,6 +96,8 @@ def _score(engine, seqs: list[Sequence], routing: bool) -> list[dict]:
         return_routing=routing,
         return_entropy=True,
         return_importance_weights=True,
+        return_token_ranks=True,
+        return_next_token=True,
         temperature=np.array([s.temperature for s in seqs], dtype=np.float32),
         target_ids=np.concatenate([s.target_ids for s in seqs]),
         rollout_logprobs=np.concatenate([s.rollout_logprobs for s in seqs]),
@@ -138,6 +141,7 @@ def test_outputs_are_bit_identical_alone_packed_and_in_microbatches(model, dtype
             seqs = [Sequence.draw(rng, n, info.vocab_size) for n in lengths]
             alone = [_score(engine, [s], routing)[0] for s in seqs]
             wanted = {"entropy", "target_logprobs", "importance_weights", *mismatch.NAMES}
+            wanted |= {"token_ranks", "next_token_ids", "next_token_logprobs"}
             assert wanted | ({"routing"} if routing else set()) <= alone[0].keys()
             for i in rng.choice(NUM_SEQUENCES, size=20, replace=False):
                 _assert_identical(_score(engine, [seqs[i]], routing)[0], alone[i], f"rerun {i}")

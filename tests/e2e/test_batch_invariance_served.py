@@ -4,9 +4,9 @@ by one of 4 clients sending at once (the dynamic batcher then packs their reques
 shared steps in whatever order they arrive), on ``tiny``, ``tiny-moe`` (with routing) and
 a Qwen3-MoE ``hf:DIR`` checkpoint. Every output the SDK returns is compared with ``==``:
 logprobs, top-k, losses, loss-token counts, entropy, target-id logprobs, mismatch
-statistics, importance weights and routing, at temperature 0.7; each sequence carries
-its own target ids and rollout logprobs. The engine-side packings and microbatch splits are
-``tests/distributed/test_batch_invariance.py``.
+statistics, importance weights, token ranks, the next token and routing, at temperature
+0.7; each sequence carries its own target ids and rollout logprobs. The engine-side
+packings and microbatch splits are ``tests/distributed/test_batch_invariance.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ KW = dict(
     losses=("nll", "mean_nll", "perplexity"),
     return_entropy=True,
     return_importance_weights=True,
+    return_token_ranks=True,
+    return_next_token=True,
 )
 PER_TOKEN = ("logprobs", "top_k_ids", "top_k_logprobs", "entropy", "target_logprobs")
-PER_TOKEN += ("importance_weights", "routing")
+PER_TOKEN += ("importance_weights", "routing", "token_ranks")
+PER_SEQUENCE = ("next_token_ids", "next_token_logprobs")
 CONFIGS = ("tiny", "tiny-moe", "hf-qwen3-moe")
 
 
@@ -58,6 +61,7 @@ def _per_sequence(result) -> list[dict[str, np.ndarray]]:
     for i in range(len(result)):
         entry = {"num_tokens": result.num_tokens[i]}
         entry.update({n: getattr(result, n)[i] for n in PER_TOKEN if getattr(result, n)})
+        entry.update({n: getattr(result, n)[i] for n in PER_SEQUENCE})
         entry.update({f"loss.{n}": values[i] for n, values in result.loss.items()})
         entry.update({f"mismatch.{n}": v[i] for n, v in result.mismatch_stats.items()})
         out.append(entry)
@@ -94,6 +98,7 @@ def test_alone_split_and_concurrent_clients_give_the_same_bits(server, config):
 
         alone = [_per_sequence(score(client, [i]))[0] for i in range(NUM_SEQUENCES)]
     expected = {"entropy", "target_logprobs", "importance_weights", "mismatch.max_abs_diff"}
+    expected |= {"token_ranks", "next_token_ids", "next_token_logprobs"}
     assert expected | ({"routing"} if routing else set()) <= alone[0].keys()
 
     with ScoringClient(server.target, timeout=300, max_request_tokens=3000) as client:
