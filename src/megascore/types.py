@@ -349,7 +349,8 @@ class ScoreOutput:
     as attributes (``output.logprobs``; None when not computed, ``{}`` for a map
     output). In the batch's flat layout: a per-token output is ``[T, *dims]`` of the
     entry's dtype (a predicted one holds its ``fill`` at entry 0 of each sequence, where
-    there is no prediction); a per-sequence one ``[B]``, a map one name -> ``[B]``.
+    there is no prediction); a per-sequence one ``[B]`` (``[B, *dims]`` with trailing
+    dims: the next token's ``[B, max(1, top_k)]``), a map one name -> ``[B]``.
     What each holds is documented on its ``ScoreResult`` attribute (the entry's
     ``sdk``); ``num_loss_tokens`` (the tokens that contributed to the losses,
     :func:`megascore.layout.count_loss_tokens`) is set by every engine.
