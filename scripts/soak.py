@@ -12,6 +12,15 @@ above ``--max-rss-growth`` after the warm-up.
     .venv/bin/python scripts/soak.py                      # 10 min, TP=2, 6 clients
     .venv/bin/python scripts/soak.py --duration 3600 --nproc 2 --tp 2 --unary 4
     .venv/bin/python scripts/soak.py --target 10.0.0.5:50051 --duration 600  # no RSS
+
+``--changing-weights`` runs the other soak (issue 36, :mod:`soak_weights`): a replica
+set of ``tiny-moe`` servers whose weights a trainer loop pushes (full and delta) and
+reloads while a chaos loop kills and restarts a replica, mixed clients (sync, asyncio,
+stream, the JSONL CLI, the HTTP front when ``megascore serve`` has one) with and without
+version pins; every answer checked bit for bit against a reference scoring at the
+version it names; per-process RSS, fds and threads flat within 5 % after the warm-up.
+
+    .venv/bin/python scripts/soak.py --changing-weights --duration 3600
 """
 
 from __future__ import annotations
@@ -42,13 +51,13 @@ from tests.reliability.load import (  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    parser.add_argument("--warmup", type=float, default=20.0, help="seconds before RSS baseline")
+    parser.add_argument("--warmup", type=float, help="seconds before the resource baseline")
     parser.add_argument("--report-every", type=float, default=30.0, help="seconds per report")
     parser.add_argument("--unary", type=int, default=2, help="sync unary clients")
     parser.add_argument("--stream", type=int, default=2, help="sync streaming clients")
     parser.add_argument("--async", dest="async_", type=int, default=2, help="asyncio clients")
-    parser.add_argument("--cases", type=int, default=48, help="distinct random batches")
-    parser.add_argument("--max-len", type=int, default=256, help="longest sequence")
+    parser.add_argument("--cases", type=int, help="distinct random batches (48; changing: 16)")
+    parser.add_argument("--max-len", type=int, help="longest sequence (256; changing: 96)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the started server")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
@@ -56,7 +65,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", help="use this running server instead of starting one")
     parser.add_argument("--max-rss-growth", type=float, default=0.10, help="fraction")
     parser.add_argument("--json", help="write the summary as JSON to this file")
-    return parser.parse_args(argv)
+    weights = parser.add_argument_group("--changing-weights (scripts/soak_weights.py)")
+    weights.add_argument("--changing-weights", action="store_true", help="the issue-36 soak")
+    weights.add_argument("--push-every", type=float, default=15.0, help="seconds per push")
+    weights.add_argument("--load-every", type=int, default=7, help="every Nth step: a reload")
+    weights.add_argument("--kill-every", type=float, default=120.0, help="seconds per kill")
+    weights.add_argument("--http", type=int, default=1, help="HTTP clients (if served)")
+    weights.add_argument("--no-http", action="store_true", help="no HTTP front, no HTTP clients")
+    weights.add_argument("--think-ms", type=float, default=50.0, help="pause between calls")
+    weights.add_argument("--sample-every", type=float, default=5.0, help="resource samples (s)")
+    weights.add_argument("--window", type=float, default=60.0, help="seconds compared (resources)")
+    weights.add_argument("--log-dir", help="server logs, resources.csv, summary.json")
+    args = parser.parse_args(argv)
+    changing = args.changing_weights
+    if args.warmup is None:
+        args.warmup = max(30.0, args.duration / 10) if changing else 20.0
+    if args.cases is None:
+        args.cases = 16 if changing else 48
+    if args.max_len is None:
+        args.max_len = 96 if changing else 256
+    return args
 
 
 def fmt_latency(stats: Stats, kind: str | None = None) -> str:
@@ -147,6 +175,10 @@ def verdict(summary: dict, max_growth: float) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.changing_weights:
+        from soak_weights import run_changing
+
+        return run_changing(args)
     server = None
     if args.target is None:
         log = Path(tempfile.mkdtemp(prefix="megascore-soak-")) / "serve.log"
