@@ -31,6 +31,7 @@ import json
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import datasets
@@ -146,6 +147,7 @@ def train(base: type, init_dir: Path, out_dir: Path, args, **extra) -> trl.GRPOT
         processing_class=tokenizer,
         **extra,
     )
+    trainer.remove_callback(transformers.PrinterCallback)  # its per-step log dicts
     trainer.train()
     return trainer
 
@@ -173,8 +175,18 @@ def compare(local: trl.GRPOTrainer, served: trl.GRPOTrainer) -> list[dict]:
     return rows
 
 
+def quiet() -> None:
+    """Only this script's result lines: TRL / transformers warnings and notices off."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars
+    datasets.logging.set_verbosity_error()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    quiet()
     with tempfile.TemporaryDirectory() as tmp:
         if args.launch:
             init_dir = Path(tmp) / "init"

@@ -1,10 +1,31 @@
 """The code blocks of README.md, server/README.md and docs/*.md, and what is checked of each.
 
-A block is a fenced ```bash / ```sh / ```console / ```python block. A block whose
-fence follows the line ``<!-- docs-test: run -->`` is *runnable*: the docs test runs
-it as written against a tiny server (``127.0.0.1:50051`` becomes that server's
-address). Used by ``tests/unit/test_docs.py`` (parse checks) and
-``tests/e2e/test_docs_runnable.py`` (the runnable blocks).
+A block is a fenced ```bash / ```sh / ```console / ```shell / ```python block. Every
+block is run by ``tests/e2e/test_docs_runnable.py`` unless it is marked not runnable,
+and ``tests/unit/test_docs.py`` checks that each parses. A doc added to ``docs/`` is
+picked up as it is: its blocks run, or carry the marker.
+
+* **Not runnable**: the block's first line is ``# not run by the docs test: REASON``
+  (visible to the reader; the reason says why: a GPU, Kubernetes, another host, hours).
+  The docs test counts these and prints the count with the reasons.
+* **Options**: an HTML comment on the line before the fence,
+  ``<!-- docs-test: OPTION ... -->``:
+
+  - ``server=tiny`` (default), ``server=tiny-moe``, ``server=hf`` (a tiny
+    transformers-saved Llama with its own tokenizer, served with ``--http-port``: the
+    default of a block naming :data:`HTTP_TARGET`), ``server=none``.
+  - ``recipe=NAME``: the blocks of one recipe run as one test, in doc order, in one
+    temporary directory, against no fixture server (they start their own); the port
+    ``50051`` in them becomes a free port; background jobs are killed after it.
+  - ``run``: the defaults, said explicitly.
+
+* **Placeholders**, filled by the test: :data:`DEFAULT_TARGET` (``127.0.0.1:50051``)
+  becomes the served address, :data:`HTTP_TARGET` its HTTP front, :data:`HF_DIR`
+  (``/ckpt/tiny-llama``) the served ``hf:`` checkpoint directory.
+
+Shell blocks run under ``bash -euo pipefail``, Python blocks as a script (a top-level
+``await`` runs in an event loop, as in the asyncio REPL), each in a temporary
+directory holding a link to ``examples/``.
 """
 
 from __future__ import annotations
@@ -18,10 +39,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "server" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-RUN_MARKER = "<!-- docs-test: run -->"
 SHELL = ("bash", "sh", "console", "shell")
 DEFAULT_TARGET = "127.0.0.1:50051"
+HTTP_TARGET = "127.0.0.1:8000"
+HF_DIR = "/ckpt/tiny-llama"
+SERVERS = ("tiny", "tiny-moe", "hf", "none")
 _FENCE = re.compile(r"^```(\w*)\s*$")
+_OPTIONS = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->$")
+_NOT_RUN = re.compile(r"^#\s*not run by the docs test:\s*(\S.*)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +55,47 @@ class Block:
     line: int  # 1-based line of the opening fence
     lang: str
     text: str
-    runnable: bool
+    options: tuple[tuple[str, str], ...] = ()
 
     @property
     def where(self) -> str:
         return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+    @property
+    def not_run(self) -> str | None:
+        """The reason of a block marked not runnable (its first line), else None."""
+        first = next((line.strip() for line in self.text.splitlines() if line.strip()), "")
+        match = _NOT_RUN.match(first)
+        return match[1].strip() if match else None
+
+    @property
+    def runnable(self) -> bool:
+        return self.not_run is None
+
+    def option(self, name: str, default: str = "") -> str:
+        return dict(self.options).get(name, default)
+
+    @property
+    def server(self) -> str:
+        """The fixture server the block runs against (``none`` for a recipe)."""
+        if self.option("recipe"):
+            return "none"
+        return self.option("server", "hf" if HTTP_TARGET in self.text else "tiny")
+
+
+def parse_options(text: str) -> tuple[tuple[str, str], ...]:
+    """``server=hf recipe=tls run`` -> ``(("server", "hf"), ("recipe", "tls"), ("run", ""))``.
+
+    Raises:
+        ValueError: an unknown option or server.
+    """
+    out = []
+    for word in text.split():
+        name, _, value = word.partition("=")
+        if name not in ("server", "recipe", "run") or (name == "server" and value not in SERVERS):
+            raise ValueError(f"unknown docs-test option {word!r}")
+        out.append((name, value))
+    return tuple(out)
 
 
 def blocks(paths=DOCS) -> list[Block]:
@@ -50,10 +111,12 @@ def blocks(paths=DOCS) -> list[Block]:
                 continue
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
             lang = match[1].lower()
-            runnable = i > 0 and lines[i - 1].strip() == RUN_MARKER
+            marker = _OPTIONS.match(lines[i - 1].strip()) if i > 0 else None
+            options = parse_options(marker[1]) if marker else ()
             if lang in SHELL or lang == "python":
                 kind = "python" if lang == "python" else "shell"
-                out.append(Block(path, i + 1, kind, "\n".join(lines[i + 1 : end]) + "\n", runnable))
+                text = "\n".join(lines[i + 1 : end]) + "\n"
+                out.append(Block(path, i + 1, kind, text, options))
             i = end + 1
     return out
 
@@ -78,7 +141,7 @@ def broken_continuations(text: str) -> list[str]:
 
 def commands(text: str) -> list[list[str]]:
     """The shell commands of a block as argv lists (continuations joined, comments,
-    pipes and ``&&`` split, ``[...]`` optional groups opened)."""
+    pipes and ``&&`` split, redirections dropped, ``[...]`` optional groups opened)."""
     joined = re.sub(r"\\\n", " ", text)
     out = []
     for line in joined.splitlines():
@@ -87,12 +150,17 @@ def commands(text: str) -> list[list[str]]:
         except ValueError:
             continue
         argv: list[str] = []
+        redirect = False  # the token after a ``>`` is its file
         for token in tokens + [";"]:
-            if token in (";", "|", "&&", "||", "&"):
+            if redirect:
+                redirect = False
+            elif token in (";", "|", "&&", "||", "&"):
                 if argv:
                     out.append(argv)
                 argv = []
-            else:
+            elif re.fullmatch(r"\d*(>>?|<)", token) or token == "&>":
+                redirect = True
+            elif not re.fullmatch(r"\d*>&\d+", token):
                 argv.append(token.strip("[]"))
     return out
 
