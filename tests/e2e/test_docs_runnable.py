@@ -103,7 +103,11 @@ class DocServers:
         self.http_port: int | None = None
         mine = [item for item in request.session.items if item.module.__name__ == __name__]
         selected = {item.callspec.params.get("block") for item in mine if hasattr(item, "callspec")}
-        self.wanted = {b.server for b in selected if isinstance(b, Block)} & set(OWN_SERVERS)
+        mine_blocks = [b for b in selected if isinstance(b, Block)]
+        self.wanted = {b.server for b in mine_blocks} & set(OWN_SERVERS)
+        self.http = any(HTTP_TARGET in b.text for b in mine_blocks)  # --http-port only then
+        if any(item.name.startswith("test_text_") for item in mine):
+            self.wanted.add("hf")
 
     def _start(self, name: str) -> None:
         args = list(OWN_SERVERS[name])
@@ -111,8 +115,10 @@ class DocServers:
             from tests.http.checkpoint import write_checkpoint
 
             self.hf_dir = write_checkpoint("llama", self.log_dir / "tiny-llama")
-            self.http_port = pick_port()
-            args = ["--model", f"hf:{self.hf_dir}", "--http-port", str(self.http_port)]
+            args = ["--model", f"hf:{self.hf_dir}"]
+            if self.http:
+                self.http_port = pick_port()
+                args += ["--http-port", str(self.http_port)]
         self.own[name] = ServeProcess(
             self.log_dir / f"{name}.log", *args, "--grace-s", "5", env={"MASTER_PORT": "0"}
         )
@@ -251,3 +257,40 @@ def test_every_doc_block_runs_or_says_why():
     assert {b.path.name for b in SINGLE} >= {"README.md", "client.md", "deploy.md"}
     assert all(len(b.not_run) >= 10 for b in MARKED), [b.where for b in MARKED]
     assert sum(len(r) for r in RECIPES.values()) + len(SINGLE) + len(MARKED) == len(BLOCKS)
+
+
+def test_text_rows_and_score_text_match_the_checkpoint(servers, tmp_path):
+    """Against the ``hf:`` server (its own tokenizer, no ``--tokenizer``): ``megascore
+    score --echo-tokens`` on text rows and the SDK's ``score_text`` give the ids and token
+    strings of ``transformers``' tokenizer of the checkpoint and its logprobs (within
+    1e-5), and the run says it used the server's tokenizer."""
+    import json
+
+    import numpy as np
+
+    from megascore_client import ScoringClient
+    from tests.http.checkpoint import Reference
+
+    target = servers.fill("hf")[DEFAULT_TARGET]
+    reference = Reference(servers.hf_dir)
+    texts = ["the cat eats an apple at home.", "Numbers like 42, 7 and 1000 appear in text"]
+    src = tmp_path / "texts.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        ["megascore", "score", str(src), "-o", str(out), "--target", target, "--echo-tokens"],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"tokenizer: the server's, at {target}" in proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    with ScoringClient(target, timeout=60) as client:
+        scored = client.score_text(texts, return_tokens=True)
+    for i, text in enumerate(texts):
+        ids = reference.tokenizer(text).input_ids  # add_special_tokens=True, as the CLI
+        strings = [reference.tokenizer.decode([t]) for t in ids]
+        assert rows[i]["token_ids"] == ids == scored.token_ids[i].tolist()
+        assert rows[i]["tokens"] == strings == scored.tokens[i]
+        want = reference.token_logprobs(ids)
+        np.testing.assert_allclose(rows[i]["logprobs"][1:], want, atol=1e-5)
+        np.testing.assert_allclose(scored.logprobs[i][1:], want, atol=1e-5)
