@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import threading
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -188,11 +189,15 @@ def _cmd_info(args, client: ScoringClient) -> int:
 
 def _cmd_health(args, client: ScoringClient) -> int:
     if args.wait:
+        start = time.monotonic()
         try:
             status = client.wait_until_serving(timeout=args.wait)
         except ScoringError as exc:
             print(exc.details)
             return 1
+        waited = time.monotonic() - start
+        if waited >= 1.0:  # said on stderr: stdout stays the status alone
+            print(f"megascore health: SERVING after {waited:.1f} s", file=sys.stderr)
     else:
         try:
             status = client.health(args.service)

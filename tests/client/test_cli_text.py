@@ -138,3 +138,22 @@ def test_the_token_comes_from_a_file(tmp_path, capsys):
         assert main(["info", *target, "--token-file", str(tmp_path / "token")]) == 0
         assert main(["info", *target]) == 1
     assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_on_wait_hears_each_resend_and_the_answer(monkeypatch):
+    monkeypatch.setattr(waiting, "INITIAL_BACKOFF_S", 0.05)
+    monkeypatch.setattr(waiting, "MAX_BACKOFF_S", 0.1)
+    scorer = FakeScorer()
+    loading = (grpc.StatusCode.UNAVAILABLE, "server is starting: model loading")
+    scorer.fail_next += [loading] * 3
+    heard = []
+    with FakeServer(scorer) as server:
+        client = ScoringClient(
+            server.target, retries=None, wait_for_server_s=10, timeout=20,
+            on_wait=lambda waited, error: heard.append((waited, error)),
+        )  # fmt: skip
+        with client:
+            client.model_info()
+    assert [e.code if e else None for _, e in heard] == [grpc.StatusCode.UNAVAILABLE] * 3 + [None]
+    waited = [w for w, _ in heard]
+    assert waited == sorted(waited) and waited[-1] > 0.1  # from the first UNAVAILABLE on
