@@ -13,14 +13,15 @@ picked up as it is: its blocks run, or carry the marker.
 
   - ``server=tiny`` (default), ``server=tiny-moe``, ``server=hf`` (a tiny
     transformers-saved Llama with its own tokenizer, served with ``--http-port``: the
-    default of a block naming :data:`HTTP_TARGET`), ``server=none``.
+    default of a block naming an address of :data:`HTTP_TARGETS`), ``server=none``.
   - ``recipe=NAME``: the blocks of one recipe run as one test, in doc order, in one
     temporary directory, against no fixture server (they start their own); the port
     ``50051`` in them becomes a free port; background jobs are killed after it.
   - ``run``: the defaults, said explicitly.
 
 * **Placeholders**, filled by the test: :data:`DEFAULT_TARGET` (``127.0.0.1:50051``)
-  becomes the served address, :data:`HTTP_TARGET` its HTTP front, :data:`HF_DIR`
+  becomes the served address, :data:`HTTP_TARGETS` (``127.0.0.1:8000``,
+``localhost:8000``) its HTTP front, :data:`HF_DIR`
   (``/ckpt/tiny-llama``) the served ``hf:`` checkpoint directory.
 
 Shell blocks run under ``bash -euo pipefail``, Python blocks as a script (a top-level
@@ -42,6 +43,7 @@ DOCS = [ROOT / "README.md", ROOT / "server" / "README.md", *sorted((ROOT / "docs
 SHELL = ("bash", "sh", "console", "shell")
 DEFAULT_TARGET = "127.0.0.1:50051"
 HTTP_TARGET = "127.0.0.1:8000"
+HTTP_TARGETS = (HTTP_TARGET, "localhost:8000")
 HF_DIR = "/ckpt/tiny-llama"
 SERVERS = ("tiny", "tiny-moe", "hf", "none")
 _FENCE = re.compile(r"^```(\w*)\s*$")
@@ -80,7 +82,12 @@ class Block:
         """The fixture server the block runs against (``none`` for a recipe)."""
         if self.option("recipe"):
             return "none"
-        return self.option("server", "hf" if HTTP_TARGET in self.text else "tiny")
+        return self.option("server", "hf" if self.uses_http else "tiny")
+
+    @property
+    def uses_http(self) -> bool:
+        """Whether the block talks to the HTTP front (an address of :data:`HTTP_TARGETS`)."""
+        return any(target in self.text for target in HTTP_TARGETS)
 
 
 def parse_options(text: str) -> tuple[tuple[str, str], ...]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megascore_server.ports import pick_port
-from tests.docs_blocks import DEFAULT_TARGET, HF_DIR, HTTP_TARGET, ROOT, Block, blocks
+from tests.docs_blocks import DEFAULT_TARGET, HF_DIR, HTTP_TARGETS, ROOT, Block, blocks
 from tests.e2e.serve import ServeProcess, running
 
 BLOCKS = blocks()
@@ -105,7 +105,7 @@ class DocServers:
         selected = {item.callspec.params.get("block") for item in mine if hasattr(item, "callspec")}
         mine_blocks = [b for b in selected if isinstance(b, Block)]
         self.wanted = {b.server for b in mine_blocks} & set(OWN_SERVERS)
-        self.http = any(HTTP_TARGET in b.text for b in mine_blocks)  # --http-port only then
+        self.http = any(b.uses_http for b in mine_blocks)  # --http-port only then
         if any(item.name.startswith("test_text_") for item in mine):
             self.wanted.add("hf")
 
@@ -136,7 +136,9 @@ class DocServers:
         server.wait_serving()
         fill = {DEFAULT_TARGET: running(server).target}
         if name == "hf":
-            fill |= {HTTP_TARGET: f"127.0.0.1:{self.http_port}", HF_DIR: str(self.hf_dir)}
+            fill[HF_DIR] = str(self.hf_dir)
+            if self.http_port:
+                fill |= dict.fromkeys(HTTP_TARGETS, f"127.0.0.1:{self.http_port}")
         return fill
 
     def close(self) -> None:
