@@ -28,11 +28,13 @@ from megascore_client.results import (
 )
 from megascore_client.splitting import ScoreOptions
 from megascore_client.stream import AsyncScoreStream, ScoreStream
+from megascore_client.text import Detokenized, TextScoreResult
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "AsyncScoreStream",
     "AsyncScoringClient",
+    "Detokenized",
     "HealthStatus",
     "InvalidInputError",
     "LoadWeightsResult",
@@ -46,6 +48,7 @@ __all__ = [
     "ScoreStream",
     "ScoringClient",
     "ScoringError",
+    "TextScoreResult",
     "Timings",
     "TlsConfig",
     "read_safetensors",
