@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import batch_invariance
@@ -52,6 +53,11 @@ import startup
 import weight_push
 import wire_cost
 from common import Row
+
+SOAK_SECTION = types.SimpleNamespace(  # written by scripts/soak.py --results (soak_report.py)
+    BEGIN="<!-- soak.py --changing-weights: begin -->",
+    END="<!-- soak.py --changing-weights: end -->",
+)
 
 logger = logging.getLogger("run_all")
 
@@ -481,6 +487,7 @@ def main() -> int:
         data_parallel,
         replica_scaling,
         single_sequence,
+        SOAK_SECTION,
     )
     for own in own_sections:
         if own.BEGIN in previous and own.END in previous:

@@ -76,7 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     weights.add_argument("--sample-every", type=float, default=5.0, help="resource samples (s)")
     weights.add_argument("--window", type=float, default=60.0, help="seconds compared (resources)")
     weights.add_argument("--log-dir", help="server logs, resources.csv, summary.json")
+    weights.add_argument("--results", help="write the run's section into this RESULTS.md")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     changing = args.changing_weights
     if args.warmup is None:
         args.warmup = max(30.0, args.duration / 10) if changing else 20.0

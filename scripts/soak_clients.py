@@ -21,6 +21,7 @@ one). Every SDK client goes through the whole replica set (``ipv4:a,b``, round r
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import hashlib
@@ -89,7 +90,7 @@ class Ledger:
         self.retired: list[str] = []  # versions no replica serves any more
         self.calls = collections.Counter()  # kind -> answered calls
         self.tokens = 0
-        self.latency_ms = collections.defaultdict(list)
+        self.latency_ms = collections.defaultdict(lambda: array.array("d"))
         self.failures = collections.Counter()  # (kind, code) -> count
         self.pinned = collections.Counter()  # answered / refused
         self.wrong: list[str] = []

@@ -95,7 +95,7 @@ def growth(samples: list[tuple], warmup_s: float, window: int) -> dict | None:
     return out
 
 
-def curves(samples: dict[str, list[tuple]], points: int = 7) -> dict[str, list[tuple]]:
+def curves(samples: dict[str, list[tuple]], points: int = 13) -> dict[str, list[tuple]]:
     """A few evenly spaced samples per role: (minute, rss MiB, fds, threads)."""
     out = {}
     for name, rows in samples.items():

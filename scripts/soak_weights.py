@@ -38,6 +38,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import soak_report
 from soak_clients import Clients, Ledger, make_cases, result_fingerprints
 from soak_resources import ResourceSampler, curves, growth, write_csv
 
@@ -329,6 +330,7 @@ def _percentiles(values) -> dict:
 
 def run_changing(args) -> int:
     """The whole run; returns the exit code (1 on any problem)."""
+    load_start = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="megascore-soak36-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -406,6 +408,10 @@ def run_changing(args) -> int:
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
+    if args.results:
+        soak_report.write_section(
+            Path(args.results), soak_report.section(summary, args.argv, load_start)
+        )
     print(json.dumps(summary, indent=2, default=str))
     print(summary["line"], flush=True)
     return 1 if summary["problems"] else 0
