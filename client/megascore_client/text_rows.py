@@ -11,6 +11,7 @@ run says on stderr which one it used, the first time it needs one.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,13 +56,15 @@ class RowTokenizer:
         self.describe = describe
         self._load = load
         self._loaded = None
+        self._lock = threading.Lock()  # rows are read here, tokens named in scoring threads
         self._note = note or (lambda text: print(text, file=sys.stderr, flush=True))
 
     def _get(self):
-        if self._loaded is None:
-            self._loaded = self._load()
-            self._note(f"megascore score: tokenizer: {self.describe}")
-        return self._loaded
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = self._load()
+                self._note(f"megascore score: tokenizer: {self.describe}")
+            return self._loaded
 
     @property
     def available(self) -> bool:
