@@ -4,8 +4,8 @@ Shell blocks: ``bash -n`` accepts them, no ``\\`` continuation is cut by a comme
 (the TLS + token snippet once started the server with authentication off), and every
 ``megascore`` subcommand and flag they use exists in the CLI's parsers. Python
 blocks compile, and the keywords they pass to SDK methods exist on those methods.
-The blocks marked runnable run against a tiny server in
-``tests/e2e/test_docs_runnable.py``. Each doc says once that its commands assume the
+Every block not marked ``# not run by the docs test: REASON`` runs against served
+models in ``tests/e2e/test_docs_runnable.py``. Each doc says once that its commands assume the
 activated virtual environment, and each example says which extra it needs.
 """
 
