@@ -150,13 +150,14 @@ class Ledger:
                 known = "known" if version is None or version in self.refs else "unknown"
                 self.wrong.append(f"{kind} case {case}: differs from {known} version {version!r}")
 
-    def fail(self, kind: str, code: str, pin: str = "") -> None:
+    def fail(self, kind: str, code: str, pin: str = "", error: BaseException | None = None):
         with self.lock:
             self.failures[(kind, code)] += 1
             if pin and code == "FAILED_PRECONDITION":
                 self.pinned["refused"] += 1
             elif code == "FAILED_PRECONDITION" or code not in EXPECTED_CODES:
-                self.unexpected.append(f"{kind}: failed {code} (pin {pin!r})")
+                detail = f": {str(error)[:400]}" if error is not None else ""
+                self.unexpected.append(f"{kind}: failed {code} (pin {pin!r}){detail}")
 
 
 def _code(exc: BaseException) -> str:
@@ -235,7 +236,7 @@ class Clients:
                         self.ledger.cases[case], top_k=TOP_K, losses=LOSSES, weights_version=pin
                     )
                 except ScoringError as exc:
-                    self.ledger.fail("unary", _code(exc), pin)
+                    self.ledger.fail("unary", _code(exc), pin, exc)
                     continue
                 latency = (time.perf_counter() - start) * 1e3
                 fps = result_fingerprints(result)
@@ -253,7 +254,7 @@ class Clients:
                         self.ledger.cases[case], top_k=TOP_K, losses=LOSSES, weights_version=pin
                     )
                 except ScoringError as exc:
-                    self.ledger.fail("async", _code(exc), pin)
+                    self.ledger.fail("async", _code(exc), pin, exc)
                     continue
                 latency = (time.perf_counter() - start) * 1e3
                 fps = result_fingerprints(result)
@@ -305,7 +306,7 @@ class Clients:
                     # the stream ends at a message it could not answer (a refused pin)
                     # or at once (its replica went down); the messages after fail too
                     pins = [p for _, p, _, f in inflight if p and f.done() and f.exception()]
-                    self.ledger.fail("stream", _code(exc), pins[0] if pins else "")
+                    self.ledger.fail("stream", _code(exc), pins[0] if pins else "", exc)
                     self.stop.wait(0.5)
 
     def _cli(self, rng, every_s: float = 10.0, rows: int = 4) -> None:

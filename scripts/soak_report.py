@@ -1,15 +1,22 @@
-"""The changing-weights soak's section of ``bench/RESULTS.md`` (``--results PATH``).
-
-Written between :data:`BEGIN` and :data:`END` (replacing what is there; appended
-otherwise); ``bench/run_all.py`` carries the section over when it rewrites the file.
+"""What the changing-weights soak reports: its progress lines, the summary and verdict
+(:func:`summarize`), and its section of ``bench/RESULTS.md`` (``--results PATH``),
+written between :data:`BEGIN` and :data:`END` (replacing what is there; appended
+otherwise; ``bench/run_all.py`` carries the section over when it rewrites the file).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import platform
 import time
 from pathlib import Path
+
+import numpy as np
+from soak_resources import curves, growth
+
+MAX_GROWTH = 0.05
+"""Largest growth of a server's RSS, fds or threads after the warm-up."""
 
 BEGIN, END = (
     "<!-- soak.py --changing-weights: begin -->",
@@ -106,3 +113,92 @@ def write_section(path: Path, text: str) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + text
     path.write_text(new)
+
+
+def _percentiles(values) -> dict:
+    if not values:
+        return {}
+    arr = np.asarray(values)
+    return {p: round(float(np.percentile(arr, int(p[1:]))), 1) for p in ("p50", "p99")}
+
+
+def progress(elapsed, ledger, trainer, chaos, sampler) -> str:
+    with ledger.lock:
+        calls, wrong, stale = sum(ledger.calls.values()), len(ledger.wrong), len(ledger.stale)
+        failures = sum(ledger.failures.values())
+    rows = sampler.samples.get("replica-tp2") or [(0, (), 0, 0, 0)]
+    return (
+        f"[{elapsed:7.0f}s] calls {calls} pushes {trainer.stats['pushes']} "
+        f"deltas {trainer.stats['deltas']} loads {trainer.stats['loads']} "
+        f"kills {sum(v for k, v in chaos.stats.items() if k.startswith('SIG'))} "
+        f"restarts {chaos.stats['restarts']} failures {failures} wrong {wrong} stale {stale} "
+        f"tp2 rss {rows[-1][2] / 1024:.0f} MiB fds {rows[-1][3]} threads {rows[-1][4]}"
+    )
+
+
+def summarize(args, elapsed, ledger, trainer, chaos, samples, exits, stuck, http) -> dict:
+    window = max(3, int(args.window / args.sample_every))
+    resources = {name: growth(rows, args.warmup, window) for name, rows in samples.items()}
+    latencies = [v for values in ledger.latency_ms.values() for v in values]
+    failures = collections.Counter()
+    for (_kind, code), n in ledger.failures.items():
+        failures[code] += n
+    problems = []
+    if ledger.wrong:
+        problems.append(f"{len(ledger.wrong)} wrong answers, e.g. {ledger.wrong[:3]}")
+    if ledger.stale:
+        problems.append(f"{len(ledger.stale)} stale answers, e.g. {ledger.stale[:3]}")
+    if ledger.unexpected:
+        problems.append(f"{len(ledger.unexpected)} unexpected failures: {ledger.unexpected[:5]}")
+    if trainer.splits:
+        problems.append(f"pushes not all-or-none: {trainer.splits[:5]}")
+    if trainer.errors:
+        problems.append(f"trainer steps failed: {trainer.errors[:5]}")
+    problems += chaos.problems
+    for kind in ("unary", "async", "stream", "cli") + (("http",) if http and args.http else ()):
+        if not ledger.calls[kind]:
+            problems.append(f"no {kind} call answered")
+    if not trainer.stats["pushes"]:
+        problems.append(f"pushes: {dict(trainer.stats)}")
+    for name, g in resources.items():
+        if name == "soak":  # the harness itself: reported (its threads vary with pushes)
+            continue
+        for metric in ("rss_kib", "fds", "threads"):
+            if g and g.get("judged") and g[metric]["growth"] > MAX_GROWTH:
+                problems.append(f"{name} {metric} grew {g[metric]['first']} -> {g[metric]['last']}")
+    if stuck:
+        problems.append(f"clients still running: {stuck}")
+    for name, code in exits.items():
+        if code not in (0, "down at the end (chaos)"):
+            problems.append(f"{name} exited {code}")
+    kills = sum(v for k, v in chaos.stats.items() if k.startswith("SIG"))
+    p = _percentiles(latencies)
+    verdict = "PASS" if not problems else "FAIL: " + "; ".join(problems)
+    line = (
+        f"soak: {verdict} -- {elapsed:.0f} s, calls {sum(ledger.calls.values())}, "
+        f"tokens {ledger.tokens}, pushes {trainer.stats['pushes']} "
+        f"({trainer.stats['deltas']} deltas), loads {trainer.stats['loads']}, kills {kills}, "
+        f"restarts {chaos.stats['restarts']}, wrong {len(ledger.wrong)}, "
+        f"stale {len(ledger.stale)}, failures {dict(failures) or 0}, "
+        f"p50 {p.get('p50', '-')} ms, p99 {p.get('p99', '-')} ms"
+    )
+    return {
+        "line": line,
+        "problems": problems,
+        "duration_s": round(elapsed, 1),
+        "http_front": http,
+        "calls": dict(ledger.calls),
+        "tokens": ledger.tokens,
+        "latency_ms": {k: _percentiles(v) for k, v in ledger.latency_ms.items()} | {"all": p},
+        "failures": {f"{k} {c}": n for (k, c), n in sorted(ledger.failures.items())},
+        "pinned": dict(ledger.pinned),
+        "wrong": ledger.wrong[:20],
+        "stale": ledger.stale[:20],
+        "versions_referenced": len(ledger.refs),
+        "trainer": dict(trainer.stats) | {"failed": dict(trainer.failed)},
+        "push_seconds": _percentiles(trainer.push_seconds),
+        "chaos": dict(chaos.stats) | {"down_s": _percentiles(chaos.down_s)},
+        "resources": resources,
+        "resource_curves": curves(samples),
+        "server_exits": exits,
+    }

@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 import soak_report
 from soak_clients import Clients, Ledger, make_cases, result_fingerprints
-from soak_resources import ResourceSampler, curves, growth, write_csv
+from soak_resources import ResourceSampler, write_csv
 
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import ScoringClient, ScoringError
@@ -59,7 +59,6 @@ TENSORS = {
     "decoder.layers.0.mlp.router.weight": (EXPERTS, HIDDEN),
     "decoder.layers.1.mlp.router.weight": (EXPERTS, HIDDEN),
 }
-MAX_GROWTH = 0.05
 
 
 def http_front_available(env: dict) -> bool:
@@ -148,6 +147,7 @@ class Trainer:
         self.stats = collections.Counter()
         self.failed = collections.Counter()  # push / load failures by code
         self.splits: list[str] = []
+        self.errors: list[str] = []
         self.push_seconds: list[float] = []
 
     def next_tensors(self, step: int) -> dict:
@@ -169,8 +169,8 @@ class Trainer:
                     self.load(step)
                 else:
                     self.push(step)
-            except ScoringError as exc:  # the reference servers never fail
-                self.splits.append(f"step {step}: reference servers failed: {exc}")
+            except Exception as exc:  # the reference servers never fail; nor does this
+                self.errors.append(f"step {step}: {type(exc).__name__}: {exc}")
 
     def _versions(self, live, incarnations) -> dict[str, str]:
         """What each replica that stayed up (same incarnation) serves now."""
@@ -277,17 +277,23 @@ class Chaos:
         while not stop.wait(self.every_s):
             rounds += 1
             down = time.monotonic()
-            if rounds % 2:
-                self._kill(signal.SIGKILL, "SIGKILL")
-            else:
-                self._fired.clear()
-                self._armed.set()
-                if not self._fired.wait(self.push_every * 4):
-                    self._armed.clear()
-                    if not self._fired.is_set():
-                        self._kill(signal.SIGTERM, "SIGTERM between pushes")
-            self._restart(rounds % 2 == 0, stop)
+            try:
+                self._round(rounds % 2 == 1, stop)
+            except Exception as exc:  # e.g. the restarted replica never came up
+                self.problems.append(f"chaos round {rounds}: {type(exc).__name__}: {exc}")
             self.down_s.append(time.monotonic() - down)
+
+    def _round(self, sigkill: bool, stop: threading.Event) -> None:
+        if sigkill:
+            self._kill(signal.SIGKILL, "SIGKILL")
+        else:
+            self._fired.clear()
+            self._armed.set()
+            if not self._fired.wait(self.push_every * 4):
+                self._armed.clear()
+                if not self._fired.is_set():
+                    self._kill(signal.SIGTERM, "SIGTERM between pushes")
+        self._restart(not sigkill, stop)
 
     def _restart(self, graceful: bool, stop: threading.Event) -> None:
         server = self.victim.server
@@ -319,13 +325,6 @@ def _push_open(target: str, timeout: float) -> bool:
                     return True
             time.sleep(0.01)
     return False
-
-
-def _percentiles(values) -> dict:
-    if not values:
-        return {}
-    arr = np.asarray(values)
-    return {p: round(float(np.percentile(arr, int(p[1:]))), 1) for p in ("p50", "p99")}
 
 
 def run_changing(args) -> int:
@@ -380,7 +379,7 @@ def run_changing(args) -> int:
         while not stop.is_set():
             time.sleep(max(0.1, min(args.report_every, end - time.monotonic())))
             elapsed = time.monotonic() - start
-            print(_progress(elapsed, ledger, trainer, chaos, sampler), flush=True)
+            print(soak_report.progress(elapsed, ledger, trainer, chaos, sampler), flush=True)
             if elapsed >= args.duration:
                 stop.set()
         for loop in loops:
@@ -403,7 +402,9 @@ def run_changing(args) -> int:
         for r in everyone:
             if r.server is not None:
                 r.server.close()
-    summary = _summary(args, elapsed, ledger, trainer, chaos, samples, exits, stuck, http)
+    summary = soak_report.summarize(
+        args, elapsed, ledger, trainer, chaos, samples, exits, stuck, http
+    )
     write_csv(samples, log_dir / "resources.csv")
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if args.json:
@@ -415,83 +416,3 @@ def run_changing(args) -> int:
     print(json.dumps(summary, indent=2, default=str))
     print(summary["line"], flush=True)
     return 1 if summary["problems"] else 0
-
-
-def _progress(elapsed, ledger, trainer, chaos, sampler) -> str:
-    with ledger.lock:
-        calls, wrong, stale = sum(ledger.calls.values()), len(ledger.wrong), len(ledger.stale)
-        failures = sum(ledger.failures.values())
-    rows = sampler.samples.get("replica-tp2") or [(0, (), 0, 0, 0)]
-    return (
-        f"[{elapsed:7.0f}s] calls {calls} pushes {trainer.stats['pushes']} "
-        f"deltas {trainer.stats['deltas']} loads {trainer.stats['loads']} "
-        f"kills {sum(v for k, v in chaos.stats.items() if k.startswith('SIG'))} "
-        f"restarts {chaos.stats['restarts']} failures {failures} wrong {wrong} stale {stale} "
-        f"tp2 rss {rows[-1][2] / 1024:.0f} MiB fds {rows[-1][3]} threads {rows[-1][4]}"
-    )
-
-
-def _summary(args, elapsed, ledger, trainer, chaos, samples, exits, stuck, http) -> dict:
-    window = max(3, int(args.window / args.sample_every))
-    resources = {name: growth(rows, args.warmup, window) for name, rows in samples.items()}
-    latencies = [v for values in ledger.latency_ms.values() for v in values]
-    failures = collections.Counter()
-    for (_kind, code), n in ledger.failures.items():
-        failures[code] += n
-    problems = []
-    if ledger.wrong:
-        problems.append(f"{len(ledger.wrong)} wrong answers, e.g. {ledger.wrong[:3]}")
-    if ledger.stale:
-        problems.append(f"{len(ledger.stale)} stale answers, e.g. {ledger.stale[:3]}")
-    if ledger.unexpected:
-        problems.append(f"{len(ledger.unexpected)} unexpected failures: {ledger.unexpected[:5]}")
-    if trainer.splits:
-        problems.append(f"pushes not all-or-none: {trainer.splits[:5]}")
-    problems += chaos.problems
-    for kind in ("unary", "async", "stream", "cli") + (("http",) if http and args.http else ()):
-        if not ledger.calls[kind]:
-            problems.append(f"no {kind} call answered")
-    if not trainer.stats["pushes"] or not trainer.stats["deltas"]:
-        problems.append(f"pushes: {dict(trainer.stats)}")
-    for name, g in resources.items():
-        if name == "soak":  # the harness itself: reported (its threads vary with pushes)
-            continue
-        for metric in ("rss_kib", "fds", "threads"):
-            if g and g.get("judged") and g[metric]["growth"] > MAX_GROWTH:
-                problems.append(f"{name} {metric} grew {g[metric]['first']} -> {g[metric]['last']}")
-    if stuck:
-        problems.append(f"clients still running: {stuck}")
-    for name, code in exits.items():
-        if code not in (0, "down at the end (chaos)"):
-            problems.append(f"{name} exited {code}")
-    kills = sum(v for k, v in chaos.stats.items() if k.startswith("SIG"))
-    p = _percentiles(latencies)
-    verdict = "PASS" if not problems else "FAIL: " + "; ".join(problems)
-    line = (
-        f"soak: {verdict} -- {elapsed:.0f} s, calls {sum(ledger.calls.values())}, "
-        f"tokens {ledger.tokens}, pushes {trainer.stats['pushes']} "
-        f"({trainer.stats['deltas']} deltas), loads {trainer.stats['loads']}, kills {kills}, "
-        f"restarts {chaos.stats['restarts']}, wrong {len(ledger.wrong)}, "
-        f"stale {len(ledger.stale)}, failures {dict(failures) or 0}, "
-        f"p50 {p.get('p50', '-')} ms, p99 {p.get('p99', '-')} ms"
-    )
-    return {
-        "line": line,
-        "problems": problems,
-        "duration_s": round(elapsed, 1),
-        "http_front": http,
-        "calls": dict(ledger.calls),
-        "tokens": ledger.tokens,
-        "latency_ms": {k: _percentiles(v) for k, v in ledger.latency_ms.items()} | {"all": p},
-        "failures": {f"{k} {c}": n for (k, c), n in sorted(ledger.failures.items())},
-        "pinned": dict(ledger.pinned),
-        "wrong": ledger.wrong[:20],
-        "stale": ledger.stale[:20],
-        "versions_referenced": len(ledger.refs),
-        "trainer": dict(trainer.stats) | {"failed": dict(trainer.failed)},
-        "push_seconds": _percentiles(trainer.push_seconds),
-        "chaos": dict(chaos.stats) | {"down_s": _percentiles(chaos.down_s)},
-        "resources": resources,
-        "resource_curves": curves(samples),
-        "server_exits": exits,
-    }
