@@ -25,9 +25,11 @@ from megascore_server.gate import CallGate
 from megascore_server.health import SCORER_SERVICE, ScorerHealth
 from megascore_server.lifecycle import ServerHandles, resolve_limits
 from megascore_server.metrics import ServerMetrics
+from megascore_server.service import ScoringService
 from megascore_server.servicer import ScorerServicer
 from megascore_server.status import StatusInterceptor
 from megascore_server.tls import server_credentials, warn_if_exposed
+from megascore_server.tokenizer import ServerTokenizer
 
 __all__ = ["ServerHandles", "build_server", "resolve_limits"]
 
@@ -41,15 +43,21 @@ def _bind_address(host: str, port: int) -> str:
 
 
 def build_server(
-    engine: Engine | None, server_config: GrpcServerConfig, *, pad_multiple: int = 1
+    engine: Engine | None,
+    server_config: GrpcServerConfig,
+    *,
+    pad_multiple: int = 1,
+    tokenizer: ServerTokenizer | None = None,
 ) -> tuple[grpc.aio.Server, int, ServerHandles]:
-    """Builds and binds (does not start) the gRPC server of rank 0. Call it from a coroutine.
+    """Builds and binds (does not start) the gRPC server of rank 0, and the HTTP front
+    when ``http_port`` is set (``handles.http``). Call it from a coroutine.
 
     Args:
         engine: a ready engine (``info``, ``score``, ``load_weights``, ``shutdown``),
             or None to attach one later (the Scorer RPCs answer UNAVAILABLE until then).
         server_config: address, limits, security and metrics settings.
         pad_multiple: the engine's per-sequence pad multiple (ignored without an engine).
+        tokenizer: the server's tokenizer (text prompts, token strings), or None.
 
     Returns:
         ``(server, bound port, handles)``; ``await handles.start()`` starts serving.
@@ -62,16 +70,18 @@ def build_server(
     metrics = ServerMetrics()
     health_servicer = ScorerHealth()
     gate = CallGate(health_servicer)
-    servicer = ScorerServicer(
+    service = ScoringService(
         gate,
         max_tokens_per_batch=config.max_tokens_per_batch,
         max_message_bytes=config.max_message_bytes,
-        max_stream_inflight=config.max_stream_inflight,
+        tokenizer=tokenizer,
     )
+    servicer = ScorerServicer(service, max_stream_inflight=config.max_stream_inflight)
+    token = read_token(config.auth_token_file) if config.auth_token_file else None
     # First: it also answers (and counts) the calls the next ones refuse.
     interceptors = [StatusInterceptor(metrics)]
-    if config.auth_token_file:
-        interceptors.append(BearerTokenInterceptor(read_token(config.auth_token_file)))
+    if token is not None:
+        interceptors.append(BearerTokenInterceptor(token))
     credentials = server_credentials(config)
     server = grpc.aio.server(
         interceptors=interceptors,
@@ -88,7 +98,7 @@ def build_server(
         config=config,
         health=health_servicer,
         gate=gate,
-        servicer=servicer,
+        service=service,
         metrics=metrics,
         executor=executor,
     )
@@ -109,14 +119,19 @@ def build_server(
         raise RuntimeError(f"cannot bind {address}: {exc}") from exc
     if port == 0:
         raise RuntimeError(f"cannot bind {address}")
+    if config.http_port:
+        from megascore_server.http.server import HttpFront  # the ASGI stack, only when on
+
+        handles.http = HttpFront(service, config, metrics, token)
     warn_if_exposed(config)
     if config.metrics_port:
         handles.metrics_port = metrics.start_http(config.host, config.metrics_port)
     logger.info(
-        "megascore.v1.Scorer bound on %s (%s, auth %s)%s",
+        "megascore.v1.Scorer bound on %s (%s, auth %s)%s%s",
         _bind_address(config.host, port),
         "TLS" if credentials is not None else "plaintext",
         "on" if config.auth_token_file else "off",
+        "" if handles.http is None else f"; HTTP front on port {handles.http.port}",
         "" if engine is not None else "; no engine yet (UNAVAILABLE until attached)",
     )
     return server, port, handles

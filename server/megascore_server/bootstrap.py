@@ -41,6 +41,7 @@ from megascore.errors import LOAD_FAILURES, WorkerLostError
 from megascore_server import startup_logs
 from megascore_server.app import ServerHandles, build_server
 from megascore_server.config import ReplicaConfig
+from megascore_server.tokenizer import ServerTokenizer, default_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,8 @@ async def serve_async(config: ReplicaConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        _, port, handles = build_server(None, server_config)
+        tokenizer = load_tokenizer(config)
+        _, port, handles = build_server(None, server_config, tokenizer=tokenizer)
     except (ValueError, OSError) as exc:
         logger.error("cannot set up the gRPC server: %s", exc)
         return 2
@@ -154,6 +156,16 @@ async def serve_async(config: ReplicaConfig) -> int:
         return 1
     ok = await handles.stop(engine_timeout_s=config.engine.collective_timeout_s + 10)
     return 0 if ok else 1
+
+
+def load_tokenizer(config: ReplicaConfig) -> ServerTokenizer | None:
+    """The server's tokenizer: ``--tokenizer DIR``, else an ``hf:DIR`` model's own.
+
+    Raises:
+        ValueError: the directory holds no tokenizer that loads.
+    """
+    path = config.server.tokenizer or default_tokenizer_dir(config.engine.model)
+    return None if path is None else ServerTokenizer(path)
 
 
 async def _load(handles: ServerHandles, config: ReplicaConfig, stop: asyncio.Event) -> int | None:

@@ -21,12 +21,20 @@ MIB = 1024 * 1024
 
 @dataclasses.dataclass
 class GrpcServerConfig:
-    """The gRPC server of rank 0: address, limits, batching, security, metrics."""
+    """The servers of rank 0 (gRPC, and the HTTP front when ``http_port`` is set):
+    address, limits, batching, security, metrics, tokenizer."""
 
     host: str = "127.0.0.1"
     """Address to bind. A non-loopback address without TLS or a token logs a warning."""
     port: int = 50051
     """gRPC port; 0 picks a free port (the log line "Scorer bound on" names it)."""
+    http_port: int = 0
+    """Port of the HTTP front (OpenAI/vLLM ``/v1/completions``, SGLang ``/generate``,
+    docs/http.md) on ``host``, beside gRPC in the same process; 0 = off. Same limits,
+    token and TLS as gRPC."""
+    tokenizer: str | None = None
+    """Local tokenizer directory for text prompts and token strings; unset = an
+    ``hf:DIR`` checkpoint's own tokenizer when it has one (built-ins have none)."""
     max_tokens_per_batch: int = 16384
     """Token budget of one engine step (padded tokens)."""
     max_batch_wait_ms: float = 2.0
@@ -61,7 +69,7 @@ class GrpcServerConfig:
     def __post_init__(self):
         if not self.host:
             raise ValueError("host must not be empty")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
@@ -73,6 +81,8 @@ class GrpcServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ValueError(f"http_port {self.http_port} is also the gRPC or metrics port")
         if self.max_queue_tokens < 0:
             raise ValueError(f"max_queue_tokens must be >= 0, got {self.max_queue_tokens}")
         if 0 < self.max_queue_tokens < self.max_request_tokens:

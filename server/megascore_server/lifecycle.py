@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -52,7 +53,10 @@ from megascore_server.config import GrpcServerConfig
 from megascore_server.gate import CallGate
 from megascore_server.health import ScorerHealth
 from megascore_server.metrics import ServerMetrics
-from megascore_server.servicer import ScorerServicer
+from megascore_server.service import ScoringService
+
+if TYPE_CHECKING:
+    from megascore_server.http.server import HttpFront
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +110,15 @@ class ServerHandles:
     config: GrpcServerConfig
     health: ScorerHealth
     gate: CallGate
-    servicer: ScorerServicer
+    service: ScoringService
     metrics: ServerMetrics
     executor: concurrent.futures.ThreadPoolExecutor
     engine: Engine | None = None
     batcher: DynamicBatcher | None = None
     limits: Limits | None = None
     metrics_port: int | None = None
+    http: HttpFront | None = None
+    """The HTTP front (``http_port`` set), started and stopped with the gRPC server."""
     fatal: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     fatal_error: BaseException | None = None
     _started: bool = False
@@ -122,6 +128,8 @@ class ServerHandles:
     async def start(self) -> None:
         """Starts answering; health goes SERVING now if an engine is attached, else later."""
         await self.server.start()
+        if self.http is not None:
+            await self.http.start()
         self._started = True
         await self.gate.open()
 
@@ -172,7 +180,7 @@ class ServerHandles:
             on_fatal=self.on_fatal,
         )
         self.engine, self.batcher, self.limits = engine, batcher, limits
-        self.servicer.attach(batcher, limits, info)
+        self.service.attach(batcher, limits, info)
         self.gate.engine_attached()
         self.metrics.set_model(info.name, info.parallel)
         logger.info(
@@ -246,6 +254,8 @@ class ServerHandles:
         await asyncio.sleep(0)  # stop() has run up to its first wait: core shut down, GOAWAY sent
         self.gate.release_parked()
         await stopping
+        if self.http is not None:
+            await self.http.stop()
         if self.batcher is not None:
             await self.batcher.close()
         self.metrics.stop_http()

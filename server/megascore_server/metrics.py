@@ -3,8 +3,10 @@
 Every server owns its :class:`prometheus_client.CollectorRegistry` (several
 servers in one process, as in the tests, do not collide). Names:
 
-* ``megascore_requests_total{rpc,code}`` — finished RPCs by gRPC status code.
-* ``megascore_request_latency_seconds{rpc}`` — RPC latency (per stream message
+* ``megascore_requests_total{front,rpc,code}`` — finished calls by front (``grpc``,
+  ``http``), RPC or HTTP route (``/v1/completions``) and status (the gRPC code name, or
+  the HTTP status).
+* ``megascore_request_latency_seconds{front,rpc}`` — call latency (per stream message
   for ScoreStream).
 * ``megascore_tokens_scored_total`` — real tokens of answered requests.
 * ``megascore_queue_depth`` / ``megascore_queue_tokens`` — waiting work.
@@ -55,14 +57,14 @@ class ServerMetrics:
         r = self.registry
         self.requests = prom.Counter(
             "megascore_requests",
-            "Finished RPCs by method and status code",
-            ["rpc", "code"],
+            "Finished calls by front, RPC or route and status",
+            ["front", "rpc", "code"],
             registry=r,
         )
         self.request_latency = prom.Histogram(
             "megascore_request_latency_seconds",
-            "RPC latency",
-            ["rpc"],
+            "Call latency",
+            ["front", "rpc"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -136,10 +138,11 @@ class ServerMetrics:
         if padded_tokens:
             self.padding_overhead.observe((padded_tokens - real_tokens) / padded_tokens)
 
-    def observe_request(self, rpc: str, code: str, seconds: float) -> None:
-        """Records one finished RPC (or ScoreStream message) with its status code name."""
-        self.requests.labels(rpc=rpc, code=code).inc()
-        self.request_latency.labels(rpc=rpc).observe(seconds)
+    def observe_request(self, rpc: str, code: str, seconds: float, front: str = "grpc") -> None:
+        """Records one finished call (or ScoreStream message) with its status: the gRPC
+        code name, or for ``front="http"`` the HTTP status of route ``rpc``."""
+        self.requests.labels(front=front, rpc=rpc, code=code).inc()
+        self.request_latency.labels(front=front, rpc=rpc).observe(seconds)
 
     def start_http(self, host: str, port: int) -> int:
         """Serves ``/metrics`` on ``host:port`` from a daemon thread; returns the bound port."""

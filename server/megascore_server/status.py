@@ -1,7 +1,8 @@
 """Failed calls become gRPC statuses here, and only here.
 
-:data:`STATUS_TABLE` maps typed errors (:mod:`megascore.errors`) to status codes;
-their reason is safe to show the caller. Anything else is a bug or an engine
+:data:`megascore_server.error_table.ERROR_TABLE` maps typed errors
+(:mod:`megascore.errors`) to status codes (and the HTTP front's statuses); their
+reason is safe to show the caller. Anything else is a bug or an engine
 failure: INTERNAL with a generic message, the traceback in the log.
 
 :class:`StatusInterceptor` applies the table to every Scorer RPC (and counts and
@@ -30,34 +31,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from megascore.errors import (
-    CheckpointError,
-    ConflictError,
-    FailedPreconditionError,
-    InvalidRequestError,
-    ResourceExhaustedError,
-    UnauthenticatedError,
-    UnavailableError,
-    clip,
-)
+from megascore.errors import InvalidRequestError, clip
+from megascore_server.error_table import INTERNAL_MESSAGE, mapping_for
 
 if TYPE_CHECKING:
     from megascore_server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-# Order matters: the first matching entry wins (subclasses before their bases).
-STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UnavailableError, grpc.StatusCode.UNAVAILABLE),  # includes WorkerLostError
-    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
-    (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
-    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ConflictError, grpc.StatusCode.ABORTED),
-)
-
-INTERNAL_MESSAGE = "internal error (see the server log)"
 MAX_MESSAGE_CHARS = 1024
 """Longest status message sent (grpc's default client metadata limit is 8 KiB)."""
 DECODE_LOG_EVERY_S = 10.0
@@ -96,10 +77,10 @@ def status_for(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCod
         ``(code, message)``; the message is at most :data:`MAX_MESSAGE_CHARS` long.
     """
     prefix = f"request_id={request_id}: " if request_id else ""
-    for exc_type, code in STATUS_TABLE:
-        if isinstance(exc, exc_type):
-            reason = getattr(exc, "reason", str(exc))
-            return code, clip(prefix + reason, MAX_MESSAGE_CHARS)
+    entry = mapping_for(exc)
+    if entry is not None:
+        reason = getattr(exc, "reason", str(exc))
+        return entry.grpc_code, clip(prefix + reason, MAX_MESSAGE_CHARS)
     logger.error(
         "request_id=%s: unexpected %s", request_id or "-", type(exc).__name__, exc_info=exc
     )

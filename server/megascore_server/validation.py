@@ -1,4 +1,10 @@
-"""Validates a ``ScoreRequest`` on rank 0 and turns it into a :class:`ScoreBatch`.
+"""The wire gate of rank 0: a request's checks, for every front.
+
+:func:`check_request` is the domain half: it checks a :class:`ScoreBatch` however
+it was decoded (gRPC's ``ScoreRequest``, an HTTP body) and is what the scoring
+service runs on every request (``megascore_server.service``).
+:func:`validate_request` is gRPC's decoding half: ``ScoreRequest`` ->
+:class:`ScoreBatch` (dtypes, required fields, groups), then the domain checks.
 
 Nothing reaches the batcher (and so the workers) before it passed here. Every
 error names the offending field and, where there is one, the sequence index
@@ -15,7 +21,7 @@ import math
 import numpy as np
 
 from megascore import layout, mismatch, schema
-from megascore.errors import InvalidRequestError, ResourceExhaustedError, quoted
+from megascore.errors import InvalidRequestError, RequestTooLargeError, quoted
 from megascore.schema import MAX_ID_CHARS
 from megascore.types import (
     Limits,
@@ -66,13 +72,13 @@ def validate_lengths(lengths: np.ndarray, limits: Limits) -> np.ndarray:
 
     Raises:
         InvalidRequestError: empty batch, a length < 1 or above the maximum.
-        ResourceExhaustedError: total tokens above ``max_request_tokens``.
+        RequestTooLargeError: total tokens above ``max_request_tokens``.
     """
     lengths = lengths.astype(np.int64, copy=False)
     check_lengths(lengths, limits)
     total = int(lengths.sum())  # no overflow: each length <= max_sequence_length
     if limits.max_request_tokens is not None and total > limits.max_request_tokens:
-        raise ResourceExhaustedError(
+        raise RequestTooLargeError(
             f"lengths: request has {total} tokens, more than max_request_tokens "
             f"{limits.max_request_tokens}; split it into several requests"
         )
@@ -102,6 +108,34 @@ def validate_loss_mask(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return mask.astype(np.uint8, copy=False)
 
 
+def check_temperature(value: float, field: str = "options.temperature") -> float:
+    """The one check of a requested temperature (finite, > 0, representable as float32).
+
+    Raises:
+        InvalidRequestError: naming ``field``.
+    """
+    if not (
+        isinstance(value, (int, float))
+        and math.isfinite(value)
+        and _FLOAT32_TINY <= value <= _FLOAT32_MAX
+    ):
+        raise InvalidRequestError(
+            f"{field}: {value} is invalid; it must be finite and > 0 (representable as float32)"
+        )
+    return float(value)
+
+
+def check_ratio_cap(value: float, field: str = "options.mismatch_ratio_cap") -> float:
+    """The one check of a mismatch ratio cap (finite, > 1).
+
+    Raises:
+        InvalidRequestError: naming ``field``.
+    """
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and 1 < value <= _FLOAT32_MAX):
+        raise InvalidRequestError(f"{field}: {value} is invalid; it must be finite and > 1")
+    return float(value)
+
+
 def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:
     """Checks ``ScoreOptions`` (:func:`~megascore.types.check_options`, the table's
     checks); returns the matching :class:`ScoreBatch` keyword arguments.
@@ -113,21 +147,10 @@ def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:
     kwargs = {opt.name: opt.convert(getattr(options, opt.name)) for opt in schema.OPTIONS}
     kwargs["temperature"] = 1.0
     if options.HasField("temperature"):
-        temperature = options.temperature
-        if not (math.isfinite(temperature) and _FLOAT32_TINY <= temperature <= _FLOAT32_MAX):
-            raise InvalidRequestError(
-                f"options.temperature: {temperature} is invalid; it must be finite and > 0 "
-                "(representable as float32)"
-            )
-        kwargs["temperature"] = temperature
+        kwargs["temperature"] = check_temperature(options.temperature)
     kwargs["mismatch_ratio_cap"] = mismatch.DEFAULT_RATIO_CAP
     if options.HasField("mismatch_ratio_cap"):
-        cap = options.mismatch_ratio_cap
-        if not (math.isfinite(cap) and 1 < cap <= _FLOAT32_MAX):
-            raise InvalidRequestError(
-                f"options.mismatch_ratio_cap: {cap} is invalid; it must be finite and > 1"
-            )
-        kwargs["mismatch_ratio_cap"] = cap
+        kwargs["mismatch_ratio_cap"] = check_ratio_cap(options.mismatch_ratio_cap)
     return kwargs
 
 
@@ -143,7 +166,8 @@ def decode_routing(request: pb.ScoreRequest, num_tokens: int, shape: RoutingShap
 
 
 def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
-    """Validates a request and converts it into the engine's :class:`ScoreBatch`.
+    """Decodes a gRPC request into the engine's :class:`ScoreBatch`, checked
+    (:func:`check_request`).
 
     Args:
         request: the wire request.
@@ -155,7 +179,7 @@ def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
 
     Raises:
         InvalidRequestError: anything malformed (names the field and sequence index).
-        ResourceExhaustedError: more than ``max_request_tokens`` tokens.
+        RequestTooLargeError: more than ``max_request_tokens`` tokens.
     """
     check_length("request_id", request.request_id, MAX_ID_CHARS)
     options = validate_options(request.options, limits)
@@ -163,23 +187,9 @@ def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
     if request.HasField("groups"):  # from here on, the request as sent without groups
         request = expand_groups(request, lengths)
     ids = _decode_required(request, "token_ids", _INT_DTYPES)
-    if limits.max_request_tokens is not None and ids.size > limits.max_request_tokens:
-        raise ResourceExhaustedError(
-            f"token_ids: request has {ids.size} tokens, more than max_request_tokens "
-            f"{limits.max_request_tokens}"
-        )
-    offsets = layout.offsets(lengths)
-    if ids.size != int(offsets[-1]):
-        raise InvalidRequestError(
-            f"token_ids: has {ids.size} ids but lengths sum to {int(offsets[-1])} "
-            f"over {lengths.size} sequences"
-        )
-    check_token_ids(ids, offsets, limits)
-    ids = ids.astype(np.int64, copy=False)
     mask = None
     if request.HasField("loss_mask"):
-        raw = decode_array(request.loss_mask, "loss_mask", _MASK_DTYPES)
-        mask = validate_loss_mask(raw, offsets)
+        mask = decode_array(request.loss_mask, "loss_mask", _MASK_DTYPES)
     temperature = np.full(lengths.size, options.pop("temperature"), dtype=np.float32)
     cap = options.pop("mismatch_ratio_cap")
     routing = decode_routing(request, ids.size, limits.routing)
@@ -201,25 +211,61 @@ def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
         mismatch_ratio_cap=None if rollout is None else np.full(lengths.size, cap, np.float32),
         **options,
     )
+    return check_request(batch, limits)
+
+
+def check_request(batch: ScoreBatch, limits: Limits) -> ScoreBatch:
+    """The domain checks of one request, whichever front decoded it: lengths and the
+    request's size, ids, loss mask, options, routing, target ids and rollout
+    logprobs; returns the batch with its arrays in the engine's dtypes.
+
+    Raises:
+        InvalidRequestError: naming the field and the sequence (and position).
+        RequestTooLargeError: more than ``max_request_tokens`` tokens.
+    """
+    lengths = validate_lengths(np.asarray(batch.lengths), limits)
+    ids = np.asarray(batch.token_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidRequestError(f"token_ids: must be 1-D integers, got {ids.dtype} {ids.shape}")
+    if limits.max_request_tokens is not None and ids.size > limits.max_request_tokens:
+        raise RequestTooLargeError(
+            f"token_ids: request has {ids.size} tokens, more than max_request_tokens "
+            f"{limits.max_request_tokens}"
+        )
+    offsets = layout.offsets(lengths)
+    if ids.size != int(offsets[-1]):
+        raise InvalidRequestError(
+            f"token_ids: has {ids.size} ids but lengths sum to {int(offsets[-1])} "
+            f"over {lengths.size} sequences"
+        )
+    check_token_ids(ids, offsets, limits)
+    mask = batch.loss_mask
+    if mask is not None:
+        mask = validate_loss_mask(np.asarray(mask), offsets)
+    check_options(batch, limits)
     check_routing(batch, limits)  # names the field and the sequence
     check_scored_inputs(batch, limits)
+    routing, target_ids, rollout = batch.routing, batch.target_ids, batch.rollout_logprobs
     return dataclasses.replace(
         batch,
-        routing=None if routing is None else routing.astype(np.int32, copy=False),
-        target_ids=None if target_ids is None else target_ids.astype(np.int64, copy=False),
-        rollout_logprobs=None if rollout is None else rollout.astype(np.float64),
+        token_ids=ids.astype(np.int64, copy=False),
+        lengths=lengths,
+        loss_mask=mask,
+        routing=None if routing is None else np.asarray(routing).astype(np.int32, copy=False),
+        target_ids=None if target_ids is None else np.asarray(target_ids).astype(np.int64),
+        rollout_logprobs=None if rollout is None else np.asarray(rollout, dtype=np.float64),
     )
 
 
-def validate_load_request(request: pb.LoadWeightsRequest) -> None:
-    """Checks a ``LoadWeightsRequest`` before anything is loaded.
+def check_load(model: str, weights_version: str) -> None:
+    """Checks a weight load's arguments before anything is loaded.
 
     Raises:
-        InvalidRequestError: no model, or a string field longer than its limit.
+        InvalidRequestError: no model, or a string longer than its limit.
     """
-    if not request.model:
+    if not model:
         raise InvalidRequestError(
             "model: required ('hf:DIR', 'megatron:DIR' or 'builtin:NAME@SEED')"
         )
-    check_length("model", request.model, MAX_MODEL_CHARS)
-    check_length("weights_version", request.weights_version, MAX_ID_CHARS)
+    check_length("model", model, MAX_MODEL_CHARS)
+    check_length("weights_version", weights_version, MAX_ID_CHARS)

@@ -34,7 +34,12 @@ class InvalidRequestError(MegascoreError):
 
 
 class ResourceExhaustedError(MegascoreError):
-    """Too large, or the queue is full (-> RESOURCE_EXHAUSTED)."""
+    """Too large, or the queue is full (-> RESOURCE_EXHAUSTED; HTTP 429, retry later)."""
+
+
+class RequestTooLargeError(ResourceExhaustedError):
+    """One request over a size limit (-> RESOURCE_EXHAUSTED; HTTP 413: split it, a retry
+    as it is fails again)."""
 
 
 class UnavailableError(MegascoreError):

@@ -88,9 +88,21 @@ def test_metrics_counters_move_with_requests(tp2):
         with pytest.raises(ScoringError):
             client.score([[1, 2, 10**6]])
         after = scrape(tp2)
-    assert delta(before, after, "megascore_requests_total", rpc="Score", code="OK") == 3
-    assert delta(before, after, "megascore_requests_total", rpc="ScoreStream", code="OK") == 3
-    invalid = delta(before, after, "megascore_requests_total", rpc="Score", code="INVALID_ARGUMENT")
+    assert (
+        delta(before, after, "megascore_requests_total", front="grpc", rpc="Score", code="OK") == 3
+    )
+    assert (
+        delta(before, after, "megascore_requests_total", front="grpc", rpc="ScoreStream", code="OK")
+        == 3
+    )
+    invalid = delta(
+        before,
+        after,
+        "megascore_requests_total",
+        front="grpc",
+        rpc="Score",
+        code="INVALID_ARGUMENT",
+    )
     assert invalid == 1
     assert delta(before, after, "megascore_tokens_scored_total") == 2 * tokens
     assert delta(before, after, "megascore_request_latency_seconds_count", rpc="Score") == 4

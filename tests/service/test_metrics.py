@@ -41,9 +41,16 @@ def test_metrics_endpoint_serves_counters():
         with pytest.raises(grpc.RpcError):
             stub.Score(Req([[1, 2]], top_k=-1).proto(), timeout=5)
         text = scrape(port)
-        assert value(text, 'megascore_requests_total{code="OK",rpc="Score"}') == 2
-        assert value(text, 'megascore_requests_total{code="OK",rpc="ScoreStream"}') == 1
-        assert value(text, 'megascore_requests_total{code="INVALID_ARGUMENT",rpc="Score"}') == 1
+        assert value(text, 'megascore_requests_total{code="OK",front="grpc",rpc="Score"}') == 2
+        assert (
+            value(text, 'megascore_requests_total{code="OK",front="grpc",rpc="ScoreStream"}') == 1
+        )
+        assert (
+            value(
+                text, 'megascore_requests_total{code="INVALID_ARGUMENT",front="grpc",rpc="Score"}'
+            )
+            == 1
+        )
         assert value(text, "megascore_tokens_scored_total") == 8 + 30 + 8
         assert value(text, "megascore_queue_depth") == 0
         steps = value(text, "megascore_steps_total")
@@ -52,7 +59,7 @@ def test_metrics_endpoint_serves_counters():
         assert value(text, "megascore_batch_fill_ratio_count") == steps
         # lengths 3, 5, 30 padded to 4, 8, 32: overhead is observed and positive.
         assert value(text, "megascore_padding_overhead_sum") > 0
-        assert value(text, 'megascore_request_latency_seconds_count{rpc="Score"}') == 3
+        assert value(text, 'megascore_request_latency_seconds_count{front="grpc",rpc="Score"}') == 3
         layout = 'cp="1",ep="1",model="fake",pp="1",tp="1",world_size="1"'
         assert value(text, f"megascore_model_info{{{layout}}}") == 1
     finally:

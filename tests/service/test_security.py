@@ -147,7 +147,7 @@ def test_auth_accepts_token_and_leaves_health_open(auth_server):
     )
     assert listed[0].list_services_response.service
     counter = auth_server.handles.metrics.requests
-    assert counter.labels(rpc="Score", code="UNAUTHENTICATED")._value.get() >= 1
+    assert counter.labels(front="grpc", rpc="Score", code="UNAUTHENTICATED")._value.get() >= 1
 
 
 def test_auth_comes_before_parsing(auth_server):

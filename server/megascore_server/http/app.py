@@ -1,0 +1,207 @@
+"""The HTTP front's routes over the scoring service (FastAPI; OpenAPI at ``/docs``).
+
+* ``POST /v1/completions`` (OpenAI / vLLM), ``POST /generate`` (SGLang): scoring.
+* ``GET /v1/models``; ``GET /health`` (200 once serving, 503 while loading or
+  draining; ``/health_generate`` and ``/ping`` answer the same); ``GET /tokenizer_info``,
+  ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes).
+
+Every route shares :func:`megascore_server.http.calls.run` (gate, deadline, disconnect,
+metrics, errors); the bearer token, the body-size limit and errors raised before a
+route runs (bad JSON, wrong types, unknown routes) are answered here, all in OpenAI's
+error shape. Nothing here decides what a call may do: the service does.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from starlette.exceptions import HTTPException
+
+from megascore.errors import UnauthenticatedError
+from megascore_server.http import calls
+from megascore_server.http.completions import FIELDS as COMPLETION_FIELDS
+from megascore_server.http.completions import CompletionRequest, complete
+from megascore_server.http.errors import HttpError, error_response, json_response
+from megascore_server.http.generate import FIELDS as GENERATE_FIELDS
+from megascore_server.http.generate import GenerateRequest, generate
+from megascore_server.metrics import ServerMetrics
+from megascore_server.service import ScoringService, new_request_id
+
+OPEN_PATHS = ("/health", "/health_generate", "/ping")
+"""Answered without the bearer token (probes), as gRPC health is."""
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    tokens: list[StrictInt]
+
+
+def _field(loc) -> str:
+    """A pydantic location as the caller wrote it (``prompt[0][2]``): the type tags of
+    union alternatives (``list[int]``, ``str``) left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int) or str(part).isdigit():
+            out += f"[{part}]"
+        elif part != "body" and "[" not in str(part) and str(part) not in _TYPE_TAGS:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+_TYPE_TAGS = {"str", "int", "bool", "float", "dict", "list", "none", "function-after"}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The most specific pydantic error as ``field: problem``."""
+    errors = exc.errors()
+    if not errors:
+        return "body: invalid request", None
+    if errors[0].get("type") == "json_invalid":
+        return f"body: not valid JSON ({errors[0].get('ctx', {}).get('error', 'invalid')})", None
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    field = _field(first.get("loc", ()))
+    return f"{field}: {first.get('msg', 'invalid')}", field
+
+
+def build_app(
+    service: ScoringService, metrics: ServerMetrics, *, token: str | None, max_body_bytes: int
+) -> FastAPI:
+    """The HTTP front's ASGI app.
+
+    Args:
+        service: the scoring service every route calls.
+        metrics: the server's metrics (``front="http"``).
+        token: the bearer token every route but the probes needs (None: no auth).
+        max_body_bytes: the largest body accepted (413 above).
+    """
+    app = FastAPI(title="megascore", summary="Megatron-exact sequence scoring (docs/http.md)")
+    expected = None if token is None else f"Bearer {token}".encode()
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if expected is not None and request.url.path not in OPEN_PATHS:
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                exc = UnauthenticatedError("authorization: missing or wrong bearer token")
+                return _counted(request, error_response(exc))
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            exc = HttpError(413, f"body: {size} bytes, more than the limit {max_body_bytes}")
+            return _counted(request, error_response(exc))
+        # Bodies are JSON whatever the Content-Type says (curl -d sends a form type).
+        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+        request.scope["headers"] = [*headers, (b"content-type", b"application/json")]
+        return await call_next(request)
+
+    def _counted(request: Request, response):
+        metrics.observe_request(request.url.path, str(response.status_code), 0.0, front="http")
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        message, field = _validation_message(exc)
+        return _counted(request, error_response(HttpError(400, message, field)))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        error = HttpError(exc.status_code, f"{request.url.path}: {exc.detail}")
+        return _counted(request, error_response(error))
+
+    def run(request, route, work, fields=None, gated=True):
+        return calls.run(request, route, service, metrics, work, fields=fields, gated=gated)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        request_id = new_request_id("cmpl")
+        return await run(
+            request,
+            "/v1/completions",
+            lambda arrival, deadline: complete(service, body, request_id, arrival, deadline),
+            COMPLETION_FIELDS,
+        )
+
+    @app.post("/generate")
+    async def sglang_generate(body: GenerateRequest, request: Request):
+        request_id = new_request_id("gen")
+        return await run(
+            request,
+            "/generate",
+            lambda arrival, deadline: generate(service, body, request_id, arrival, deadline),
+            GENERATE_FIELDS,
+        )
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        async def work(arrival, deadline):
+            described = await service.describe()
+            card = {
+                "id": described.info.name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "megascore",
+                "root": described.info.checkpoint_path or described.info.name,
+                "max_model_len": described.limits.max_sequence_length,
+                "weights_version": described.weights_version,
+            }
+            return json_response({"object": "list", "data": [card]})
+
+        return await run(request, "/v1/models", work, gated=False)
+
+    async def health(request: Request):
+        async def work(arrival, deadline):
+            service.gate.check()
+            return json_response({"status": "serving"})
+
+        return await run(request, "/health", work, gated=False)
+
+    for path in OPEN_PATHS:
+        app.add_api_route(path, health, methods=["GET"])
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        async def work(arrival, deadline):
+            service.tokenize([])  # the same refusal as gRPC without a tokenizer
+            return json_response(service.tokenizer.info)
+
+        return await run(request, "/tokenizer_info", work, gated=False)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        async def work(arrival, deadline):
+            (ids,) = service.tokenize([body.prompt], body.add_special_tokens)
+            limits = service.limits
+            return json_response(
+                {"count": len(ids), "max_model_len": limits.max_sequence_length, "tokens": ids}
+            )
+
+        return await run(request, "/tokenize", work, gated=False)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        async def work(arrival, deadline):
+            ids = _ids(body.tokens)
+            (text,), _ = service.detokenize(ids, np.array([ids.size], np.int64))
+            return json_response({"prompt": text})
+
+        return await run(request, "/detokenize", work, {"token_ids": "tokens"}, gated=False)
+
+    return app
+
+
+def _ids(values: list[Any]) -> np.ndarray:
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        raise HttpError(400, "tokens: ids must fit in int64", "tokens") from None
