@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.service.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("torch")  # torchrun (the floors venv has no torch)
 
 
 def _wait_serving(target: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:

@@ -106,7 +106,9 @@ def build_app(
         return await call_next(request)
 
     def _counted(request: Request, response):
-        metrics.observe_request(request.url.path, str(response.status_code), 0.0, front="http")
+        path = request.url.path
+        route = path if any(getattr(r, "path", None) == path for r in app.routes) else "other"
+        metrics.observe_request(route, str(response.status_code), 0.0, front="http")  # bounded
         return response
 
     @app.exception_handler(RequestValidationError)
