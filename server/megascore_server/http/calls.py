@@ -99,6 +99,7 @@ async def run(
         deadline = None if timeout is None else arrival + timeout
         if gated:
             async with service.call():
+                service.gate.check()  # loading / draining: 503 before any decoding
                 response = await _bounded(request, work(arrival, deadline), timeout)
         else:
             response = await work(arrival, deadline)

@@ -73,9 +73,14 @@ async def generate(
     ids, _, batched = _prompts(body, service)
     targets = None
     if body.token_ids_logprob:
-        k = len(body.token_ids_logprob)
-        rows = sum(len(p) for p in ids)
-        targets = np.broadcast_to(np.asarray(body.token_ids_logprob, np.int64), (rows, k))
+        k, limit = len(body.token_ids_logprob), service.limits.max_target_ids
+        if k > limit:  # before the [tokens, k] array is made
+            raise InvalidRequestError(f"token_ids_logprob: {k} ids, more than {limit}")
+        try:
+            wanted = np.asarray(body.token_ids_logprob, np.int64)
+        except OverflowError:
+            raise InvalidRequestError("token_ids_logprob: ids must fit in int64") from None
+        targets = np.broadcast_to(wanted, (sum(len(p) for p in ids), k))
     batch = build_batch(
         ids,
         "input_ids",
