@@ -11,6 +11,7 @@ typed errors (:mod:`megascore.errors`); each front maps them through
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -23,17 +24,42 @@ from megascore.errors import (
     FailedPreconditionError,
     InvalidRequestError,
     MegascoreError,
+    UnavailableError,
     clip,
     quoted,
 )
 from megascore.types import Limits, ModelInfo, ScoreBatch, ScoreOutput
 from megascore_server.batcher import DynamicBatcher
-from megascore_server.gate import CallGate
+from megascore_server.gate import SHUTTING_DOWN_MESSAGE, CallGate
 from megascore_server.tokenizer import NO_TOKENIZER, ServerTokenizer
 from megascore_server.validation import check_load, check_request
 from megascore_server.weight_push import WeightPusher
 
 logger = logging.getLogger(__name__)
+
+
+async def _until_drain(iterator, drained: asyncio.Event):
+    """The messages of ``iterator`` until ``drained`` is set; then UNAVAILABLE, also
+    while the next message is awaited."""
+    iterator = aiter(iterator)
+    while True:
+        if drained.is_set():
+            raise UnavailableError(SHUTTING_DOWN_MESSAGE)
+        message = asyncio.ensure_future(anext(iterator, _END))
+        woken = asyncio.ensure_future(drained.wait())
+        try:
+            await asyncio.wait({message, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        if not message.done():
+            message.cancel()
+            raise UnavailableError(SHUTTING_DOWN_MESSAGE)
+        if message.result() is _END:
+            return
+        yield message.result()
+
+
+_END = object()
 
 
 def new_request_id(prefix: str = "srv") -> str:
@@ -207,10 +233,15 @@ class ScoringService:
 
     async def push_weights(self, request_iterator):
         """Stages pushed weights on every rank, then swaps them in (``weight_push``);
-        returns the push's response message."""
+        returns the push's response message. Once the drain begins, the stream's next
+        message is refused UNAVAILABLE (the push is dropped), even while it is awaited:
+        an idle push (a trainer between two tensors) does not hold the stop."""
         async with self.gate.call():
             self.gate.check(serving=False)
-            response, info = await self._pusher.push(request_iterator, self._batcher)
+            drained = asyncio.Event()
+            with self.gate.waking(drained.set):
+                messages = _until_drain(request_iterator, drained)
+                response, info = await self._pusher.push(messages, self._batcher)
         self._info = info or self._info
         return response
 

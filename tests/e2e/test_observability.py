@@ -54,6 +54,8 @@ def test_reflection_describes_every_service(tp1):
             "LoadWeights",
             "UpdateWeights",
             "FinishWeightUpdate",
+            "Tokenize",
+            "Detokenize",
         }
         assert methods["Score"].input_type.full_name == "megascore.v1.ScoreRequest"
         assert methods["ScoreStream"].client_streaming and methods["ScoreStream"].server_streaming
@@ -105,7 +107,7 @@ def test_metrics_counters_move_with_requests(tp2):
     )
     assert invalid == 1
     assert delta(before, after, "megascore_tokens_scored_total") == 2 * tokens
-    assert delta(before, after, "megascore_request_latency_seconds_count", rpc="Score") == 4
+    assert delta(before, after, "megascore_request_latency_seconds_count", front="grpc", rpc="Score") == 4
     assert 1 <= delta(before, after, "megascore_steps_total") <= 6
     assert delta(before, after, "megascore_step_latency_seconds_count") >= 1
     assert after[("megascore_queue_depth", ())] == 0

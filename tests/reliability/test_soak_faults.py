@@ -4,8 +4,8 @@
   replica while a trainer pushes to the set): the victim's stream ends prepared, the
   drain refuses its commit (UNAVAILABLE "server shutting down"), so it never serves the
   new version, and the prepared push does not hold the stop. A push stream left open
-  and idle across the SIGTERM holds the drain up to ``grace_s`` (strict xfail: a
-  finding of the soak, not fixed here).
+  and idle across the SIGTERM (a trainer between two tensors) is ended UNAVAILABLE by
+  the drain and dropped, as an idle ScoreStream is; it does not hold the stop.
 * **Staging memory after N pushes** (the trainer's push every few seconds, for hours):
   the host memory an engine keeps for the next push is one tensor per pushed
   parameter, of that parameter's size, however many pushes (full, partial, aborted)
@@ -64,12 +64,6 @@ def test_sigterm_between_prepare_and_commit_refuses_the_commit_and_changes_nothi
         server.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 36 finding: an UpdateWeights stream open but idle (a trainer between two "
-    "tensors) is not woken by the drain as ScoreStream is (CallGate.waking): SIGTERM waits "
-    "up to grace_s for it",
-)
 def test_sigterm_during_an_idle_push_stream_does_not_hold_the_drain():
     server = ServerThread(PushEngine(), max_batch_wait_ms=1)
     release = threading.Event()

@@ -6,14 +6,14 @@
   ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes).
 
 Every route shares :func:`megascore_server.http.calls.run` (gate, deadline, disconnect,
-metrics, errors); the bearer token, the body-size limit and errors raised before a
-route runs (bad JSON, wrong types, unknown routes) are answered here, all in OpenAI's
-error shape. Nothing here decides what a call may do: the service does.
+metrics, errors); the bearer token and the body-size limit are the
+:class:`~megascore_server.http.guard.Guard`'s; errors raised before a route runs (bad
+JSON, wrong types, unknown routes) are answered here, all in OpenAI's error shape.
+Nothing here decides what a call may do: the service does.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from typing import Any
 
@@ -23,19 +23,15 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
-from megascore.errors import UnauthenticatedError
 from megascore_server.http import calls
 from megascore_server.http.completions import FIELDS as COMPLETION_FIELDS
 from megascore_server.http.completions import CompletionRequest, complete
 from megascore_server.http.errors import HttpError, error_response, json_response
+from megascore_server.http.guard import OPEN_PATHS, Guard
 from megascore_server.http.generate import FIELDS as GENERATE_FIELDS
 from megascore_server.http.generate import GenerateRequest, generate
 from megascore_server.metrics import ServerMetrics
 from megascore_server.service import ScoringService, new_request_id
-
-OPEN_PATHS = ("/health", "/health_generate", "/ping")
-"""Answered without the bearer token (probes), as gRPC health is."""
-
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -77,8 +73,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(
     service: ScoringService, metrics: ServerMetrics, *, token: str | None, max_body_bytes: int
-) -> FastAPI:
-    """The HTTP front's ASGI app.
+) -> Guard:
+    """The HTTP front's ASGI app: the routes behind the :class:`Guard`.
 
     Args:
         service: the scoring service every route calls.
@@ -87,28 +83,14 @@ def build_app(
         max_body_bytes: the largest body accepted (413 above).
     """
     app = FastAPI(title="megascore", summary="Megatron-exact sequence scoring (docs/http.md)")
-    expected = None if token is None else f"Bearer {token}".encode()
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if expected is not None and request.url.path not in OPEN_PATHS:
-            got = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
-                exc = UnauthenticatedError("authorization: missing or wrong bearer token")
-                return _counted(request, error_response(exc))
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            exc = HttpError(413, f"body: {size} bytes, more than the limit {max_body_bytes}")
-            return _counted(request, error_response(exc))
-        # Bodies are JSON whatever the Content-Type says (curl -d sends a form type).
-        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
-        request.scope["headers"] = [*headers, (b"content-type", b"application/json")]
-        return await call_next(request)
+    def route_of(path: str) -> str:
+        """The metrics label of ``path``: itself when a route has it, else ``other``."""
+        return path if any(getattr(r, "path", None) == path for r in app.routes) else "other"
 
     def _counted(request: Request, response):
-        path = request.url.path
-        route = path if any(getattr(r, "path", None) == path for r in app.routes) else "other"
-        metrics.observe_request(route, str(response.status_code), 0.0, front="http")  # bounded
+        route, status = route_of(request.url.path), str(response.status_code)
+        metrics.observe_request(route, status, 0.0, front="http")
         return response
 
     @app.exception_handler(RequestValidationError)
@@ -199,7 +181,7 @@ def build_app(
 
         return await run(request, "/detokenize", work, {"token_ids": "tokens"}, gated=False)
 
-    return app
+    return Guard(app, metrics, token=token, max_body_bytes=max_body_bytes, route_of=route_of)
 
 
 def _ids(values: list[Any]) -> np.ndarray:
