@@ -107,7 +107,10 @@ def test_metrics_counters_move_with_requests(tp2):
     )
     assert invalid == 1
     assert delta(before, after, "megascore_tokens_scored_total") == 2 * tokens
-    assert delta(before, after, "megascore_request_latency_seconds_count", front="grpc", rpc="Score") == 4
+    assert (
+        delta(before, after, "megascore_request_latency_seconds_count", front="grpc", rpc="Score")
+        == 4
+    )
     assert 1 <= delta(before, after, "megascore_steps_total") <= 6
     assert delta(before, after, "megascore_step_latency_seconds_count") >= 1
     assert after[("megascore_queue_depth", ())] == 0

@@ -91,7 +91,9 @@ def scrape(server: ServeProcess) -> dict[tuple[str, tuple], float]:
 
 
 def score_ok(samples: dict) -> float:
-    return samples.get(("megascore_requests_total", (("code", "OK"), ("front", "grpc"), ("rpc", "Score"))), 0.0)
+    return samples.get(
+        ("megascore_requests_total", (("code", "OK"), ("front", "grpc"), ("rpc", "Score"))), 0.0
+    )
 
 
 # ---------------------------------------------------------------------------- splitting

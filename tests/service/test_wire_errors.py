@@ -190,7 +190,8 @@ def test_garbage_on_reflection_stream(server):
 
 
 def test_garbage_is_counted_as_invalid_argument(server):
-    counter = server.handles.metrics.requests.labels(front="grpc", rpc="Score", code="INVALID_ARGUMENT")
+    requests = server.handles.metrics.requests
+    counter = requests.labels(front="grpc", rpc="Score", code="INVALID_ARGUMENT")
     before = counter._value.get()
     for payload in GARBAGE:
         _unary(server, "/megascore.v1.Scorer/Score", payload)

@@ -27,11 +27,12 @@ from megascore_server.http import calls
 from megascore_server.http.completions import FIELDS as COMPLETION_FIELDS
 from megascore_server.http.completions import CompletionRequest, complete
 from megascore_server.http.errors import HttpError, error_response, json_response
-from megascore_server.http.guard import OPEN_PATHS, Guard
 from megascore_server.http.generate import FIELDS as GENERATE_FIELDS
 from megascore_server.http.generate import GenerateRequest, generate
+from megascore_server.http.guard import OPEN_PATHS, Guard
 from megascore_server.metrics import ServerMetrics
 from megascore_server.service import ScoringService, new_request_id
+
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
