@@ -27,7 +27,7 @@ _TYPES = {bool: "a boolean", int: "an integer", str: "a string", tuple: "a list 
 
 def _option(opt: schema.Option, value, field: str):
     if opt.names is not None:
-        if value not in opt.names:
+        if not isinstance(value, str) or value not in opt.names:
             raise InvalidRequestError(f"{field}: {value!r} is not one of {sorted(opt.names)}")
         return opt.names[value]
     kind = type(opt.default)
