@@ -40,6 +40,7 @@ import common
 import data_parallel
 import e2e_vs_engine
 import families_cpu
+import http_front
 import memory
 import mfu
 import option_cost
@@ -487,6 +488,7 @@ def main() -> int:
         data_parallel,
         replica_scaling,
         single_sequence,
+        http_front,
         SOAK_SECTION,
     )
     for own in own_sections:
