@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the CPU image (docker/Dockerfile.cpu), runs it and checks it from the outside:
 # the container's HEALTHCHECK turns healthy, the SDK on this host scores through the
-# published port, the server runs as UID 10001, and SIGTERM drains (in-flight calls
+# published port and the HTTP front (--http-port 8000) answers the same logprobs, the server runs as UID 10001, and SIGTERM drains (in-flight calls
 # finish, new ones are refused, exit status 0). Last line:
-#   image-check: built <tag> <size>, scored N sequences, exit 0
+#   image-check: built <tag> <size>, scored N sequences (HTTP front: equal), exit 0
 #
 #   bash scripts/image_check.sh [--keep]        # --keep: leave the image (else removed)
 #
@@ -102,12 +102,15 @@ health() {
     docker inspect --format '{{.State.Health.Status}}' "$NAME"
   fi
 }
-check() {  # check TAG SIZE SERVE-ARGS...: run, health, user, SDK scoring, SIGTERM drain
-  local tag=$1 size=$2 port deadline uid procs summary code
+free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+check() {  # check TAG SIZE SERVE-ARGS...: run, health, user, SDK + HTTP scoring, SIGTERM drain
+  local tag=$1 size=$2 port http_port deadline uid procs summary code
   shift 2
-  port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
+  http_port=$(free_port)
   # podman without systemd cannot add the health check's timer: it is run on demand here.
-  "${ENGINE[@]}" run -d --name "$NAME" -p "127.0.0.1:$port:50051" "$tag" "$@" \
+  "${ENGINE[@]}" run -d --name "$NAME" -p "127.0.0.1:$port:50051" \
+    -p "127.0.0.1:$http_port:8000" "$tag" "$@" --http-port 8000 \
     >"$WORK/run.log" 2>&1 || { cat "$WORK/run.log" >&2; exit 1; }
   deadline=$((SECONDS + 300))
   until [[ "$(health)" == healthy ]]; do
@@ -124,7 +127,7 @@ check() {  # check TAG SIZE SERVE-ARGS...: run, health, user, SDK scoring, SIGTE
   [[ "$uid" == 10001 && ("$procs" == 10001 || "$procs" == megascore) ]] \
     || { log "$tag runs as UID $uid, processes as $procs: not 10001"; exit 1; }
   summary=$(PYTHONPATH="$ROOT/src:$ROOT/client" "$PY" scripts/image_check_client.py \
-    --target "127.0.0.1:$port" --stop-command "${ENGINE[*]} kill --signal TERM $NAME")
+    --target "127.0.0.1:$port" --http "http://127.0.0.1:$http_port" --stop-command "${ENGINE[*]} kill --signal TERM $NAME")
   code=$("${ENGINE[@]}" wait "$NAME")
   if [[ "$code" != 0 ]]; then
     "${ENGINE[@]}" logs "$NAME" 2>&1 | tail -20 >&2
@@ -132,7 +135,8 @@ check() {  # check TAG SIZE SERVE-ARGS...: run, health, user, SDK scoring, SIGTE
   fi
   "${ENGINE[@]}" rm -f "$NAME" >/dev/null
   log "$tag: user $uid; drain $summary"
-  echo "image-check: built $tag $size, scored $(summary_field "$summary" scored) sequences, exit $code"
+  echo "image-check: built $tag $size, scored $(summary_field "$summary" scored) sequences" \
+    "(HTTP front: $(summary_field "$summary" http)), exit $code"
 }
 summary_field() { "$PY" -c 'import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$@"; }
 
