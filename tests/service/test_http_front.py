@@ -149,6 +149,10 @@ def test_bad_generate_and_tokenizer_bodies_and_routes(server):
     assert_error(call(server, "POST", "/generate", {"input_ids": "x"}), 400, "input_ids")
     bad_id = {"input_ids": [[1, 2], [3, VOCAB]], "return_logprob": True}
     assert_error(call(server, "POST", "/generate", bad_id), 400, str(VOCAB))
+    late = {"input_ids": [[1, 2, 3], [4]], "return_logprob": True, "logprob_start_len": 2}
+    assert_error(call(server, "POST", "/generate", late), 400, "input 1's length 1")
+    rids = {"input_ids": [[1, 2], [3]], "rid": ["a"]}
+    assert_error(call(server, "POST", "/generate", rids), 400, "rid", param="rid")
     generate = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 8}}
     assert_error(call(server, "POST", "/generate", generate), 400, "does not generate")
     assert_error(call(server, "POST", "/tokenize", {"prompt": "hi"}), 412, "--tokenizer")

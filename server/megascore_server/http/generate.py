@@ -71,6 +71,16 @@ async def generate(
     params = body.sampling_params or {}
     max_new = _max_new_tokens(params)
     ids, _, batched = _prompts(body, service)
+    rids = body.rid if isinstance(body.rid, list) else [body.rid or request_id] * len(ids)
+    if len(rids) != len(ids):
+        raise InvalidRequestError(f"rid: {len(rids)} ids for {len(ids)} inputs")
+    if body.return_logprob:
+        for i, prompt in enumerate(ids):
+            if body.logprob_start_len >= len(prompt):
+                raise InvalidRequestError(
+                    f"logprob_start_len: {body.logprob_start_len} is not below input {i}'s "
+                    f"length {len(prompt)}"
+                )
     targets = None
     if body.token_ids_logprob:
         k, limit = len(body.token_ids_logprob), service.limits.max_target_ids
@@ -93,9 +103,6 @@ async def generate(
     scored = await service.score(
         batch, request_id, arrival=arrival, deadline=deadline, front="http"
     )
-    rids = body.rid if isinstance(body.rid, list) else [body.rid or request_id] * len(ids)
-    if len(rids) != len(ids):
-        raise InvalidRequestError(f"rid: {len(rids)} ids for {len(ids)} inputs")
     strings = TokenStrings(service.tokenizer)
     encoder = _Encoder(body, scored, strings, max_new)
     answers = [encoder.answer(i, prompt, rids[i]) for i, prompt in enumerate(ids)]
@@ -145,10 +152,6 @@ class _Encoder:
     def _logprobs(self, i: int, prompt: list[int], start: int, output: list[int]) -> dict:
         body = self.body
         first = len(prompt) - 1 if body.logprob_start_len < 0 else body.logprob_start_len
-        if first >= len(prompt):
-            raise InvalidRequestError(
-                f"logprob_start_len: {first} is not below input {i}'s length {len(prompt)}"
-            )
         positions = range(first, len(prompt))
         meta = {
             "input_token_logprobs": [
