@@ -7,7 +7,8 @@ asyncio, stream and CLI clients (and HTTP ones when the server has the front), w
 without version pins. Every answer must equal the reference at the version it names,
 no pin answered at another version, failures only the documented ones, every push all
 or none across the live replicas, and RSS / fds / threads of every server flat within
-5 % after the warm-up. The 60-minute run is recorded in docs/reliability.md.
+5 % after the warm-up; ``scripts/soak_plot.py`` draws the run's resource curves. The
+60-minute run is recorded in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def test_changing_weights_soak_minute_passes(tmp_path):
     assert last.startswith("soak: PASS") and "wrong 0, stale 0" in last, last
     summary = json.loads(summary_file.read_text())
     assert summary["problems"] == [] and summary["wrong"] == [] and summary["stale"] == []
-    for kind in ("unary", "async", "stream", "cli"):
+    assert summary["http_front"]  # both fronts busy on one engine
+    for kind in ("unary", "async", "stream", "cli", "http"):
         assert summary["calls"].get(kind, 0) > 0, summary["calls"]
     assert summary["trainer"]["pushes"] >= 3  # deltas: after each restart the first goes full
     assert summary["trainer"]["loads"] >= 1
@@ -54,3 +56,12 @@ def test_changing_weights_soak_minute_passes(tmp_path):
     assert judged["judged"] and not judged["restarted"]
     for metric in ("rss_kib", "fds", "threads"):
         assert judged[metric]["growth"] <= 0.05, judged
+    # The resource curves drawn: three panels, one line per role and incarnation.
+    samples = tmp_path / "logs" / "resources.csv"
+    rows = [row.split(",") for row in samples.read_text().splitlines()[1:]]
+    incarnations = {(row[0], row[2]) for row in rows}
+    assert len(incarnations) > len({row[0] for row in rows})  # the restarted replica
+    plot = tmp_path / "resources.svg"
+    script = str(ROOT / "scripts" / "soak_plot.py")
+    subprocess.run([sys.executable, script, str(samples), str(plot)], check=True, timeout=60)
+    assert plot.read_text().count("<polyline") == 3 * len(incarnations)
