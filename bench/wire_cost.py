@@ -84,7 +84,7 @@ def _fake_output(step, top_k: int, rng: np.random.Generator):
 
 def round_trip(sequences: list[np.ndarray], vocab_size: int, top_k: int = 5) -> dict[str, float]:
     """One timed round trip; returns seconds per phase (see the module docstring)."""
-    from megascore.layout import concat_outputs, select_sequences
+    from megascore.selection import concat_outputs, select_sequences
     from megascore.types import Limits
     from megascore.v1 import scoring_pb2 as pb
     from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES

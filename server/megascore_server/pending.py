@@ -15,12 +15,8 @@ from collections.abc import Callable
 import numpy as np
 
 from megascore import schema
-from megascore.layout import (
-    concat_outputs,
-    keep_masked_positions,
-    padded_lengths,
-    select_sequences,
-)
+from megascore.layout import padded_lengths
+from megascore.selection import concat_outputs, keep_masked_positions, select_sequences
 from megascore.types import ScoreBatch, ScoreOutput
 
 logger = logging.getLogger(__name__)

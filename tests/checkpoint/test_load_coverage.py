@@ -24,8 +24,9 @@ import torch
 from megatron.core import dist_checkpointing
 
 from megascore.checkpoint import hf_bridge, hf_weights
+from megascore.checkpoint.checks import check_every_parameter_written
 from megascore.checkpoint.megatron_ckpt import CONFIG_FILE, FORMAT, config_to_json
-from megascore.checkpoint.resolve import check_every_parameter_written, resolve_model
+from megascore.checkpoint.resolve import resolve_model
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.errors import CheckpointError
 from megascore.model.config import builtin_model

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megascore.layout import concat_outputs, select_sequences
+from megascore.selection import concat_outputs, select_sequences
 from megascore.types import ScoreBatch
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.convert import build_response

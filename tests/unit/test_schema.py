@@ -18,9 +18,9 @@ import torch.distributed as dist
 from megascore import schema
 from megascore.config import EngineConfig
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
-from megascore.layout import concat_outputs, select_sequences
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
+from megascore.selection import concat_outputs, select_sequences
 from megascore.types import ScoreBatch
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import ROUTING_VALUES_GUESS, ScoreOptions, response_bytes

@@ -12,12 +12,12 @@ Torch-free to import; the weight readers import torch / Megatron when used.
   that loads into any TP / CP / EP layout (also the way to convert HF -> Megatron).
 """
 
+from megascore.checkpoint.checks import check_same_architecture
 from megascore.checkpoint.hf_config import SUPPORTED_MODEL_TYPES, hf_config_to_model_config
 from megascore.checkpoint.resolve import (
     CheckpointMetadata,
     ModelSpec,
     ResolvedModel,
-    check_same_architecture,
     parse_model_string,
     read_model_config,
     resolve_model,

@@ -21,7 +21,7 @@ missing condition into an error instead of the fallback.
 Before the bridge writes anything, its conversion tasks
 (``AutoBridge.get_conversion_tasks``: one per parameter it will fill) must cover
 every parameter of the model exactly once
-(:func:`megascore.checkpoint.resolve.check_every_parameter_written`): the bridge
+(:func:`megascore.checkpoint.checks.check_every_parameter_written`): the bridge
 itself only logs the parameters it has no mapping for, which would keep their
 random initial values.
 
@@ -40,8 +40,8 @@ import logging
 import os
 from pathlib import Path
 
+from megascore.checkpoint.checks import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.hf_config import read_hf_config
-from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
 from megascore.errors import CheckpointError
 
 logger = logging.getLogger(__name__)

@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 from megascore.checkpoint import fp8
+from megascore.checkpoint.checks import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.hf_config import read_hf_config
 from megascore.checkpoint.hf_names import ParamMapper, mtp_copies
 from megascore.checkpoint.optional_parts import explain_missing
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
-from megascore.checkpoint.resolve import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig

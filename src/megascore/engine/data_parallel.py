@@ -23,7 +23,7 @@ ranks). Every rank receives the whole batch (``megascore.engine.protocol``); the
    (:func:`megascore.engine.step.finish_step`) and sends it, typed (shapes derived
    from the batch on both sides, nothing pickled), to global rank 0 over a gloo group of
    the output ranks; rank 0 joins the parts in the caller's order
-   (:func:`megascore.layout.concat_outputs`).
+   (:func:`megascore.selection.concat_outputs`).
 
 Metrics stay those of one rank scoring the whole batch. Step-level metrics (the default,
 :mod:`megascore.engine.step_metrics`) sum every DP rank's statistics
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megascore import layout, schema
+from megascore import layout, schema, selection
 from megascore.engine.pipeline import (
     MicrobatchPlan,
     MicrobatchSegments,
@@ -345,6 +345,6 @@ class DataParallelGroup:
                     parts.append((split.parts[d], received))
         except RuntimeError as e:
             raise WorkerLostError(f"gathering the DP ranks' results failed: {e}") from e
-        whole = layout.concat_outputs(parts, np.asarray(batch.lengths))
+        whole = selection.concat_outputs(parts, np.asarray(batch.lengths))
         whole.moe_metrics, whole.mtp_metrics = output.moe_metrics, output.mtp_metrics
         return whole

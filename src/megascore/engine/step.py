@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascore import layout, schema
+from megascore import layout, schema, selection
 from megascore.distributed import collective_device
 from megascore.engine.forward import mtp_metric_names, scoring_forward
 from megascore.engine.losses import compute_losses
@@ -509,7 +509,7 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         if out.finish is not None and out.wanted(batch):
             values[out.name] = out.finish(batch, values)
     if batch.logprob_positions == schema.MASKED:  # e.g. importance weights from the fill
-        layout.keep_masked_positions(values, batch.lengths, batch.loss_mask)
+        selection.keep_masked_positions(values, batch.lengths, batch.loss_mask)
     if not batch.return_logprobs:
         values.pop("logprobs", None)
     return ScoreOutput(
