@@ -682,6 +682,21 @@ def _token_id(value) -> None:
     assert text.isdigit() and int(text) < VOCAB, value
 
 
+def _unscored(body: dict, i: int, prompt: list[int]) -> set[int]:
+    """Positions of prompt ``i`` an answer leaves None: 0 (no prediction), and with
+    ``logprob_positions: "masked"`` those outside its loss mask."""
+    extras = body.get("megascore") or {}
+    if extras.get("logprob_positions") != "masked" or extras.get("loss_mask") is None:
+        return {0}
+    mask = extras["loss_mask"][i]
+    return {0} | {t for t in range(1, len(prompt)) if not mask[t]}
+
+
+def _echoed(text: str) -> str:
+    """A string as an answer echoes it: valid UTF-8 (a lone surrogate becomes ``?``)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def _prompts(value) -> list[list[int]]:
     """The prompts of a body's ``prompt`` / ``input_ids`` (one list of ids, or a batch)."""
     return [value] if value and all(isinstance(v, int) for v in value) else value
@@ -698,6 +713,7 @@ def check_completion(body: dict, answer: dict) -> None:
     for i, (prompt, choice) in enumerate(zip(prompts, choices, strict=True)):
         assert choice["index"] == i and choice["finish_reason"] == "length"
         k, echo = body.get("logprobs"), body.get("echo", False)
+        none_at = _unscored(body, i, prompt)
         if k is None:
             assert choice["logprobs"] is None
         else:
@@ -706,11 +722,14 @@ def check_completion(body: dict, answer: dict) -> None:
             assert all(len(lp[key]) == n for key in lp), (n, lp)
             if echo:
                 assert lp["tokens"][: len(prompt)] == [f"token_id:{t}" for t in prompt]
-                assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-            first = 1 if echo else 0
-            for value, top in zip(
-                lp["token_logprobs"][first:], lp["top_logprobs"][first:], strict=True
+                for t in none_at:
+                    assert lp["token_logprobs"][t] is None and lp["top_logprobs"][t] is None
+            skipped = none_at if echo else set()
+            for t, (value, top) in enumerate(
+                zip(lp["token_logprobs"], lp["top_logprobs"], strict=True)
             ):
+                if t in skipped:
+                    continue
                 _logprob(value)
                 assert 1 <= len(top) <= k + 1, (k, top)
                 for token, top_value in top.items():
@@ -719,8 +738,11 @@ def check_completion(body: dict, answer: dict) -> None:
         pk = body.get("prompt_logprobs")
         if pk is not None:
             rows = choice["prompt_logprobs"]
-            assert len(rows) == len(prompt) and rows[0] is None, rows
-            for t, row in enumerate(rows[1:], 1):
+            assert len(rows) == len(prompt), rows
+            for t, row in enumerate(rows):
+                assert (row is None) == (t in none_at), (t, row)
+                if row is None:
+                    continue
                 assert str(prompt[t]) in row and len(row) <= pk + 1, (t, row)
                 for token, entry in row.items():
                     _token_id(token)
@@ -746,15 +768,17 @@ def check_generate(body: dict, answer) -> None:
         assert len(one["output_ids"]) == new and meta["prompt_tokens"] == len(prompt), one
         assert meta["weights_version"], meta
         if rid is not None:
-            assert meta["id"] == (rid[i] if isinstance(rid, list) else rid), (rid, meta["id"])
+            want = rid[i] if isinstance(rid, list) else rid
+            assert meta["id"] == _echoed(want), (rid, meta["id"])
         if not body.get("return_logprob"):
             continue
         start = body.get("logprob_start_len", -1)
         positions = range(len(prompt) - 1 if start < 0 else start, len(prompt))
         entries = meta["input_token_logprobs"]
         assert [e[1] for e in entries] == [prompt[t] for t in positions], entries
+        none_at = _unscored(body, i, prompt)
         for t, (value, _, _) in zip(positions, entries, strict=True):
-            assert (value is None) == (t == 0), (t, value)
+            assert (value is None) == (t in none_at), (t, value)
             if value is not None:
                 _logprob(value)
         assert len(meta["output_token_logprobs"]) == new
@@ -763,7 +787,7 @@ def check_generate(body: dict, answer) -> None:
             tops = meta["input_top_logprobs"]
             assert len(tops) == len(positions), tops
             for t, top in zip(positions, tops, strict=True):
-                assert (top is None) if t == 0 else 1 <= len(top) <= k, (t, top)
+                assert (top is None) if t in none_at else 1 <= len(top) <= k, (t, top)
                 for value, token, _ in top or []:
                     _token_id(token)
                     _logprob(value)
@@ -771,7 +795,7 @@ def check_generate(body: dict, answer) -> None:
         if wanted:
             rows = meta["input_token_ids_logprobs"]
             for t, row in zip(positions, rows, strict=True):
-                assert (row is None) if t == 0 else [e[1] for e in row] == wanted, (t, row)
+                assert (row is None) if t in none_at else [e[1] for e in row] == wanted, (t, row)
 
 
 CHECKS = {"/v1/completions": check_completion, "/generate": check_generate}

@@ -404,3 +404,82 @@ def test_every_table_entry_is_reachable_through_the_megascore_key(name):
         assert kwargs[name] == opt.convert(tuple(want) if isinstance(want, list) else want)
     with pytest.raises(InvalidRequestError, match=f"megascore.{name}"):
         extras.read({name: {"not": "a value"}}, lengths)
+
+
+# ---------------------------------------------------------------------------- fuzz finds
+# Each body below once answered 500 or a wrong 200 (scripts/fuzz_http.py, 2026-12-05).
+
+
+def test_a_lone_surrogate_the_answer_echoes_is_replaced_not_a_500(server):
+    answer = call(server, "POST", "/v1/completions", completion(megascore={"\ud800": 1}))
+    assert_error(answer, 400, "unknown key")
+    status, _, body = call(server, "POST", "/generate", {"input_ids": [1, 2], "rid": "a\ud800"})
+    assert status == 200 and body["meta_info"]["id"] == "a?", body
+    status, _, body = call(server, "POST", "/v1/completions", completion(model="m\udfff"))
+    assert status == 200 and body["model"] == "m?", body
+
+
+def test_a_timeout_that_passes_while_queued_is_a_504(server):
+    # Idle engine: the batcher drops the request whose deadline passed (a cancel) before
+    # the front's own timer fires -- both must be a 504.
+    for _ in range(10):
+        headers = {"X-Request-Timeout": "0.0001"}
+        answer = call(server, "POST", "/v1/completions", completion(), headers=headers)
+        assert_error(answer, 504, "X-Request-Timeout")
+    gate = held(server)
+    try:
+        running = background(server, completion(prompt=[[1, 2, 3]]))
+        assert server.engine.started.wait(10)
+        for timeout in ("0.0001", "0.001", "0.05"):
+            headers = {"X-Request-Timeout": timeout}
+            answer = call(server, "POST", "/v1/completions", completion(), headers=headers)
+            assert_error(answer, 504, "X-Request-Timeout")
+        gate.set()
+        assert running()[0] == 200
+    finally:
+        gate.set()
+        server.engine.gate = None
+
+
+def test_return_logprobs_false_is_refused_where_the_answer_needs_them(server):
+    no_lp = {"return_logprobs": False}
+    answer = call(server, "POST", "/v1/completions", completion(logprobs=0, megascore=no_lp))
+    assert_error(answer, 400, "megascore.return_logprobs", param="megascore.return_logprobs")
+    body = {"input_ids": [1, 2], "return_logprob": True, "megascore": no_lp}
+    assert_error(call(server, "POST", "/generate", body), 400, "megascore.return_logprobs")
+    status, _, body = call(server, "POST", "/v1/completions", completion(megascore=no_lp))
+    assert status == 200 and body["choices"][0]["logprobs"] is None  # none asked for
+
+
+def test_negative_top_logprobs_num_and_target_ids_given_twice_are_400(server):
+    body = {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": -1}
+    assert_error(call(server, "POST", "/generate", body), 400, "top_logprobs_num")
+    extra = {"target_ids": [[[1], [2]]]}
+    twice = {"input_ids": [1, 2], "token_ids_logprob": [3], "megascore": extra}
+    assert_error(call(server, "POST", "/generate", twice), 400, "megascore.target_ids", "also")
+
+
+def test_a_per_sequence_extra_beyond_float32_is_400(server):
+    for value in (10**400, 1e300, [1.0, 1e39]):
+        extra = {"temperature": value}
+        answer = call(server, "POST", "/v1/completions", completion(megascore=extra))
+        assert_error(answer, 400, "megascore.temperature", param="megascore.temperature")
+
+
+def test_masked_positions_left_unscored_are_none_in_both_dialects(server):
+    mask = {"loss_mask": [[0, 0, 1, 1]], "logprob_positions": "masked"}
+    prompt = [[4, 5, 6, 7]]
+    want = expected_logprobs(prompt[0])
+    status, _, body = call(
+        server, "POST", "/v1/completions", completion(prompt=prompt, logprobs=0, megascore=mask)
+    )
+    assert status == 200, body
+    got = body["choices"][0]["logprobs"]
+    assert got["token_logprobs"][:2] == [None, None] and got["top_logprobs"][:2] == [None, None]
+    assert np.allclose(got["token_logprobs"][2:], want[2:], rtol=0, atol=1e-6)
+    generate = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0}
+    status, _, body = call(server, "POST", "/generate", {**generate, "megascore": mask})
+    assert status == 200, body
+    entries = body[0]["meta_info"]["input_token_logprobs"]
+    assert [e[0] for e in entries[:2]] == [None, None] and [e[1] for e in entries] == prompt[0]
+    assert np.allclose([e[0] for e in entries[2:]], want[2:], rtol=0, atol=1e-6)

@@ -64,6 +64,9 @@ async def _bounded(request: Request, work: Awaitable, timeout: float | None):
     finally:
         watcher.cancel()
     if task in done:
+        if task.cancelled() and timeout is not None:
+            # The batcher drops a queued request whose deadline passed (a cancel).
+            raise DeadlineExceeded(f"X-Request-Timeout of {timeout:g} s passed before the answer")
         return task.result()
     task.cancel()
     if watcher in done:

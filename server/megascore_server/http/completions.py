@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from megascore.errors import InvalidRequestError
 from megascore_server.http import extras
 from megascore_server.http.errors import json_response
-from megascore_server.http.prompts import build_batch, temperature_of, token_lists
+from megascore_server.http.prompts import build_batch, temperature_of, token_lists, unscored
 from megascore_server.http.tokens import TokenStrings
 from megascore_server.service import Scored, ScoringService
 
@@ -82,6 +82,7 @@ async def complete(
         temperature=temperature_of(body.temperature, "temperature"),
         return_next_token=max_tokens == 1,
         return_token_ranks=body.prompt_logprobs is not None,
+        need_logprobs=body.logprobs is not None or body.prompt_logprobs is not None,
     )
     scored = await service.score(
         batch, request_id, arrival=arrival, deadline=deadline, front="http"
@@ -114,8 +115,11 @@ class _Encoder:
         self.body, self.scored, self.strings, self.max_tokens = body, scored, strings, max_tokens
         values = scored.output.values
         self.offsets = np.concatenate([[0], np.cumsum(scored.batch.lengths)])
-        self.logprobs = np.maximum(values["logprobs"], FLOOR).tolist()
-        num_tokens = len(self.logprobs)
+        num_tokens = int(self.offsets[-1])
+        if "logprobs" in values:
+            self.logprobs = np.maximum(values["logprobs"], FLOOR).tolist()
+        outside = unscored(scored.batch)  # "masked": unscored positions answered as None
+        self.skip = [False] * num_tokens if outside is None else outside.tolist()
         self.top_ids, self.top_lps = [[]] * num_tokens, [[]] * num_tokens
         if scored.batch.top_k:
             self.top_ids = values["top_k_ids"].tolist()
@@ -158,9 +162,16 @@ class _Encoder:
         tokens, lps, tops = [], [], []
         if self.body.echo:
             tokens = [self.strings(t) for t in prompt]
-            lps = [None, *self.logprobs[start + 1 : start + len(prompt)]]
+            skip = self.skip
+            lps = [None] + [
+                None if skip[start + t] else self.logprobs[start + t] for t in range(1, len(prompt))
+            ]
             tops = [None] + [
-                self._top(prompt[t], lps[t], self.top_ids[start + t], self.top_lps[start + t], k)
+                None
+                if skip[start + t]
+                else self._top(
+                    prompt[t], lps[t], self.top_ids[start + t], self.top_lps[start + t], k
+                )
                 for t in range(1, len(prompt))
             ]
         if self.max_tokens:
@@ -181,6 +192,9 @@ class _Encoder:
         out: list = [None]
         for t in range(1, len(prompt)):
             row = start + t
+            if self.skip[row]:
+                out.append(None)
+                continue
             entry = {
                 str(prompt[t]): {
                     "logprob": self.logprobs[row],

@@ -40,10 +40,30 @@ class DeadlineExceeded(Exception):
     """The request's ``X-Request-Timeout`` passed before it was answered (504)."""
 
 
+def _scrub(value):
+    """``value`` with every string made valid UTF-8 (a lone surrogate a body sent, e.g.
+    ``"\\ud800"`` in a key or an id the answer echoes, becomes ``?``)."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_scrub(k): _scrub(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_scrub(v) for v in value]
+    return value
+
+
+def _dumps(body) -> bytes:
+    try:
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError:  # a string that is not valid UTF-8: rare, only then walked
+        return orjson.dumps(_scrub(body), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def json_response(body, status: int = 200, headers: dict | None = None) -> Response:
-    """``body`` encoded with orjson (numpy arrays as lists, NaN as null)."""
+    """``body`` encoded with orjson (numpy arrays as lists, NaN as null; a string that
+    is not valid UTF-8 has its lone surrogates replaced)."""
     return Response(
-        orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+        _dumps(body),
         status_code=status,
         headers=headers,
         media_type="application/json",

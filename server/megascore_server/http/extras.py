@@ -68,7 +68,14 @@ def _per_sequence(spec: schema.Input, value, num: int, field: str) -> np.ndarray
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
     ):
         raise InvalidRequestError(f"{field}: must be a number, or one number per prompt")
-    return np.asarray(values, dtype=spec.dtype)
+    try:
+        with np.errstate(over="ignore"):
+            out = np.asarray(values, dtype=spec.dtype)
+    except OverflowError:
+        out = np.array([np.inf])
+    if not np.all(np.isfinite(out)):
+        raise InvalidRequestError(f"{field}: must be finite in {spec.dtype}")
+    return out
 
 
 def read(extras, lengths: np.ndarray, key: str = "megascore") -> dict:

@@ -21,7 +21,7 @@ from megascore.errors import InvalidRequestError
 from megascore_server.http import extras
 from megascore_server.http.completions import FLOOR, NO_GENERATION
 from megascore_server.http.errors import json_response
-from megascore_server.http.prompts import build_batch, temperature_of, token_lists
+from megascore_server.http.prompts import build_batch, temperature_of, token_lists, unscored
 from megascore_server.http.tokens import TokenStrings
 from megascore_server.service import Scored, ScoringService
 
@@ -68,6 +68,8 @@ async def generate(
     """Scores the body's inputs; the SGLang-shaped response (a list for a batch)."""
     if body.stream:
         raise InvalidRequestError(f"stream: {NO_GENERATION}; send stream=false")
+    if body.top_logprobs_num < 0:
+        raise InvalidRequestError(f"top_logprobs_num: {body.top_logprobs_num} must be >= 0")
     params = body.sampling_params or {}
     max_new = _max_new_tokens(params)
     ids, _, batched = _prompts(body, service)
@@ -99,6 +101,7 @@ async def generate(
         temperature=temperature_of(params.get("temperature"), "sampling_params.temperature"),
         return_next_token=max_new == 1,
         target_ids=None if targets is None else np.ascontiguousarray(targets),
+        need_logprobs=body.return_logprob,
     )
     scored = await service.score(
         batch, request_id, arrival=arrival, deadline=deadline, front="http"
@@ -114,7 +117,10 @@ class _Encoder:
         self.body, self.scored, self.strings, self.max_new = body, scored, strings, max_new
         values = scored.output.values
         self.offsets = np.concatenate([[0], np.cumsum(scored.batch.lengths)])
-        self.logprobs = np.maximum(values["logprobs"], FLOOR).tolist()
+        if "logprobs" in values:
+            self.logprobs = np.maximum(values["logprobs"], FLOOR).tolist()
+        outside = unscored(scored.batch)  # "masked": unscored positions answered as None
+        self.skip = [False] * int(self.offsets[-1]) if outside is None else outside.tolist()
         if scored.batch.top_k:
             self.top_ids = values["top_k_ids"].tolist()
             self.top_lps = np.maximum(values["top_k_logprobs"], FLOOR).tolist()
@@ -153,9 +159,12 @@ class _Encoder:
         body = self.body
         first = len(prompt) - 1 if body.logprob_start_len < 0 else body.logprob_start_len
         positions = range(first, len(prompt))
+        # Position 0 has no prediction; "masked" leaves the positions outside the mask.
+        live = {t: t > 0 and not self.skip[start + t] for t in positions}
         meta = {
             "input_token_logprobs": [
-                self._entry(self.logprobs[start + t] if t else None, prompt[t]) for t in positions
+                self._entry(self.logprobs[start + t] if live[t] else None, prompt[t])
+                for t in positions
             ],
             "output_token_logprobs": [self._entry(self.next_lps[i][0], output[0])]
             if output
@@ -165,7 +174,7 @@ class _Encoder:
             k = body.top_logprobs_num
             meta["input_top_logprobs"] = [
                 self._entries(self.top_lps[start + t][:k], self.top_ids[start + t][:k])
-                if t
+                if live[t]
                 else None
                 for t in positions
             ]
@@ -175,6 +184,7 @@ class _Encoder:
         if body.token_ids_logprob:
             wanted = body.token_ids_logprob
             meta["input_token_ids_logprobs"] = [
-                self._entries(self.target_lps[start + t], wanted) if t else None for t in positions
+                self._entries(self.target_lps[start + t], wanted) if live[t] else None
+                for t in positions
             ]
         return meta

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from megascore import schema
 from megascore.errors import InvalidRequestError
+from megascore.layout import effective_loss_mask
 from megascore.types import ScoreBatch
 from megascore_server.http import extras
 from megascore_server.tokenizer import ServerTokenizer, require
@@ -45,8 +47,17 @@ def token_lists(
 
 
 def build_batch(ids: list[list[int]], field: str, megascore, **options) -> ScoreBatch:
-    """The batch of ``ids`` with the dialect's ``options`` and the ``megascore`` extras
-    (an extra overrides the dialect's value; ``top_k`` takes the larger)."""
+    """The batch of ``ids`` with the dialect's ``options`` and the ``megascore`` extras.
+
+    ``top_k`` takes the larger; a flag is on when either side asks for it (the dialect's
+    answer needs what it asks for); the temperature of the extras wins; an input given
+    both ways (``token_ids_logprob`` and ``megascore.target_ids``) is refused; the
+    dialect's answer needs the logprobs unless it asks for none (``need_logprobs``).
+
+    Raises:
+        InvalidRequestError: ids beyond int64, a bad extra, an input given twice, or
+            ``megascore.return_logprobs: false`` where the answer needs logprobs.
+    """
     lengths = np.fromiter((len(p) for p in ids), np.int64, len(ids))
     try:
         flat = np.fromiter((t for p in ids for t in p), np.int64, int(lengths.sum()))
@@ -57,9 +68,26 @@ def build_batch(ids: list[list[int]], field: str, megascore, **options) -> Score
     temperature = options.pop("temperature", None)
     if "temperature" not in kwargs and temperature is not None:
         kwargs["temperature"] = np.full(lengths.size, temperature, np.float32)
+    if options.pop("need_logprobs", True) and kwargs.get("return_logprobs") is False:
+        raise InvalidRequestError(
+            "megascore.return_logprobs: false, but the answer asked for holds logprobs"
+        )
     for name, value in options.items():
-        kwargs[name] = kwargs.get(name) or value
+        if isinstance(value, bool):
+            kwargs[name] = bool(kwargs.get(name)) or value
+        elif value is not None and name in kwargs:
+            raise InvalidRequestError(f"megascore.{name}: also given by the body's own field")
+        elif value is not None:
+            kwargs[name] = value
     return ScoreBatch(token_ids=flat, lengths=lengths, **kwargs)
+
+
+def unscored(batch: ScoreBatch) -> np.ndarray | None:
+    """bool ``[T]``: the positions ``logprob_positions: "masked"`` left unscored (outside
+    the loss mask; the dialects answer them as they answer position 0), or None."""
+    if batch.logprob_positions != schema.MASKED:
+        return None
+    return effective_loss_mask(batch.lengths, batch.loss_mask) == 0
 
 
 def temperature_of(value, field: str) -> float | None:
