@@ -41,7 +41,7 @@ from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
 
 TOP_K = 2
 LOSSES = ("nll",)
-EXPECTED_CODES = ("UNAVAILABLE", "FAILED_PRECONDITION")
+EXPECTED_CODES = ("UNAVAILABLE", "FAILED_PRECONDITION", "CANCELLED at the stop")
 """Failures the run accepts: a replica down (after the SDK's retries and re-sends), a pin
 during a switch. A FAILED_PRECONDITION counts as expected only for a pinned request."""
 
@@ -96,6 +96,7 @@ class Ledger:
         self.wrong: list[str] = []
         self.stale: list[str] = []
         self.unexpected: list[str] = []  # failures outside EXPECTED_CODES
+        self.stopping = threading.Event()  # set when the run ends and the clients stop
         self.lock = threading.Lock()
 
     def add_reference(self, version: str, case: int, fps: list[tuple[bytes, bytes]]) -> None:
@@ -151,6 +152,10 @@ class Ledger:
                 self.wrong.append(f"{kind} case {case}: differs from {known} version {version!r}")
 
     def fail(self, kind: str, code: str, pin: str = "", error: BaseException | None = None):
+        """Records a failed call. A call cancelled once the run's own stop has begun (the
+        clients winding down) is counted apart, as "CANCELLED at the stop", not judged."""
+        if code == "CANCELLED" and self.stopping.is_set():
+            code = "CANCELLED at the stop"
         with self.lock:
             self.failures[(kind, code)] += 1
             if pin and code == "FAILED_PRECONDITION":
@@ -211,6 +216,7 @@ class Clients:
 
     def join(self, timeout: float) -> list[str]:
         """Stops the clients; returns the names of those still running after ``timeout``."""
+        self.ledger.stopping.set()
         self.stop.set()
         end = time.monotonic() + timeout
         for thread in self.threads:
