@@ -207,7 +207,7 @@ def warmup_sequences(workload: Workload) -> list[np.ndarray]:
 
 def score_batch(sequences: list[np.ndarray]):
     """The benchmark request: logprobs, top-5 alternatives and the summed NLL."""
-    from megascore.types import ScoreBatch
+    from megascore.api.types import ScoreBatch
 
     return ScoreBatch(
         token_ids=np.concatenate(sequences),

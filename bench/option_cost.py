@@ -47,7 +47,7 @@ def _options(batch_tokens: int, vocab: int, rng) -> dict[str, dict]:
 
 def measure(engine, lengths: list[int], reps: int, seed: int = 0) -> dict[str, float]:
     """Median CPU seconds per step of every option (interleaved repetitions)."""
-    from megascore.types import ScoreBatch
+    from megascore.api.types import ScoreBatch
 
     rng = np.random.default_rng(seed)
     vocab = engine.info().vocab_size

@@ -132,7 +132,7 @@ def token_budget_batches(lengths: np.ndarray, max_tokens: int) -> list[list[int]
 
 
 def make_batch(ids: list[np.ndarray]):
-    from megascore.types import ScoreBatch
+    from megascore.api.types import ScoreBatch
 
     return ScoreBatch(
         token_ids=np.concatenate(ids),

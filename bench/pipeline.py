@@ -45,11 +45,11 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch.distributed as dist
 
+    from megascore.api.types import ScoreBatch
     from megascore.config import EngineConfig
     from megascore.engine import pipeline
     from megascore.engine.runtime import DistributedEngine
     from megascore.model.config import builtin_model
-    from megascore.types import ScoreBatch
 
     busy = {"s": 0.0}
 

@@ -115,7 +115,7 @@ def tokens(groups: list[Group]) -> int:
 
 def computed_tokens(groups: list[Group]) -> int:
     """Tokens the shared server computes (the segments of every group)."""
-    from megascore.prefix_tree import shared_layout
+    from megascore.engine.prefix_tree import shared_layout
 
     total = 0
     for g in groups:

@@ -71,7 +71,7 @@ def score_pass(client, sequences: list[np.ndarray], routing: bool, server_pid: i
 
 def wire_cases(results, with_routing: bool) -> list:
     """``(batch, output, part)`` of every response of a pass, for :func:`wire_seconds`."""
-    from megascore.types import ScoreBatch, ScoreOutput
+    from megascore.api.types import ScoreBatch, ScoreOutput
     from megascore_client.inputs import make_batch
     from megascore_client.splitting import ScoreOptions, build_parts
 

@@ -6,7 +6,7 @@ travel in a protobuf message:
 * ``repeated int64`` / ``repeated float`` (proto3 packs them: varints for ints,
   4 bytes per float), filled from numpy and read back into numpy;
 * ``megascore.v1.Array``: the raw little-endian bytes with a dtype, through
-  ``megascore.wire.encode_array`` / ``decode_array`` (a zero-copy ``np.frombuffer``).
+  ``megascore.api.wire.encode_array`` / ``decode_array`` (a zero-copy ``np.frombuffer``).
 
 "encode" is numpy -> message -> serialized bytes; "decode" is bytes -> message ->
 numpy. The packed-repeated messages are built at runtime from a
@@ -30,8 +30,8 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.internal import api_implementation
 
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import decode_array, encode_array
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Starts ``megascore serve --model tiny --device cpu --http-port P`` with a small
   of range, empty and long prompts, text, lone surrogates, deep nesting, ``stream``,
   ``n: 2``, ``max_tokens`` > 1, huge ``logprobs``), deleted, or unknown keys added,
   sometimes sent to another route;
-* ``extras``: every key of the ``megascore`` object (read from ``megascore.schema``)
+* ``extras``: every key of the ``megascore`` object (read from ``megascore.api.schema``)
   with values of its own type and of every other, of wrong lengths and ranges;
 * ``json``: random JSON values, truncated, corrupted and otherwise malformed JSON, other
   encodings, to every route;
@@ -60,7 +60,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megascore import schema  # noqa: E402
+from megascore.api import schema  # noqa: E402
 from megascore_client import ScoringClient  # noqa: E402
 from megascore_server.ports import pick_port  # noqa: E402
 from tests.e2e.reference import ATOL, VOCAB  # noqa: E402

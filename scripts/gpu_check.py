@@ -349,9 +349,9 @@ def _engine_logprobs(model: str, device: str, dtype: str, backend: str, ids) -> 
     """Logprobs ``[b, s-1]`` of ``ids`` from a world-size-1 engine, and its backend."""
     import numpy as np
 
+    from megascore.api.types import ScoreBatch
     from megascore.config import EngineConfig
     from megascore.engine.runtime import DistributedEngine
-    from megascore.types import ScoreBatch
 
     cfg = EngineConfig(model=model, device=device, dtype=dtype, attention_backend=backend)
     engine = DistributedEngine.create(cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore import mismatch
+from megascore.api import mismatch
 
 
 def numpy_mismatch_stats(scored, rollout, lengths, mask, cap) -> dict[str, np.ndarray]:

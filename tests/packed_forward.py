@@ -13,9 +13,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megascore.distributed import gather_cp_shards
+from megascore.engine.distributed import gather_cp_shards
 from megascore.engine.forward import OutputHead, forward_microbatch, scoring_forward
-from megascore.packing import PackedSequences, pack_sequences
+from megascore.engine.packing import PackedSequences, pack_sequences
 
 
 @dataclasses.dataclass

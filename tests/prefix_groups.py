@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore.types import ScoreBatch
+from megascore.api.types import ScoreBatch
 
 VOCAB = 512
 MIN_SHARED = 8

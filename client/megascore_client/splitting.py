@@ -7,7 +7,7 @@ for what it receives and sends) and, when known, the server's
 ``max_request_tokens``. Sizes are estimated per token and per sequence: a request
 carries ``lengths`` (8 bytes a sequence) and, per token, each array it sends (ids,
 mask, routing to replay, ...: itemsize x values per token); a response the ``lengths``
-echo and every output of :data:`megascore.schema.OUTPUTS` the request asks for
+echo and every output of :data:`megascore.api.schema.OUTPUTS` the request asks for
 (:func:`response_bytes`: itemsize x values per token, e.g. ``top_k`` ids and logprobs,
 or per sequence, one per key of a map such as the losses); a fixed reserve covers
 headers, strings and metric maps. A routing asked for without one to replay has ``L * k``
@@ -30,10 +30,10 @@ import uuid
 
 import numpy as np
 
-from megascore import schema
-from megascore.sequence_groups import find_groups, wire_rows
+from megascore.api import schema
+from megascore.api.prompt_groups import find_groups, wire_rows
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import decode_array, encode_array
 from megascore_client.errors import InvalidInputError, ScoringError, malformed_response
 from megascore_client.inputs import Batch, make_batch
 from megascore_client.results import ScoreResult, Timings
@@ -62,7 +62,7 @@ def _metric_flag(group: str) -> property:
 
 def _schema_options(cls):
     """Declares on ``cls`` (before ``dataclass``) a field for every option of
-    :data:`megascore.schema.OPTIONS` it does not spell itself, named and defaulted as the
+    :data:`megascore.api.schema.OPTIONS` it does not spell itself, named and defaulted as the
     entry (``return_logprobs``, ``return_routing``, ``weights_version``, ...), and reads
     the ``return_<group>_metrics`` options from ``metrics``: every option then has its
     wire field's name, and a new one needs no edit here."""
@@ -80,7 +80,7 @@ def _schema_options(cls):
 @_schema_options
 class ScoreOptions:
     """What to compute (see ``ScoringClient.score``): the arguments below, and one per
-    other option of :data:`megascore.schema.OPTIONS` (the ``return_*`` flags,
+    other option of :data:`megascore.api.schema.OPTIONS` (the ``return_*`` flags,
     ``weights_version``: the entry's name and default; an enum option such as
     ``logprob_positions`` by name, its first name the default; None stands for the
     default)."""
@@ -266,7 +266,7 @@ def build_parts(
         arrays = sub.per_token()
         found = find_groups(sub.lengths, list(arrays.values())) if groups else None
         rows = slice(None)
-        if found is not None:  # each shared prompt once (megascore.sequence_groups)
+        if found is not None:  # each shared prompt once (megascore.api.prompt_groups)
             request.groups.sizes.CopyFrom(encode_array(found[0]))
             request.groups.prompt_lengths.CopyFrom(encode_array(found[1]))
             rows = wire_rows(sub.lengths, *found)
@@ -365,7 +365,7 @@ class Asked:
 
 def response_bytes(options: ScoreOptions, batch: Batch) -> tuple[int, int, bool]:
     """The estimated response size of a request of ``batch`` asking ``options``: bytes per
-    token and per sequence of the outputs of :data:`megascore.schema.OUTPUTS` it asks for
+    token and per sequence of the outputs of :data:`megascore.api.schema.OUTPUTS` it asks for
     (itemsize x values per token or sequence; a map: one value per key per sequence), and
     the lengths echo.
 
@@ -394,7 +394,7 @@ def response_bytes(options: ScoreOptions, batch: Batch) -> tuple[int, int, bool]
 
 
 def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
-    """One output of :data:`megascore.schema.OUTPUTS` of a response, in the
+    """One output of :data:`megascore.api.schema.OUTPUTS` of a response, in the
     ``ScoreResult`` layout (per token: one array per sequence; per sequence: one
     ``[B, *dims]`` array)."""
     num_seqs, num_tokens = int(part.lengths.shape[0]), part.num_tokens
@@ -419,7 +419,7 @@ def _decode_output(response: pb.ScoreResponse, out: schema.Output, part: Part):
 
 def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:
     """Decodes the response to one part into a :class:`ScoreResult`: every output of
-    :data:`megascore.schema.OUTPUTS` the request asked for, checked for dtype and size.
+    :data:`megascore.api.schema.OUTPUTS` the request asked for, checked for dtype and size.
 
     Raises:
         ScoringError: (INTERNAL) the response does not match the request.

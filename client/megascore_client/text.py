@@ -14,8 +14,8 @@ import dataclasses
 
 import numpy as np
 
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import decode_array, encode_array
 from megascore_client.errors import InvalidInputError, malformed_response
 from megascore_client.inputs import as_numpy
 from megascore_client.results import ScoreResult

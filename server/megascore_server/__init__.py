@@ -1,7 +1,7 @@
 """megascore_server: the gRPC front end of a megascore replica (torch-free).
 
 ``build_server`` assembles the ``megascore.v1.Scorer`` server around any
-:class:`megascore.types.Engine`; ``megascore_server.main.main`` is ``megascore serve``.
+:class:`megascore.api.types.Engine`; ``megascore_server.main.main`` is ``megascore serve``.
 """
 
 from megascore_server.app import ServerHandles, build_server

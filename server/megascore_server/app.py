@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from megascore.types import Engine
+from megascore.api.types import Engine
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.auth import BearerTokenInterceptor, read_token
 from megascore_server.config import GrpcServerConfig

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from megascore.errors import UnauthenticatedError
+from megascore.api.errors import UnauthenticatedError
 
 OPEN_SERVICES = (
     health.SERVICE_NAME,

@@ -54,15 +54,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megascore.errors import (
+from megascore.api.errors import (
     InvalidRequestError,
     ResourceExhaustedError,
     UnavailableError,
     WorkerLostError,
     WrongVersionError,
 )
-from megascore.layout import padded_lengths
-from megascore.types import Engine, ModelInfo, ScoreBatch, ScoreOutput, check_pinned_version
+from megascore.api.layout import padded_lengths
+from megascore.api.types import Engine, ModelInfo, ScoreBatch, ScoreOutput, check_pinned_version
 from megascore_server.metrics import ServerMetrics
 from megascore_server.pending import Barrier, PendingRequest, TimedOutput
 from megascore_server.step_planner import fill_step, merge_batches

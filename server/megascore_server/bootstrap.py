@@ -36,8 +36,8 @@ import os
 import signal
 import threading
 
+from megascore.api.errors import LOAD_FAILURES, WorkerLostError
 from megascore.config import EngineConfig
-from megascore.errors import LOAD_FAILURES, WorkerLostError
 from megascore_server import startup_logs
 from megascore_server.app import ServerHandles, build_server
 from megascore_server.config import ReplicaConfig

@@ -1,9 +1,9 @@
 """Domain -> wire codec of the output side: ``ScoreResponse`` and ``ModelInfo`` messages.
 
 Pure conversion: :func:`build_response` encodes one request's
-:class:`~megascore.types.ScoreOutput` (already cut out of the engine steps by
-the batcher, :mod:`megascore.layout`) as it is; nothing is recomputed here.
-The request side (proto -> :class:`~megascore.types.ScoreBatch`) is
+:class:`~megascore.api.types.ScoreOutput` (already cut out of the engine steps by
+the batcher, :mod:`megascore.api.layout`) as it is; nothing is recomputed here.
+The request side (proto -> :class:`~megascore.api.types.ScoreBatch`) is
 ``validation.py``, the wire gate.
 """
 
@@ -14,10 +14,10 @@ import logging
 
 import numpy as np
 
-from megascore import schema
-from megascore.types import Limits, ModelInfo, ScoreBatch, ScoreOutput
+from megascore.api import schema
+from megascore.api.types import Limits, ModelInfo, ScoreBatch, ScoreOutput
+from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import encode_array
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def build_response(
 ) -> pb.ScoreResponse:
     """Builds the ``ScoreResponse`` of one request from its own output.
 
-    Every output of :data:`megascore.schema.OUTPUTS` the request wants goes into its
+    Every output of :data:`megascore.api.schema.OUTPUTS` the request wants goes into its
     wire field, with its trailing shape in the ``wire_dims`` fields.
 
     Args:

@@ -1,4 +1,4 @@
-"""The one table from a typed error (:mod:`megascore.errors`) to every front's status.
+"""The one table from a typed error (:mod:`megascore.api.errors`) to every front's status.
 
 gRPC answers with the code (:mod:`megascore_server.status`), HTTP with the status
 (:mod:`megascore_server.http.errors`); the reason the error carries is safe to show
@@ -12,7 +12,7 @@ import dataclasses
 
 import grpc
 
-from megascore.errors import (
+from megascore.api.errors import (
     CheckpointError,
     ConflictError,
     FailedPreconditionError,

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from megascore.errors import UnavailableError
+from megascore.api.errors import UnavailableError
 from megascore_server.health import ScorerHealth
 
 LOADING_MESSAGE = (

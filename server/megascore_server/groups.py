@@ -5,26 +5,26 @@ The wire gate (:mod:`megascore_server.validation`) runs it first: everything aft
 sees every sequence whole, so the batch, its checks and its results are those of the
 request sent without groups. Every per-token array the request carries
 (:func:`token_fields`: ``token_ids`` and the inputs per token of
-:data:`megascore.schema.INPUTS`) is expanded by the same index
-(:func:`megascore.sequence_groups.expand_index`).
+:data:`megascore.api.schema.INPUTS`) is expanded by the same index
+(:func:`megascore.api.prompt_groups.expand_index`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from megascore import schema
-from megascore.errors import InvalidRequestError
-from megascore.sequence_groups import expand_index
+from megascore.api import schema
+from megascore.api.errors import InvalidRequestError
+from megascore.api.prompt_groups import expand_index
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import decode_array, encode_array
 
 _INT_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
 
 
 def token_fields() -> tuple[str, ...]:
     """The ``ScoreRequest`` arrays with one row per token, those a group's prompt
-    shares: ``token_ids`` and the inputs per token of :data:`megascore.schema.INPUTS`."""
+    shares: ``token_ids`` and the inputs per token of :data:`megascore.api.schema.INPUTS`."""
     return ("token_ids", *(spec.name for spec in schema.INPUTS if spec.per == schema.TOKEN))
 
 

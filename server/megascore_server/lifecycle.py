@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from megascore.errors import UnavailableError
-from megascore.layout import padded_lengths
-from megascore.types import Engine, Limits, ModelInfo
+from megascore.api.errors import UnavailableError
+from megascore.api.layout import padded_lengths
+from megascore.api.types import Engine, Limits, ModelInfo
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.config import GrpcServerConfig
 from megascore_server.gate import CallGate

@@ -113,7 +113,7 @@ class ServerMetrics:
         self._httpd = None
 
     def set_model(self, name: str, layout) -> None:
-        """Records the served model and its :class:`megascore.types.ParallelLayout`."""
+        """Records the served model and its :class:`megascore.api.types.ParallelLayout`."""
         self.model.info(
             {
                 "model": name,

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megascore import schema
-from megascore.layout import padded_lengths
-from megascore.selection import concat_outputs, keep_masked_positions, select_sequences
-from megascore.types import ScoreBatch, ScoreOutput
+from megascore.api import schema
+from megascore.api.layout import padded_lengths
+from megascore.api.selection import concat_outputs, keep_masked_positions, select_sequences
+from megascore.api.types import ScoreBatch, ScoreOutput
 
 logger = logging.getLogger(__name__)
 

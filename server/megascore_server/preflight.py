@@ -14,9 +14,9 @@ import math
 import os
 from pathlib import Path
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint.resolve import parse_model_string, read_model_config
 from megascore.config import EngineConfig
-from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
 from megascore_server.config import ReplicaConfig
 

@@ -1,11 +1,11 @@
 """The scoring service: the data plane under every front (gRPC, HTTP).
 
-A front decodes its wire into domain values (:class:`~megascore.types.ScoreBatch`,
+A front decodes its wire into domain values (:class:`~megascore.api.types.ScoreBatch`,
 texts, ids), calls the service and encodes what it returns; admission (the
 :class:`~megascore_server.gate.CallGate`), the domain checks
 (:func:`~megascore_server.validation.check_request`), the batcher, the model's
 description, weight loads and pushes and the tokenizer live here, once. Methods raise
-typed errors (:mod:`megascore.errors`); each front maps them through
+typed errors (:mod:`megascore.api.errors`); each front maps them through
 :mod:`megascore_server.error_table`.
 """
 
@@ -19,7 +19,7 @@ import uuid
 
 import numpy as np
 
-from megascore.errors import (
+from megascore.api.errors import (
     CheckpointError,
     FailedPreconditionError,
     InvalidRequestError,
@@ -28,7 +28,7 @@ from megascore.errors import (
     clip,
     quoted,
 )
-from megascore.types import Limits, ModelInfo, ScoreBatch, ScoreOutput
+from megascore.api.types import Limits, ModelInfo, ScoreBatch, ScoreOutput
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE, CallGate
 from megascore_server.tokenizer import NO_TOKENIZER, ServerTokenizer

@@ -17,10 +17,10 @@ import time
 import grpc
 import numpy as np
 
-from megascore.errors import UnavailableError, clip
+from megascore.api.errors import UnavailableError, clip
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore.wire import decode_array, encode_array
 from megascore_server.convert import build_response, model_info_to_proto
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE
 from megascore_server.service import ScoringService, new_request_id

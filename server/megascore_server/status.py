@@ -1,7 +1,7 @@
 """Failed calls become gRPC statuses here, and only here.
 
 :data:`megascore_server.error_table.ERROR_TABLE` maps typed errors
-(:mod:`megascore.errors`) to status codes (and the HTTP front's statuses); their
+(:mod:`megascore.api.errors`) to status codes (and the HTTP front's statuses); their
 reason is safe to show the caller. Anything else is a bug or an engine
 failure: INTERNAL with a generic message, the traceback in the log.
 
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from megascore.errors import InvalidRequestError, clip
+from megascore.api.errors import InvalidRequestError, clip
 from megascore_server.error_table import INTERNAL_MESSAGE, mapping_for
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ request larger than the budget is therefore spread over several steps, and
 small requests fill the room its long sequences leave.
 
 The budget counts *padded* tokens (each sequence rounded up to the engine's
-per-sequence pad multiple, :func:`megascore.layout.padded_lengths`), which is
+per-sequence pad multiple, :func:`megascore.api.layout.padded_lengths`), which is
 what the engine allocates. Planning works on domain types only (no protobuf).
 """
 
@@ -18,9 +18,9 @@ import logging
 
 import numpy as np
 
-from megascore import schema
-from megascore.layout import offsets, ranges, token_index
-from megascore.types import ScoreBatch
+from megascore.api import schema
+from megascore.api.layout import offsets, ranges, token_index
+from megascore.api.types import ScoreBatch
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def fill_step(candidates: list[np.ndarray], budget: int) -> list[np.ndarray]:
 def merge_batches(pieces: list[tuple[ScoreBatch, np.ndarray]]) -> ScoreBatch:
     """Builds one engine step from sequences of several requests.
 
-    Driven by :mod:`megascore.schema`: each option is combined by its ``merge``
+    Driven by :mod:`megascore.api.schema`: each option is combined by its ``merge``
     (the largest top_k, the union of the losses, logprobs / routing when any piece
     wants them, metrics for a piece alone in its step); each input array is taken
     from the pieces that sent it and filled for those that did not (an input without

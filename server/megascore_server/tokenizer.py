@@ -14,7 +14,7 @@ import json
 import logging
 from pathlib import Path
 
-from megascore.errors import InvalidRequestError
+from megascore.api.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import math
 
 import numpy as np
 
-from megascore import layout, mismatch, schema
-from megascore.errors import InvalidRequestError, RequestTooLargeError, quoted
-from megascore.schema import MAX_ID_CHARS
-from megascore.types import (
+from megascore.api import layout, mismatch, schema
+from megascore.api.errors import InvalidRequestError, RequestTooLargeError, quoted
+from megascore.api.schema import MAX_ID_CHARS
+from megascore.api.types import (
     Limits,
     RoutingShape,
     ScoreBatch,
@@ -33,8 +33,8 @@ from megascore.types import (
     check_scored_inputs,
     check_token_ids,
 )
+from megascore.api.wire import decode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import decode_array
 from megascore_server.groups import expand_groups
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def _decode_required(request: pb.ScoreRequest, field: str, allowed) -> np.ndarra
 
 
 def validate_lengths(lengths: np.ndarray, limits: Limits) -> np.ndarray:
-    """Checks per-sequence lengths (:func:`~megascore.types.check_lengths`) and the
+    """Checks per-sequence lengths (:func:`~megascore.api.types.check_lengths`) and the
     request's token total; returns them as int64.
 
     Raises:
@@ -137,7 +137,7 @@ def check_ratio_cap(value: float, field: str = "options.mismatch_ratio_cap") -> 
 
 
 def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:
-    """Checks ``ScoreOptions`` (:func:`~megascore.types.check_options`, the table's
+    """Checks ``ScoreOptions`` (:func:`~megascore.api.types.check_options`, the table's
     checks); returns the matching :class:`ScoreBatch` keyword arguments.
 
     Raises:
@@ -156,7 +156,7 @@ def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:
 
 def decode_routing(request: pb.ScoreRequest, num_tokens: int, shape: RoutingShape | None):
     """The request's routing to replay as int32 ``[T, L, k]`` (flat when its size does not
-    fit: :func:`~megascore.types.check_routing` then names the shape), or None."""
+    fit: :func:`~megascore.api.types.check_routing` then names the shape), or None."""
     if not request.HasField("routing"):
         return None
     routing = decode_array(request.routing, "routing", _INT_DTYPES)

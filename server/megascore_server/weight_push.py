@@ -12,7 +12,7 @@ stream that ends without commit or is cancelled, a rank that cannot commit —
 drops the staged tensors on every rank and leaves the old weights serving.
 
 One push at a time per server: a second one is refused with
-:class:`~megascore.errors.ConflictError` (ABORTED) until the first has ended
+:class:`~megascore.api.errors.ConflictError` (ABORTED) until the first has ended
 (and its staged tensors were dropped).
 
 Two phases (``commit.prepare``): the stream ends once every tensor is staged and the
@@ -46,14 +46,14 @@ import weakref
 
 import numpy as np
 
-from megascore.errors import (
+from megascore.api.errors import (
     ConflictError,
     FailedPreconditionError,
     InvalidRequestError,
     WrongVersionError,
     quoted,
 )
-from megascore.types import (
+from megascore.api.types import (
     LAYOUT_COMMON,
     LAYOUT_PER_EXPERT,
     WEIGHT_NAMES_HF,
@@ -61,8 +61,8 @@ from megascore.types import (
     ModelInfo,
     WeightTarget,
 )
+from megascore.api.wire import decode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import decode_array
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.validation import MAX_ID_CHARS, check_length
 

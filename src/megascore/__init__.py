@@ -1,7 +1,7 @@
 """megascore: score token sequences with Megatron-Core models over gRPC.
 
-This package and its ``v1`` stubs are torch-free; torch-dependent modules
-(``packing``, ``distributed``, ``model``, ``engine``) import torch themselves.
+``api`` (the contract every side shares), its ``v1`` stubs and ``config`` are
+torch-free; ``engine``, ``model`` and ``checkpoint`` import torch where they need it.
 """
 
 __version__ = "0.1.0"

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from megascore.api.errors import CheckpointError
+from megascore.api.types import LAYOUT_COMMON, WEIGHT_NAMES_MEGATRON, ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
 from megascore.engine.weight_update import WeightStaging
-from megascore.errors import CheckpointError
-from megascore.types import LAYOUT_COMMON, WEIGHT_NAMES_MEGATRON, ScoreBatch
 from tests.one_rank import one_rank_world
 
 BATCH = ScoreBatch(

@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from megascore.api.errors import CheckpointError, WorkerLostError
+from megascore.api.types import WEIGHT_NAMES_MEGATRON
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.config import EngineConfig
 from megascore.engine import served_model
 from megascore.engine.runtime import DistributedEngine
-from megascore.errors import CheckpointError, WorkerLostError
-from megascore.types import WEIGHT_NAMES_MEGATRON
 from tests.checkpoint.scripts.ckpt_common import engine_logprobs, token_batch
 from tests.one_rank import one_rank_world
 

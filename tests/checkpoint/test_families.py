@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint.hf_config import hf_config_to_model_config
-from megascore.errors import CheckpointError
 
 QWEN3_8B = {
     "model_type": "qwen3",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint.hf_config import hf_config_to_model_config
-from megascore.errors import CheckpointError
 
 # Llama-3.1-8B's config.json (transformers 4.x layout).
 LLAMA31_8B = {

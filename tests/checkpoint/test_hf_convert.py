@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint import resolve_model
 from megascore.checkpoint.hf_names import ParamMapper
 from megascore.checkpoint.hf_weights import load_hf_weights, plan_hf_load
@@ -20,7 +21,6 @@ from megascore.checkpoint.recipes import ParallelRanks, Src, VocabRows
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.config import EngineConfig
 from megascore.engine.served_model import load_served_model, reload_served_model
-from megascore.errors import CheckpointError
 from megascore.model.config import builtin_model
 from megascore.model.weights import canonical_name
 from tests.checkpoint.scripts.ckpt_common import FAMILIES, megatron_logprobs, token_batch

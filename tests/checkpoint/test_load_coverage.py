@@ -23,12 +23,12 @@ import pytest
 import torch
 from megatron.core import dist_checkpointing
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint import hf_bridge, hf_weights
 from megascore.checkpoint.checks import check_every_parameter_written
 from megascore.checkpoint.megatron_ckpt import CONFIG_FILE, FORMAT, config_to_json
 from megascore.checkpoint.resolve import resolve_model
 from megascore.checkpoint.safetensors_io import SafetensorsDir
-from megascore.errors import CheckpointError
 from megascore.model.config import builtin_model
 from tests.checkpoint.scripts.ckpt_common import megatron_logprobs, token_batch
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint import resolve_model
 from megascore.checkpoint.megatron_ckpt import CONFIG_FILE, load_checkpoint, save_checkpoint
-from megascore.errors import CheckpointError
 from megascore.model.config import builtin_model
 from tests.checkpoint.scripts.ckpt_common import megatron_logprobs, token_batch
 

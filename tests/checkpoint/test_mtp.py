@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megascore.types import ScoreBatch
+from megascore.api.types import ScoreBatch
 from tests.checkpoint.scripts.ckpt_common import MTP_FAMILIES, VOCAB
 from tests.e2e.reference import engine_outputs
 
@@ -197,8 +197,8 @@ def _edit_mtp(src, dst, edit) -> None:
     ],
 )
 def test_bad_mtp_layers_are_refused(hf_dirs, build, tmp_path, case, needle):
+    from megascore.api.errors import CheckpointError
     from megascore.checkpoint import resolve_model
-    from megascore.errors import CheckpointError
 
     def edit(tensors):
         if case == "copy_differs":

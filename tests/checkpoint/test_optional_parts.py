@@ -23,11 +23,11 @@ import pytest
 import torch
 import transformers
 
+from megascore.api.errors import CheckpointError, InvalidRequestError
+from megascore.api.types import Limits, ScoreBatch
 from megascore.checkpoint import check_same_architecture, read_model_config, resolve_model
 from megascore.checkpoint.optional_parts import served_mtp_layers
-from megascore.errors import CheckpointError, InvalidRequestError
 from megascore.model.config import builtin_model
-from megascore.types import Limits, ScoreBatch
 from tests.checkpoint.scripts.ckpt_common import (
     hf_logprobs,
     make_hf_model,
@@ -178,7 +178,7 @@ def test_a_transformers_model_pushes_every_tensor_of_a_model_without_mtp(
 ):
     """Served without its MTP layers, the model takes exactly what transformers holds: a
     trainer's ``state_dict()`` push is complete (no ``partial=True`` needed)."""
-    from megascore.types import LAYOUT_COMMON, LAYOUT_FUSED, WEIGHT_NAMES_HF
+    from megascore.api.types import LAYOUT_COMMON, LAYOUT_FUSED, WEIGHT_NAMES_HF
     from tests.checkpoint.test_weight_staging import _targets
 
     trainer = make_hf_model(family)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint import (
     ModelSpec,
     check_same_architecture,
@@ -17,7 +18,6 @@ from megascore.checkpoint import (
     read_model_config,
     resolve_model,
 )
-from megascore.errors import CheckpointError
 from megascore.model.config import builtin_model
 
 

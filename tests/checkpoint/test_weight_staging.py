@@ -17,15 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megascore.checkpoint import resolve_model
-from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
-from megascore.types import (
+from megascore.api.types import (
     LAYOUT_COMMON,
     LAYOUT_FUSED,
     LAYOUT_PER_EXPERT,
     WEIGHT_NAMES_HF,
     WEIGHT_NAMES_MEGATRON,
 )
+from megascore.checkpoint import resolve_model
+from megascore.engine.weight_update import WeightStaging, gather_targets, weight_targets
 from tests.checkpoint.scripts.ckpt_common import FAMILIES, MTP_FAMILIES, make_hf_model
 
 

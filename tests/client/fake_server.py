@@ -1,7 +1,7 @@
 """A real gRPC server (sync ``grpc.server``) with a deterministic fake Scorer.
 
 It speaks the megascore.v1 wire contract exactly (requests decoded with
-``megascore.wire``) and computes values the tests can recompute with the ``ref_*``
+``megascore.api.wire``) and computes values the tests can recompute with the ``ref_*``
 functions: ``log p(x_t | x_<t) = -((x_t % 7) + 1) / 10 / temperature``. It records
 every call (method, request id, metadata, sizes) and can inject failures, delays, a
 gate that holds calls until released, and a required bearer token.
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from megascore.errors import MegascoreError
+from megascore.api.errors import MegascoreError
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore.wire import decode_array, encode_array
 
 VOCAB = 512
 MAX_TOP_K = 8

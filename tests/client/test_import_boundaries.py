@@ -1,10 +1,11 @@
 """Import boundaries, read from the source trees (AST) and checked at run time.
 
-* The client stands on the wire layer only: the generated stubs (``megascore.v1``),
-  the array codec (``megascore.wire``, with the ``megascore.errors`` it raises) and the
-  table of options and outputs that says what travels (``megascore.schema``), plus
-  the package version; never the server, the engine, ``megascore.types`` or torch
-  (torch only lazily, inside a function: the trainer adapters).
+* The client stands on the contract only: the generated stubs (``megascore.v1``) and
+  the torch-free contract package (``megascore.api``: the table, the codec, the layout
+  arithmetic, the errors), plus the package version; never the server, the engine or
+  torch (torch only lazily, inside a function: the trainer adapters).
+* The contract package imports nothing of the engine, the fronts or the client, and
+  loads without torch.
 * The server and the engine never import the client.
 * The batcher works on domain types: no protobuf, stubs or codec in it.
 """
@@ -22,14 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "client" / "megascore_client"
 SERVER = ROOT / "server" / "megascore_server"
 LIBRARY = ROOT / "src" / "megascore"
-# the groups of ScoreRequest.groups are indices into the flat token layout (numpy only)
-WIRE_LAYER = (
-    "megascore.v1",
-    "megascore.wire",
-    "megascore.schema",
-    "megascore.sequence_groups",
-    "megascore.layout",
-)
+CONTRACT = ("megascore.v1", "megascore.api")
 # the batcher and its helpers: the step planner and the pending-request bookkeeping
 BATCHER = ("batcher.py", "step_planner.py", "pending.py")
 
@@ -94,7 +88,7 @@ def test_the_walker_sees_every_kind_of_import(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import torch as t\n"
-        "from megascore import types\n"
+        "from megascore.api import types\n"
         "from . import errors\n"
         "from .results import ModelInfo\n"
         "def f():\n"
@@ -104,8 +98,8 @@ def test_the_walker_sees_every_kind_of_import(tmp_path):
     found = {(m, lazy) for m, lazy, _ in imports(probe, "megascore_client")}
     assert {
         ("torch", False),
-        ("megascore", False),
-        ("megascore.types", False),
+        ("megascore.api", False),
+        ("megascore.api.types", False),
         ("megascore_client", False),
         ("megascore_client.errors", False),
         ("megascore_client.results", False),
@@ -114,7 +108,7 @@ def test_the_walker_sees_every_kind_of_import(tmp_path):
     } <= found
 
 
-def test_the_client_imports_only_the_wire_layer():
+def test_the_client_imports_only_the_contract():
     bad = []
     for path in _sources(CLIENT):
         for module, lazy, line in imports(path):
@@ -122,11 +116,11 @@ def test_the_client_imports_only_the_wire_layer():
             if _within(module, ("megascore_server",)):
                 bad.append(where)
             elif _within(module, ("megascore",)) and module != "megascore":
-                if not _within(module, WIRE_LAYER):
+                if not _within(module, CONTRACT):
                     bad.append(where)
             elif _within(module, ("torch",)) and not lazy:
                 bad.append(where + " (torch only inside a function)")
-    assert not bad, "client imports outside the wire layer:\n" + "\n".join(bad)
+    assert not bad, "client imports outside the contract:\n" + "\n".join(bad)
 
 
 def test_the_server_and_the_engine_never_import_the_client():
@@ -138,6 +132,41 @@ def test_the_server_and_the_engine_never_import_the_client():
         if _within(module, ("megascore_client",))
     ]
     assert not bad, "imports of the client:\n" + "\n".join(bad)
+
+
+def test_the_contract_imports_nothing_of_its_users():
+    """``megascore.api`` stands alone: numpy and the stubs, never the engine, the model,
+    the checkpoint readers, a front, the client or torch (not even lazily)."""
+    files = _sources(LIBRARY / "api")
+    assert {"schema.py", "types.py", "wire.py", "layout.py"} <= {f.name for f in files}
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {module}"
+        for path in files
+        for module, _, line in imports(path)
+        if _within(module, ("megascore", "megascore_server", "megascore_client", "torch"))
+        and not _within(module, CONTRACT)
+        and module != "megascore"
+    ]
+    assert not bad, "the contract imports its users:\n" + "\n".join(bad)
+
+
+def test_the_contract_loads_without_torch():
+    """At run time, with torch made unimportable: every contract module imports."""
+    modules = sorted(p.stem for p in (LIBRARY / "api").glob("*.py") if p.stem != "__init__")
+    code = (
+        "import importlib, json, sys\n"
+        "sys.modules['torch'] = None\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module('megascore.api.' + name)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'megascore')))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    loaded = json.loads(proc.stdout)
+    assert len(modules) >= 8 and f"megascore.api.{modules[0]}" in loaded
+    assert [m for m in loaded if not (m == "megascore" or _within(m, CONTRACT))] == []
 
 
 def test_the_batcher_never_touches_protobuf():
@@ -152,7 +181,7 @@ def test_the_batcher_never_touches_protobuf():
     assert not bad, "protobuf in the batcher:\n" + "\n".join(bad)
 
 
-def test_importing_the_client_loads_only_the_wire_layer():
+def test_importing_the_client_loads_only_the_contract():
     """At run time too: what importing every client module pulls in."""
     modules = sorted(p.stem for p in CLIENT.glob("*.py") if p.stem != "__init__")
     code = (
@@ -167,9 +196,9 @@ def test_importing_the_client_loads_only_the_wire_layer():
     )
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout)
-    allowed = ("megascore", "megascore.errors", *WIRE_LAYER)
+    allowed = ("megascore", *CONTRACT)
     assert [m for m in loaded if not (m == "megascore" or _within(m, allowed))] == []
-    assert "megascore.wire" in loaded and "megascore.v1.scoring_pb2" in loaded
+    assert "megascore.api.wire" in loaded and "megascore.v1.scoring_pb2" in loaded
 
 
 def test_every_client_module_declares_what_it_exports():

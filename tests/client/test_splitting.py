@@ -8,8 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
+from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import encode_array
 from megascore_client import AsyncScoringClient, InvalidInputError, ScoringClient, ScoringError
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import (

@@ -8,8 +8,8 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import decode_array, encode_array
 from tests.client.fake_server import INT_DTYPES, VOCAB, FakeScorer
 
 BOS = 1

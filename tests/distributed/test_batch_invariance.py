@@ -18,9 +18,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from megascore import mismatch, schema
+from megascore.api import mismatch, schema
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
-from megascore.types import ScoreBatch
 from tests.checkpoint.scripts.ckpt_common import write_hf_checkpoint
 from tests.one_rank import one_rank_world
 
@@ -58,7 +58,7 @@ def hf_moe_dir(tmp_path_factory):
 
 def _per_sequence(out, lengths: np.ndarray) -> list[dict[str, np.ndarray]]:
     """The outputs of each sequence of a step, by name: every entry of the output table
-    (``megascore.schema.OUTPUTS``) the step returned."""
+    (``megascore.api.schema.OUTPUTS``) the step returned."""
     cuts = np.cumsum(lengths)[:-1]
     pieces = [dict() for _ in lengths]
     for decl in schema.outputs():

@@ -11,8 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from megascore.api.types import ScoreBatch, ScoreOutput
 from megascore.config import EngineConfig
-from megascore.types import ScoreBatch, ScoreOutput
 
 VOCAB = 512  # the built-in tiny model
 WEIGHTS = "builtin:tiny@1234"

@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore.wire import encode_array
 from megascore_server.ports import pick_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from megascore.engine.runtime import DistributedEngine
     from megascore.config import EngineConfig
-    from megascore.types import ScoreBatch
+    from megascore.api.types import ScoreBatch
     import numpy as np
 
     assert torch.cuda.is_available()

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
+from megascore.engine.packing import pack_sequences
 from megascore.model.build import HAVE_TE, build_model
 from megascore.model.config import builtin_model
 from megascore.model.parallel import destroy_parallel, initialize_parallel
-from megascore.packing import pack_sequences
 from tests.packed_forward import forward_packed
 
 pytestmark = pytest.mark.gpu

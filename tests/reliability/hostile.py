@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 from hypothesis import strategies as st
 
+from megascore.api.wire import decode_array
 from megascore.config import EngineConfig
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import decode_array
 from megascore_server.status import DECODE_LOG_EVERY_S
 from megascore_server.validation import MAX_ID_CHARS
 from tests.e2e.reference import VOCAB, WEIGHTS

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import encode_array
 from megascore_client import ScoringClient, ScoringError
 from tests.e2e.reference import assert_results_equal
 from tests.e2e.serve import ROOT, SERVING, assert_not_serving, children

@@ -17,9 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore.wire import encode_array
 from megascore_client import ScoringClient, ScoringError, TlsConfig
 from tests.e2e.serve import ServeProcess
 from tests.pki import make_pki

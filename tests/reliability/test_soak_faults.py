@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import torch
 
+from megascore.api.types import LAYOUT_COMMON, WEIGHT_NAMES_MEGATRON
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
-from megascore.types import LAYOUT_COMMON, WEIGHT_NAMES_MEGATRON
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE
 from tests.one_rank import one_rank_world
 from tests.service.harness import ServerThread, wait_for

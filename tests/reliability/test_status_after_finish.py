@@ -24,7 +24,7 @@ import grpc
 import pytest
 from grpc._cython import cygrpc
 
-from megascore.errors import InvalidRequestError
+from megascore.api.errors import InvalidRequestError
 from megascore_server.metrics import ServerMetrics
 from megascore_server.status import StatusInterceptor
 

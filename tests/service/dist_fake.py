@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from megascore.errors import CheckpointError, WorkerLostError
+from megascore.api.errors import CheckpointError, WorkerLostError
 from tests.service.fake_engine import FakeEngine
 
 

@@ -1,4 +1,4 @@
-"""A fake :class:`megascore.types.Engine` for service tests (numpy only, no torch).
+"""A fake :class:`megascore.api.types.Engine` for service tests (numpy only, no torch).
 
 Every per-token value is a deterministic function of the token, the previous
 token of the *same* sequence and that sequence's temperature, so a request's
@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-from megascore.errors import CheckpointError, InvalidRequestError, WorkerLostError
-from megascore.types import (
+from megascore.api.errors import CheckpointError, InvalidRequestError, WorkerLostError
+from megascore.api.types import (
     Limits,
     ModelInfo,
     ParallelLayout,

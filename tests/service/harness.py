@@ -19,10 +19,10 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from megascore.types import ScoreBatch
+from megascore.api.types import ScoreBatch
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore.wire import decode_array, encode_array
 from megascore_server.app import build_server
 from megascore_server.config import GrpcServerConfig
 

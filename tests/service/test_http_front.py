@@ -21,8 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from megascore import schema
-from megascore.errors import InvalidRequestError
+from megascore.api import schema
+from megascore.api.errors import InvalidRequestError
 from megascore_server.config import GrpcServerConfig
 from megascore_server.http import extras
 from megascore_server.ports import pick_port

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from megascore.errors import WorkerLostError
+from megascore.api.errors import WorkerLostError
 from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE

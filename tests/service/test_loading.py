@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from megascore.errors import CheckpointError, UnavailableError
+from megascore.api.errors import CheckpointError, UnavailableError
 from megascore.v1 import scoring_pb2 as pb
 from tests.service.fake_engine import FakeEngine
 from tests.service.harness import Req, ServerThread, check_response, wait_for

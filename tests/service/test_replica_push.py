@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from megascore.types import WeightTarget
+from megascore.api.types import WeightTarget
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
 from megascore_client.replica_push import replica_targets

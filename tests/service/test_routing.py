@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 import pytest
 
-from megascore.errors import InvalidRequestError
-from megascore.types import Limits, RoutingShape
+from megascore.api.errors import InvalidRequestError
+from megascore.api.types import Limits, RoutingShape
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import decode_array, encode_array
 from megascore_server.validation import validate_request
 from tests.service.fake_engine import MAX_LEN, MAX_TOP_K, VOCAB, FakeEngine, compute, fake_routing
 from tests.service.harness import Req, ServerThread

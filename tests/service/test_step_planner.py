@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megascore.selection import concat_outputs, select_sequences
-from megascore.types import ScoreBatch
+from megascore.api.selection import concat_outputs, select_sequences
+from megascore.api.types import ScoreBatch
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.convert import build_response
 from megascore_server.step_planner import fill_step, merge_batches

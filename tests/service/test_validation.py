@@ -13,10 +13,10 @@ import grpc
 import numpy as np
 import pytest
 
-from megascore.errors import InvalidRequestError, ResourceExhaustedError
-from megascore.types import Limits
+from megascore.api.errors import InvalidRequestError, ResourceExhaustedError
+from megascore.api.types import Limits
+from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import encode_array
 from megascore_server.validation import validate_request
 from tests.service.fake_engine import MAX_LEN, MAX_TOP_K, VOCAB, FakeEngine
 from tests.service.harness import Req, check_response, serving

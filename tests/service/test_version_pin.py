@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from megascore.errors import WrongVersionError
+from megascore.api.errors import WrongVersionError
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import ScoringClient, ScoringError
 from tests.service.fake_engine import FakeEngine, compute

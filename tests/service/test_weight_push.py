@@ -21,10 +21,10 @@ import grpc
 import numpy as np
 import pytest
 
-from megascore.errors import CheckpointError
-from megascore.types import LAYOUT_FUSED, LAYOUT_PER_EXPERT, WeightTarget
+from megascore.api.errors import CheckpointError
+from megascore.api.types import LAYOUT_FUSED, LAYOUT_PER_EXPERT, WeightTarget
+from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import encode_array
 from megascore_server.weight_push import TensorBuffers
 from tests.service.fake_engine import FakeEngine
 from tests.service.harness import serving, wait_for

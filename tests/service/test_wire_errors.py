@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
+from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore.wire import encode_array
 from megascore_server.status import MAX_MESSAGE_CHARS, status_for
 from megascore_server.validation import MAX_ID_CHARS
 from tests.service.fake_engine import MAX_TOP_K, VOCAB, FakeEngine
@@ -169,7 +169,7 @@ def test_long_health_service_name_is_answered(server):
 
 
 def test_every_status_message_is_capped():
-    from megascore.errors import CheckpointError
+    from megascore.api.errors import CheckpointError
 
     code, message = status_for(CheckpointError("x" * 100_000), "id")
     assert code == grpc.StatusCode.FAILED_PRECONDITION

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megascore import layout
+from megascore.api import layout
+from megascore.api.types import ScoreBatch
 from megascore.engine.data_parallel import balanced_parts, split_step, sub_batch
 from megascore.engine.pipeline import plan_microbatches, shared_units, split_microbatches
-from megascore.types import ScoreBatch
 from tests.prefix_groups import MIN_SHARED, prefix_group_batch
 
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megascore import layout
-from megascore.errors import InvalidRequestError
-from megascore.types import Limits, ScoreBatch
+from megascore.api import layout
+from megascore.api.errors import InvalidRequestError
+from megascore.api.types import Limits, ScoreBatch
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.logprobs import Float32Logits, score_tokens
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
-from megascore.types import ScoreBatch
 from tests.packed_forward import forward_packed
 from tests.padded_rows import pack_rows
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from megascore.api.layout import effective_loss_mask
 from megascore.engine import losses
 from megascore.engine.losses import compute_losses, loss_names
-from megascore.layout import effective_loss_mask
 
 
 def test_loss_names_sorted_and_include_basics():

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
-from megascore.types import ScoreBatch
 
 LENGTHS = np.array([5, 1, 17, 3, 9, 2, 12, 7])
 

@@ -77,11 +77,11 @@ def test_padded_microbatches_score_as_one(pgs, name):
     score every sequence as one unpadded microbatch does: logprobs, top-k, losses."""
     import torch
 
+    from megascore.api.types import ScoreBatch
     from megascore.config import EngineConfig
     from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
     from megascore.model.build import build_model
     from megascore.model.config import builtin_model
-    from megascore.types import ScoreBatch
 
     cfg = builtin_model(name)
     model = build_model(cfg, EngineConfig(device="cpu"), pgs)

@@ -24,9 +24,9 @@ from megascore.engine.forward import (
     packed_labels_and_mask,
     packed_position_ids,
 )
+from megascore.engine.packing import cp_shard_indices
 from megascore.model.build import build_model, resolve_attention_backend
 from megascore.model.config import ModelConfig, builtin_model
-from megascore.packing import cp_shard_indices
 from tests.packed_forward import forward_packed
 from tests.padded_rows import pack_rows
 

@@ -20,13 +20,13 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.forward import OutputHead, packed_labels_and_mask, packed_position_ids
 from megascore.engine.logprobs import score_tokens
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig, builtin_model
-from megascore.types import ScoreBatch
 from tests.packed_forward import forward_packed
 from tests.padded_rows import pack_rows
 

@@ -13,7 +13,7 @@ import torch
 
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
-from megascore.segment_packing import GPU_REFUSAL, check_prefix_sharing_device
+from megascore.engine.segment_packing import GPU_REFUSAL, check_prefix_sharing_device
 from megascore_server.config_loader import load_serve_config
 from tests.one_rank import one_rank_world
 from tests.prefix_groups import MIN_SHARED, assert_same_scores, prefix_group_batch

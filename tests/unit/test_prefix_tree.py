@@ -1,13 +1,13 @@
-"""The segment tree of shared prefixes (megascore.prefix_tree) and the step's microbatch plan."""
+"""The segment tree of shared prefixes (engine.prefix_tree) and the step's microbatch plan."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from megascore import layout
+from megascore.api import layout
 from megascore.engine.pipeline import plan_microbatches
-from megascore.prefix_tree import dense_layout, shared_groups, shared_layout
+from megascore.engine.prefix_tree import dense_layout, shared_groups, shared_layout
 from tests.prefix_groups import MIN_SHARED, prefix_group_sequences
 
 

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from megascore import layout, schema
+from megascore.api import layout, schema
+from megascore.api.selection import concat_outputs, select_sequences
 from megascore.config import EngineConfig
 from megascore.engine.logprobs import score_tokens
 from megascore.engine.runtime import DistributedEngine
-from megascore.selection import concat_outputs, select_sequences
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import ScoreOptions, build_parts, decode_part, merge

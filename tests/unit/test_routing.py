@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from megascore.api.errors import InvalidRequestError
+from megascore.api.types import Limits, RoutingShape, ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
-from megascore.errors import InvalidRequestError
-from megascore.types import Limits, RoutingShape, ScoreBatch
 
 LENGTHS = np.array([5, 1, 17, 3, 9])
 

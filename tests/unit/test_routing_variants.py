@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from megascore.api.types import RoutingShape, ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.routing import routing_shape
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig
-from megascore.types import RoutingShape, ScoreBatch
 
 CFG = ModelConfig(
     num_layers=3,

@@ -1,4 +1,4 @@
-"""The option / output table (``megascore.schema``) drives every layer.
+"""The option / output table (``megascore.api.schema``) drives every layer.
 
 A per-token output added to the table alone (no other product edit) is computed by the
 engine step from the output head, mapped packed -> flat with its fill, merged across
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from megascore import schema
+from megascore.api import schema
+from megascore.api.selection import concat_outputs, select_sequences
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
-from megascore.selection import concat_outputs, select_sequences
-from megascore.types import ScoreBatch
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import ROUTING_VALUES_GUESS, ScoreOptions, response_bytes
 from megascore_server.step_planner import merge_batches

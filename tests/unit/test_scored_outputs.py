@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megascore import mismatch
+from megascore.api import mismatch
+from megascore.api.errors import InvalidRequestError
+from megascore.api.types import Limits, ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
-from megascore.errors import InvalidRequestError
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
-from megascore.types import Limits, ScoreBatch
 from tests.mismatch_reference import numpy_mismatch_stats
 from tests.packed_forward import forward_packed, pack_for_rank
 

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from megascore import layout, schema
+from megascore.api import layout, schema
 from megascore.config import EngineConfig
 from megascore.engine import pipeline
 from megascore.engine.runtime import DistributedEngine

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from megascore import layout
+from megascore.api import layout
 from megascore.config import EngineConfig
+from megascore.engine.packing import pack_sequences
 from megascore.engine.pipeline import build_microbatch
+from megascore.engine.prefix_tree import dense_layout
 from megascore.engine.step import PredictionIndex
-from megascore.packing import pack_sequences
-from megascore.prefix_tree import dense_layout
 
 
 def test_prediction_index_shifts_right_within_each_sequence():

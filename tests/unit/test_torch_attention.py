@@ -11,8 +11,8 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megascore.engine.packing import cp_shard_indices
 from megascore.model.attention import TorchCoreAttention, _build_plan
-from megascore.packing import cp_shard_indices
 
 HEADS, GROUPS, DIM = 4, 2, 8
 

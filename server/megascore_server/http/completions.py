@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from megascore.errors import InvalidRequestError
+from megascore.api.errors import InvalidRequestError
 from megascore_server.http import extras
 from megascore_server.http.errors import json_response
 from megascore_server.http.prompts import build_batch, temperature_of, token_lists, unscored

@@ -12,7 +12,7 @@ import logging
 import orjson
 from starlette.responses import Response
 
-from megascore.errors import InvalidRequestError, clip
+from megascore.api.errors import InvalidRequestError, clip
 from megascore_server.error_table import INTERNAL_MESSAGE, mapping_for
 
 logger = logging.getLogger(__name__)

@@ -1,14 +1,14 @@
 """The ``megascore`` key of an HTTP request and answer, read from the table.
 
 Request: ``"megascore": {<option>: value, <input>: per-prompt values}`` — every option of
-:data:`megascore.schema.OPTIONS` by its name (an enum option by its name:
-``"logprob_positions": "masked"``) and every input of :data:`megascore.schema.INPUTS`:
+:data:`megascore.api.schema.OPTIONS` by its name (an enum option by its name:
+``"logprob_positions": "masked"``) and every input of :data:`megascore.api.schema.INPUTS`:
 a per-token input as one list per prompt (``"loss_mask": [[0, 1, 1], [0, 1]]``,
 ``"target_ids": [[[3, 4], [5, 6]], ...]``), a per-sequence one as one value for every
 prompt or one per prompt (``"mismatch_ratio_cap": 3.0``).
 
 Answer: each choice's ``"megascore"`` holds every output of
-:data:`megascore.schema.OUTPUTS` the request asked for, by its SDK name (per token: one
+:data:`megascore.api.schema.OUTPUTS` the request asked for, by its SDK name (per token: one
 list, entry 0 the fill; per sequence: the value or row; a map: name -> value), and the
 response's ``"megascore"`` the weights version, the MoE / MTP metrics and the timings.
 No list of fields lives here: a new entry of the table is reachable over HTTP as it is.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore import schema
-from megascore.errors import InvalidRequestError
+from megascore.api import schema
+from megascore.api.errors import InvalidRequestError
 from megascore_server.service import Scored
 
 _TYPES = {bool: "a boolean", int: "an integer", str: "a string", tuple: "a list of strings"}

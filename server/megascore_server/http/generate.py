@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from megascore.errors import InvalidRequestError
+from megascore.api.errors import InvalidRequestError
 from megascore_server.http import extras
 from megascore_server.http.completions import FLOOR, NO_GENERATION
 from megascore_server.http.errors import json_response

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 
-from megascore.errors import UnauthenticatedError
+from megascore.api.errors import UnauthenticatedError
 from megascore_server.http.errors import HttpError, error_response
 from megascore_server.metrics import ServerMetrics
 

@@ -1,4 +1,4 @@
-"""Prompts of an HTTP body -> one :class:`~megascore.types.ScoreBatch` (both dialects).
+"""Prompts of an HTTP body -> one :class:`~megascore.api.types.ScoreBatch` (both dialects).
 
 A prompt is token ids or text (tokenized with the server's tokenizer); every error
 names the dialect's field and the prompt index (``prompt[2]``, ``input_ids[0][7]``).
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore import schema
-from megascore.errors import InvalidRequestError
-from megascore.layout import effective_loss_mask
-from megascore.types import ScoreBatch
+from megascore.api import schema
+from megascore.api.errors import InvalidRequestError
+from megascore.api.layout import effective_loss_mask
+from megascore.api.types import ScoreBatch
 from megascore_server.http import extras
 from megascore_server.tokenizer import ServerTokenizer, require
 

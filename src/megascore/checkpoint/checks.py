@@ -11,7 +11,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
-from megascore.errors import CheckpointError
+from megascore.api.errors import CheckpointError
 from megascore.model.config import ModelConfig
 
 NON_ARCHITECTURE_FIELDS = ("seed", "init_method_std", "architecture", "mtp_not_served")

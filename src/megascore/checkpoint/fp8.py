@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megascore.errors import CheckpointError
+from megascore.api.errors import CheckpointError
 
 SCALE_SUFFIX = "_scale_inv"
 """``X.weight`` -> ``X.weight_scale_inv``: the per-block factors of an FP8 tensor."""

@@ -40,9 +40,9 @@ import logging
 import os
 from pathlib import Path
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint.checks import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.hf_config import read_hf_config
-from megascore.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

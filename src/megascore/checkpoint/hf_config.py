@@ -8,7 +8,7 @@ what each maps onto in Megatron-Core.
 
 A config value Megatron-Core would compute differently from the HF reference (another
 activation, biases it has no place for, other RoPE scalings, other routers) raises
-:class:`~megascore.errors.CheckpointError` naming the field, rather than loading a model
+:class:`~megascore.api.errors.CheckpointError` naming the field, rather than loading a model
 that would silently score differently.
 """
 
@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint import fp8
 from megascore.checkpoint.families import ARCHITECTURES, TRANSLATORS
-from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = tuple(TRANSLATORS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint.optional_parts import shared_embedding_name
 from megascore.checkpoint.recipes import (
     QKV,
@@ -24,7 +25,6 @@ from megascore.checkpoint.recipes import (
     VocabRows,
 )
 from megascore.checkpoint.safetensors_io import SafetensorsDir
-from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint import fp8
 from megascore.checkpoint.checks import check_every_parameter_written, model_tensor_names
 from megascore.checkpoint.hf_config import read_hf_config
@@ -45,7 +46,6 @@ from megascore.checkpoint.hf_names import ParamMapper, mtp_copies
 from megascore.checkpoint.optional_parts import explain_missing
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.checkpoint.safetensors_io import SafetensorsDir
-from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
 from megascore.model.weights import decoder_layer_offset, unwrap_model
 

@@ -45,14 +45,14 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint.checks import (
     check_every_parameter_written,
     check_same_architecture,
     model_tensor_names,
 )
 from megascore.checkpoint.megatron_names import te_keys
-from megascore.distributed import collective_device
-from megascore.errors import CheckpointError
+from megascore.engine.distributed import collective_device
 from megascore.model.config import ModelConfig
 from megascore.model.weights import unwrap_model
 

@@ -14,8 +14,8 @@ import dataclasses
 
 import torch
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint.safetensors_io import SafetensorsDir
-from megascore.errors import CheckpointError
 
 
 def _group_rank_size(group) -> tuple[int, int]:

@@ -41,9 +41,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint.hf_config import hf_config_to_model_config, read_hf_config
 from megascore.checkpoint.optional_parts import served_head, served_mtp_layers
-from megascore.errors import CheckpointError
 from megascore.model.config import BUILTIN_MODELS, ModelConfig, builtin_model
 
 logger = logging.getLogger(__name__)

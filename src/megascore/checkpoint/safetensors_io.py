@@ -27,8 +27,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from megascore.api.errors import CheckpointError
 from megascore.checkpoint import fp8
-from megascore.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ ranks). Every rank receives the whole batch (``megascore.engine.protocol``); the
 2. each DP rank's TP x CP x PP group runs :func:`megascore.engine.step.run_step` on its
    part (every rank of the replica agrees on the outcome, as before);
 3. the output rank of every DP group (its first pipeline stage's TP 0 / CP 0 rank)
-   turns its part into a :class:`~megascore.types.ScoreOutput`
+   turns its part into a :class:`~megascore.api.types.ScoreOutput`
    (:func:`megascore.engine.step.finish_step`) and sends it, typed (shapes derived
    from the batch on both sides, nothing pickled), to global rank 0 over a gloo group of
    the output ranks; rank 0 joins the parts in the caller's order
-   (:func:`megascore.selection.concat_outputs`).
+   (:func:`megascore.api.selection.concat_outputs`).
 
 Metrics stay those of one rank scoring the whole batch. Step-level metrics (the default,
 :mod:`megascore.engine.step_metrics`) sum every DP rank's statistics
@@ -57,7 +57,9 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megascore import layout, schema, selection
+from megascore.api import layout, schema, selection
+from megascore.api.errors import WorkerLostError
+from megascore.api.types import ScoreBatch, ScoreOutput
 from megascore.engine.pipeline import (
     MicrobatchPlan,
     MicrobatchSegments,
@@ -74,8 +76,6 @@ from megascore.engine.step import (
     shared_prefix,
     token_keys,
 )
-from megascore.errors import WorkerLostError
-from megascore.types import ScoreBatch, ScoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def aux_losses_over_data_parallel(model, enabled: bool):
 
 def _output_fields(batch: ScoreBatch, routing_dims: tuple[int, int] | None):
     """``(output, key, dtype, shape)`` of every array of a part's output, in sending order
-    (the wanted outputs of :data:`megascore.schema.OUTPUTS`; ``key`` names an entry of a
+    (the wanted outputs of :data:`megascore.api.schema.OUTPUTS`; ``key`` names an entry of a
     map output, else None)."""
     rows = {schema.TOKEN: batch.num_tokens, schema.SEQUENCE: batch.num_sequences}
     fields = []

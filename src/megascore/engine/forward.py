@@ -5,7 +5,7 @@ The pieces are what Megatron's schedule calls per microbatch
 arguments, :func:`scoring_forward` is the mode a whole step runs in (and reads the
 metrics after it).
 
-:func:`forward_microbatch` feeds a :class:`~megascore.packing.PackedSequences` (THD,
+:func:`forward_microbatch` feeds a :class:`~megascore.engine.packing.PackedSequences` (THD,
 this rank's CP shard) through the model and returns an :class:`OutputHead`: the
 final hidden states (after the final layernorm) and the model's output layer,
 which computes the vocab-parallel logits ``[C, V / tp]`` of any chunk of rows on
@@ -73,10 +73,10 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from megascore.config import METRICS_REDUCTIONS
 from megascore.engine import step_metrics
+from megascore.engine.packing import PackedSequences, cp_shard_indices, roll_within_segments
 from megascore.engine.scratch import Scratch
+from megascore.engine.segment_packing import full_positions, rope_positions
 from megascore.model.batch_invariant import is_batch_invariant, pad_rows
-from megascore.packing import PackedSequences, cp_shard_indices, roll_within_segments
-from megascore.segment_packing import full_positions, rope_positions
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def packed_position_ids(
         cp_size: CP group size.
         params: the packing's ``PackedSeqParams``: positions of segments that continue
             a shared prefix continue from it
-            (:class:`megascore.segment_packing.SharedPrefixParams`).
+            (:class:`megascore.engine.segment_packing.SharedPrefixParams`).
 
     Returns:
         int64 ``[1, T / cp_size]`` (positions restart at 0 for every sequence).

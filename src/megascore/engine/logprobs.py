@@ -29,14 +29,14 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megascore import schema
+from megascore.api import schema
 from megascore.engine.scratch import Scratch
 
 logger = logging.getLogger(__name__)
 
 
 class TokenScores(dict):
-    """Per-token outputs of :func:`score_tokens` by :data:`megascore.schema.OUTPUTS` name,
+    """Per-token outputs of :func:`score_tokens` by :data:`megascore.api.schema.OUTPUTS` name,
     also read as attributes (None when not computed):
 
     * logprobs: float32 ``[T]``, ``log softmax(logits[t] / temperature[t])[targets[t]]``.
@@ -283,7 +283,7 @@ class VocabShard:
 
 class ChunkScores:
     """One chunk of temperature-scaled vocab-parallel logits, normalised over the TP
-    group, and what each head output of :data:`megascore.schema.OUTPUTS` reads from it
+    group, and what each head output of :data:`megascore.api.schema.OUTPUTS` reads from it
     (``Output.head``: ``chunk -> [C, *dims]``).
 
     Attributes:
@@ -445,7 +445,7 @@ def score_tokens(
         vocab_size: true vocabulary size; ids at or above it (padding columns)
             are excluded from the top-k. They still count in the softmax
             normaliser, as in Megatron's vocab-parallel cross-entropy.
-        outputs: the head outputs to compute (:func:`megascore.schema.head_outputs`);
+        outputs: the head outputs to compute (:func:`megascore.api.schema.head_outputs`);
             None: the logprobs when ``targets`` is given and the top-k when ``top_k > 0``.
         target_ids: int64 ``[T, K]`` caller-chosen global ids whose logprobs the
             ``target_logprobs`` output returns, or None.

@@ -2,7 +2,7 @@
 
 A loss is a function of one batch's per-token logprobs in the NeMo-RL layout
 (entry 0 of each sequence is 0.0, entry t is ``log p(x_t | x_<t)``), the
-effective loss mask (:func:`megascore.layout.effective_loss_mask`: the request
+effective loss mask (:func:`megascore.api.layout.effective_loss_mask`: the request
 mask with entry 0 of every sequence forced to 0) and the sequence lengths; it
 returns one float64 value per sequence.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megascore.layout import count_loss_tokens, effective_loss_mask, segment_sum
+from megascore.api.layout import count_loss_tokens, effective_loss_mask, segment_sum
 
 logger = logging.getLogger(__name__)
 

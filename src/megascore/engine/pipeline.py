@@ -42,20 +42,20 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megascore import layout, schema
-from megascore.distributed import gather_cp_shards
+from megascore.api import layout, schema
+from megascore.engine.distributed import gather_cp_shards
 from megascore.engine.forward import forward_microbatch
 from megascore.engine.logprobs import Float32Logits, score_tokens
-from megascore.engine.routing import recorded_routes, set_replay_targets
-from megascore.packing import PackedSequences, roll_within_segments
-from megascore.prefix_tree import (
+from megascore.engine.packing import PackedSequences, roll_within_segments
+from megascore.engine.prefix_tree import (
     SegmentLayout,
     concat_layouts,
     dense_layout,
     shared_groups,
     shared_layout,
 )
-from megascore.segment_packing import pack_layout
+from megascore.engine.routing import recorded_routes, set_replay_targets
+from megascore.engine.segment_packing import pack_layout
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class MicrobatchSegments:
 
     Attributes:
         sequences: int64 ``[B_mb]`` the step's sequences in the microbatch's order.
-        segments: their :class:`~megascore.prefix_tree.SegmentLayout`.
+        segments: their :class:`~megascore.engine.prefix_tree.SegmentLayout`.
     """
 
     sequences: np.ndarray
@@ -136,8 +136,8 @@ class SharedUnits:
     (and data-parallel parts) are cut from, a group never cut apart.
 
     Attributes:
-        groups: sequence indices per group (:func:`~megascore.prefix_tree.shared_groups`).
-        layouts: each group's :class:`~megascore.prefix_tree.SegmentLayout`.
+        groups: sequence indices per group (:func:`~megascore.engine.prefix_tree.shared_groups`).
+        layouts: each group's :class:`~megascore.engine.prefix_tree.SegmentLayout`.
         costs: int64 ``[G]`` packed rows of each group's segments, padded.
     """
 
@@ -254,7 +254,7 @@ class Microbatch:
     """One microbatch of a step, packed for this rank (built alike on every stage).
 
     Attributes:
-        packed: the microbatch's segments (:class:`~megascore.prefix_tree.SegmentLayout`:
+        packed: the microbatch's segments (:class:`~megascore.engine.prefix_tree.SegmentLayout`:
             its sequences, or their shared prefixes and continuations), packed and
             padded to the step's common length.
         token_positions: int64 ``[T_mb]`` (CPU) packed row of every token of the
@@ -276,7 +276,7 @@ class Microbatch:
         num_sequences: the microbatch's sequences.
         last_rows: int64 ``[n]`` (CPU) the local rows (this CP shard's) that hold the
             last token of a sequence: their output predicts the token after it
-            (:func:`megascore.schema.at_last_row`). A sequence that ends where a shared
+            (:func:`megascore.api.schema.at_last_row`). A sequence that ends where a shared
             prefix ends has its last token in the prefix's last row, which it shares.
         last_sequences: int64 ``[n]`` (CPU) which of the microbatch's sequences (its
             ``sequences`` order) each of ``last_rows`` ends.
@@ -415,7 +415,7 @@ class ScoreSpec:
     """What the last stage computes for every microbatch of a step.
 
     Attributes:
-        outputs: the head outputs to compute (:func:`megascore.schema.head_outputs`).
+        outputs: the head outputs to compute (:func:`megascore.api.schema.head_outputs`).
         top_k: alternatives per position (0 = none).
         chunk_tokens: rows per chunk of the vocab-parallel log-softmax.
         vocab_size: true vocabulary size.
@@ -513,7 +513,7 @@ def _score_last_rows(
     mb: Microbatch, spec: ScoreSpec, outputs: list[schema.Output], tp_group, cp_group, head
 ) -> dict[str, torch.Tensor]:
     """The outputs read at the last row of each sequence (the prediction after its last
-    token, :func:`megascore.schema.at_last_row`): the head of those rows only, with a
+    token, :func:`megascore.api.schema.at_last_row`): the head of those rows only, with a
     top-k of ``max(1, top_k)``, then one SUM over CP (each row lives on one CP rank).
 
     Returns:

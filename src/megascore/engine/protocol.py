@@ -31,7 +31,7 @@ slot  name              meaning
 15    weights_flags     WEIGHTS_COMMIT: bitmask of ``WEIGHTS_FLAG_*``
 ====  ================  =====================================================
 
-A FORWARD header is laid out from :mod:`megascore.schema`: the boolean options
+A FORWARD header is laid out from :mod:`megascore.api.schema`: the boolean options
 (``Option.flag``) are flag bits ``0, 1, ...`` in table order, each input sent sets
 flag bit ``INPUT_FLAG_BASE + i`` (``i`` its index in ``INPUTS``); the integer options,
 then the trailing dimensions of every input (``Input.ndim`` each), take the slots of
@@ -57,7 +57,7 @@ The WEIGHTS_* messages are one weight push (``megascore.engine.weight_update``):
 BEGIN, any number of TENSOR, then COMMIT or ABORT; forward steps may come in
 between (they run on the old weights).
 
-Rank 0 checks the batch (:meth:`~megascore.types.ScoreBatch.check`) before its
+Rank 0 checks the batch (:meth:`~megascore.api.types.ScoreBatch.check`) before its
 first broadcast, so a bad batch raises there and the workers never see a
 partial message. The loss registry (``loss_names``)
 must be identical on every rank; the worker's batch lists its losses in the
@@ -75,8 +75,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascore import schema
-from megascore.types import ScoreBatch
+from megascore.api import schema
+from megascore.api.types import ScoreBatch
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def send_batch(
 
     Raises:
         ValueError: a loss outside the registry (before any collective). The batch
-            itself was checked by :meth:`~megascore.types.ScoreBatch.check`.
+            itself was checked by :meth:`~megascore.api.types.ScoreBatch.check`.
     """
     registry = _registry(loss_names)
     slots = {_H_NUM_TOKENS: batch.num_tokens, _H_NUM_SEQUENCES: batch.num_sequences}

@@ -16,10 +16,10 @@ router_replay``): with ``TransformerConfig.moe_enable_routing_replay`` every
   own scores at them (probabilities are therefore the model's, only the choice is
   replayed).
 
-This module maps both onto the packed layout of :mod:`megascore.packing`:
+This module maps both onto the packed layout of :mod:`megascore.engine.packing`:
 
 * a step runs in microbatches (:mod:`megascore.engine.pipeline`); a router sees,
-  per microbatch, this rank's CP shard (:func:`megascore.packing.cp_shard_indices`)
+  per microbatch, this rank's CP shard (:func:`megascore.engine.packing.cp_shard_indices`)
   and, with sequence parallelism, only the TP rank's contiguous ``1 / tp`` slice of
   it; with EP the routing is computed before the token dispatch, on the rank's own
   tokens (its data-parallel part of the step, :mod:`megascore.engine.data_parallel`;
@@ -62,9 +62,9 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megascore.distributed import collective_device, gather_cp_shards
-from megascore.packing import PackedSequences
-from megascore.types import RoutingShape
+from megascore.api.types import RoutingShape
+from megascore.engine.distributed import collective_device, gather_cp_shards
+from megascore.engine.packing import PackedSequences
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def stage_moe_layers(config, pp_rank: int) -> list[int]:
 
 
 def routing_shape(model) -> RoutingShape | None:
-    """The :class:`~megascore.types.RoutingShape` of a built model (all stages' layers).
+    """The :class:`~megascore.api.types.RoutingShape` of a built model (all stages' layers).
 
     Returns:
         None for a model without MoE layers, or one whose routing bypasses

@@ -2,7 +2,7 @@
 
 Every rank calls :meth:`DistributedEngine.create`; then rank 0 serves
 :meth:`~DistributedEngine.score` / :meth:`~DistributedEngine.load_weights` /
-:meth:`~DistributedEngine.shutdown` (the :class:`~megascore.types.Engine`
+:meth:`~DistributedEngine.shutdown` (the :class:`~megascore.api.types.Engine`
 protocol) and every other rank runs :meth:`~DistributedEngine.worker_loop`
 until rank 0 shuts down::
 
@@ -38,7 +38,7 @@ Process groups (all explicit):
 Failure: when any rank fails a step, every rank learns it through the status
 all-reduce (:func:`megascore.engine.step.run_step`, which first waits for the
 step's CUDA work so that asynchronous CUDA errors count); the engine is then
-*broken*: rank 0 raises :class:`~megascore.errors.WorkerLostError` for that and
+*broken*: rank 0 raises :class:`~megascore.api.errors.WorkerLostError` for that and
 every later call, and the workers leave their loop with the same error (exit
 non-zero so that the launcher tears the replica down).
 
@@ -70,31 +70,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
-from megascore.config import EngineConfig
-from megascore.engine import protocol
-from megascore.engine.data_parallel import DataParallelGroup
-from megascore.engine.forward import moe_metric_names, mtp_metric_names
-from megascore.engine.losses import loss_names
-from megascore.engine.rendezvous import init_default_group
-from megascore.engine.routing import routing_shape
-from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
-from megascore.engine.step import StepConfig, StepGroups, agree_on_status
-from megascore.engine.weight_update import (
-    WeightStaging,
-    gather_needs,
-    gather_targets,
-    weight_targets,
-)
-from megascore.errors import (
+from megascore.api.errors import (
     LOAD_FAILURES,
     CheckpointError,
     InvalidRequestError,
     WorkerLostError,
 )
-from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
-from megascore.segment_packing import check_prefix_sharing_device, min_shared_prefix
-from megascore.types import (
+from megascore.api.types import (
     Limits,
     ModelInfo,
     ParallelLayout,
@@ -103,6 +85,24 @@ from megascore.types import (
     WeightTarget,
     check_pinned_version,
 )
+from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
+from megascore.config import EngineConfig
+from megascore.engine import protocol
+from megascore.engine.data_parallel import DataParallelGroup
+from megascore.engine.forward import moe_metric_names, mtp_metric_names
+from megascore.engine.losses import loss_names
+from megascore.engine.rendezvous import init_default_group
+from megascore.engine.routing import routing_shape
+from megascore.engine.segment_packing import check_prefix_sharing_device, min_shared_prefix
+from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
+from megascore.engine.step import StepConfig, StepGroups, agree_on_status
+from megascore.engine.weight_update import (
+    WeightStaging,
+    gather_needs,
+    gather_targets,
+    weight_targets,
+)
+from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def _one_thread():
 
 
 class DistributedEngine:
-    """A model replica; implements :class:`megascore.types.Engine` on rank 0."""
+    """A model replica; implements :class:`megascore.api.types.Engine` on rank 0."""
 
     def __init__(
         self,

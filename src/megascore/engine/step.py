@@ -1,7 +1,7 @@
 """One engine step on one rank: pack, forward, score, gather, agree, unpack.
 
 Every rank of a TP x CP x PP group runs :func:`run_step` with the same
-:class:`~megascore.types.ScoreBatch` (broadcast by rank 0; with data-parallel ranks, the
+:class:`~megascore.api.types.ScoreBatch` (broadcast by rank 0; with data-parallel ranks, the
 DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parallel`):
 
 1. split the batch into microbatches (:func:`megascore.engine.pipeline.split_microbatches`)
@@ -27,7 +27,7 @@ DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parall
    on every rank.
 
 The output rank then turns the gathered packed results into a
-:class:`~megascore.types.ScoreOutput` with :func:`finish_step` (local work only),
+:class:`~megascore.api.types.ScoreOutput` with :func:`finish_step` (local work only),
 through the packed <-> flat index that packing built (``token_positions``).
 """
 
@@ -40,8 +40,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascore import layout, schema, selection
-from megascore.distributed import collective_device
+from megascore.api import layout, schema, selection
+from megascore.api.errors import WorkerLostError
+from megascore.api.types import ScoreBatch, ScoreOutput
+from megascore.engine.distributed import collective_device
 from megascore.engine.forward import mtp_metric_names, scoring_forward
 from megascore.engine.losses import compute_losses
 from megascore.engine.pipeline import (
@@ -59,8 +61,6 @@ from megascore.engine.routing import (
     routing_replay,
     stage_moe_layers,
 )
-from megascore.errors import WorkerLostError
-from megascore.types import ScoreBatch, ScoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class StepConfig:
         data_parallel_split: the DP ranks score different sequences of the step (their
             step-level metric statistics are summed); False: copies of one batch.
         min_shared_prefix: shortest prefix the step's sequences share that is computed
-            once (:mod:`megascore.prefix_tree`); None: every sequence computed whole.
+            once (:mod:`megascore.engine.prefix_tree`); None: every sequence computed whole.
     """
 
     pad_multiple: int
@@ -128,13 +128,13 @@ class StepConfig:
 class StepResult:
     """What :func:`run_step` returns on a rank.
 
-    The per-token head outputs (:func:`megascore.schema.head_outputs`) are in packed
+    The per-token head outputs (:func:`megascore.api.schema.head_outputs`) are in packed
     order (position ``p`` predicts the token at ``p + 1`` of its segment), gathered
     over CP, on the CPU, on the ranks of the output rank's CP group; absent elsewhere.
 
     Attributes:
         values: head output name -> ``[T_padded, *dims]`` tensor (an output at each
-            sequence's last row, :func:`megascore.schema.at_last_row`: ``[B, *dims]``
+            sequence's last row, :func:`megascore.api.schema.at_last_row`: ``[B, *dims]``
             in the batch's order).
         token_positions: int64 ``[T]`` packed position of every token of the batch
             on the step's packed axis (microbatch ``i`` occupies rows

@@ -52,7 +52,7 @@ from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_a
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from megascore.packing import PackedSequences, cp_shard_indices
+from megascore.engine.packing import PackedSequences, cp_shard_indices
 
 _ACTIVE: dict[int, StepMetrics] = {}  # id(model) -> its collector during a metrics step
 _MTP_KEYS = ("loss_values", "correct_values", "total_values")

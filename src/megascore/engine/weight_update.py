@@ -45,6 +45,15 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megascore.api.errors import CheckpointError
+from megascore.api.types import (
+    LAYOUT_COMMON,
+    LAYOUT_FUSED,
+    LAYOUT_PER_EXPERT,
+    WEIGHT_NAMES_HF,
+    WEIGHT_NAMES_MEGATRON,
+    WeightTarget,
+)
 from megascore.checkpoint.hf_names import ParamMapper
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
 from megascore.engine import protocol
@@ -55,21 +64,12 @@ from megascore.engine.push_parts import (
     block_keys,
     part_index,
 )
-from megascore.errors import CheckpointError
 from megascore.model.config import ModelConfig
 from megascore.model.weights import (
     canonical_shards,
     decoder_layer_offset,
     full_shape,
     unwrap_model,
-)
-from megascore.types import (
-    LAYOUT_COMMON,
-    LAYOUT_FUSED,
-    LAYOUT_PER_EXPERT,
-    WEIGHT_NAMES_HF,
-    WEIGHT_NAMES_MEGATRON,
-    WeightTarget,
 )
 
 logger = logging.getLogger(__name__)

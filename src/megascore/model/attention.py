@@ -15,10 +15,10 @@ constructor and forward arguments and supports what the local module does not:
   query chunk attends to the keys that precede it. The layout is Megatron's
   load-balanced one: each (padded) sequence is cut into ``2 * cp`` chunks and CP
   rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` in that order;
-* shared prefixes (:class:`megascore.segment_packing.SharedPrefixParams`, any CP size:
+* shared prefixes (:class:`megascore.engine.segment_packing.SharedPrefixParams`, any CP size:
   the prefix rows are looked up in the gathered keys):
   a segment that continues a prefix attends to the prefix's rows
-  (:func:`megascore.segment_packing.prefix_rows`) and then causally to its own, in
+  (:func:`megascore.engine.segment_packing.prefix_rows`) and then causally to its own, in
   one softmax per query (the prefix's keys come first, as in the dense sequence).
 
 Numbers equal a dense causal softmax attention per sequence within fp32 rounding.
@@ -39,8 +39,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megascore.packing import cp_shard_indices
-from megascore.segment_packing import SharedPrefixParams, prefix_rows
+from megascore.engine.packing import cp_shard_indices
+from megascore.engine.segment_packing import SharedPrefixParams, prefix_rows
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _build_plan(
         cp_size: size of the CP group.
         device: where the index tensors live.
         prefixes: per segment, the packed rows it attends to before its own
-            (:func:`megascore.segment_packing.prefix_rows`, rows of the full packed
+            (:func:`megascore.engine.segment_packing.prefix_rows`, rows of the full packed
             axis), or None.
 
     Returns:

@@ -288,7 +288,7 @@ def engine_on_rank0(model: str, **parallel):
 def engine_logprobs(engine, ids: torch.Tensor) -> np.ndarray:
     """``[b, s-1]`` target logprobs of the rows of ``ids`` scored by ``engine`` (like the
     references)."""
-    from megascore.types import ScoreBatch
+    from megascore.api.types import ScoreBatch
 
     lengths = np.full(len(ids), ids.shape[1])
     out = engine.score(ScoreBatch(token_ids=ids.reshape(-1).numpy(), lengths=lengths))

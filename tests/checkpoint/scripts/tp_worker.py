@@ -107,6 +107,7 @@ def _pushed_vs_loaded(family: str, cfg, engine_cfg, pgs, loaded) -> np.ndarray:
     rank received, bytes pushed, pushed parameters that differ from loaded's]``."""
     import torch
 
+    from megascore.api.types import WEIGHT_NAMES_HF
     from megascore.engine.weight_update import (
         WeightStaging,
         gather_needs,
@@ -114,7 +115,6 @@ def _pushed_vs_loaded(family: str, cfg, engine_cfg, pgs, loaded) -> np.ndarray:
         weight_targets,
     )
     from megascore.model.build import build_model
-    from megascore.types import WEIGHT_NAMES_HF
 
     model = build_model(cfg, engine_cfg, pgs)
     group = dist.group.WORLD
@@ -139,7 +139,7 @@ def _pushed_vs_loaded(family: str, cfg, engine_cfg, pgs, loaded) -> np.ndarray:
 
 
 def _engine_phase(work: Path, out: Path) -> None:
-    from megascore.errors import CheckpointError
+    from megascore.api.errors import CheckpointError
 
     engine = engine_on_rank0(f"hf:{work / 'hf_llama'}", tensor_model_parallel_size=2)
     if engine is None:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megascore import layout, schema
+from megascore.api import layout, schema
+from megascore.api.errors import WorkerLostError
+from megascore.api.types import ScoreBatch, ScoreOutput
 from megascore.config import EngineConfig
-from megascore.errors import WorkerLostError
-from megascore.types import ScoreBatch, ScoreOutput
 
 # Edge cases: length-1 sequences, one at the tiny models' max length (1024), one long
 # and many short ones. Every layout also returns the entropy, the logprobs of

@@ -33,13 +33,13 @@ from engine_common import (
     stall_before,
 )
 
-from megascore import schema
+from megascore.api import schema
+from megascore.api.errors import InvalidRequestError, WorkerLostError
 from megascore.config import EngineConfig
 from megascore.engine import pipeline as pipeline_module
 from megascore.engine import step as step_module
 from megascore.engine.logprobs import score_tokens
 from megascore.engine.runtime import DistributedEngine
-from megascore.errors import InvalidRequestError, WorkerLostError
 
 # name -> (model, tp, cp, ep, sequence_parallel, pad_to_multiple_of). sequence_parallel None
 # is the engine's default: on for a MoE model with TP > 1 (Megatron's training-mode MoE

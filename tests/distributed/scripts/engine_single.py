@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from engine_common import TOP_K, CheckLog, edge_case_batch, save_output
 
+from megascore.api.errors import CheckpointError, InvalidRequestError
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.losses import loss_names
 from megascore.engine.runtime import DistributedEngine
-from megascore.errors import CheckpointError, InvalidRequestError
-from megascore.types import ScoreBatch
 
 ATOL = 1e-5
 

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascore.distributed import gather_cp_shards
+from megascore.api.types import ScoreBatch
+from megascore.engine.distributed import gather_cp_shards
+from megascore.engine.packing import pack_sequences
 from megascore.engine.protocol import (
     Command,
     WeightsMessage,
@@ -28,8 +30,6 @@ from megascore.engine.protocol import (
     send_parts,
     send_weights,
 )
-from megascore.packing import pack_sequences
-from megascore.types import ScoreBatch
 
 CPU = torch.device("cpu")
 LOSS_REGISTRY = ("nll", "kl", "entropy")

@@ -25,10 +25,10 @@ import numpy as np
 import torch.distributed as dist
 from engine_common import CheckLog
 
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.pipeline import split_microbatches
 from megascore.engine.runtime import DistributedEngine
-from megascore.types import ScoreBatch
 
 # name -> (tp, cp, ep, pp, sequence_parallel); None: the engine's default (on for MoE at
 # TP > 1). PP = 2 runs 2 x PP = 4 microbatches per step.

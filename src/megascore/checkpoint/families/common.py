@@ -3,7 +3,7 @@
 Every family translator in this package turns a HF ``config.json`` object into the
 keyword arguments of :class:`~megascore.model.config.ModelConfig`; these helpers
 read the fields all of them share (sizes, RMSNorm, SiLU, RoPE, tied embeddings)
-and raise :class:`~megascore.errors.CheckpointError` for a value Megatron-Core
+and raise :class:`~megascore.api.errors.CheckpointError` for a value Megatron-Core
 would compute differently from the HF reference.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from megascore.errors import CheckpointError
+from megascore.api.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Outputs cut by sequence and joined back, in the flat token layout of
-:mod:`megascore.layout`, for every output of the table (:data:`megascore.schema.OUTPUTS`).
+:mod:`megascore.api.layout`, for every output of the table (:data:`megascore.api.schema.OUTPUTS`).
 
 A step's output is cut into its requests (:func:`select_sequences`), the pieces of one
 request are joined in its own order (:func:`concat_outputs`), and ``logprob_positions``
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore import schema
-from megascore.layout import effective_loss_mask, token_index
-from megascore.types import ScoreOutput
+from megascore.api import schema
+from megascore.api.layout import effective_loss_mask, token_index
+from megascore.api.types import ScoreOutput
 
 
 def keep_masked_positions(values: dict, lengths: np.ndarray, loss_mask: np.ndarray | None):
     """``logprob_positions`` "masked": every per-token output of the output head
-    (:func:`megascore.schema.positional`) holds its fill outside the loss mask (entry 0
+    (:func:`megascore.api.schema.positional`) holds its fill outside the loss mask (entry 0
     of each sequence included). Replaces the arrays of ``values`` (never writes into
     them: they may be views of a step's output)."""
     outside = effective_loss_mask(lengths, loss_mask) == 0
@@ -34,7 +34,7 @@ def select_sequences(
 ) -> ScoreOutput:
     """Cuts sequences ``seq_idx`` of a step's output, trimmed to one request's options.
 
-    Every output of :data:`megascore.schema.OUTPUTS` the request wants is kept: per-token
+    Every output of :data:`megascore.api.schema.OUTPUTS` the request wants is kept: per-token
     rows of those sequences, per-sequence rows (each the first ``dims(options)`` columns
     of the step's; a map output: the request's keys only).
 

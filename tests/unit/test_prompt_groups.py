@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megascore import sequence_groups
+from megascore.api import prompt_groups
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import ScoreOptions, build_parts
 from megascore_server.groups import expand_groups
@@ -30,14 +30,14 @@ def test_find_groups_and_the_wire_rows_round_trip():
     rng = np.random.default_rng(0)
     seqs = _groups(SPEC, lambda n: rng.integers(0, 1000, n))
     ids, lengths = np.concatenate(seqs), np.array([len(s) for s in seqs])
-    sizes, prompts = sequence_groups.find_groups(lengths, [ids])
+    sizes, prompts = prompt_groups.find_groups(lengths, [ids])
     # a prompt of 3 tokens is not worth a group (< MIN_SHARED_PROMPT); a group of one has
     # no prompt; a continuation may be empty (the sequence is its prompt)
     np.testing.assert_array_equal(sizes, [3, 1, 1, 1, 1, 4])
     assert prompts[0] >= 40 and prompts[-1] >= 64 and not prompts[1:-1].any()
-    keep = sequence_groups.wire_rows(lengths, sizes, prompts)
+    keep = prompt_groups.wire_rows(lengths, sizes, prompts)
     assert keep.sum() == ids.size - 2 * prompts[0] - 3 * prompts[-1]
-    index = sequence_groups.expand_index(lengths, sizes, prompts)
+    index = prompt_groups.expand_index(lengths, sizes, prompts)
     np.testing.assert_array_equal(ids[keep][index], ids)
 
 
@@ -45,7 +45,7 @@ def test_no_groups_without_a_shared_prompt():
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 1000, n) for n in (20, 30, 25)]
     lengths = np.array([len(s) for s in seqs])
-    assert sequence_groups.find_groups(lengths, [np.concatenate(seqs)]) is None
+    assert prompt_groups.find_groups(lengths, [np.concatenate(seqs)]) is None
 
 
 def test_a_group_keeps_its_prompt_when_a_later_sequence_shares_less():
@@ -54,7 +54,7 @@ def test_a_group_keeps_its_prompt_when_a_later_sequence_shares_less():
     base = np.arange(100)
     seqs = [base, np.r_[base[:90], [5]], np.r_[base[:20], [7, 7]]]
     lengths = np.array([len(s) for s in seqs])
-    sizes, prompts = sequence_groups.find_groups(lengths, [np.concatenate(seqs)])
+    sizes, prompts = prompt_groups.find_groups(lengths, [np.concatenate(seqs)])
     np.testing.assert_array_equal(sizes, [2, 1])
     np.testing.assert_array_equal(prompts, [90, 0])
 
@@ -67,7 +67,7 @@ def test_a_prompt_is_shared_only_where_every_per_token_array_agrees():
     mask = np.ones(150, np.uint8)
     mask[50 + 30] = 0  # the second sequence's mask differs at position 30
     mask[100 + 5] = 0  # the third's at position 5: too short a prefix to share
-    sizes, prompts = sequence_groups.find_groups(lengths, [ids, mask])
+    sizes, prompts = prompt_groups.find_groups(lengths, [ids, mask])
     np.testing.assert_array_equal(sizes, [2, 1])
     np.testing.assert_array_equal(prompts, [30, 0])
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore.errors import InvalidRequestError
+from megascore.api.errors import InvalidRequestError
 from megascore.v1 import scoring_pb2 as pb
 
 _TO_NUMPY = {

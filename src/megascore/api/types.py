@@ -2,7 +2,7 @@
 
 The servicer converts protobuf messages into :class:`ScoreBatch`, the engine
 returns :class:`ScoreOutput`; neither side sees the other's types. Their flat
-token layout (offsets, selection, concatenation) is :mod:`megascore.layout`.
+token layout (offsets, selection, concatenation) is :mod:`megascore.api.layout`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from megascore import layout, schema
-from megascore.errors import InvalidRequestError, WrongVersionError, quoted
+from megascore.api import layout, schema
+from megascore.api.errors import InvalidRequestError, WrongVersionError, quoted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Limits:
 
 
 def check_options(values, limits: Limits) -> None:
-    """Checks request options (attributes named as :data:`megascore.schema.OPTIONS`:
+    """Checks request options (attributes named as :data:`megascore.api.schema.OPTIONS`:
     a ``ScoreBatch`` or a ``pb.ScoreOptions``) against ``limits``: the one option check.
 
     Raises:
@@ -245,8 +245,8 @@ def check_scored_inputs(batch: ScoreBatch, limits: Limits) -> None:
 
 def _schema_fields(cls):
     """Declares on ``cls`` (before ``dataclass``) a field per entry of
-    :data:`megascore.schema.OPTIONS` (the entry's default) and of
-    :data:`megascore.schema.INPUTS` (None: not sent), so that a new entry needs no edit here."""
+    :data:`megascore.api.schema.OPTIONS` (the entry's default) and of
+    :data:`megascore.api.schema.INPUTS` (None: not sent), so that a new entry needs no edit here."""
     for opt in schema.OPTIONS:
         cls.__annotations__[opt.name] = type(opt.default).__name__
         setattr(cls, opt.name, opt.default)
@@ -262,10 +262,10 @@ class ScoreBatch:
     """One engine step's worth of sequences.
 
     Besides ``token_ids`` and ``lengths``, a batch has one attribute per option of
-    :data:`megascore.schema.OPTIONS` (``top_k``, ``losses``, the ``return_*`` flags,
+    :data:`megascore.api.schema.OPTIONS` (``top_k``, ``losses``, the ``return_*`` flags,
     ``weights_version``: named and defaulted as the entry; ``weights_version`` is
     rank 0's only, see :func:`check_pinned_version`) and one per input array of
-    :data:`megascore.schema.INPUTS` (None when the request did not send it):
+    :data:`megascore.api.schema.INPUTS` (None when the request did not send it):
 
     * loss_mask: uint8 ``[T]`` of 0/1 (None: all ones); entry 0 of each sequence never
       contributes (it has no prediction).
@@ -277,7 +277,7 @@ class ScoreBatch:
     * rollout_logprobs: float64 ``[T]`` the rollout engine's logprobs of the tokens
       (entry 0 of each sequence ignored).
     * mismatch_ratio_cap: float32 ``[B]`` the importance-ratio cap of each sequence
-      (:mod:`megascore.mismatch`; None: the default cap).
+      (:mod:`megascore.api.mismatch`; None: the default cap).
 
     Attributes:
         token_ids: int64 ``[T]``, all sequences concatenated.
@@ -345,7 +345,7 @@ class ScoreBatch:
 class ScoreOutput:
     """Engine results for one :class:`ScoreBatch`, in the batch's token layout.
 
-    ``values`` holds the outputs of :data:`megascore.schema.OUTPUTS` by name; read them
+    ``values`` holds the outputs of :data:`megascore.api.schema.OUTPUTS` by name; read them
     as attributes (``output.logprobs``; None when not computed, ``{}`` for a map
     output). In the batch's flat layout: a per-token output is ``[T, *dims]`` of the
     entry's dtype (a predicted one holds its ``fill`` at entry 0 of each sequence, where
@@ -353,7 +353,7 @@ class ScoreOutput:
     dims: the next token's ``[B, max(1, top_k)]``), a map one name -> ``[B]``.
     What each holds is documented on its ``ScoreResult`` attribute (the entry's
     ``sdk``); ``num_loss_tokens`` (the tokens that contributed to the losses,
-    :func:`megascore.layout.count_loss_tokens`) is set by every engine.
+    :func:`megascore.api.layout.count_loss_tokens`) is set by every engine.
 
     Attributes:
         values: output name -> array (a map output: name -> dict of ``[B]`` arrays).
@@ -472,7 +472,7 @@ class Engine(Protocol):
 
     def check(self, batch: ScoreBatch) -> None:
         """Checks one batch against the model (:meth:`ScoreBatch.check`, cheap, no
-        collective); raises :class:`~megascore.errors.InvalidRequestError`. ``score``
+        collective); raises :class:`~megascore.api.errors.InvalidRequestError`. ``score``
         runs it on every step; the batcher runs it per request to single out the one
         that failed a merged step."""
         ...

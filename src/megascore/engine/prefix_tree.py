@@ -34,7 +34,7 @@ import logging
 
 import numpy as np
 
-from megascore import layout
+from megascore.api import layout
 
 logger = logging.getLogger(__name__)
 

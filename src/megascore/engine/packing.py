@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megascore import layout
+from megascore.api import layout
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _segment_lengths(cu_seqlens_padded: torch.Tensor) -> list[int]:
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """int64 CPU :func:`megascore.layout.ranges` of CPU tensors."""
+    """int64 CPU :func:`megascore.api.layout.ranges` of CPU tensors."""
     return torch.from_numpy(layout.ranges(starts.numpy(), lengths.numpy()))
 
 
@@ -219,7 +219,7 @@ def pack_sequences(
     Args:
         token_ids: ``[T]`` ids, all sequences concatenated (``T = sum(seq_lengths)``).
         seq_lengths: ``[B]`` tokens per sequence (0 allowed, not all 0; the engine's
-            batches come checked by :meth:`megascore.types.ScoreBatch.check`).
+            batches come checked by :meth:`megascore.api.types.ScoreBatch.check`).
         pad_individual_seqs_to_multiple_of: every sequence is padded to a multiple of
             this; with ``cp_size > 1`` it must be a multiple of ``2 * cp_size``.
         pad_packed_seq_to: total packed length (before CP sharding); the padding

@@ -3,7 +3,7 @@
 Every layer reads these declarations instead of naming fields one by one:
 
 * :data:`OPTIONS`: scalar request options. The name is the ``ScoreOptions`` proto field
-  *and* the :class:`~megascore.types.ScoreBatch` attribute; each declares its default,
+  *and* the :class:`~megascore.api.types.ScoreBatch` attribute; each declares its default,
   how a step of several requests combines it, and its one check (run by the wire gate,
   ``megascore_server.validation``, and by the engine, ``ScoreBatch.check``).
 * :data:`INPUTS`: arrays a request may carry besides ids and lengths (per token or per
@@ -13,7 +13,7 @@ Every layer reads these declarations instead of naming fields one by one:
   the value of entry 0 of a sequence (no prediction there), the ``ScoreResponse``
   field, the SDK attribute, when a request wants it, and how the engine computes it.
   The step's PP broadcast and packed -> flat mapping (``megascore.engine.step``),
-  selection / concatenation (:mod:`megascore.layout`), the response
+  selection / concatenation (:mod:`megascore.api.layout`), the response
   (``megascore_server.convert``) and the client's decode / merge
   (``megascore_client.splitting``) loop over it.
 
@@ -27,8 +27,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from megascore import mismatch
-from megascore.errors import quoted
+from megascore.api import mismatch
+from megascore.api.errors import quoted
 
 TOKEN = "token"
 """An output or input with one row per token (``[T, *dims]``)."""
@@ -50,7 +50,7 @@ class Option:
         default: its value when unset.
         merge: the value of a step from its requests' values.
         check: ``(value, limits) -> error message or None`` (limits:
-            :class:`~megascore.types.Limits`); the message is prefixed with
+            :class:`~megascore.api.types.Limits`); the message is prefixed with
             ``options.<name>: ``.
         convert: wire value -> domain value (after the check).
         flag: a boolean sent as a header flag bit by the broadcast protocol; else an
@@ -231,7 +231,7 @@ class Output:
     """A result returned to the caller.
 
     Attributes:
-        name: the :class:`~megascore.types.ScoreOutput` key (``output.<name>``).
+        name: the :class:`~megascore.api.types.ScoreOutput` key (``output.<name>``).
         per: :data:`TOKEN` (``[T, *dims]``) or :data:`SEQUENCE` (``[B, *dims]``).
         dtype: numpy dtype in the output and on the wire.
         wire: the ``ScoreResponse`` field (an ``Array``, or for ``keys`` a

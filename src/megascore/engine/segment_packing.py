@@ -1,6 +1,6 @@
-"""Packing of a :class:`~megascore.prefix_tree.SegmentLayout`: segments continuing a prefix.
+"""Packing of a :class:`~megascore.engine.prefix_tree.SegmentLayout`: segments continuing a prefix.
 
-The segments are packed like sequences (:func:`megascore.packing.pack_sequences`:
+The segments are packed like sequences (:func:`megascore.engine.packing.pack_sequences`:
 THD, every segment padded on its own). A layout with shared prefixes gets a
 :class:`SharedPrefixParams` instead of the plain ``PackedSeqParams``: the same
 boundaries plus each segment's parent, real length and first position. Three
@@ -30,8 +30,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megascore.config import EngineConfig
-from megascore.packing import PackedSequences, pack_sequences
-from megascore.prefix_tree import SegmentLayout
+from megascore.engine.packing import PackedSequences, pack_sequences
+from megascore.engine.prefix_tree import SegmentLayout
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +96,10 @@ def pack_layout(
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
         pad_segment: the padding up to ``pad_to`` is a segment of its own
-            (:func:`~megascore.packing.pack_sequences`); it continues nothing.
+            (:func:`~megascore.engine.packing.pack_sequences`); it continues nothing.
 
     Returns:
-        The :class:`~megascore.packing.PackedSequences` of the segments: its
+        The :class:`~megascore.engine.packing.PackedSequences` of the segments: its
         ``token_positions`` are the packed rows of the segments' tokens (``[N]``).
     """
     packed = pack_sequences(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore import layout
+from megascore.api import layout
 
 MIN_SHARED_PROMPT = 16
 """Shortest common prefix for which :func:`find_groups` groups consecutive sequences."""

@@ -1,4 +1,4 @@
-"""The flat token layout of :class:`~megascore.types.ScoreBatch` / :class:`ScoreOutput`.
+"""The flat token layout of :class:`~megascore.api.types.ScoreBatch` / :class:`ScoreOutput`.
 
 Sequences are concatenated: sequence ``b`` holds tokens
 ``[offsets[b], offsets[b + 1])`` of every per-token array (``token_ids``,
@@ -6,7 +6,7 @@ Sequences are concatenated: sequence ``b`` holds tokens
 array (``lengths``, ``temperature``, losses, ``num_loss_tokens``). Everything
 that turns lengths into positions lives here (numpy, torch-free): the engine,
 the batcher and the packing use these helpers, never their own prefix sums. Cutting
-and joining outputs by sequence is :mod:`megascore.selection`.
+and joining outputs by sequence is :mod:`megascore.api.selection`.
 """
 
 from __future__ import annotations

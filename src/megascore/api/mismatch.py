@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megascore import layout
+from megascore.api import layout
 
 NAMES = ("max_abs_diff", "mean_abs_diff", "kl_k3", "mean_log_ratio", "ratio_outside_cap")
 """The statistics of :func:`statistics`, in this order."""
