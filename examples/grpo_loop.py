@@ -51,7 +51,7 @@ import torch
 import transformers
 
 from megascore_client import ScoringClient
-from megascore_client.replica_push import replica_targets
+from megascore_client.push.replicas import replica_targets
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -17,7 +17,7 @@ from megascore_client.aio import AsyncScoringClient
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, RetryPolicy, TlsConfig
 from megascore_client.client import ScoringClient
 from megascore_client.errors import InvalidInputError, ScoringError
-from megascore_client.push import PushResult, RawTensor, read_safetensors
+from megascore_client.push.requests import PushResult, RawTensor, read_safetensors
 from megascore_client.results import (
     HealthStatus,
     LoadWeightsResult,

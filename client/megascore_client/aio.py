@@ -19,9 +19,9 @@ from megascore_client.client import (
     finish_score,
 )
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push import PushResult, finish
-from megascore_client.push_plan import PushCall, push_steps, run_steps_async
-from megascore_client.replica_push import push_to_replicas
+from megascore_client.push.plan import PushCall, push_steps, run_steps_async
+from megascore_client.push.replicas import push_to_replicas
+from megascore_client.push.requests import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import AsyncScoreStream

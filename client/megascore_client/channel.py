@@ -32,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from megascore import __version__
+
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "ChannelSettings",

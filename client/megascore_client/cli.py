@@ -35,11 +35,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from megascore import __version__
-from megascore_client import push, score_jsonl
+from megascore_client import score_jsonl
 from megascore_client.channel import TlsConfig
 from megascore_client.client import LOAD_WEIGHTS_TIMEOUT_S, ScoringClient
 from megascore_client.errors import ScoringError
-from megascore_client.push import ElapsedLine
+from megascore_client.push import requests as push
+from megascore_client.push.requests import ElapsedLine
 
 __all__ = ["COMMAND_GROUP", "build_parser", "main", "make_client", "serve"]
 

@@ -16,7 +16,9 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore_client import health as health_codec
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, TlsConfig
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push import (
+from megascore_client.push.plan import PushCall, push_steps, run_steps
+from megascore_client.push.replicas import push_to_replicas
+from megascore_client.push.requests import (
     PUSH_TIMEOUT_S,
     PushResult,
     chunk_size,
@@ -24,8 +26,6 @@ from megascore_client.push import (
     push_requests,
     weights_version_argument,
 )
-from megascore_client.push_plan import PushCall, push_steps, run_steps
-from megascore_client.replica_push import push_to_replicas
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.splitting import Part, decode_part, merge, prepare
 from megascore_client.stream import ScoreStream
@@ -686,11 +686,11 @@ class ScoringClient(TextMethods, ClientBase):
         To several replicas (a target of several addresses: ``ipv4:a,b``, a ``dns:///``
         name resolving to several; or ``replicas``), all or none: every replica stages
         the push, and only when all did is it committed on each
-        (:mod:`megascore_client.replica_push`).
+        (:mod:`megascore_client.push.replicas`).
 
         Args:
             named_tensors: iterable of ``(name, tensor)``: numpy arrays, torch tensors
-                (bf16 kept) or :class:`~megascore_client.push.RawTensor`, full (unsharded)
+                (bf16 kept) or :class:`~megascore_client.push.requests.RawTensor`, full (unsharded)
                 float tensors; consumed once, lazily (a generator keeps one in memory).
             weights_version: label of the new weights ("" = the server generates one),
                 the same keyword as ``load_weights``.
@@ -713,7 +713,7 @@ class ScoringClient(TextMethods, ClientBase):
                 in full. ``named_tensors`` is listed once (references, no copy).
 
         Returns:
-            A :class:`~megascore_client.push.PushResult` (version, bytes, seconds, bytes/s;
+            A :class:`~megascore_client.push.requests.PushResult` (version, bytes, seconds, bytes/s;
             of the first replica when several, ``replicas`` holding each one's).
 
         Raises:

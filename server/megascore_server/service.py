@@ -31,9 +31,9 @@ from megascore.api.errors import (
 from megascore.api.types import Limits, ModelInfo, ScoreBatch, ScoreOutput
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE, CallGate
+from megascore_server.push.pusher import WeightPusher
 from megascore_server.tokenizer import NO_TOKENIZER, ServerTokenizer
 from megascore_server.validation import check_load, check_request
-from megascore_server.weight_push import WeightPusher
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class ScoringService:
             ) from exc
 
     async def push_weights(self, request_iterator):
-        """Stages pushed weights on every rank, then swaps them in (``weight_push``);
+        """Stages pushed weights on every rank, then swaps them in (``megascore_server.push``);
         returns the push's response message. Once the drain begins, the stream's next
         message is refused UNAVAILABLE (the push is dropped), even while it is awaited:
         an idle push (a trainer between two tensors) does not hold the stop."""

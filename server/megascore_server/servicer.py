@@ -148,11 +148,11 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         )
 
     async def UpdateWeights(self, request_iterator, context):
-        """Stages pushed weights on every rank, then swaps them in (``weight_push``)."""
+        """Stages pushed weights on every rank, then swaps them in (``megascore_server.push``)."""
         return await self._service.push_weights(request_iterator)
 
     async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest, context):
-        """Commits or aborts the push an UpdateWeights prepared (``weight_push``)."""
+        """Commits or aborts the push an UpdateWeights prepared (``megascore_server.push``)."""
         return await self._service.finish_push(request.push_id, request.commit)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):

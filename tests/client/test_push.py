@@ -24,7 +24,7 @@ import pytest
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import AsyncScoringClient, InvalidInputError, ScoringClient, cli
-from megascore_client.push import RawTensor, read_safetensors
+from megascore_client.push.requests import RawTensor, read_safetensors
 
 
 class Sink:

@@ -21,7 +21,7 @@ import pytest
 from megascore.api.types import WeightTarget
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
-from megascore_client.replica_push import replica_targets
+from megascore_client.push.replicas import replica_targets
 from tests.service.harness import ServerThread, wait_for
 from tests.service.test_weight_push import TARGETS, PushEngine, score_version
 

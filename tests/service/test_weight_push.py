@@ -25,7 +25,7 @@ from megascore.api.errors import CheckpointError
 from megascore.api.types import LAYOUT_FUSED, LAYOUT_PER_EXPERT, WeightTarget
 from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore_server.weight_push import TensorBuffers
+from megascore_server.push.chunks import TensorBuffers
 from tests.service.fake_engine import FakeEngine
 from tests.service.harness import serving, wait_for
 

@@ -50,10 +50,10 @@ Payloads, in order, after the header:
 * WEIGHTS_TENSOR: int64 ``[ndim]`` shape (when ndim > 0); uint8 ``[name_bytes]``
   name. The tensor's bytes are not broadcast: rank 0 then sends each rank only the
   parts of it that rank reads (:func:`send_parts` / :func:`recv_parts`, point to
-  point; which parts, ``megascore.engine.weight_update``).
+  point; which parts, ``megascore.engine.push.apply``).
 * WEIGHTS_COMMIT: uint8 ``[version_bytes]`` (nothing when empty).
 
-The WEIGHTS_* messages are one weight push (``megascore.engine.weight_update``):
+The WEIGHTS_* messages are one weight push (``megascore.engine.push.apply``):
 BEGIN, any number of TENSOR, then COMMIT or ABORT; forward steps may come in
 between (they run on the old weights).
 
@@ -156,12 +156,12 @@ class WeightsMessage(NamedTuple):
     """One WEIGHTS_* message (rank 0 sends it with :func:`send_weights`).
 
     Attributes:
-        names: WEIGHTS_BEGIN: name format code (``megascore.engine.weight_update``).
+        names: WEIGHTS_BEGIN: name format code (``megascore.engine.push.apply``).
         name: WEIGHTS_TENSOR: tensor name.
         tensor: WEIGHTS_TENSOR: on rank 0 the full tensor (host, one of
             ``WEIGHT_DTYPES``); on a worker a ``meta`` tensor of its shape and dtype
             (the worker's parts follow, :func:`recv_parts`).
-        layout: WEIGHTS_TENSOR: layout code of the name (``weight_update``).
+        layout: WEIGHTS_TENSOR: layout code of the name (``engine.push.apply``).
         version: WEIGHTS_COMMIT: the new weights version.
         partial: WEIGHTS_COMMIT: only the tensors sent are replaced.
     """

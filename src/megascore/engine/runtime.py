@@ -91,17 +91,17 @@ from megascore.engine import protocol
 from megascore.engine.data_parallel import DataParallelGroup
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.losses import loss_names
-from megascore.engine.rendezvous import init_default_group
-from megascore.engine.routing import routing_shape
-from megascore.engine.segment_packing import check_prefix_sharing_device, min_shared_prefix
-from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
-from megascore.engine.step import StepConfig, StepGroups, agree_on_status
-from megascore.engine.weight_update import (
+from megascore.engine.push.apply import (
     WeightStaging,
     gather_needs,
     gather_targets,
     weight_targets,
 )
+from megascore.engine.rendezvous import init_default_group
+from megascore.engine.routing import routing_shape
+from megascore.engine.segment_packing import check_prefix_sharing_device, min_shared_prefix
+from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
+from megascore.engine.step import StepConfig, StepGroups, agree_on_status
 from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -497,7 +497,7 @@ class DistributedEngine:
         self._reload(model, version)
         return self.loaded.weights_version
 
-    # ---- weight pushes (megascore.engine.weight_update; rank 0) -------------------------------
+    # ---- weight pushes (megascore.engine.push.apply; rank 0) -------------------------------
 
     def begin_weight_update(self, names: int) -> dict[str, WeightTarget]:
         """Opens a push on every rank (dropping an unfinished one); returns its targets."""
@@ -513,7 +513,7 @@ class DistributedEngine:
         parts of it (:meth:`WeightStaging.receive`); every rank stages its shards.
 
         ``data`` is the tensor's bytes, uint8 (a view of the server's pooled buffer,
-        ``megascore_server.weight_push.TensorBuffers``: the tensor built on it keeps it in
+        ``megascore_server.push.chunks.TensorBuffers``: the tensor built on it keeps it in
         use until every part is sent and staged)."""
         self._require_driver("stage_weight")
         torch_dtype = getattr(torch, dtype)

@@ -108,7 +108,7 @@ def _pushed_vs_loaded(family: str, cfg, engine_cfg, pgs, loaded) -> np.ndarray:
     import torch
 
     from megascore.api.types import WEIGHT_NAMES_HF
-    from megascore.engine.weight_update import (
+    from megascore.engine.push.apply import (
         WeightStaging,
         gather_needs,
         gather_targets,

@@ -4,11 +4,11 @@
 version label of a push to several, and delta pushes (the base each replica set kept,
 the fallback to a full push when a replica refuses the delta). It is a generator that
 yields each push to run (a :class:`PushCall`) and is sent that push's
-:class:`~megascore_client.push.PushResult`, or thrown its
+:class:`~megascore_client.push.requests.PushResult`, or thrown its
 :class:`~megascore_client.errors.ScoringError`; :func:`run_steps` (sync) and
 :func:`run_steps_async` (asyncio) drive it, each client running the pushes over its
 own transport (one replica: one ``UpdateWeights`` stream; several:
-:func:`megascore_client.replica_push.push_to_replicas`).
+:func:`megascore_client.push.replicas.push_to_replicas`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable, Generator
 import grpc
 
 from megascore_client.errors import ScoringError
-from megascore_client.push import PushResult
-from megascore_client.replica_push import new_push_version, replica_targets
+from megascore_client.push.replicas import new_push_version, replica_targets
+from megascore_client.push.requests import PushResult
 
 logger = logging.getLogger(__name__)
 

@@ -194,7 +194,7 @@ def push_requests(
     kept: dict[str, RawTensor] | None = None,
 ) -> Iterator[pb.UpdateWeightsRequest]:
     """The messages of one push (``counters`` gets ``tensors`` and ``bytes`` sent); with
-    ``prepare_timeout_s`` its commit only prepares (``megascore_client.replica_push``).
+    ``prepare_timeout_s`` its commit only prepares (``megascore_client.push.replicas``).
 
     Deltas: with ``kept`` (a dict) the push asks the server to keep its tensors
     (``begin.keep``) and ``kept`` gets a copy of each; with ``base`` (the version the

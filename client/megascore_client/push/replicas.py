@@ -20,7 +20,7 @@ different versions; requests pinned to the new version (``weights_version=``) ar
 only ever answered by it. A replica that fails *in* the commit phase (after every one
 prepared) leaves the others committed: the error names it and says which committed.
 
-Both clients run this one implementation (``megascore_client.push_plan``): the sync
+Both clients run this one implementation (``megascore_client.push.plan``): the sync
 client in the calling thread, the asyncio client in a worker thread (the event loop
 keeps running; a cancelled ``await client.push_weights(...)`` aborts the push on every
 replica unless the commits began).
@@ -41,7 +41,7 @@ import grpc
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client.channel import ChannelSettings
 from megascore_client.errors import ScoringError
-from megascore_client.push import PushResult, finish
+from megascore_client.push.requests import PushResult, finish
 from megascore_client.transport import SyncTransport
 
 __all__ = ["new_push_version", "push_to_replicas", "replica_targets"]
@@ -108,7 +108,7 @@ def push_to_replicas(
     cancelled: threading.Event | None = None,
 ) -> PushResult:
     """Pushes ``requests`` (one push's messages, its commit marked ``prepare``; they fill
-    ``counters``, see :func:`megascore_client.push.push_requests`) to every replica, then
+    ``counters``, see :func:`megascore_client.push.requests.push_requests`) to every replica, then
     commits on all of them only when all prepared. Blocking; the asyncio client runs it
     in a thread.
 

@@ -1,4 +1,4 @@
-"""The parts of pushed tensors each rank reads (weight pushes, :mod:`weight_update`).
+"""The parts of pushed tensors each rank reads (weight pushes, :mod:`.apply`).
 
 A part is a basic index of a tensor (an int or a step-1 slice per leading dimension),
 kept as a hashable, JSON-able key (:func:`part_key`: a slice as ``(start, stop)``; ``()``

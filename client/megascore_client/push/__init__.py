@@ -1,0 +1,5 @@
+"""Weight pushes from the client: the request stream of a trainer's tensors (``requests``),
+what ``push_weights`` does for both clients (``plan``), and all-or-none pushes to a
+replica set (``replicas``)."""
+
+__all__ = []
