@@ -84,8 +84,8 @@ def _fake_output(step, top_k: int, rng: np.random.Generator):
 
 def round_trip(sequences: list[np.ndarray], vocab_size: int, top_k: int = 5) -> dict[str, float]:
     """One timed round trip; returns seconds per phase (see the module docstring)."""
+    from megascore.api.limits import Limits
     from megascore.api.selection import concat_outputs, select_sequences
-    from megascore.api.types import Limits
     from megascore.v1 import scoring_pb2 as pb
     from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES
     from megascore_client.inputs import make_batch

@@ -62,7 +62,8 @@ from megascore.api.errors import (
     WrongVersionError,
 )
 from megascore.api.layout import padded_lengths
-from megascore.api.types import Engine, ModelInfo, ScoreBatch, ScoreOutput, check_pinned_version
+from megascore.api.limits import check_pinned_version
+from megascore.api.types import Engine, ModelInfo, ScoreBatch, ScoreOutput
 from megascore_server.metrics import ServerMetrics
 from megascore_server.pending import Barrier, PendingRequest, TimedOutput
 from megascore_server.step_planner import fill_step, merge_batches

@@ -15,7 +15,8 @@ import logging
 import numpy as np
 
 from megascore.api import schema
-from megascore.api.types import Limits, ModelInfo, ScoreBatch, ScoreOutput
+from megascore.api.limits import Limits
+from megascore.api.types import ModelInfo, ScoreBatch, ScoreOutput
 from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
 

@@ -47,7 +47,8 @@ import numpy as np
 
 from megascore.api.errors import UnavailableError
 from megascore.api.layout import padded_lengths
-from megascore.api.types import Engine, Limits, ModelInfo
+from megascore.api.limits import Limits
+from megascore.api.types import Engine, ModelInfo
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.config import GrpcServerConfig
 from megascore_server.gate import CallGate

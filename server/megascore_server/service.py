@@ -28,7 +28,8 @@ from megascore.api.errors import (
     clip,
     quoted,
 )
-from megascore.api.types import Limits, ModelInfo, ScoreBatch, ScoreOutput
+from megascore.api.limits import Limits
+from megascore.api.types import ModelInfo, ScoreBatch, ScoreOutput
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE, CallGate
 from megascore_server.push.pusher import WeightPusher

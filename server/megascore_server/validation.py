@@ -22,17 +22,9 @@ import numpy as np
 
 from megascore.api import layout, mismatch, schema
 from megascore.api.errors import InvalidRequestError, RequestTooLargeError, quoted
+from megascore.api.limits import Limits, RoutingShape, check_lengths, check_options, check_token_ids
 from megascore.api.schema import MAX_ID_CHARS
-from megascore.api.types import (
-    Limits,
-    RoutingShape,
-    ScoreBatch,
-    check_lengths,
-    check_options,
-    check_routing,
-    check_scored_inputs,
-    check_token_ids,
-)
+from megascore.api.types import ScoreBatch, check_routing, check_scored_inputs
 from megascore.api.wire import decode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.groups import expand_groups
@@ -67,7 +59,7 @@ def _decode_required(request: pb.ScoreRequest, field: str, allowed) -> np.ndarra
 
 
 def validate_lengths(lengths: np.ndarray, limits: Limits) -> np.ndarray:
-    """Checks per-sequence lengths (:func:`~megascore.api.types.check_lengths`) and the
+    """Checks per-sequence lengths (:func:`~megascore.api.limits.check_lengths`) and the
     request's token total; returns them as int64.
 
     Raises:
@@ -137,7 +129,7 @@ def check_ratio_cap(value: float, field: str = "options.mismatch_ratio_cap") -> 
 
 
 def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:
-    """Checks ``ScoreOptions`` (:func:`~megascore.api.types.check_options`, the table's
+    """Checks ``ScoreOptions`` (:func:`~megascore.api.limits.check_options`, the table's
     checks); returns the matching :class:`ScoreBatch` keyword arguments.
 
     Raises:

@@ -24,7 +24,8 @@ import torch
 import transformers
 
 from megascore.api.errors import CheckpointError, InvalidRequestError
-from megascore.api.types import Limits, ScoreBatch
+from megascore.api.limits import Limits
+from megascore.api.types import ScoreBatch
 from megascore.checkpoint import check_same_architecture, read_model_config, resolve_model
 from megascore.checkpoint.optional_parts import served_mtp_layers
 from megascore.model.config import builtin_model

@@ -25,15 +25,8 @@ import time
 import numpy as np
 
 from megascore.api.errors import CheckpointError, InvalidRequestError, WorkerLostError
-from megascore.api.types import (
-    Limits,
-    ModelInfo,
-    ParallelLayout,
-    RoutingShape,
-    ScoreBatch,
-    ScoreOutput,
-    check_pinned_version,
-)
+from megascore.api.limits import Limits, RoutingShape, check_pinned_version
+from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 
 VOCAB = 1000
 MAX_LEN = 512

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from megascore.api.errors import InvalidRequestError
-from megascore.api.types import Limits, RoutingShape
+from megascore.api.limits import Limits, RoutingShape
 from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.validation import validate_request

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from megascore.api.errors import InvalidRequestError, ResourceExhaustedError
-from megascore.api.types import Limits
+from megascore.api.limits import Limits
 from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.validation import validate_request

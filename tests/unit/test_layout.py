@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from megascore.api import layout
 from megascore.api.errors import InvalidRequestError
-from megascore.api.types import Limits, ScoreBatch
+from megascore.api.limits import Limits
+from megascore.api.types import ScoreBatch
 
 
 @settings(max_examples=60, deadline=None)

@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from megascore.api.errors import InvalidRequestError
-from megascore.api.types import Limits, RoutingShape, ScoreBatch
+from megascore.api.limits import Limits, RoutingShape
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
 

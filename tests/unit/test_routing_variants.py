@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from megascore.api.types import RoutingShape, ScoreBatch
+from megascore.api.limits import RoutingShape
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.routing import routing_shape
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step

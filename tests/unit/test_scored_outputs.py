@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from megascore.api import mismatch
 from megascore.api.errors import InvalidRequestError
-from megascore.api.types import Limits, ScoreBatch
+from megascore.api.limits import Limits
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
 from megascore.model.build import build_model

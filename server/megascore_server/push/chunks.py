@@ -17,12 +17,7 @@ import weakref
 import numpy as np
 
 from megascore.api.errors import InvalidRequestError, quoted
-from megascore.api.types import (
-    LAYOUT_COMMON,
-    LAYOUT_PER_EXPERT,
-    WEIGHT_NAMES_HF,
-    WeightTarget,
-)
+from megascore.api.types import LAYOUT_COMMON, LAYOUT_PER_EXPERT, WEIGHT_NAMES_HF, WeightTarget
 from megascore.api.wire import decode_array
 from megascore.v1 import scoring_pb2 as pb
 

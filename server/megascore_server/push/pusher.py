@@ -69,7 +69,6 @@ def new_weights_version() -> str:
     return "push-" + uuid.uuid4().hex[:12]
 
 
-
 PREPARE_TIMEOUT_S = 60.0
 """How long a prepared push is held without a FinishWeightUpdate (``prepare_timeout_s``
 0); at most :data:`MAX_PREPARE_TIMEOUT_S`."""

@@ -50,7 +50,7 @@ class Option:
         default: its value when unset.
         merge: the value of a step from its requests' values.
         check: ``(value, limits) -> error message or None`` (limits:
-            :class:`~megascore.api.types.Limits`); the message is prefixed with
+            :class:`~megascore.api.limits.Limits`); the message is prefixed with
             ``options.<name>: ``.
         convert: wire value -> domain value (after the check).
         flag: a boolean sent as a header flag bit by the broadcast protocol; else an

@@ -62,7 +62,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megascore.api.types import RoutingShape
+from megascore.api.limits import RoutingShape
 from megascore.engine.distributed import collective_device, gather_cp_shards
 from megascore.engine.packing import PackedSequences
 
@@ -92,7 +92,7 @@ def stage_moe_layers(config, pp_rank: int) -> list[int]:
 
 
 def routing_shape(model) -> RoutingShape | None:
-    """The :class:`~megascore.api.types.RoutingShape` of a built model (all stages' layers).
+    """The :class:`~megascore.api.limits.RoutingShape` of a built model (all stages' layers).
 
     Returns:
         None for a model without MoE layers, or one whose routing bypasses

@@ -76,15 +76,8 @@ from megascore.api.errors import (
     InvalidRequestError,
     WorkerLostError,
 )
-from megascore.api.types import (
-    Limits,
-    ModelInfo,
-    ParallelLayout,
-    ScoreBatch,
-    ScoreOutput,
-    WeightTarget,
-    check_pinned_version,
-)
+from megascore.api.limits import Limits, check_pinned_version
+from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput, WeightTarget
 from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
 from megascore.config import EngineConfig
 from megascore.engine import protocol
