@@ -9,13 +9,13 @@ import time
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import health as health_codec
-from megascore_client.client import (
+from megascore_client.client import ScoringClient
+from megascore_client.client_base import (
     LOAD_PROGRESS_INTERVAL_S,
     LOAD_WEIGHTS_TIMEOUT_S,
     UNRESOLVED,
     ClientBase,
     LoadProgress,
-    ScoringClient,
     finish_score,
 )
 from megascore_client.errors import ScoringError, closed_error
@@ -35,7 +35,7 @@ __all__ = ["AsyncScoringClient"]
 class AsyncScoringClient(AsyncTextMethods, ClientBase):
     """Asyncio megascore client. Create it inside the event loop that uses it.
 
-    Takes the constructor arguments of :class:`~megascore_client.client.ClientBase`.
+    Takes the constructor arguments of :class:`~megascore_client.client_base.ClientBase`.
     Many ``score`` calls may run concurrently on one client (one channel, HTTP/2
     multiplexing). ``transport`` is the
     :class:`~megascore_client.transport.AsyncTransport` every call and stream goes through.

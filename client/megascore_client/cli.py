@@ -37,7 +37,8 @@ from pathlib import Path
 from megascore import __version__
 from megascore_client import score_jsonl
 from megascore_client.channel import TlsConfig
-from megascore_client.client import LOAD_WEIGHTS_TIMEOUT_S, ScoringClient
+from megascore_client.client import ScoringClient
+from megascore_client.client_base import LOAD_WEIGHTS_TIMEOUT_S
 from megascore_client.errors import ScoringError
 from megascore_client.push import requests as push
 from megascore_client.push.requests import ElapsedLine
