@@ -96,5 +96,5 @@ def model_info_to_proto(
         mtp_metric_names=list(info.mtp_metric_names),
         max_tokens_per_batch=max_tokens_per_batch,
         max_message_bytes=max_message_bytes,
-        accepts_sequence_groups=True,  # megascore_server.groups
+        accepts_sequence_groups=True,  # megascore_server.prompt_expansion
     )

@@ -27,7 +27,7 @@ from megascore.api.schema import MAX_ID_CHARS
 from megascore.api.types import ScoreBatch, check_routing, check_scored_inputs
 from megascore.api.wire import decode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore_server.groups import expand_groups
+from megascore_server.prompt_expansion import expand_groups
 
 logger = logging.getLogger(__name__)
 

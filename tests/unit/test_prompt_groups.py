@@ -10,7 +10,7 @@ import pytest
 from megascore.api import prompt_groups
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import ScoreOptions, build_parts
-from megascore_server.groups import expand_groups
+from megascore_server.prompt_expansion import expand_groups
 
 
 def _groups(spec, make) -> list[np.ndarray]:
