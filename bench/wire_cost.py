@@ -55,7 +55,7 @@ def make_sequences(num_tokens: int, vocab_size: int, seed: int) -> list[np.ndarr
 
 def _step_plan(lengths: np.ndarray, budget: int) -> list[np.ndarray]:
     """Request-sequence indices per step, as the batcher plans one lone request."""
-    from megascore_server.step_planner import fill_step
+    from megascore_server.batch_assembly import fill_step
 
     remaining = np.argsort(-lengths, kind="stable")
     steps = []
@@ -90,8 +90,8 @@ def round_trip(sequences: list[np.ndarray], vocab_size: int, top_k: int = 5) -> 
     from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES
     from megascore_client.inputs import make_batch
     from megascore_client.splitting import ScoreOptions, build_parts, decode_part, merge
+    from megascore_server.batch_assembly import merge_batches
     from megascore_server.convert import build_response
-    from megascore_server.step_planner import merge_batches
     from megascore_server.validation import validate_request
 
     limits = Limits(

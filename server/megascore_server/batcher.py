@@ -9,7 +9,7 @@ interleave. Scheduling:
 * A step is launched when its token budget can be filled, when the oldest
   waiting request has waited ``max_batch_wait_ms``, or at once when nothing
   else can join it. Sequences are chosen first-fit decreasing
-  (:func:`~megascore_server.step_planner.fill_step`); a request larger than the
+  (:func:`~megascore_server.batch_assembly.fill_step`); a request larger than the
   budget is spread over several steps and reassembled in its own order.
 * Requests with different options share a step: per-sequence temperature,
   the step's top_k is the largest and each request gets its own k columns,
@@ -64,9 +64,9 @@ from megascore.api.errors import (
 from megascore.api.layout import padded_lengths
 from megascore.api.limits import check_pinned_version
 from megascore.api.types import Engine, ModelInfo, ScoreBatch, ScoreOutput
+from megascore_server.batch_assembly import fill_step, merge_batches
 from megascore_server.metrics import ServerMetrics
 from megascore_server.pending import Barrier, PendingRequest, TimedOutput
-from megascore_server.step_planner import fill_step, merge_batches
 
 logger = logging.getLogger(__name__)
 

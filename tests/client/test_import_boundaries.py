@@ -25,7 +25,7 @@ SERVER = ROOT / "server" / "megascore_server"
 LIBRARY = ROOT / "src" / "megascore"
 CONTRACT = ("megascore.v1", "megascore.api")
 # the batcher and its helpers: the step planner and the pending-request bookkeeping
-BATCHER = ("batcher.py", "step_planner.py", "pending.py")
+BATCHER = ("batcher.py", "batch_assembly.py", "pending.py")
 
 
 def _package_of(path: Path) -> str:

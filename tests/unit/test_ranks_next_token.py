@@ -25,8 +25,8 @@ from megascore.engine.runtime import DistributedEngine
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import ScoreOptions, build_parts, decode_part, merge
+from megascore_server.batch_assembly import merge_batches
 from megascore_server.convert import build_response
-from megascore_server.step_planner import merge_batches
 from tests.one_rank import one_rank_world
 from tests.packed_forward import forward_packed, pack_for_rank
 from tests.prefix_groups import MIN_SHARED, prefix_group_batch

@@ -24,7 +24,7 @@ from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import ROUTING_VALUES_GUESS, ScoreOptions, response_bytes
-from megascore_server.step_planner import merge_batches
+from megascore_server.batch_assembly import merge_batches
 
 # The most likely next token's logprob: the top-1 logprob, from the chunk's normaliser.
 BEST = schema.Output(
