@@ -17,7 +17,9 @@ row may carry ``"routing"``, a MoE routing to replay: per token, per MoE layer, 
 as ``megascore score --return-routing`` writes it); the server checks the ids. It may
 carry ``"rollout_logprobs"``, the rollout engine's logprob of every token (entry 0
 ignored): the output row then holds ``"mismatch"``, the train/inference mismatch
-statistics of the row (docs/client.md).
+statistics of the row (docs/client.md). It may carry ``"target_ids"``, ids whose
+logprobs to return at every position (``[num_tokens][K]``, the same K for every id of
+the row; row 0 ignored): the output row then holds ``"target_logprobs"``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "check_loss_mask",
     "check_rollout",
     "check_routing",
+    "check_target_ids",
     "check_token_ids",
     "key",
     "read_rows",
@@ -74,7 +77,8 @@ class RowLimits:
 class Row:
     """A checked row: ``token_ids`` and ``loss_mask`` (None = all ones) are lists of ints;
     ``routing`` (None = route) is int32 ``[num_tokens, num_moe_layers, topk]``;
-    ``rollout_logprobs`` (None = none) float64 ``[num_tokens]``."""
+    ``rollout_logprobs`` (None = none) float64 ``[num_tokens]``; ``target_ids`` (None =
+    none) int64 ``[num_tokens, K]``."""
 
     line: int
     id: object
@@ -82,6 +86,7 @@ class Row:
     loss_mask: list[int] | None = None
     routing: np.ndarray | None = None
     rollout_logprobs: np.ndarray | None = None
+    target_ids: np.ndarray | None = None
 
 
 class BadRow(Exception):
@@ -183,6 +188,23 @@ def check_routing(routing, num_tokens: int) -> tuple[np.ndarray | None, str | No
     return values.astype(np.int32), None
 
 
+def check_target_ids(target_ids, num_tokens: int) -> tuple[np.ndarray | None, str | None]:
+    """A row's target ids as int64 ``[num_tokens, K]`` and what is wrong with them (None
+    when nothing is; the server checks them against its vocabulary and ``max_target_ids``)."""
+    expected = f"[{num_tokens}][K] lists of token ids (the same K on every row)"
+    if not isinstance(target_ids, list):
+        return None, f"target_ids is {_kind(target_ids)}; expected {expected}"
+    try:
+        values = np.asarray(target_ids)
+    except ValueError:  # ragged
+        values = np.asarray([], dtype=object)
+    if values.ndim != 2 or values.shape[0] != num_tokens or values.dtype.kind not in "iu":
+        return None, f"target_ids is not {expected}"
+    if values.size and (values.min() < 0 or values.max() > np.iinfo(np.int64).max):
+        return None, "target_ids: ids must be integers >= 0"
+    return values.astype(np.int64), None
+
+
 def read_rows(
     path: Path,
     limits: RowLimits,
@@ -226,25 +248,26 @@ def read_rows(
                 if skip(key(row_id)):
                     continue
             try:
-                ids, mask, routing, rollout = _content(value, limits, tokenize)
+                ids, mask, inputs = _content(value, limits, tokenize)
             except ValueError as exc:
                 yield BadRow(path, number, row_id, str(exc))
                 continue
-            yield Row(number, row_id, ids, mask, routing, rollout)
+            yield Row(number, row_id, ids, mask, **inputs)
 
 
 def _content(value, limits: RowLimits, tokenize):
-    """The checked ``(token_ids, loss_mask, routing, rollout_logprobs)`` of a parsed line.
+    """The checked ``(token_ids, loss_mask, inputs)`` of a parsed line, ``inputs`` the
+    row's arrays of :data:`_INPUTS` it carries, by name.
 
     Raises:
         ValueError: what is wrong with the row.
     """
-    mask = routing = rollout = None
+    mask, given = None, {}
     if isinstance(value, list):
         ids = value
     elif isinstance(value, dict):
-        mask, routing = value.get("loss_mask"), value.get("routing")
-        rollout = value.get("rollout_logprobs")
+        mask = value.get("loss_mask")
+        given = {name: value[name] for name in _INPUTS if value.get(name) is not None}
         if "token_ids" in value:
             ids = value["token_ids"]
         elif "text" in value:
@@ -263,10 +286,18 @@ def _content(value, limits: RowLimits, tokenize):
     reason = check_token_ids(ids, limits)
     if reason is None and mask is not None:
         reason = check_loss_mask(mask, len(ids))
-    if reason is None and routing is not None:
-        routing, reason = check_routing(routing, len(ids))
-    if reason is None and rollout is not None:
-        rollout, reason = check_rollout(rollout, len(ids))
+    inputs = {}
+    for name, raw in given.items():
+        if reason is None:
+            inputs[name], reason = _INPUTS[name](raw, len(ids))
     if reason is not None:
         raise ValueError(reason)
-    return ids, None if mask is None else [int(v) for v in mask], routing, rollout
+    return ids, None if mask is None else [int(v) for v in mask], inputs
+
+
+_INPUTS = {
+    "routing": check_routing,
+    "rollout_logprobs": check_rollout,
+    "target_ids": check_target_ids,
+}
+"""The per-token inputs a row may carry besides ``loss_mask``, each with its check."""

@@ -4,11 +4,21 @@ Input rows are read and checked by :mod:`megascore_client.jsonl_rows` (``text`` 
 are tokenized by the server's tokenizer, or by ``--tokenizer DIR``:
 :mod:`megascore_client.text_rows`). Ids must be unique. Output rows, in input order::
 
-    {"id": ..., "num_tokens": L, "num_loss_tokens": n, "nll": sum, "logprobs": [...],
-     "top_k_ids": [[...]], "top_k_logprobs": [[...]],   # top-k only with --top-k
+    {"id": ..., "num_tokens": L, "nll": sum,
+     "token_ids": [...], "tokens": ["...", ...],         # only with --echo-tokens
+     "logprobs": [...],                                  # then every output of the table
+     "top_k_ids": [[...]], "top_k_logprobs": [[...]],   # only with --top-k
      "routing": [[[...]]],                               # only with --return-routing
-     "mismatch": {"max_abs_diff": ..., ...},             # only for a row with rollout_logprobs
-     "token_ids": [...], "tokens": ["...", ...]}         # only with --echo-tokens
+     "losses": {"nll": sum}, "num_loss_tokens": n,
+     "entropy": [...], ...}                              # each as its flag asks
+
+After ``id``, ``num_tokens`` and ``nll`` (what the summary and a resumed run read), a row
+holds every output of :data:`megascore.api.schema.OUTPUTS` the request got, under the
+output's name, in the table's order: per token a list per position, per sequence the
+row's value (a map output, e.g. ``mismatch`` for a row with ``rollout_logprobs``, as an
+object). Every ``return_*`` option of the table that is not a batch metric is a flag
+(``--return-entropy``, ``--return-token-ranks``, ...), and ``--logprob-positions`` takes
+the enum's names: a new entry of the table reaches the CLI without an edit here.
 
 ``routing`` is, per token, per MoE layer of the decoder, the expert ids its router
 chose (the replayed ones for a row that gave a ``routing``); fed back as the row's
@@ -40,6 +50,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from megascore.api import schema
 from megascore_client.errors import InvalidInputError, ScoringError
 from megascore_client.jsonl_rows import BadRow, Row, RowLimits, key, read_rows
 from megascore_client.text_rows import RowTokenizer, choose_tokenizer
@@ -83,11 +94,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="batches in flight")
     parser.add_argument("--top-k", type=int, default=0, help="top-k alternatives per token")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
-    parser.add_argument(
-        "--return-routing",
-        action="store_true",
-        help="write each token's MoE routing (experts per MoE layer) as 'routing'",
-    )
+    for option in _row_options():
+        if option.names is not None:
+            parser.add_argument(
+                "--" + option.name.replace("_", "-"),
+                choices=list(option.names),
+                default=next(iter(option.names)),
+                help=f"the request's {option.name} option (default: %(default)s)",
+            )
+        else:
+            what = option.name.removeprefix("return_")
+            parser.add_argument(
+                "--" + option.name.replace("_", "-"),
+                action="store_true",
+                help=f"write each row's {what} (the request's {option.name} option)",
+            )
     parser.add_argument(
         "--no-logprobs", dest="logprobs", action="store_false", help="omit per-token logprobs"
     )
@@ -206,16 +227,59 @@ def _batches(rows: Iterator[Row], batch_tokens: int, limit: int | None) -> Itera
         yield batch
 
 
-def _inputs(row: Row) -> tuple[bool, bool]:
-    """Which optional per-token inputs a row carries (routing, rollout logprobs)."""
-    return row.routing is not None, row.rollout_logprobs is not None
+_ROW_INPUTS = ("routing", "rollout_logprobs", "target_ids")
+"""The per-token inputs a row may carry (:mod:`megascore_client.jsonl_rows`), each an SDK
+keyword of the same name."""
 
 
-def _floats(values: np.ndarray) -> str:
-    """JSON list of float32 values in their shortest round-trip form."""
-    if values.size and not np.isfinite(values).all():
+def _row_options() -> list[schema.Option]:
+    """The options of the table the CLI spells as flags: every enum option and every
+    ``return_*`` flag that asks for a row's output (not the batch's metrics, nor
+    ``return_logprobs``, which is ``--no-logprobs``)."""
+    return [
+        o
+        for o in schema.OPTIONS
+        if o.names is not None
+        or (
+            o.name.startswith("return_")
+            and o.default is False
+            and not o.name.endswith("_metrics")
+        )
+    ]
+
+
+def _inputs(row: Row) -> tuple:
+    """Which optional per-token inputs a row carries (and the K of its target ids): rows
+    that differ here go in separate requests."""
+    shapes = [getattr(row, name) for name in _ROW_INPUTS]
+    return tuple(None if a is None else a.shape[1:] for a in shapes)
+
+
+def _json(values, dtype: str) -> str:
+    """JSON of an array (nested lists) or a scalar; floats in their shortest round-trip
+    form (float32 as float32)."""
+    values = np.asarray(values)
+    if values.ndim > 1:
+        return "[" + ",".join(_json(v, dtype) for v in values) + "]"
+    if values.dtype.kind != "f" or (values.size and not np.isfinite(values).all()):
         return json.dumps(values.tolist())
-    return "[" + ",".join(values.astype(str).ravel().tolist()) + "]"
+    text = values.astype(np.dtype(dtype)).astype(str).tolist()
+    return text if values.ndim == 0 else "[" + ",".join(text) + "]"
+
+
+def _outputs(result, i: int) -> list[str]:
+    """``"name": value`` of row ``i`` for every output of the table ``result`` holds."""
+    parts = []
+    for out in schema.OUTPUTS:
+        value = getattr(result, out.sdk, None)
+        if value is None or (out.keys is not None and not value):
+            continue
+        if out.keys is not None:
+            row = {k: v[i].item() for k, v in value.items()}
+            parts.append(f'"{out.name}": {json.dumps(row)}')
+        else:
+            parts.append(f'"{out.name}": {_json(value[i], out.dtype)}')
+    return parts
 
 
 def _format_rows(batch: list[Row], scored, args) -> tuple[str, list[tuple[int, int, float]]]:
@@ -226,24 +290,13 @@ def _format_rows(batch: list[Row], scored, args) -> tuple[str, list[tuple[int, i
         parts = [
             f'"id": {json.dumps(row.id)}',
             f'"num_tokens": {len(row.token_ids)}',
-            f'"num_loss_tokens": {n_loss}',
             f'"nll": {json.dumps(nll)}',
         ]
         if args.echo_tokens:
             parts.append(f'"token_ids": {json.dumps(row.token_ids)}')
             if tokens is not None:
                 parts.append(f'"tokens": {json.dumps(tokens[i], ensure_ascii=False)}')
-        if result.logprobs is not None:
-            parts.append(f'"logprobs": {_floats(result.logprobs[i])}')
-        if result.top_k:
-            rows_ids = ",".join(json.dumps(r) for r in result.top_k_ids[i].tolist())
-            rows_lps = ",".join(_floats(r) for r in result.top_k_logprobs[i])
-            parts.append(f'"top_k_ids": [{rows_ids}]')
-            parts.append(f'"top_k_logprobs": [{rows_lps}]')
-        if result.routing is not None:
-            parts.append(f'"routing": {json.dumps(result.routing[i].tolist())}')
-        if result.mismatch is not None:
-            parts.append(f'"mismatch": {json.dumps(result.mismatch[i])}')
+        parts += _outputs(result, i)
         lines.append("{" + ", ".join(parts) + "}\n")
         stats.append((len(row.token_ids), n_loss, nll))
     return "".join(lines), stats
@@ -324,17 +377,20 @@ def _scorer(client, args, tokenizer: RowTokenizer) -> Callable[[list[Row]], tupl
     def score(batch: list[Row]):
         has_mask = any(row.loss_mask is not None for row in batch)
         masks = [row.loss_mask or [1] * len(row.token_ids) for row in batch]
-        replay, rollout = _inputs(batch[0])  # all rows or none (see _batches)
+        inputs = {  # all rows or none (see _batches)
+            name: [getattr(row, name) for row in batch]
+            for name in _ROW_INPUTS
+            if getattr(batch[0], name) is not None
+        }
         result = client.score(
             [row.token_ids for row in batch],
             loss_mask=masks if has_mask else None,
-            routing=[row.routing for row in batch] if replay else None,
-            rollout_logprobs=[row.rollout_logprobs for row in batch] if rollout else None,
-            return_routing=args.return_routing,
             top_k=args.top_k,
             temperature=args.temperature,
             losses=("nll",),
             return_logprobs=args.logprobs,
+            **inputs,
+            **{o.name: getattr(args, o.name) for o in _row_options()},
         )
         echo = args.echo_tokens and tokenizer.available
         return result, tokenizer.token_strings([r.token_ids for r in batch]) if echo else None

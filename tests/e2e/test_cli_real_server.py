@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megascore_client import ScoringClient
+from megascore.api import schema
+from megascore_client import ScoringClient, score_jsonl
 from megascore_client.jsonl_rows import RowLimits
 from tests.e2e.reference import VOCAB
 
@@ -162,3 +163,52 @@ def test_cli_rows_with_rollout_logprobs_get_their_mismatch(tp1, tmp_path):
             assert got["mismatch"].keys() == want.keys()
             for name, value in want.items():
                 assert math.isclose(got["mismatch"][name], value, rel_tol=1e-6, abs_tol=1e-6)
+
+
+def test_cli_writes_every_output_of_the_table(tp1, tmp_path):
+    """Every flag the CLI derives from the table asked at once, rows carrying target ids
+    and rollout logprobs: each row holds every output of ``schema.OUTPUTS`` the model
+    has (routing only on a MoE model) under its name, equal to the SDK's answer to the
+    same request."""
+    rows = _rows(seed=11, num=4)
+    rng = np.random.default_rng(11)
+    for row in rows:
+        n = len(row["token_ids"])
+        row["rollout_logprobs"] = rng.normal(-6.0, 1.0, n).tolist()
+        row["target_ids"] = rng.integers(0, VOCAB, (n, 3)).tolist()
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with ScoringClient(tp1.target, timeout=120) as client:
+        moe = bool(client.model_info().moe_metric_names)
+        flags = {
+            o.name: True
+            for o in score_jsonl._row_options()
+            if o.names is None and (moe or o.name != "return_routing")
+        }
+        ref = client.score(
+            [r["token_ids"] for r in rows],
+            loss_mask=[r.get("loss_mask", [1] * len(r["token_ids"])) for r in rows],
+            target_ids=[r["target_ids"] for r in rows],
+            rollout_logprobs=[r["rollout_logprobs"] for r in rows],
+            top_k=2,
+            **flags,
+        )
+    done = _cli(tp1.target, src, out, *("--" + name.replace("_", "-") for name in flags))
+    assert done.returncode == 0, done.stderr
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = {o.name for o in schema.OUTPUTS if moe or o.name != "routing"}
+    assert len(expected) >= 12 and "target_logprobs" in expected
+    for i, got in enumerate(written):
+        assert expected <= got.keys(), expected - got.keys()
+        for output in schema.OUTPUTS:
+            if output.name not in expected:
+                continue
+            want = getattr(ref, output.sdk)
+            if output.keys is not None:
+                assert got[output.name].keys() == want.keys()
+                for name, values in want.items():
+                    assert math.isclose(got[output.name][name], values[i], rel_tol=1e-6)
+            else:
+                np.testing.assert_array_equal(
+                    np.asarray(got[output.name], output.dtype), want[i], err_msg=output.name
+                )
