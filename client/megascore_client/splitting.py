@@ -110,12 +110,12 @@ class ScoreOptions:
         if not isinstance(self.top_k, int | np.integer) or self.top_k < 0:
             raise InvalidInputError(f"top_k must be an int >= 0, got {self.top_k!r}")
         object.__setattr__(self, "top_k", int(self.top_k))
+        for name in ("temperature", "mismatch_ratio_cap"):  # the table's one check of each
+            value = getattr(self, name)
+            rule = None if value is None else schema.check_input(name, value)
+            if rule is not None:
+                raise InvalidInputError(f"{name} {rule}, got {value!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise InvalidInputError(f"temperature must be finite and > 0, got {self.temperature}")
-        cap = self.mismatch_ratio_cap
-        if cap is not None and not (math.isfinite(float(cap)) and float(cap) > 1):
-            raise InvalidInputError(f"mismatch_ratio_cap must be finite and > 1, got {cap}")
         unknown = set(metrics) - set(METRIC_GROUPS)
         if unknown:
             raise InvalidInputError(f"metrics must be among {METRIC_GROUPS}, got {sorted(unknown)}")

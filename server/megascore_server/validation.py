@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import numpy as np
 
@@ -100,31 +99,16 @@ def validate_loss_mask(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return mask.astype(np.uint8, copy=False)
 
 
-def check_temperature(value: float, field: str = "options.temperature") -> float:
-    """The one check of a requested temperature (finite, > 0, representable as float32).
+def check_scalar_input(name: str, value: float, field: str) -> float:
+    """A per-request value of input ``name`` (``temperature``, ``mismatch_ratio_cap``),
+    checked by the table's one check of it (:func:`megascore.api.schema.check_input`).
 
     Raises:
         InvalidRequestError: naming ``field``.
     """
-    if not (
-        isinstance(value, (int, float))
-        and math.isfinite(value)
-        and _FLOAT32_TINY <= value <= _FLOAT32_MAX
-    ):
-        raise InvalidRequestError(
-            f"{field}: {value} is invalid; it must be finite and > 0 (representable as float32)"
-        )
-    return float(value)
-
-
-def check_ratio_cap(value: float, field: str = "options.mismatch_ratio_cap") -> float:
-    """The one check of a mismatch ratio cap (finite, > 1).
-
-    Raises:
-        InvalidRequestError: naming ``field``.
-    """
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and 1 < value <= _FLOAT32_MAX):
-        raise InvalidRequestError(f"{field}: {value} is invalid; it must be finite and > 1")
+    rule = schema.check_input(name, value)
+    if rule is not None:
+        raise InvalidRequestError(f"{field}: {value} is invalid; it {rule}")
     return float(value)
 
 
@@ -139,10 +123,14 @@ def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:
     kwargs = {opt.name: opt.convert(getattr(options, opt.name)) for opt in schema.OPTIONS}
     kwargs["temperature"] = 1.0
     if options.HasField("temperature"):
-        kwargs["temperature"] = check_temperature(options.temperature)
+        kwargs["temperature"] = check_scalar_input(
+            "temperature", options.temperature, "options.temperature"
+        )
     kwargs["mismatch_ratio_cap"] = mismatch.DEFAULT_RATIO_CAP
     if options.HasField("mismatch_ratio_cap"):
-        kwargs["mismatch_ratio_cap"] = check_ratio_cap(options.mismatch_ratio_cap)
+        kwargs["mismatch_ratio_cap"] = check_scalar_input(
+            "mismatch_ratio_cap", options.mismatch_ratio_cap, "options.mismatch_ratio_cap"
+        )
     return kwargs
 
 

@@ -27,6 +27,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from megascore.api import mismatch
 from megascore.api.errors import quoted
 
@@ -202,6 +204,9 @@ class Input:
             in the broadcast header).
         fill: what a merged step holds for a request that did not send it; None: a
             step holds it for all its requests or for none.
+        check: ``values -> what is wrong or None``: the one check of the values (a
+            scalar per request or an array; :func:`check_input`), where the shape is not
+            all there is to check.
     """
 
     name: str
@@ -209,17 +214,54 @@ class Input:
     dtype: str
     ndim: int = 0
     fill: float | None = None
+    check: Callable[[Any], str | None] | None = None
+
+
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _between(low: float, high: float, rule: str) -> Callable[[Any], str | None]:
+    """A check that every value is finite and in ``[low, high]`` (else ``rule``)."""
+
+    def check(values) -> str | None:
+        try:
+            v = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError):
+            return rule
+        return None if (np.isfinite(v) & (v >= low) & (v <= high)).all() else rule
+
+    return check
+
+
+def check_input(name: str, values) -> str | None:
+    """The one check of input ``name``'s values (a scalar or an array; what the client,
+    the wire gate and ``ScoreBatch.check`` all run): what is wrong, or None."""
+    spec = next(s for s in INPUTS if s.name == name)
+    return None if spec.check is None else spec.check(values)
 
 
 INPUTS: tuple[Input, ...] = (
     Input("loss_mask", TOKEN, "uint8", fill=1),
-    Input("temperature", SEQUENCE, "float32", fill=1.0),
+    Input(
+        "temperature",
+        SEQUENCE,
+        "float32",
+        fill=1.0,
+        check=_between(FLOAT32_TINY, FLOAT32_MAX, "must be finite and > 0 (a float32)"),
+    ),
     Input("routing", TOKEN, "int32", ndim=2),
     Input("target_ids", TOKEN, "int64", ndim=1, fill=0),
     # 0.0, not NaN: a merged step is checked whole, and NaN is refused (a request that
     # sent no rollout logprobs gets no mismatch statistics back either way)
     Input("rollout_logprobs", TOKEN, "float64", fill=0.0),
-    Input("mismatch_ratio_cap", SEQUENCE, "float32", fill=mismatch.DEFAULT_RATIO_CAP),
+    Input(
+        "mismatch_ratio_cap",
+        SEQUENCE,
+        "float32",
+        fill=mismatch.DEFAULT_RATIO_CAP,
+        check=_between(np.nextafter(1.0, 2.0), FLOAT32_MAX, "must be finite and > 1"),
+    ),
 )
 
 

@@ -44,8 +44,8 @@ def _first_row(bad: np.ndarray, bounds: np.ndarray) -> str:
 
 
 def check_scored_inputs(batch: ScoreBatch, limits: Limits) -> None:
-    """Checks the target ids, rollout logprobs and ratio cap of a batch: the one check of
-    each (the wire gate and the engine run it).
+    """Checks the target ids and rollout logprobs of a batch: the one check of each (the
+    wire gate and the engine run it; the per-sequence inputs are checked by the table).
 
     Raises:
         InvalidRequestError: naming the field and the sequence (and position).
@@ -87,10 +87,6 @@ def check_scored_inputs(batch: ScoreBatch, limits: Limits) -> None:
         raise InvalidRequestError(
             "options.return_importance_weights: needs rollout_logprobs in the request"
         )
-    if batch.mismatch_ratio_cap is not None:
-        cap = np.asarray(batch.mismatch_ratio_cap, dtype=np.float64)
-        if cap.shape != (bounds.size - 1,) or not (np.isfinite(cap) & (cap > 1)).all():
-            raise InvalidRequestError("options.mismatch_ratio_cap: must be finite and > 1")
 
 
 def _schema_fields(cls):
@@ -183,9 +179,14 @@ class ScoreBatch:
         check_token_ids(ids, bounds, limits)
         if self.loss_mask is not None and np.shape(self.loss_mask) != (ids.size,):
             raise InvalidRequestError(f"loss_mask must have {ids.size} entries")
-        temps = self.temperatures()
-        if np.shape(temps) != (lengths.size,) or not (np.isfinite(temps) & (temps > 0)).all():
-            raise InvalidRequestError("temperature must be finite and > 0, one per sequence")
+        for spec in schema.INPUTS:
+            values = getattr(self, spec.name)
+            if spec.per == schema.SEQUENCE and values is not None:
+                if np.shape(values) != (lengths.size,):
+                    raise InvalidRequestError(f"{spec.name}: one value per sequence")
+                rule = schema.check_input(spec.name, values)
+                if rule is not None:  # the table's one check of it
+                    raise InvalidRequestError(f"{spec.name}: every value {rule}")
         check_options(self, limits)
         check_routing(self, limits)
         check_scored_inputs(self, limits)
