@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megascore.engine.distributed import gather_cp_shards
-from megascore.engine.forward import OutputHead, forward_microbatch, scoring_forward
+from megascore.engine.forward import forward_microbatch, scoring_forward
+from megascore.engine.output_head import OutputHead
 from megascore.engine.packing import PackedSequences, pack_sequences
 
 

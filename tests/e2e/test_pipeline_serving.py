@@ -34,7 +34,7 @@ import time
 
 import pytest
 
-from megascore.engine.pipeline import split_microbatches
+from megascore.engine.microbatch_plan import split_microbatches
 from megascore_client import ScoringClient, ScoringError
 from tests.e2e.reference import (
     ATOL,

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from megascore.api.selection import concat_outputs, select_sequences
 from megascore.api.types import ScoreBatch
 from megascore.v1 import scoring_pb2 as pb
+from megascore_server.batch_assembly import fill_step, merge_batches
 from megascore_server.convert import build_response
-from megascore_server.step_planner import fill_step, merge_batches
 from tests.service.fake_engine import compute
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megascore.api import layout
-from megascore.engine.pipeline import plan_microbatches
+from megascore.engine.microbatch_plan import plan_microbatches
 from megascore.engine.prefix_tree import dense_layout, shared_groups, shared_layout
 from tests.prefix_groups import MIN_SHARED, prefix_group_sequences
 

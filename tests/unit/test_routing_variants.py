@@ -18,7 +18,8 @@ from megascore.api.limits import RoutingShape
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.routing import routing_shape
-from megascore.engine.step import StepConfig, StepGroups, finish_step, run_step
+from megascore.engine.step import StepConfig, StepGroups, run_step
+from megascore.engine.step_output import finish_step
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig
 

@@ -20,7 +20,7 @@ ranks). Every rank receives the whole batch (``megascore.engine.protocol``); the
    part (every rank of the replica agrees on the outcome, as before);
 3. the output rank of every DP group (its first pipeline stage's TP 0 / CP 0 rank)
    turns its part into a :class:`~megascore.api.types.ScoreOutput`
-   (:func:`megascore.engine.step.finish_step`) and sends it, typed (shapes derived
+   (:func:`megascore.engine.step_output.finish_step`) and sends it, typed (shapes derived
    from the batch on both sides, nothing pickled), to global rank 0 over a gloo group of
    the output ranks; rank 0 joins the parts in the caller's order
    (:func:`megascore.api.selection.concat_outputs`).
@@ -60,7 +60,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megascore.api import layout, schema, selection
 from megascore.api.errors import WorkerLostError
 from megascore.api.types import ScoreBatch, ScoreOutput
-from megascore.engine.pipeline import (
+from megascore.engine.microbatch_plan import (
     MicrobatchPlan,
     MicrobatchSegments,
     SharedUnits,
@@ -68,14 +68,8 @@ from megascore.engine.pipeline import (
     shared_units,
     split_microbatches,
 )
-from megascore.engine.step import (
-    StepConfig,
-    StepGroups,
-    finish_step,
-    run_step,
-    shared_prefix,
-    token_keys,
-)
+from megascore.engine.step import StepConfig, StepGroups, run_step, shared_prefix, token_keys
+from megascore.engine.step_output import finish_step
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +80,7 @@ class StepSplit:
 
     Attributes:
         parts: per DP rank, int64 indices of its sequences (ascending: caller's order).
-        plans: per DP rank, its :class:`~megascore.engine.pipeline.MicrobatchPlan` (ranges
+        plans: per DP rank, its :class:`~megascore.engine.microbatch_plan.MicrobatchPlan` (ranges
             into its part; every plan has as many ranges and the same ``pad_to``).
     """
 
@@ -116,7 +110,7 @@ def split_step(
     """Splits a step's sequences across ``size`` DP ranks (module docstring, 1).
 
     The step is cut into microbatches as one rank would cut it
-    (:func:`~megascore.engine.pipeline.split_microbatches` of its sequences, or of its
+    (:func:`~megascore.engine.microbatch_plan.split_microbatches` of its sequences, or of its
     groups sharing a prefix); each microbatch's sequences (groups) are then shared out
     (:func:`balanced_parts`), so microbatch ``i`` of every DP rank together is the lone
     rank's microbatch ``i``, and a group's prefix is computed once, by one DP rank.
@@ -127,7 +121,7 @@ def split_step(
         pad_multiple: per-sequence pad multiple.
         microbatches: microbatches wanted (fewer when the step is small).
         shared: the step's groups sharing a prefix
-            (:func:`~megascore.engine.pipeline.shared_units`), or None for a dense step.
+            (:func:`~megascore.engine.microbatch_plan.shared_units`), or None for a dense step.
 
     Returns:
         The :class:`StepSplit` (dense: every part ascending, the caller's order; shared:

@@ -1,18 +1,18 @@
 """One packed GPTModel forward: the LM head's input plus the MoE / MTP metrics.
 
 The pieces are what Megatron's schedule calls per microbatch
-(:mod:`megascore.engine.pipeline`): :func:`model_inputs` builds the model's
-arguments, :func:`scoring_forward` is the mode a whole step runs in (and reads the
-metrics after it).
+(:mod:`megascore.engine.pipeline`): :func:`~megascore.engine.packed_inputs.model_inputs`
+builds the model's arguments, :func:`scoring_forward` is the mode a whole step runs in
+(and reads the metrics after it).
 
 :func:`forward_microbatch` feeds a :class:`~megascore.engine.packing.PackedSequences` (THD,
-this rank's CP shard) through the model and returns an :class:`OutputHead`: the
-final hidden states (after the final layernorm) and the model's output layer,
-which computes the vocab-parallel logits ``[C, V / tp]`` of any chunk of rows on
-demand. The full ``[T_local, V / tp]`` logits are never materialised (they are
-the classic OOM of prompt-logprob servers: 64k tokens x 128k vocabulary in fp32
-is 32 GB); :func:`megascore.engine.logprobs.score_tokens` asks for one chunk of
-``chunk_tokens`` rows at a time. The head comes from an ``output_processor`` hook
+this rank's CP shard) through the model and returns an
+:class:`~megascore.engine.output_head.OutputHead`: the final hidden states (after the
+final layernorm) and the model's output layer, which computes the vocab-parallel logits
+``[C, V / tp]`` of any chunk of rows on demand. The full ``[T_local, V / tp]`` logits
+are never materialised (they are the classic OOM of prompt-logprob servers: 64k tokens x
+128k vocabulary in fp32 is 32 GB); :func:`megascore.engine.logprobs.score_tokens` asks
+for one chunk of ``chunk_tokens`` rows at a time. The head comes from an ``output_processor`` hook
 of ``GPTModel.forward``: Megatron calls it with the final hidden states after
 the MTP block, in place of its own output-layer / loss step, so GPTModel never
 computes the main logits itself (MTP needs labels; with labels GPTModel would
@@ -60,10 +60,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
 
 import torch
-from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_logging import (
     destroy_moe_metrics_tracker,
     get_moe_metrics_tracker,
@@ -73,108 +71,11 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from megascore.config import METRICS_REDUCTIONS
 from megascore.engine import step_metrics
-from megascore.engine.packing import PackedSequences, cp_shard_indices, roll_within_segments
-from megascore.engine.scratch import Scratch
-from megascore.engine.segment_packing import full_positions, rope_positions
-from megascore.model.batch_invariant import is_batch_invariant, pad_rows
+from megascore.engine.packed_inputs import model_inputs, router_token_counts
+from megascore.engine.packing import PackedSequences
+from megascore.engine.segment_packing import rope_positions
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class OutputHead:
-    """The LM head of one forward, applied to chunks of rows on demand.
-
-    Attributes:
-        hidden_states: ``[T_local, 1, H]`` final hidden states (after the final
-            layernorm) of this rank's CP shard, in the model's dtype, detached. With
-            sequence parallelism they were all-gathered over the TP group (the model
-            hands over ``T_local / tp`` rows per rank), so every TP rank holds all rows.
-        output_layer: the model's ``ColumnParallelLinear`` (``output_layer``).
-        weight: the weight to pass to it: the shared word-embedding weight when
-            embeddings are tied, None for the layer's own weight.
-        scale_logits: the model's logit scaling (``GPTModel._scale_logits``, MuP).
-        scratch: the buffers the head reuses (:func:`head_scratch`; None: new tensors).
-    """
-
-    hidden_states: torch.Tensor
-    output_layer: torch.nn.Module
-    weight: torch.Tensor | None
-    scale_logits: Callable[[torch.Tensor], torch.Tensor]
-    scratch: Scratch | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        """``T_local``: rows (packed positions of this CP shard)."""
-        return self.hidden_states.shape[0]
-
-    @property
-    def vocab_local(self) -> int:
-        """``V / tp``: logit columns of this TP rank (Megatron's ``VocabUtility`` slice)."""
-        weight = self.output_layer.weight if self.weight is None else self.weight
-        return weight.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.hidden_states.device
-
-    def logits(self, start: int, end: int) -> torch.Tensor:
-        """Vocab-parallel logits of rows ``[start, end)``, as Megatron's forward computes them.
-
-        Memory is ``(end - start) x V / tp`` in the model's dtype: callers bound it by
-        asking for chunks.
-
-        Args:
-            start: first row.
-            end: one past the last row.
-
-        Returns:
-            ``[end - start, V / tp]`` in the model's dtype; row ``t`` predicts the token
-            after packed position ``start + t``.
-        """
-        # rows: [C, 1, H]; already gathered over TP, so the layer must not gather again
-        rows = self.hidden_states[start:end]
-        layer = self.output_layer
-        if self.scratch is not None and _plain_matmul(layer):
-            # what the layer computes (a forward-only ColumnParallelLinear without bias is
-            # ``matmul(input, weight.t())``), written into the reused buffer
-            weight = layer.weight if self.weight is None else self.weight
-            return self.scale_logits(self.matmul(rows[:, 0], weight))
-        saved = layer.sequence_parallel
-        layer.sequence_parallel = False
-        try:
-            with torch.no_grad():
-                logits, _ = layer(rows, weight=self.weight, runtime_gather_output=False)
-        finally:
-            layer.sequence_parallel = saved
-        return self.scale_logits(logits).squeeze(1)  # [C, V / tp]
-
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``matmul(x, weight.t())`` for rows ``x [C, H]`` and ``weight [V/tp, H]``: padded
-        like the output layer's matmuls when it is batch-invariant
-        (:mod:`megascore.model.batch_invariant`), written into the head's reused buffer
-        (a new tensor without one). Returns ``[C, V/tp]``."""
-        padded = pad_rows(x) if is_batch_invariant(self.output_layer) else x
-        if self.scratch is None:
-            return torch.matmul(padded, weight.t())[: len(x)]
-        out = self.scratch.take("logits", len(padded), weight.shape[0], x.dtype, x.device)
-        return torch.matmul(padded, weight.t(), out=out)[: len(x)]
-
-
-def _plain_matmul(layer: torch.nn.Module) -> bool:
-    """Whether the output layer's forward is a plain ``matmul(input, weight.t())``: Megatron's
-    local ``ColumnParallelLinear`` (not TransformerEngine's) without a bias; with TP > 1 its
-    forward only marks the input for the backward, and the rows were gathered already."""
-    return type(layer) is ColumnParallelLinear and layer.bias is None
-
-
-def head_scratch(output_layer: torch.nn.Module) -> Scratch:
-    """The head's reused buffers (:mod:`megascore.engine.scratch`), kept on the model's
-    output layer: they live as long as the model."""
-    scratch = output_layer.__dict__.get("_megascore_scratch")
-    if scratch is None:
-        scratch = output_layer.__dict__["_megascore_scratch"] = Scratch()
-    return scratch
 
 
 def moe_metric_names(cfg) -> list[str]:
@@ -214,69 +115,6 @@ def mtp_metric_names(cfg) -> list[str]:
     for i in range(1, (cfg.mtp_num_layers or 0) + 1):
         names += [f"mtp_{i}_loss", f"mtp_{i}_acceptance_rate"]
     return names
-
-
-def packed_position_ids(
-    cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int, params=None
-) -> torch.Tensor:
-    """Position of every token in its sequence, CP-sharded.
-
-    Args:
-        cu_seqlens_padded: ``[B+1]`` padded boundaries.
-        cp_rank: this rank in the CP group.
-        cp_size: CP group size.
-        params: the packing's ``PackedSeqParams``: positions of segments that continue
-            a shared prefix continue from it
-            (:class:`megascore.engine.segment_packing.SharedPrefixParams`).
-
-    Returns:
-        int64 ``[1, T / cp_size]`` (positions restart at 0 for every sequence).
-    """
-    cu = cu_seqlens_padded.to("cpu", torch.long)
-    pos = full_positions(cu, params)
-    return pos[cp_shard_indices(cu, cp_rank, cp_size)].unsqueeze(0)
-
-
-def _position_and_length(packed: PackedSequences) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``[T]`` pairs over the full packed axis: position inside the padded
-    segment and the real length of the segment's sequence."""
-    cu = packed.cu_seqlens.to("cpu", torch.long)
-    cu_pad = packed.cu_seqlens_padded.to("cpu", torch.long)
-    seg = cu_pad[1:] - cu_pad[:-1]
-    pos = torch.arange(int(cu_pad[-1])) - torch.repeat_interleave(cu_pad[:-1], seg)
-    return pos, torch.repeat_interleave(cu[1:] - cu[:-1], seg)
-
-
-def packed_labels_and_mask(packed: PackedSequences, cp_rank: int, cp_size: int):
-    """Next-token targets and Megatron's loss mask for this CP shard.
-
-    Targets are rolled by -1 inside each padded segment on the full packed axis,
-    then sharded like the inputs. The mask is Megatron's (aligned with the
-    targets): 1 where the target of position ``t`` is a real token of the same
-    sequence (``t + 1 < length``).
-
-    Args:
-        packed: the packed batch (full ``input_ids`` and boundaries are used).
-        cp_rank: this rank in the CP group.
-        cp_size: CP group size.
-
-    Returns:
-        ``(labels int64 [1, T_local], loss_mask float32 [1, T_local])``.
-    """
-    cu_pad = packed.cu_seqlens_padded.to("cpu")
-    idx = cp_shard_indices(cu_pad, cp_rank, cp_size)
-    ids = packed.input_ids.to("cpu", torch.long)
-    labels = roll_within_segments(ids, cu_pad, shifts=-1)[:, idx]
-    pos, length = _position_and_length(packed)
-    return labels, (pos + 1 < length)[idx][None].float()
-
-
-def packed_padding_mask(packed: PackedSequences, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Megatron's MoE ``padding_mask`` for this CP shard: bool ``[1, T_local]``, True at the
-    pad positions of each padded segment (position >= the sequence's real length)."""
-    pos, length = _position_and_length(packed)
-    idx = cp_shard_indices(packed.cu_seqlens_padded.to("cpu"), cp_rank, cp_size)
-    return (pos >= length)[idx][None]
 
 
 class _ScalarCollector:
@@ -330,52 +168,6 @@ def _training_forward(model):
             for router, bufs in zip(routers, saved, strict=True):
                 for name, value in bufs.items():
                     getattr(router, name).copy_(value)
-
-
-def _head_processor(*, hidden_states, output_layer, output_weight, scale_logits, **_):
-    """GPTModel ``output_processor``: hands over the head instead of computing logits.
-
-    ``hidden_states`` is ``[s, 1, H]`` after the final layernorm (and, with MTP, the
-    main model's share of the MTP block's output); with sequence parallelism ``s`` is
-    this rank's ``T_local / tp`` rows, gathered here over TP once (``T_local x H``).
-    """
-    hidden = hidden_states.detach()
-    if output_layer.sequence_parallel:
-        hidden = gather_from_sequence_parallel_region(
-            hidden, tensor_parallel_output_grad=False, group=output_layer.tp_group
-        )
-    return OutputHead(
-        hidden_states=hidden,
-        output_layer=output_layer,
-        weight=None if output_weight is None else output_weight.detach(),
-        scale_logits=scale_logits,
-        scratch=head_scratch(output_layer),
-    )
-
-
-def router_token_counts(model, packed: PackedSequences):
-    """Real tokens the router of each MoE-capable layer sees on this rank.
-
-    Decoder layers see this rank's share of the real tokens (its CP shard; with sequence
-    parallelism its TP slice of that: :func:`megascore.engine.step_metrics.router_rows`);
-    MTP layer k sees the positions whose token k ahead is real (``position + k < length``).
-
-    Returns:
-        float32 ``[num_layers + mtp_num_layers]``.
-    """
-    cfg = model.config
-    pos, length = _position_and_length(packed)
-    rows = step_metrics.router_rows(model, packed)
-    pos, length = pos[rows], length[rows]
-    counts = [float((pos < length).sum())] * cfg.num_layers
-    counts += [float((pos + k < length).sum()) for k in range(1, (cfg.mtp_num_layers or 0) + 1)]
-    return torch.tensor(counts)
-
-
-def _cp_rank_size(model) -> tuple[int, int]:
-    """This rank's (CP rank, CP size) in the model's context-parallel group."""
-    cp = model.pg_collection.cp
-    return (cp.rank(), cp.size()) if cp.size() > 1 else (0, 1)
 
 
 def _z_loss_values() -> torch.Tensor | None:
@@ -518,64 +310,6 @@ def check_metrics_request(cfg, return_moe_metrics: bool, return_mtp_metrics: boo
         raise ValueError("MoE metrics requested from a dense model")
     if return_mtp_metrics and not cfg.mtp_num_layers:
         raise ValueError("MTP metrics requested from a model without MTP layers")
-
-
-def model_inputs(
-    model,
-    packed: PackedSequences,
-    *,
-    metrics_forward: bool = False,
-    loss_mask_packed_local: torch.Tensor | None = None,
-) -> dict:
-    """Keyword arguments of ``model(...)`` for this rank's shard of a packed batch.
-
-    Every pipeline stage passes the same inputs (the first embeds ``input_ids``; the
-    last needs them for MTP); the output processor hands over the :class:`OutputHead`.
-
-    Args:
-        model: the GPTModel.
-        packed: the batch, packed for this rank's CP rank.
-        metrics_forward: a forward that records MoE / MTP metrics: MoE models get
-            Megatron's ``padding_mask`` (pads stay out of the router statistics), MTP
-            models the MTP ``labels`` and ``loss_mask``.
-        loss_mask_packed_local: ``[1, T_local]`` Megatron-style loss mask for the MTP
-            metrics, CP-sharded; None: every target that is a real token of its sequence.
-
-    Returns:
-        The keyword arguments.
-    """
-    cp_rank, cp_size = _cp_rank_size(model)
-    device = next(model.parameters()).device
-    p = packed.packed_seq_params
-    kwargs = dict(
-        input_ids=packed.input_ids_cp_sharded.to(device, torch.long),  # [1, T_local]
-        position_ids=packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size, p).to(device),
-        attention_mask=None,
-        packed_seq_params=dataclasses.replace(
-            p,
-            cu_seqlens_q=p.cu_seqlens_q.to(device),
-            cu_seqlens_kv=p.cu_seqlens_kv.to(device),
-            cu_seqlens_q_padded=p.cu_seqlens_q_padded.to(device),
-            cu_seqlens_kv_padded=p.cu_seqlens_kv_padded.to(device),
-        ),
-        output_processor=_head_processor,
-    )
-    cfg = model.config
-    if metrics_forward and cfg.num_moe_experts:
-        padding_mask = packed_padding_mask(packed, cp_rank, cp_size)  # [1, T_local]
-        tp = model.pg_collection.tp
-        if cfg.sequence_parallel and not model.pre_process and tp.size() > 1:
-            # GPTModel scatters the mask to the sequence-parallel region only on the first
-            # pipeline stage; later stages get this rank's contiguous slice from here.
-            per = padding_mask.shape[1] // tp.size()
-            padding_mask = padding_mask[:, tp.rank() * per : (tp.rank() + 1) * per]
-        kwargs.update(padding_mask=padding_mask.to(device))
-    if metrics_forward and cfg.mtp_num_layers:
-        labels, loss_mask = packed_labels_and_mask(packed, cp_rank, cp_size)
-        if loss_mask_packed_local is not None:
-            loss_mask = loss_mask_packed_local.reshape(1, -1).float()
-        kwargs.update(labels=labels.to(device), loss_mask=loss_mask.to(device))
-    return kwargs
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ top-k again).
 
 The logits come from a :class:`ChunkedLogits` source that produces one chunk of
 rows at a time: the engine passes the model's output head
-(:class:`megascore.engine.forward.OutputHead`, final hidden states times the
+(:class:`megascore.engine.output_head.OutputHead`, final hidden states times the
 output weight), so not even this rank's ``[T, V_local]`` slice exists and peak
 memory is ``O(chunk_tokens * V_local)`` whatever the number of tokens. A plain
 ``[T, V_local]`` tensor is accepted too (logits that already exist).
@@ -104,7 +104,7 @@ class Float32Logits:
     weight both upcast, the weight once per step (``V/tp x H`` float32 on the device).
 
     Args:
-        head: the model's :class:`megascore.engine.forward.OutputHead` of this step.
+        head: the model's :class:`megascore.engine.output_head.OutputHead` of this step.
     """
 
     def __init__(self, head):

@@ -6,10 +6,11 @@ without interleaving under pipeline parallelism (stages overlap on different
 microbatches), the plain loop at PP = 1. The pieces follow NeMo-RL's logprob
 path (``forward_step_arbitrary_loss`` / its loss post-processors):
 
-* :func:`split_microbatches`: contiguous runs of sequences, balanced by padded
-  tokens; every microbatch is packed (THD, the per-sequence pad multiple) and
-  padded to one common length, so the stages exchange activations of a fixed
-  shape. The padding is a segment of its own (``pack_sequences(pad_segment=True)``),
+* :func:`~megascore.engine.microbatch_plan.split_microbatches`: contiguous runs of
+  sequences, balanced by padded tokens; every microbatch is packed
+  (:func:`~megascore.engine.microbatch.build_microbatch`: THD, the per-sequence pad
+  multiple) and padded to one common length, so the stages exchange activations of a
+  fixed shape. The padding is a segment of its own (``pack_sequences(pad_segment=True)``),
   not an extension of the last sequence: no real token attends to it, and a
   sequence's attention has the same shape in any microbatch (batch invariance).
   Megatron refuses ``variable_seq_lengths`` with the allgather MoE dispatcher, the
@@ -21,7 +22,7 @@ path (``forward_step_arbitrary_loss`` / its loss post-processors):
   microbatch's routes to replay or give back the ones they chose,
   :mod:`megascore.engine.routing`) and returns the output with a loss closure. On
   the last stage the output is the model's
-  :class:`~megascore.engine.forward.OutputHead`, and the closure computes the
+  :class:`~megascore.engine.output_head.OutputHead`, and the closure computes the
   logprobs / top-k chunk by chunk over the TP group, gathers the CP shards and
   returns a loss normalised by the step's global valid token count
   (``cp_normalize`` under CP, then undoing Megatron's ``x cp / num_microbatches``
@@ -37,377 +38,18 @@ import dataclasses
 import functools
 import logging
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megascore.api import layout, schema
+from megascore.api import schema
 from megascore.engine.distributed import gather_cp_shards
 from megascore.engine.forward import forward_microbatch
 from megascore.engine.logprobs import Float32Logits, score_tokens
-from megascore.engine.packing import PackedSequences, roll_within_segments
-from megascore.engine.prefix_tree import (
-    SegmentLayout,
-    concat_layouts,
-    dense_layout,
-    shared_groups,
-    shared_layout,
-)
+from megascore.engine.microbatch import Microbatch
 from megascore.engine.routing import recorded_routes, set_replay_targets
-from megascore.engine.segment_packing import pack_layout
 
 logger = logging.getLogger(__name__)
-
-
-def split_microbatches(
-    lengths: np.ndarray, pad_multiple: int, count: int
-) -> tuple[list[tuple[int, int]], int]:
-    """Splits a step's sequences into contiguous, balanced microbatches.
-
-    Args:
-        lengths: int64 ``[B]`` sequence lengths (>= 1).
-        pad_multiple: per-sequence pad multiple.
-        count: microbatches wanted.
-
-    Returns:
-        ``(ranges, pad_to)``: ``[first, end)`` sequence ranges in batch order (at most
-        ``count``, each non-empty) and the packed length every microbatch is padded to
-        (the longest microbatch's; a multiple of ``pad_multiple``).
-    """
-    padded = layout.padded_lengths(np.asarray(lengths), pad_multiple)
-    total, longest = int(padded.sum()), int(padded.max())
-    count = max(1, min(count, len(padded), total // longest))
-    cum = np.cumsum(padded)
-    cuts = [0]
-    for k in range(1, count):
-        # the sequence boundary closest to k / count of the tokens, after the previous cut
-        cut = int(np.argmin(np.abs(cum - k * total / count))) + 1
-        cut = min(max(cut, cuts[-1] + 1), len(padded) - (count - k))
-        cuts.append(cut)
-    cuts.append(len(padded))
-    ranges = list(zip(cuts[:-1], cuts[1:], strict=True))
-    pad_to = max(int(padded[a:b].sum()) for a, b in ranges)
-    return ranges, pad_to
-
-
-@dataclasses.dataclass(frozen=True)
-class MicrobatchPlan:
-    """How one rank cuts its sequences of a step into microbatches.
-
-    Attributes:
-        ranges: ``[first, end)`` sequence ranges in batch order, one per microbatch. An
-            empty one (``first == end``) is a microbatch of ``pad_to`` pad tokens: a
-            data-parallel rank without sequences in it still joins its peers' expert
-            collectives (:mod:`megascore.engine.data_parallel`).
-        pad_to: packed length of every microbatch.
-        segments: None: every sequence computed whole; else each range's microbatch as
-            its groups sharing a prefix are computed (:func:`shared_units`, laid out by
-            the split, ``sequences`` numbered like ``ranges``).
-    """
-
-    ranges: list[tuple[int, int]]
-    pad_to: int
-    segments: list[MicrobatchSegments] | None = None
-
-    @classmethod
-    def split(cls, lengths: np.ndarray, pad_multiple: int, count: int) -> MicrobatchPlan:
-        """The dense plan of a rank that runs its step alone (:func:`split_microbatches`)."""
-        ranges, pad_to = split_microbatches(lengths, pad_multiple, count)
-        return cls(ranges=ranges, pad_to=pad_to)
-
-
-@dataclasses.dataclass(frozen=True)
-class MicrobatchSegments:
-    """Which sequences of a step one microbatch holds, and how they are computed.
-
-    Attributes:
-        sequences: int64 ``[B_mb]`` the step's sequences in the microbatch's order.
-        segments: their :class:`~megascore.engine.prefix_tree.SegmentLayout`.
-    """
-
-    sequences: np.ndarray
-    segments: SegmentLayout
-
-
-@dataclasses.dataclass(frozen=True)
-class SharedUnits:
-    """A step's sequences in groups that share a prefix: the units a step's microbatches
-    (and data-parallel parts) are cut from, a group never cut apart.
-
-    Attributes:
-        groups: sequence indices per group (:func:`~megascore.engine.prefix_tree.shared_groups`).
-        layouts: each group's :class:`~megascore.engine.prefix_tree.SegmentLayout`.
-        costs: int64 ``[G]`` packed rows of each group's segments, padded.
-    """
-
-    groups: list[np.ndarray]
-    layouts: list[SegmentLayout]
-    costs: np.ndarray
-
-
-def shared_units(
-    token_ids: np.ndarray,
-    lengths: np.ndarray,
-    *,
-    pad_multiple: int,
-    min_shared: int,
-    token_keys: np.ndarray | None = None,
-    labels: np.ndarray | None = None,
-) -> SharedUnits:
-    """The groups of a step's sequences that share a prefix of ``>= min_shared`` tokens,
-    with their layouts (arguments as :func:`plan_microbatches`)."""
-    token_ids = np.asarray(token_ids, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    keys = token_ids[:, None] if token_keys is None else token_keys
-    labels = np.zeros(len(lengths)) if labels is None else labels
-    groups = shared_groups(keys, lengths, labels, min_shared)
-    layouts = []
-    for seqs in groups:
-        tok = layout.token_index(lengths, seqs)
-        layouts.append(
-            shared_layout(
-                token_ids[tok],
-                lengths[seqs],
-                min_shared=min_shared,
-                token_keys=keys[tok],
-                labels=labels[seqs],
-            )
-        )
-    costs = np.array(
-        [layout.padded_lengths(g.lengths, pad_multiple).sum() for g in layouts], dtype=np.int64
-    ).reshape(-1)
-    return SharedUnits(groups, layouts, costs)
-
-
-def joined_groups(units: SharedUnits, lengths: np.ndarray, which) -> MicrobatchSegments:
-    """One microbatch of the groups ``which`` (indices into ``units``), in that order."""
-    groups = [units.groups[g] for g in which]
-    if not groups:  # a data-parallel rank's microbatch of pad tokens only
-        empty = np.zeros(0, dtype=np.int64)
-        return MicrobatchSegments(empty, dense_layout(empty, empty))
-    return MicrobatchSegments(
-        np.concatenate(groups),
-        concat_layouts([units.layouts[g] for g in which], [lengths[g] for g in groups]),
-    )
-
-
-def plan_microbatches(
-    token_ids: np.ndarray,
-    lengths: np.ndarray,
-    *,
-    pad_multiple: int,
-    count: int,
-    min_shared: int | None = None,
-    token_keys: np.ndarray | None = None,
-    labels: np.ndarray | None = None,
-    cuts: MicrobatchPlan | None = None,
-) -> tuple[list[MicrobatchSegments], int]:
-    """Splits a step into microbatches, computing shared prefixes once when asked.
-
-    Dense (``min_shared`` None): :func:`split_microbatches` of the sequences in batch
-    order. Shared: the sequences that share a prefix (:func:`shared_units`) stay in one
-    microbatch; groups are split like sequences, by what their segments occupy. Given
-    ``cuts`` (a data-parallel rank's share), its ranges are the microbatches, dense or
-    laid out shared by the split.
-
-    Args:
-        token_ids: int64 ``[T]`` the step's tokens.
-        lengths: int64 ``[B]``.
-        pad_multiple: per-segment pad multiple.
-        count: microbatches wanted.
-        min_shared: shortest prefix worth sharing, or None for the dense layout.
-        token_keys: int64 ``[T, w]`` what must match for tokens to be shared (None: ids).
-        labels: ``[B]`` sequences of different labels share nothing (None: all equal).
-        cuts: the step's given microbatches (:mod:`megascore.engine.data_parallel`,
-            whose ``segments`` replace ``min_shared``); None: cut here.
-
-    Returns:
-        ``(plans, pad_to)``: the microbatches in order and their common packed length.
-    """
-    token_ids = np.asarray(token_ids, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if cuts is None and min_shared is not None:
-        units = shared_units(
-            token_ids,
-            lengths,
-            pad_multiple=pad_multiple,
-            min_shared=min_shared,
-            token_keys=token_keys,
-            labels=labels,
-        )
-        ranges, pad_to = split_microbatches(units.costs, pad_multiple, count)
-        return [joined_groups(units, lengths, range(a, b)) for a, b in ranges], pad_to
-    cuts = cuts or MicrobatchPlan.split(lengths, pad_multiple, count)
-    if cuts.segments is not None:
-        return list(cuts.segments), cuts.pad_to
-    plans = []
-    for a, b in cuts.ranges:
-        seqs = np.arange(a, b, dtype=np.int64)
-        tokens = token_ids[layout.token_index(lengths, seqs)]
-        plans.append(MicrobatchSegments(seqs, dense_layout(tokens, lengths[seqs])))
-    return plans, cuts.pad_to
-
-
-@dataclasses.dataclass
-class Microbatch:
-    """One microbatch of a step, packed for this rank (built alike on every stage).
-
-    Attributes:
-        packed: the microbatch's segments (:class:`~megascore.engine.prefix_tree.SegmentLayout`:
-            its sequences, or their shared prefixes and continuations), packed and
-            padded to the step's common length.
-        token_positions: int64 ``[T_mb]`` (CPU) packed row of every token of the
-            microbatch's sequences (in the microbatch's sequence order); rows are
-            shared by the tokens of a shared prefix.
-        targets: int64 ``[T_local]`` next-token targets of this CP shard.
-        temperature: float32 ``[T_local]`` or None.
-        loss_mask: float32 ``[T_local]``: whether the target of each position is a
-            scored token (the request's loss mask, Megatron's alignment; a shared row
-            is scored where any of its sequences scores it).
-        mtp_loss_mask: ``[1, T_local]`` the same mask for MTP when the request has one,
-            else None (Megatron's default mask).
-        replay_routes: int64 ``[n, L_stage, k]`` MoE routes this stage's routers replay
-            (:func:`megascore.engine.routing.local_replay_targets`), or None.
-        recorded_routes: set by the forward step when the step records the routing:
-            int64 ``[n, L_stage, k]`` (None on a stage without MoE layers).
-        target_ids: int64 ``[T_local, K]`` caller-chosen ids scored at each position
-            (those given for the token the position predicts), or None.
-        num_sequences: the microbatch's sequences.
-        last_rows: int64 ``[n]`` (CPU) the local rows (this CP shard's) that hold the
-            last token of a sequence: their output predicts the token after it
-            (:func:`megascore.api.schema.at_last_row`). A sequence that ends where a shared
-            prefix ends has its last token in the prefix's last row, which it shares.
-        last_sequences: int64 ``[n]`` (CPU) which of the microbatch's sequences (its
-            ``sequences`` order) each of ``last_rows`` ends.
-    """
-
-    packed: PackedSequences
-    token_positions: torch.Tensor
-    targets: torch.Tensor
-    temperature: torch.Tensor | None
-    loss_mask: torch.Tensor
-    mtp_loss_mask: torch.Tensor | None
-    replay_routes: torch.Tensor | None = None
-    recorded_routes: torch.Tensor | None = None
-    target_ids: torch.Tensor | None = None
-    num_sequences: int = 0
-    last_rows: torch.Tensor | None = None
-    last_sequences: torch.Tensor | None = None
-
-
-def build_microbatch(
-    segments: SegmentLayout,
-    temperature: np.ndarray | None,
-    target_mask: np.ndarray,
-    *,
-    device: torch.device,
-    pad_multiple: int,
-    pad_to: int,
-    cp_rank: int,
-    cp_size: int,
-    has_request_mask: bool,
-    lengths: np.ndarray | None = None,
-    target_ids: np.ndarray | None = None,
-) -> Microbatch:
-    """Packs one microbatch for this rank's CP rank.
-
-    Args:
-        segments: the microbatch's segments (its sequences in the dense layout).
-        temperature: float32 ``[B_mb]`` or None.
-        target_mask: float32 ``[T_mb]`` token-aligned: whether each token is scored.
-        device: the model's device.
-        pad_multiple: per-segment pad multiple.
-        pad_to: common packed length of the step's microbatches.
-        cp_rank: this rank in the CP group.
-        cp_size: CP group size.
-        has_request_mask: the request carried a loss mask (MTP then uses it).
-        lengths: int64 ``[B_mb]`` the microbatch's sequence lengths (with ``target_ids``).
-        target_ids: int64 ``[T_mb, K]`` token-aligned caller-chosen ids, or None.
-
-    Returns:
-        The :class:`Microbatch`. Without sequences (``lengths`` empty) it is the padding
-        segment alone (``pad_to`` pad tokens).
-    """
-    packed = pack_layout(
-        torch.from_numpy(segments.token_ids).to(device),
-        segments,
-        pad_multiple=pad_multiple,
-        pad_to=pad_to,
-        cp_rank=cp_rank,
-        cp_size=cp_size,
-        pad_segment=True,
-    )
-    cu_padded = packed.cu_seqlens_padded.to("cpu", torch.int64)
-    shard = packed.shard_indices
-    # targets: [1, T_padded] rolled on the full axis -> [T_local], sharded like the inputs
-    targets = roll_within_segments(packed.input_ids, cu_padded)[0, shard.to(device)]
-    temps = None
-    if temperature is not None:
-        per_segment = np.ones(len(cu_padded) - 1, dtype=np.float32)  # the padding segment: 1
-        per_segment[: len(segments.lengths)] = np.asarray(temperature)[segments.sequences]
-        temps = torch.repeat_interleave(torch.from_numpy(per_segment), cu_padded.diff())
-        temps = temps[shard].to(device)
-    # mask: token-aligned on the full axis (a row is scored where any of its tokens is),
-    # then rolled to the targets' alignment
-    row_mask = np.zeros(len(segments.token_ids), dtype=np.float32)
-    if segments.shared:
-        np.maximum.at(row_mask, segments.token_rows, target_mask)
-    else:
-        row_mask[segments.token_rows] = target_mask
-    full = torch.zeros(1, pad_to)
-    full[0, packed.token_positions] = torch.from_numpy(row_mask)
-    mask = roll_within_segments(full, cu_padded, shifts=-1)[0, shard]
-    positions = packed.token_positions[torch.from_numpy(segments.token_rows)]
-    last_rows, last_sequences = _last_rows(positions, lengths, packed, pad_to)
-    return Microbatch(
-        packed=packed,
-        token_positions=positions,
-        targets=targets,
-        temperature=temps,
-        loss_mask=mask.to(device),
-        mtp_loss_mask=mask.unsqueeze(0).to(device) if has_request_mask else None,
-        target_ids=None
-        if target_ids is None
-        else _predicting_rows(target_ids, lengths, positions, packed, pad_to),
-        num_sequences=0 if lengths is None else len(lengths),
-        last_rows=last_rows,
-        last_sequences=last_sequences,
-    )
-
-
-def _last_rows(
-    positions: torch.Tensor, lengths: np.ndarray | None, packed: PackedSequences, pad_to: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(local rows, sequences)`` of this CP shard's rows that hold a sequence's last token
-    (``positions``: each token's packed row on the full axis), in sequence order."""
-    if lengths is None or len(lengths) == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty
-    last = positions[torch.from_numpy(layout.offsets(lengths)[1:] - 1)]  # [B_mb], full axis
-    shard = packed.shard_indices.to("cpu", torch.int64)
-    local = torch.full((pad_to,), -1, dtype=torch.int64)
-    local[shard] = torch.arange(len(shard))
-    rows = local[last]
-    mine = (rows >= 0).nonzero().squeeze(1)
-    return rows[mine], mine
-
-
-def _predicting_rows(
-    values: np.ndarray,
-    lengths: np.ndarray,
-    positions: torch.Tensor,
-    packed: PackedSequences,
-    pad_to: int,
-) -> torch.Tensor:
-    """Token-aligned ``[T_mb, K]`` rows moved to the packed position that predicts their
-    token (one before it, ``positions``: each token's packed row; a sequence's first row
-    has none and is dropped), this CP rank's shard of them, on the ids' device."""
-    rows = torch.zeros((pad_to, values.shape[1]), dtype=torch.int64)
-    predicted = torch.ones(positions.numel(), dtype=torch.bool)
-    predicted[layout.offsets(lengths)[:-1]] = False  # each sequence's first token
-    rows[positions[predicted] - 1] = torch.from_numpy(np.asarray(values, np.int64))[predicted]
-    return rows[packed.shard_indices].to(packed.input_ids.device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +65,7 @@ class ScoreSpec:
         num_microbatches: microbatches of the step.
         gather: this rank's CP group gathers the per-token results (the output side).
         metrics_forward: the forwards record MoE / MTP metrics
-            (:func:`megascore.engine.forward.model_inputs`).
+            (:func:`megascore.engine.packed_inputs.model_inputs`).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
         num_target_ids: K of the batch's target ids (0 without).
@@ -558,7 +200,7 @@ def forward_step(data_iterator, model, *, spec: ScoreSpec):
 
     Returns:
         ``(output, loss closure)``: the hidden states for the next stage, or on the
-        last stage the :class:`~megascore.engine.forward.OutputHead` that the closure
+        last stage the :class:`~megascore.engine.output_head.OutputHead` that the closure
         scores.
     """
     mb = next(data_iterator)

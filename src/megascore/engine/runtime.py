@@ -16,7 +16,7 @@ Process groups (all explicit):
 
 * the default group: the rendezvous, group creation and checkpoint I/O, no step
   collective; its timeout is at least ``_STARTUP_TIMEOUT_S`` (ranks may start
-  minutes apart).
+  minutes apart; :mod:`megascore.engine.startup`).
 * ``command``: every rank, gloo, a very long timeout on the workers: idle workers
   wait in it for rank 0's next message (``megascore.engine.protocol``). Rank 0's
   side times out after ``collective_timeout_s``: gloo's broadcast root blocks until
@@ -32,8 +32,8 @@ Process groups (all explicit):
   (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, set here when unset): a rank left in a
   collective by a peer that raised (out of memory) or died fails within the timeout.
   Under PP, rank 0 is on the first stage; its peer on the last stage
-  (:func:`result_rank`) sends the step's results back over rank 0's PP group
-  (:mod:`megascore.engine.step`).
+  (:func:`~megascore.engine.startup.result_rank`) sends the step's results back over
+  rank 0's PP group (:mod:`megascore.engine.step`).
 
 Failure: when any rank fails a step, every rank learns it through the status
 all-reduce (:func:`megascore.engine.step.run_step`, which first waits for the
@@ -42,178 +42,54 @@ step's CUDA work so that asynchronous CUDA errors count); the engine is then
 every later call, and the workers leave their loop with the same error (exit
 non-zero so that the launcher tears the replica down).
 
-Weights: ``EngineConfig.model`` and ``load_weights`` take the model strings of
-:func:`megascore.checkpoint.parse_model_string` (built-in ``tiny``, ``builtin:tiny@7``
-for weight seed 7, ``hf:DIR``, ``megatron:DIR``), loaded by
-:func:`megascore.engine.served_model.load_served_model` at start-up (a checkpoint's
-model drawing no random weights) and :func:`~megascore.engine.served_model.reload_served_model`
-on reload. ``load_weights`` first reads the new model's architecture from its config
-alone on rank 0 and refuses another one (or a bad path) before any weight file is
-opened; then it runs on every rank (RELOAD): each checks the checkpoint against its
-model, the ranks agree, and only then does each overwrite its parameters in place (no
-second model in memory). A failed check anywhere leaves the old weights serving; a
-failure while writing (a file damaged past its headers or removed midway) breaks the
-replica, which never serves a mix of two checkpoints.
+Weights: :mod:`megascore.engine.reload` loads a checkpoint (``load_weights``),
+:mod:`megascore.engine.push.handler` takes pushed tensors; the workers' side of every
+command is :mod:`megascore.engine.worker_loop`. Those parts are mixed into
+:class:`DistributedEngine`; the set-up and teardown helpers are :mod:`megascore.engine.startup`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
 import time
-import warnings
-from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascore.api.errors import (
-    LOAD_FAILURES,
-    CheckpointError,
-    InvalidRequestError,
-    WorkerLostError,
-)
+from megascore.api.errors import LOAD_FAILURES, CheckpointError, WorkerLostError
 from megascore.api.limits import Limits, check_pinned_version
-from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput, WeightTarget
-from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
+from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
+from megascore.checkpoint import parse_model_string
 from megascore.config import EngineConfig
 from megascore.engine import protocol
 from megascore.engine.data_parallel import DataParallelGroup
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
 from megascore.engine.losses import loss_names
-from megascore.engine.push.apply import (
-    WeightStaging,
-    gather_needs,
-    gather_targets,
-    weight_targets,
-)
-from megascore.engine.rendezvous import init_default_group
+from megascore.engine.push.apply import WeightStaging
+from megascore.engine.push.handler import WeightPushHandler
+from megascore.engine.reload import WeightReload
 from megascore.engine.routing import routing_shape
 from megascore.engine.segment_packing import check_prefix_sharing_device, min_shared_prefix
-from megascore.engine.served_model import LoadedModel, load_served_model, reload_served_model
+from megascore.engine.served_model import LoadedModel, load_served_model
+from megascore.engine.startup import (
+    _SRC,
+    _init_distributed,
+    _load_agreeing,
+    _teardown_groups,
+    result_rank,
+)
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status
-from megascore.model.parallel import destroy_parallel, initialize_parallel, resolve_device
+from megascore.engine.worker_loop import WorkerLoop
+from megascore.model.parallel import initialize_parallel, resolve_device
 
 logger = logging.getLogger(__name__)
 
 _COMMAND_TIMEOUT = datetime.timedelta(days=365)
-_STARTUP_TIMEOUT_S = 600.0
-_SRC = 0
 
 
-def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
-    """Initialises the default process group from the environment (torchrun / launcher).
-
-    Returns:
-        True when this call initialised it (the engine then destroys it on shutdown),
-        False when the caller had (the caller keeps owning it).
-    """
-    if device.type == "cuda":
-        # NCCL enforces a group's timeout in its watchdog thread: a collective that
-        # outlives it (a peer raised, hung or died mid-step) aborts the communicators
-        # and ends this process, so the launcher tears the replica down instead of
-        # leaving the peers in the collective. torchrun sets this too; a bare
-        # RANK / WORLD_SIZE start (Kubernetes) does not.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    if dist.is_initialized():
-        return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    # The default group carries the rendezvous, where ranks may arrive minutes apart
-    # (imports, checkpoint reads): a short collective_timeout_s must not fail start-up.
-    # Steps use the explicit groups, with the collective timeout.
-    timeout = max(engine_cfg.collective_timeout_s, _STARTUP_TIMEOUT_S)
-    init_default_group(
-        backend,
-        datetime.timedelta(seconds=timeout),
-        # NCCL: bind this rank's GPU (its barriers would otherwise guess one)
-        device if device.type == "cuda" else None,
-    )
-    logger.info("rank %d/%d: %s initialised", dist.get_rank(), dist.get_world_size(), backend)
-    return True
-
-
-def _load_agreeing(
-    load: Callable[[Callable[[], None]], LoadedModel],
-    agree: Callable[[BaseException | None], None],
-    what: str,
-) -> tuple[LoadedModel | None, BaseException | None]:
-    """Every rank: ``load(before_write)`` (start-up or reload), the ranks agreeing once
-    every check passed, before anything is written.
-
-    ``agree(problem)`` is a status all-reduce that raises when any rank has a problem.
-    The loader calls ``before_write`` after its checks: there this rank agrees with
-    none; a rank that fails before (a bad checkpoint, a check) agrees with its error
-    instead, so every rank raises at that one agreement and nothing is written anywhere.
-    A load with nothing to check (a built-in at start-up) may never call it.
-
-    Returns:
-        ``(loaded, None)``; or ``(None, error)`` for a failure once writing may have begun
-        (the caller's next agreement decides what follows).
-
-    Raises:
-        What ``agree`` raises.
-    """
-    phase = "check"  # -> "agree" (in the first agreement) -> "write" (every rank agreed)
-
-    def before_write() -> None:
-        nonlocal phase
-        phase = "agree"
-        agree(None)
-        phase = "write"
-
-    try:
-        return load(before_write), None
-    except WorkerLostError:  # an agreement itself failed
-        raise
-    except Exception as e:  # noqa: BLE001 - reported to every rank by the agreements
-        if phase == "agree":
-            raise  # the agreement found a failed rank: nothing was written
-        if not isinstance(e, LOAD_FAILURES):  # a bug or an I/O surprise: its traceback
-            logger.exception("rank %d: %s failed", dist.get_rank(), what)
-        if phase == "check":
-            agree(e)  # raises: this rank has a problem
-        return None, e
-
-
-def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> None:
-    """Destroys Megatron's parallel state, ``groups`` and, if asked, the default group."""
-    try:
-        destroy_parallel()
-        for group in groups:
-            dist.destroy_process_group(group)
-    finally:
-        if destroy_default and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def result_rank(world_size: int, pp: int, output_rank: int = _SRC) -> int:
-    """``output_rank``'s peer on the last pipeline stage (Megatron's rank order puts PP
-    outermost: stage ``s`` holds ranks ``[s * world / pp, (s + 1) * world / pp)``)."""
-    return output_rank + (pp - 1) * (world_size // pp)
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """Torch ops on this thread run single-threaded inside.
-
-    For a pushed tensor's staging (slicing and copying shards: memory-bound). Run on the
-    intra-op pool, each copy left the pool's threads spinning for more work after it,
-    taking the cores the gRPC stream and the client need: measured on 2 cores, the
-    server's CPU per push halved (fp32 0.72 -> 0.45 s, bf16 0.47 -> 0.23 s) and bf16
-    push / loopback went from 0.73 to 0.87 (bench/weight_push.py).
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-class DistributedEngine:
+class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
     """A model replica; implements :class:`megascore.api.types.Engine` on rank 0."""
 
     def __init__(
@@ -439,170 +315,6 @@ class DistributedEngine:
         out.weights_version = self.loaded.weights_version
         return out
 
-    def load_weights(self, model: str, weights_version: str) -> str:
-        """Rank 0: loads new weights on every rank; the old ones stay on failure.
-
-        Args:
-            model: ``builtin:NAME@SEED`` of the served built-in architecture, or
-                ``hf:DIR`` / ``megatron:DIR`` of a checkpoint with the served architecture.
-            weights_version: label of the new weights ("" derives one: the seed, or the
-                checkpoint's label / file hash).
-
-        Returns:
-            The new weights version.
-
-        Raises:
-            InvalidRequestError: unsupported spec or another built-in (no collective issued).
-            CheckpointError: a missing directory, unreadable config or another
-                architecture, read from the config alone (no collective issued, nothing
-                built); or some rank failed to load (old weights kept everywhere).
-            WorkerLostError: the replica is broken or a collective failed.
-        """
-        self._require_driver("load_weights")
-        try:
-            spec = parse_model_string(model)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
-        served = self.loaded.spec
-        if spec.kind == "builtin" and spec.name != served.name:
-            raise InvalidRequestError(f"model {model!r}: the served model is {served.name!r}")
-        # The architecture first, from the checkpoint's config (and, for its optional
-        # parts, the weight files' headers): a mismatch (or a bad path) is refused before
-        # any rank builds a model or reads a tensor.
-        ignore_mtp = self.engine_cfg.ignore_mtp_layers
-        check_same_architecture(
-            read_model_config(model, ignore_mtp_layers=ignore_mtp), self.loaded.config, model
-        )
-        version = weights_version  # "" lets the loader derive one (seed, checkpoint hash)
-        self._step += 1
-        try:
-            protocol.send_command(
-                protocol.Command.RELOAD,
-                self.command_group,
-                _SRC,
-                device="cpu",
-                path=model,
-                version=version,
-                step=self._step,
-            )
-        except (RuntimeError, OSError) as e:
-            raise self._mark_broken(f"broadcasting RELOAD failed: {e}") from e
-        self._reload(model, version)
-        return self.loaded.weights_version
-
-    # ---- weight pushes (megascore.engine.push.apply; rank 0) -------------------------------
-
-    def begin_weight_update(self, names: int) -> dict[str, WeightTarget]:
-        """Opens a push on every rank (dropping an unfinished one); returns its targets."""
-        self._require_driver("begin_weight_update")
-        message = protocol.WeightsMessage(names=names)
-        self._send_weights(protocol.Command.WEIGHTS_BEGIN, message)
-        return self._on_weights(protocol.Command.WEIGHTS_BEGIN, message)
-
-    def stage_weight(
-        self, name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray, layout: int
-    ) -> None:
-        """One full tensor of the open push: its header to every rank, then each rank its
-        parts of it (:meth:`WeightStaging.receive`); every rank stages its shards.
-
-        ``data`` is the tensor's bytes, uint8 (a view of the server's pooled buffer,
-        ``megascore_server.push.chunks.TensorBuffers``: the tensor built on it keeps it in
-        use until every part is sent and staged)."""
-        self._require_driver("stage_weight")
-        torch_dtype = getattr(torch, dtype)
-        if len(data):
-            with warnings.catch_warnings():  # a read-only buffer is only read (shards are copies)
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                tensor = torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
-        else:
-            tensor = torch.empty(shape, dtype=torch_dtype)
-        message = protocol.WeightsMessage(name=name, tensor=tensor, layout=layout)
-        self._send_weights(protocol.Command.WEIGHTS_TENSOR, message)
-        self._on_weights(protocol.Command.WEIGHTS_TENSOR, message)
-
-    def commit_weights(self, weights_version: str, partial: bool) -> str:
-        """Swaps the staged shards in on every rank, or raises CheckpointError (old kept)."""
-        self._require_driver("commit_weights")
-        message = protocol.WeightsMessage(version=weights_version, partial=partial)
-        self._send_weights(protocol.Command.WEIGHTS_COMMIT, message)
-        self._on_weights(protocol.Command.WEIGHTS_COMMIT, message)
-        return self.loaded.weights_version
-
-    def abort_weight_update(self) -> None:
-        """Drops the open push's staged shards on every rank."""
-        self._require_driver("abort_weight_update")
-        self._send_weights(protocol.Command.WEIGHTS_ABORT, protocol.WeightsMessage())
-        self._on_weights(protocol.Command.WEIGHTS_ABORT, protocol.WeightsMessage())
-
-    def _send_weights(self, command, message) -> None:
-        if self._broken is not None:
-            raise WorkerLostError(f"replica is broken: {self._broken}")
-        self._step += 1
-        try:
-            protocol.send_weights(command, message, self.command_group, _SRC, device="cpu")
-        except (RuntimeError, OSError) as e:
-            raise self._mark_broken(f"broadcasting {command.name} failed: {e}") from e
-
-    def _on_weights(self, command, message) -> dict[str, WeightTarget] | None:
-        """Every rank: one WEIGHTS_* message (BEGIN and COMMIT are collective); BEGIN
-        returns every rank's targets."""
-        if command == protocol.Command.WEIGHTS_BEGIN:
-            loaded, local = self.loaded, None
-            self._push_of = loaded
-            try:
-                self._push = WeightStaging(
-                    loaded.model,
-                    loaded.config,
-                    self.pg_collection,
-                    message.names,
-                    buffers=self._staging_buffers,
-                )
-                local = weight_targets(
-                    loaded.model, loaded.config, self.pg_collection, message.names
-                )
-            except Exception:  # noqa: BLE001 - every rank learns it through the gather
-                logger.exception("rank %d: listing the push's tensors failed", self.rank)
-                self._push = None
-            try:
-                targets = gather_targets(local, self.groups.status, loaded.config, message.names)
-                gather_needs(self._push, self.groups.status)
-            except RuntimeError as e:
-                raise self._mark_broken(f"weight push begin all-gather failed: {e}") from e
-            return targets
-        elif command == protocol.Command.WEIGHTS_ABORT:
-            if self._push is not None:
-                self._staging_buffers = self._push.release()
-            self._push = None
-        elif self._push is None:
-            raise self._mark_broken(f"{command.name} without an open weight push")
-        elif command == protocol.Command.WEIGHTS_TENSOR:
-            try:
-                with _one_thread():  # memory-bound copies: see _one_thread
-                    self._push.receive(
-                        message.name, message.tensor, message.layout, self.command_group, _SRC
-                    )
-            except RuntimeError as e:
-                raise self._mark_broken(f"sending the parts of {message.name!r} failed: {e}") from e
-        else:
-            push, self._push = self._push, None
-            problem = push.problem(message.partial)
-            if self._push_of is not self.loaded:  # a LoadWeights reloaded the model meanwhile
-                problem = "the served model was reloaded (LoadWeights) during the push: push again"
-            self._staging_buffers = push.release()  # kept when the ranks do not agree
-            self._agree_or_raise(problem, "weight commit", "weight push")
-            self._staging_buffers = push.apply()
-            changed = len(push.staged)
-            self.loaded.weights_version = message.version
-            logger.info(
-                "rank %d: %d pushed parameters swapped in (%.1f MB of tensor parts sent, "
-                "%.1f MB received); now serving %s",
-                self.rank,
-                changed,
-                push.sent_bytes / 1e6,
-                push.received_bytes / 1e6,
-                message.version,
-            )
-
     def shutdown(self) -> None:
         """Tears down the replica's state on this rank.
 
@@ -623,44 +335,6 @@ class DistributedEngine:
                 logger.warning("SHUTDOWN broadcast failed: %s", e)
         self._teardown()
 
-    # ---- workers ------------------------------------------------------------------------------
-
-    def worker_loop(self) -> None:
-        """Ranks != 0: executes rank 0's commands until SHUTDOWN.
-
-        Raises:
-            WorkerLostError: a step failed on some rank, rank 0 vanished or the
-                protocol went out of step (the process should exit non-zero).
-        """
-        if self.rank == _SRC:
-            raise RuntimeError("worker_loop runs on ranks != 0")
-        while True:
-            try:
-                command, batch, extra = protocol.recv_command(
-                    self.command_group, _SRC, loss_names(), device="cpu"
-                )
-            except (RuntimeError, OSError, protocol.ProtocolError) as e:
-                raise self._mark_broken(f"rank {self.rank}: lost rank 0: {e}") from e
-            if command == protocol.Command.SHUTDOWN:
-                logger.info("rank %d: SHUTDOWN", self.rank)
-                self._teardown()
-                return
-            if command in protocol.WEIGHT_COMMANDS:
-                try:
-                    self._on_weights(command, extra.weights)
-                except CheckpointError as e:
-                    logger.warning(
-                        "rank %d: weight push refused, old weights kept: %s", self.rank, e
-                    )
-                continue
-            if command == protocol.Command.RELOAD:
-                try:
-                    self._reload(extra.path, extra.version)
-                except CheckpointError as e:
-                    logger.warning("rank %d: reload failed, old weights kept: %s", self.rank, e)
-                continue
-            self._run_step(batch)
-
     # ---- internals ----------------------------------------------------------------------------
 
     def _run_step(self, batch: ScoreBatch) -> ScoreOutput | None:
@@ -672,40 +346,6 @@ class DistributedEngine:
             return self.data_parallel.run(model, batch, self.groups, self.step_cfg, dims)
         except WorkerLostError as e:
             raise self._mark_broken(str(e)) from e
-
-    def _reload(self, model: str, version: str) -> None:
-        """Every rank: checks ``model`` against the served one, agrees, then loads it into
-        the served parameters in place; the ranks agree again once written.
-
-        A failure before the first agreement (any check) leaves the old weights serving
-        (CheckpointError). A failure while writing leaves them partly overwritten: the
-        replica is then broken (WorkerLostError), never serving a mix of two checkpoints.
-        """
-        new, error = _load_agreeing(
-            # Checks the architecture from the config before anything else (every rank:
-            # rank 0 checked it already, but a worker may see other files).
-            lambda before_write: reload_served_model(
-                self.loaded,
-                model,
-                self.engine_cfg,
-                self.pg_collection,
-                weights_version=version,
-                before_write=before_write,
-            ),
-            lambda problem: self._agree_or_raise(problem, "reload", f"loading {model!r}"),
-            f"loading {model!r}",
-        )
-        try:
-            failed = agree_on_status(error is not None, self.groups.status)
-        except RuntimeError as e:
-            raise self._mark_broken(f"reload status all-reduce failed: {e}") from e
-        if failed:
-            raise self._mark_broken(
-                f"loading {model!r} failed on ranks {failed} after the weights began to be "
-                f"overwritten: {error if error is not None else 'see the log of those ranks'}"
-            )
-        self.loaded = new
-        logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)
 
     def _agree_or_raise(self, problem: object, step: str, what: str) -> None:
         """Every rank: agrees on whether any rank has a ``problem`` (None: none here).

@@ -4,7 +4,8 @@ Every rank of a TP x CP x PP group runs :func:`run_step` with the same
 :class:`~megascore.api.types.ScoreBatch` (broadcast by rank 0; with data-parallel ranks, the
 DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parallel`):
 
-1. split the batch into microbatches (:func:`megascore.engine.pipeline.split_microbatches`)
+1. split the batch into microbatches
+   (:func:`megascore.engine.microbatch_plan.split_microbatches`)
    and pack each from the flat ids for this rank's CP rank (NeMo-RL layout), with
    next-token targets rolled inside each padded segment on the *full* packed axis
    and then CP-sharded like the inputs;
@@ -27,7 +28,8 @@ DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parall
    on every rank.
 
 The output rank then turns the gathered packed results into a
-:class:`~megascore.api.types.ScoreOutput` with :func:`finish_step` (local work only),
+:class:`~megascore.api.types.ScoreOutput` with
+:func:`~megascore.engine.step_output.finish_step` (local work only),
 through the packed <-> flat index that packing built (``token_positions``).
 """
 
@@ -40,21 +42,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascore.api import layout, schema, selection
+from megascore.api import layout, schema
 from megascore.api.errors import WorkerLostError
-from megascore.api.types import ScoreBatch, ScoreOutput
+from megascore.api.types import ScoreBatch
 from megascore.engine.distributed import collective_device
 from megascore.engine.forward import mtp_metric_names, scoring_forward
-from megascore.engine.losses import compute_losses
-from megascore.engine.pipeline import (
-    Microbatch,
-    MicrobatchPlan,
-    MicrobatchSegments,
-    ScoreSpec,
-    build_microbatch,
-    plan_microbatches,
-    run_schedule,
-)
+from megascore.engine.microbatch import Microbatch, build_microbatch
+from megascore.engine.microbatch_plan import MicrobatchPlan, MicrobatchSegments, plan_microbatches
+from megascore.engine.pipeline import ScoreSpec, run_schedule
 from megascore.engine.routing import (
     gather_routes,
     local_replay_targets,
@@ -443,77 +438,3 @@ def run_step(
         raise StepFailedError(f"step failed on ranks {failed}{own}") from error
     assert result is not None
     return result
-
-
-@dataclasses.dataclass(frozen=True)
-class PredictionIndex:
-    """The packed -> flat index of a step's per-token results, built once per step.
-
-    Position ``p`` of a padded segment holds the prediction of token ``p + 1``; in
-    the output, entry ``t`` of a sequence holds the prediction of token ``t`` and
-    entry 0 (no prediction) holds a fill value.
-
-    Attributes:
-        source: int64 ``[T]`` packed position that predicts each token of the batch
-            (meaningless at the first entries, which are filled).
-        first: int64 ``[B]`` flat index of each sequence's entry 0.
-    """
-
-    source: np.ndarray
-    first: np.ndarray
-
-    @classmethod
-    def build(cls, token_positions: torch.Tensor, lengths: np.ndarray) -> PredictionIndex:
-        """From the packed position of every token and the batch's lengths."""
-        return cls(source=token_positions.numpy() - 1, first=layout.offsets(lengths)[:-1])
-
-    def to_flat(self, packed: torch.Tensor | None, fill: float) -> np.ndarray | None:
-        """``[T_padded, ...]`` packed results -> ``[T, ...]`` flat (same dtype), or None."""
-        if packed is None:
-            return None
-        flat = packed.numpy()[self.source]
-        flat[self.first] = fill
-        return flat
-
-
-def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
-    """Output rank: builds the :class:`ScoreOutput` from the gathered step results.
-
-    Every per-token head output is mapped from packed to flat (its ``fill`` at entry 0 of
-    each sequence), the losses computed from the logprobs, the routing taken from the
-    recorded (or replayed) routes.
-
-    Args:
-        batch: the batch of the step.
-        result: the output rank's :class:`StepResult`.
-
-    Returns:
-        The output in the batch's flat token layout (``weights_version`` left empty).
-    """
-    index = PredictionIndex.build(result.token_positions, batch.lengths)
-    values = {}
-    for name, packed in result.values.items():
-        out = schema.output(name)
-        flat = schema.at_last_row(out)  # [B, *dims] already
-        values[name] = packed.numpy() if flat else index.to_flat(packed, out.fill)
-    logprobs = values.get("logprobs")
-    scored = logprobs if logprobs is not None else np.zeros(batch.num_tokens)
-    values["losses"], values["num_loss_tokens"] = compute_losses(
-        batch.losses if logprobs is not None else (), scored, batch.lengths, batch.loss_mask
-    )
-    if batch.return_routing and batch.routing is not None:
-        values["routing"] = np.asarray(batch.routing, dtype=np.int32)
-    elif batch.return_routing:
-        values["routing"] = result.routing.numpy()[result.token_positions.numpy()].astype(np.int32)
-    for out in schema.OUTPUTS:
-        if out.finish is not None and out.wanted(batch):
-            values[out.name] = out.finish(batch, values)
-    if batch.logprob_positions == schema.MASKED:  # e.g. importance weights from the fill
-        selection.keep_masked_positions(values, batch.lengths, batch.loss_mask)
-    if not batch.return_logprobs:
-        values.pop("logprobs", None)
-    return ScoreOutput(
-        values=values,
-        moe_metrics=result.moe_metrics if batch.return_moe_metrics else {},
-        mtp_metrics=result.mtp_metrics if batch.return_mtp_metrics else {},
-    )

@@ -39,7 +39,7 @@ from megascore.api.errors import WorkerLostError
 from megascore.config import EngineConfig
 from megascore.engine import pipeline as pipeline_module
 from megascore.engine import step as step_module
-from megascore.engine.pipeline import split_microbatches
+from megascore.engine.microbatch_plan import split_microbatches
 from megascore.engine.runtime import DistributedEngine
 
 MICROBATCHES = 3  # the step splits PP_LENGTHS into this many microbatches

@@ -24,12 +24,11 @@ from megascore.engine.protocol import (
     Command,
     WeightsMessage,
     recv_command,
-    recv_parts,
     send_batch,
     send_command,
-    send_parts,
     send_weights,
 )
+from megascore.engine.push.transfer import recv_parts, send_parts
 
 CPU = torch.device("cpu")
 LOSS_REGISTRY = ("nll", "kl", "entropy")

@@ -1,2 +1,3 @@
-"""Weight pushes on every rank: staging the parts of pushed tensors each rank reads
-(``parts``) and applying them at the commit (``apply``)."""
+"""Weight pushes on every rank: the engine's WEIGHTS_* handlers (``handler``), the parts of
+pushed tensors each rank reads (``parts``) and receives point to point (``transfer``), and
+staging and applying them at the commit (``apply``)."""

@@ -56,7 +56,7 @@ from megascore.api.types import (
 )
 from megascore.checkpoint.hf_names import ParamMapper
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
-from megascore.engine import protocol
+from megascore.engine.push import transfer
 from megascore.engine.push.parts import (
     Parts,
     Recorder,
@@ -308,14 +308,14 @@ class WeightStaging:
                 rank: [tensor[part_index(k)] for k in needs.get(table, {}).get(name, ())]
                 for rank, needs in self.peers.items()
             }
-            self.sent_bytes += protocol.send_parts(parts, group)
+            self.sent_bytes += transfer.send_parts(parts, group)
             self.add(name, tensor, layout)
             return
         keys = self.needs[table].get(name, [])
         if not keys:
             return
         shapes = [tensor[part_index(k)].shape for k in keys]
-        pieces = protocol.recv_parts(shapes, tensor.dtype, src, group)
+        pieces = transfer.recv_parts(shapes, tensor.dtype, src, group)
         self.received_bytes += sum(p.numel() * p.element_size() for p in pieces)
         self._stage(name, dict(zip(keys, pieces, strict=True)), layout)
 

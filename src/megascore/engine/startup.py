@@ -1,0 +1,120 @@
+"""Setting a replica up and tearing it down, for :mod:`megascore.engine.runtime`.
+
+The default process group (:func:`_init_distributed`: its timeout at least
+``_STARTUP_TIMEOUT_S``, since ranks may start minutes apart), the rank that drives the
+replica (``_SRC``, rank 0) and its peer on the last pipeline stage (:func:`result_rank`),
+a model load the ranks agree on before anything is written (:func:`_load_agreeing`, at
+start-up and on reload: :mod:`megascore.engine.reload`) and the groups' teardown.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megascore.api.errors import LOAD_FAILURES, WorkerLostError
+from megascore.config import EngineConfig
+from megascore.engine.rendezvous import init_default_group
+from megascore.engine.served_model import LoadedModel
+from megascore.model.parallel import destroy_parallel
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 600.0
+_SRC = 0
+
+
+def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
+    """Initialises the default process group from the environment (torchrun / launcher).
+
+    Returns:
+        True when this call initialised it (the engine then destroys it on shutdown),
+        False when the caller had (the caller keeps owning it).
+    """
+    if device.type == "cuda":
+        # NCCL enforces a group's timeout in its watchdog thread: a collective that
+        # outlives it (a peer raised, hung or died mid-step) aborts the communicators
+        # and ends this process, so the launcher tears the replica down instead of
+        # leaving the peers in the collective. torchrun sets this too; a bare
+        # RANK / WORLD_SIZE start (Kubernetes) does not.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # The default group carries the rendezvous, where ranks may arrive minutes apart
+    # (imports, checkpoint reads): a short collective_timeout_s must not fail start-up.
+    # Steps use the explicit groups, with the collective timeout.
+    timeout = max(engine_cfg.collective_timeout_s, _STARTUP_TIMEOUT_S)
+    init_default_group(
+        backend,
+        datetime.timedelta(seconds=timeout),
+        # NCCL: bind this rank's GPU (its barriers would otherwise guess one)
+        device if device.type == "cuda" else None,
+    )
+    logger.info("rank %d/%d: %s initialised", dist.get_rank(), dist.get_world_size(), backend)
+    return True
+
+
+def _load_agreeing(
+    load: Callable[[Callable[[], None]], LoadedModel],
+    agree: Callable[[BaseException | None], None],
+    what: str,
+) -> tuple[LoadedModel | None, BaseException | None]:
+    """Every rank: ``load(before_write)`` (start-up or reload), the ranks agreeing once
+    every check passed, before anything is written.
+
+    ``agree(problem)`` is a status all-reduce that raises when any rank has a problem.
+    The loader calls ``before_write`` after its checks: there this rank agrees with
+    none; a rank that fails before (a bad checkpoint, a check) agrees with its error
+    instead, so every rank raises at that one agreement and nothing is written anywhere.
+    A load with nothing to check (a built-in at start-up) may never call it.
+
+    Returns:
+        ``(loaded, None)``; or ``(None, error)`` for a failure once writing may have begun
+        (the caller's next agreement decides what follows).
+
+    Raises:
+        What ``agree`` raises.
+    """
+    phase = "check"  # -> "agree" (in the first agreement) -> "write" (every rank agreed)
+
+    def before_write() -> None:
+        nonlocal phase
+        phase = "agree"
+        agree(None)
+        phase = "write"
+
+    try:
+        return load(before_write), None
+    except WorkerLostError:  # an agreement itself failed
+        raise
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the agreements
+        if phase == "agree":
+            raise  # the agreement found a failed rank: nothing was written
+        if not isinstance(e, LOAD_FAILURES):  # a bug or an I/O surprise: its traceback
+            logger.exception("rank %d: %s failed", dist.get_rank(), what)
+        if phase == "check":
+            agree(e)  # raises: this rank has a problem
+        return None, e
+
+
+def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> None:
+    """Destroys Megatron's parallel state, ``groups`` and, if asked, the default group."""
+    try:
+        destroy_parallel()
+        for group in groups:
+            dist.destroy_process_group(group)
+    finally:
+        if destroy_default and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def result_rank(world_size: int, pp: int, output_rank: int = _SRC) -> int:
+    """``output_rank``'s peer on the last pipeline stage (Megatron's rank order puts PP
+    outermost: stage ``s`` holds ranks ``[s * world / pp, (s + 1) * world / pp)``)."""
+    return output_rank + (pp - 1) * (world_size // pp)
