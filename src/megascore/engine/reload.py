@@ -22,7 +22,7 @@ from megascore.api.errors import InvalidRequestError
 from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
 from megascore.engine import protocol
 from megascore.engine.served_model import reload_served_model
-from megascore.engine.startup import _SRC, _load_agreeing
+from megascore.engine.startup import DRIVER_RANK, load_agreeing
 from megascore.engine.step import agree_on_status
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class WeightReload:
             protocol.send_command(
                 protocol.Command.RELOAD,
                 self.command_group,
-                _SRC,
+                DRIVER_RANK,
                 device="cpu",
                 path=model,
                 version=version,
@@ -91,7 +91,7 @@ class WeightReload:
         (CheckpointError). A failure while writing leaves them partly overwritten: the
         replica is then broken (WorkerLostError), never serving a mix of two checkpoints.
         """
-        new, error = _load_agreeing(
+        new, error = load_agreeing(
             # Checks the architecture from the config before anything else (every rank:
             # rank 0 checked it already, but a worker may see other files).
             lambda before_write: reload_served_model(

@@ -15,7 +15,7 @@ until rank 0 shuts down::
 Process groups (all explicit):
 
 * the default group: the rendezvous, group creation and checkpoint I/O, no step
-  collective; its timeout is at least ``_STARTUP_TIMEOUT_S`` (ranks may start
+  collective; its timeout is at least ``STARTUP_TIMEOUT_S`` (ranks may start
   minutes apart; :mod:`megascore.engine.startup`).
 * ``command``: every rank, gloo, a very long timeout on the workers: idle workers
   wait in it for rank 0's next message (``megascore.engine.protocol``). Rank 0's
@@ -74,11 +74,11 @@ from megascore.engine.routing import routing_shape
 from megascore.engine.segment_packing import check_prefix_sharing_device, min_shared_prefix
 from megascore.engine.served_model import LoadedModel, load_served_model
 from megascore.engine.startup import (
-    _SRC,
-    _init_distributed,
-    _load_agreeing,
-    _teardown_groups,
+    DRIVER_RANK,
+    init_distributed,
+    load_agreeing,
     result_rank,
+    teardown_groups,
 )
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status
 from megascore.engine.worker_loop import WorkerLoop
@@ -181,13 +181,13 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             device = resolve_device(engine_cfg)
-        owns_default_group = _init_distributed(engine_cfg, device)
+        owns_default_group = init_distributed(engine_cfg, device)
         own_groups: list[dist.ProcessGroup] = []
         try:
             pg_collection = initialize_parallel(engine_cfg)
             pp = pg_collection.pp.size()
             expected = result_rank(dist.get_world_size(), pp)
-            if _SRC in dist.get_process_group_ranks(pg_collection.pp):
+            if DRIVER_RANK in dist.get_process_group_ranks(pg_collection.pp):
                 last = dist.get_global_rank(pg_collection.pp, pp - 1)
                 if last != expected:
                     raise RuntimeError(f"last pipeline stage of rank 0 is {last}, not {expected}")
@@ -195,7 +195,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             status_timeout = datetime.timedelta(seconds=3 * engine_cfg.collective_timeout_s)
             own_groups.append(dist.new_group(world, backend="gloo", timeout=status_timeout))
             command_timeout = _COMMAND_TIMEOUT  # gloo timeouts are per process: see above
-            if dist.get_rank() == _SRC:
+            if dist.get_rank() == DRIVER_RANK:
                 command_timeout = datetime.timedelta(seconds=engine_cfg.collective_timeout_s)
             own_groups.append(dist.new_group(world, backend="gloo", timeout=command_timeout))
             status, command = own_groups
@@ -214,7 +214,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
                     raise WorkerLostError(f"building the model failed on ranks {failed}: {problem}")
 
             start = time.perf_counter()
-            loaded, error = _load_agreeing(
+            loaded, error = load_agreeing(
                 lambda before_write: load_served_model(
                     engine_cfg.model, engine_cfg, pg_collection, before_write=before_write
                 ),
@@ -223,7 +223,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             )
             agree(error)  # every rank has built it
         except BaseException:
-            _teardown_groups(own_groups, owns_default_group)
+            teardown_groups(own_groups, owns_default_group)
             raise
         logger.info(
             "rank %d: every rank has built %s; built and loaded in %.2f s",
@@ -233,7 +233,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         )
         engine = cls(engine_cfg, loaded, pg_collection, groups, command, data_parallel)
         auto_sp = engine.sequence_parallel and engine_cfg.sequence_parallel is None
-        if auto_sp and engine.rank == _SRC:
+        if auto_sp and engine.rank == DRIVER_RANK:
             logger.info(
                 "sequence parallelism turned on for MoE model %s at TP=%d (Megatron's "
                 "training-mode MoE forward needs it for the metrics; set sequence_parallel "
@@ -307,7 +307,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         self._step += 1
         try:
             protocol.send_batch(
-                batch, self.command_group, _SRC, loss_names(), device="cpu", step=self._step
+                batch, self.command_group, DRIVER_RANK, loss_names(), device="cpu", step=self._step
             )
         except (RuntimeError, OSError) as e:
             raise self._mark_broken(f"broadcasting step {self._step} failed: {e}") from e
@@ -326,10 +326,10 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         """
         if self._closed:
             return
-        if self.rank == _SRC and self._broken is None:
+        if self.rank == DRIVER_RANK and self._broken is None:
             try:
                 protocol.send_command(
-                    protocol.Command.SHUTDOWN, self.command_group, _SRC, device="cpu"
+                    protocol.Command.SHUTDOWN, self.command_group, DRIVER_RANK, device="cpu"
                 )
             except (RuntimeError, OSError) as e:
                 logger.warning("SHUTDOWN broadcast failed: %s", e)
@@ -363,7 +363,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             raise CheckpointError(f"{what} failed on ranks {failed}: {reason}")
 
     def _require_driver(self, what: str) -> None:
-        if self.rank != _SRC:
+        if self.rank != DRIVER_RANK:
             raise RuntimeError(f"{what} is called on rank 0 only")
         if self._closed:
             raise WorkerLostError("the engine is shut down")
@@ -381,4 +381,4 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         groups = [self.groups.status, self.command_group]
         if self.data_parallel.results is not None:
             groups.append(self.data_parallel.results)
-        _teardown_groups(groups, self._owns_default_group)
+        teardown_groups(groups, self._owns_default_group)

@@ -1,9 +1,9 @@
 """Setting a replica up and tearing it down, for :mod:`megascore.engine.runtime`.
 
-The default process group (:func:`_init_distributed`: its timeout at least
-``_STARTUP_TIMEOUT_S``, since ranks may start minutes apart), the rank that drives the
-replica (``_SRC``, rank 0) and its peer on the last pipeline stage (:func:`result_rank`),
-a model load the ranks agree on before anything is written (:func:`_load_agreeing`, at
+The default process group (:func:`init_distributed`: its timeout at least
+``STARTUP_TIMEOUT_S``, since ranks may start minutes apart), the rank that drives the
+replica (``DRIVER_RANK``, rank 0) and its peer on the last pipeline stage (:func:`result_rank`),
+a model load the ranks agree on before anything is written (:func:`load_agreeing`, at
 start-up and on reload: :mod:`megascore.engine.reload`) and the groups' teardown.
 """
 
@@ -25,11 +25,11 @@ from megascore.model.parallel import destroy_parallel
 
 logger = logging.getLogger(__name__)
 
-_STARTUP_TIMEOUT_S = 600.0
-_SRC = 0
+STARTUP_TIMEOUT_S = 600.0
+DRIVER_RANK = 0
 
 
-def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
+def init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     """Initialises the default process group from the environment (torchrun / launcher).
 
     Returns:
@@ -49,7 +49,7 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     # The default group carries the rendezvous, where ranks may arrive minutes apart
     # (imports, checkpoint reads): a short collective_timeout_s must not fail start-up.
     # Steps use the explicit groups, with the collective timeout.
-    timeout = max(engine_cfg.collective_timeout_s, _STARTUP_TIMEOUT_S)
+    timeout = max(engine_cfg.collective_timeout_s, STARTUP_TIMEOUT_S)
     init_default_group(
         backend,
         datetime.timedelta(seconds=timeout),
@@ -60,7 +60,7 @@ def _init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     return True
 
 
-def _load_agreeing(
+def load_agreeing(
     load: Callable[[Callable[[], None]], LoadedModel],
     agree: Callable[[BaseException | None], None],
     what: str,
@@ -103,7 +103,7 @@ def _load_agreeing(
         return None, e
 
 
-def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> None:
+def teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> None:
     """Destroys Megatron's parallel state, ``groups`` and, if asked, the default group."""
     try:
         destroy_parallel()
@@ -114,7 +114,7 @@ def _teardown_groups(groups: list[dist.ProcessGroup], destroy_default: bool) -> 
             dist.destroy_process_group()
 
 
-def result_rank(world_size: int, pp: int, output_rank: int = _SRC) -> int:
+def result_rank(world_size: int, pp: int, output_rank: int = DRIVER_RANK) -> int:
     """``output_rank``'s peer on the last pipeline stage (Megatron's rank order puts PP
     outermost: stage ``s`` holds ranks ``[s * world / pp, (s + 1) * world / pp)``)."""
     return output_rank + (pp - 1) * (world_size // pp)

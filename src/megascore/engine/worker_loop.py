@@ -14,7 +14,7 @@ import logging
 from megascore.api.errors import CheckpointError
 from megascore.engine import protocol
 from megascore.engine.losses import loss_names
-from megascore.engine.startup import _SRC
+from megascore.engine.startup import DRIVER_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,12 @@ class WorkerLoop:
             WorkerLostError: a step failed on some rank, rank 0 vanished or the
                 protocol went out of step (the process should exit non-zero).
         """
-        if self.rank == _SRC:
+        if self.rank == DRIVER_RANK:
             raise RuntimeError("worker_loop runs on ranks != 0")
         while True:
             try:
                 command, batch, extra = protocol.recv_command(
-                    self.command_group, _SRC, loss_names(), device="cpu"
+                    self.command_group, DRIVER_RANK, loss_names(), device="cpu"
                 )
             except (RuntimeError, OSError, protocol.ProtocolError) as e:
                 raise self._mark_broken(f"rank {self.rank}: lost rank 0: {e}") from e

@@ -23,7 +23,7 @@ from megascore.engine.push.apply import (
     gather_targets,
     weight_targets,
 )
-from megascore.engine.startup import _SRC
+from megascore.engine.startup import DRIVER_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class WeightPushHandler:
             raise WorkerLostError(f"replica is broken: {self._broken}")
         self._step += 1
         try:
-            protocol.send_weights(command, message, self.command_group, _SRC, device="cpu")
+            protocol.send_weights(command, message, self.command_group, DRIVER_RANK, device="cpu")
         except (RuntimeError, OSError) as e:
             raise self._mark_broken(f"broadcasting {command.name} failed: {e}") from e
 
@@ -137,7 +137,11 @@ class WeightPushHandler:
             try:
                 with _one_thread():  # memory-bound copies: see _one_thread
                     self._push.receive(
-                        message.name, message.tensor, message.layout, self.command_group, _SRC
+                        message.name,
+                        message.tensor,
+                        message.layout,
+                        self.command_group,
+                        DRIVER_RANK,
                     )
             except RuntimeError as e:
                 raise self._mark_broken(f"sending the parts of {message.name!r} failed: {e}") from e
