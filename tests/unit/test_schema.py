@@ -84,6 +84,56 @@ def test_a_per_token_output_added_to_the_table_alone(with_best, score):
     assert only_b.best_logprob is None and only_b.logprobs is None
 
 
+# A per-token output that needs an input: the logprob of a caller-chosen id per token,
+# doubled (so that it is not target_logprobs under another name). The table alone: an
+# input the head reads and an output whose head reads it.
+PROBE_IDS = schema.Input("probe_ids", schema.TOKEN, "int64", ndim=1, fill=0, head=True)
+PROBE = schema.Output(
+    "probe_logprobs",
+    schema.TOKEN,
+    "float32",
+    wire="probe_logprobs",
+    sdk="probe_logprobs",
+    wanted=lambda o: getattr(o, "probe_ids", None) is not None,  # plain batches lack it
+    dims=lambda o: (o.num_probe_ids,),
+    head=lambda chunk: 2 * chunk.id_logprobs(chunk.inputs["probe_ids"]),
+)
+
+
+def test_a_per_token_output_that_needs_an_input_added_to_the_table_alone(monkeypatch, score):
+    """The recipe of docs/architecture.md for an output with an input: the entries in the
+    table (an Input with ``head=True``, an Output whose ``head`` reads
+    ``chunk.inputs``) and nothing else in the engine; the input reaches the row that
+    predicts each token, its trailing size the output's shape. Checked against the top-1
+    of the same forward: the probe at the most likely id is twice its logprob."""
+    monkeypatch.setattr(schema, "INPUTS", (*schema.INPUTS, PROBE_IDS))
+    monkeypatch.setattr(schema, "OUTPUTS", (*schema.OUTPUTS, PROBE))
+    # the typed batch: ScoreBatch declares its fields from the table when it is defined
+    ProbeBatch = dataclasses.make_dataclass(  # noqa: N806
+        "ProbeBatch", [("probe_ids", object, None)], bases=(ScoreBatch,), frozen=True
+    )
+    plain = _batch([7, 1, 12], 3, top_k=1)
+    top1 = score(plain).top_k_ids[:, :1]
+    other = (top1 + 1) % 512
+    probes = np.concatenate([top1, other], axis=1)
+    batch = ProbeBatch(**{f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)})
+    batch = dataclasses.replace(batch, probe_ids=probes)
+    assert batch.num_probe_ids == 2 and "probe_logprobs" in [
+        o.name for o in schema.head_outputs(batch)
+    ]
+    out = score(batch)
+    got = out.probe_logprobs
+    assert got.dtype == np.float32 and got.shape == (plain.num_tokens, 2)
+    starts = plain.offsets()[:-1]
+    rest = np.setdiff1d(np.arange(plain.num_tokens), starts)
+    np.testing.assert_array_equal(got[starts], 0.0)  # the fill at entry 0
+    np.testing.assert_allclose(got[rest, 0], 2 * out.top_k_logprobs[rest, 0], atol=1e-5)
+    assert (got[rest, 1] <= got[rest, 0] + 1e-5).all()  # another id is no likelier
+    # the same ids asked as target ids (the built-in output with an input) agree
+    targets = score(dataclasses.replace(plain, target_ids=probes)).target_logprobs
+    np.testing.assert_allclose(got[rest], 2 * targets[rest], atol=1e-5)
+
+
 def test_without_the_entry_the_output_is_not_computed(score):
     out = score(_batch([6, 3], 2))
     assert "best_logprob" not in out.values

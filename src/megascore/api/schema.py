@@ -207,6 +207,10 @@ class Input:
         check: ``values -> what is wrong or None``: the one check of the values (a
             scalar per request or an array; :func:`check_input`), where the shape is not
             all there is to check.
+        head: a per-token input the output head reads (:func:`head_inputs`): the engine
+            carries it, by name, to the row that predicts each token
+            (``ChunkScores.inputs``), and tokens share a row only where they agree on it.
+            Its trailing size is ``num_<name>`` to an output's ``dims``.
     """
 
     name: str
@@ -215,6 +219,7 @@ class Input:
     ndim: int = 0
     fill: float | None = None
     check: Callable[[Any], str | None] | None = None
+    head: bool = False
 
 
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
@@ -251,7 +256,7 @@ INPUTS: tuple[Input, ...] = (
         check=_between(FLOAT32_TINY, FLOAT32_MAX, "must be finite and > 0 (a float32)"),
     ),
     Input("routing", TOKEN, "int32", ndim=2),
-    Input("target_ids", TOKEN, "int64", ndim=1, fill=0),
+    Input("target_ids", TOKEN, "int64", ndim=1, fill=0, head=True),
     # 0.0, not NaN: a merged step is checked whole, and NaN is refused (a request that
     # sent no rollout logprobs gets no mismatch statistics back either way)
     Input("rollout_logprobs", TOKEN, "float64", fill=0.0),
@@ -400,7 +405,7 @@ OUTPUTS: tuple[Output, ...] = (
         wanted=lambda o: o.target_ids is not None,
         dims=lambda o: (o.num_target_ids,),
         wire_dims=("num_target_ids",),
-        head=lambda chunk: chunk.target_id_logprobs(),
+        head=lambda chunk: chunk.id_logprobs(chunk.inputs["target_ids"]),
     ),
     Output(
         "mismatch",
@@ -461,6 +466,21 @@ OUTPUTS: tuple[Output, ...] = (
         head=lambda chunk: chunk.top_k()[1],
     ),
 )
+
+
+def head_inputs(batch) -> dict[str, Any]:
+    """The per-token inputs of ``batch`` the output head reads (:attr:`Input.head`), by
+    name; those it does not carry are left out."""
+    return {
+        spec.name: getattr(batch, spec.name)
+        for spec in INPUTS
+        if spec.head and getattr(batch, spec.name, None) is not None
+    }
+
+
+def input_columns(inputs: dict[str, Any]) -> dict[str, int]:
+    """``num_<name>``: the trailing size of each head input (what ``Output.dims`` reads)."""
+    return {f"num_{name}": int(values.shape[1]) for name, values in inputs.items()}
 
 
 def output(name: str) -> Output:

@@ -141,10 +141,14 @@ class ScoreBatch:
     def num_sequences(self) -> int:
         return int(self.lengths.shape[0])
 
-    @property
-    def num_target_ids(self) -> int:
-        """K of ``target_ids`` (0 without)."""
-        return 0 if self.target_ids is None else int(np.shape(self.target_ids)[1])
+    def __getattr__(self, name: str):
+        """``num_<input>`` for every head input of the table (:attr:`schema.Input.head`,
+        e.g. ``num_target_ids``): its trailing size, 0 when the batch does not carry it."""
+        spec = next((s for s in schema.INPUTS if s.head and name == f"num_{s.name}"), None)
+        if spec is None:
+            raise AttributeError(name)
+        values = getattr(self, spec.name)
+        return 0 if values is None else int(np.shape(values)[1])
 
     def offsets(self) -> np.ndarray:
         """int64 ``[B+1]`` start of each sequence in ``token_ids`` (:func:`layout.offsets`)."""

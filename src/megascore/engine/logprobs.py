@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from typing import Protocol
 
 import torch
@@ -291,6 +292,8 @@ class ChunkScores:
         lse: float32 ``[C]`` log-sum-exp over the full vocabulary.
         global_max: float32 ``[C]`` max over the full vocabulary.
         top_k_size: alternatives per token of this step.
+        inputs: the chunk's rows of each head input of the table
+            (:func:`megascore.api.schema.head_inputs`: ``target_ids`` ``[C, K]``, ...).
     """
 
     def __init__(
@@ -300,10 +303,10 @@ class ChunkScores:
         shard: VocabShard,
         work: torch.Tensor,
         top_k_size: int,
-        target_ids: torch.Tensor | None = None,
+        inputs: dict[str, torch.Tensor] | None = None,
     ):
         self.logits, self.shard, self.work, self.top_k_size = logits, shard, work, top_k_size
-        self.target_ids = target_ids
+        self.inputs = inputs or {}
         self.global_max, sum_exp = _chunk_log_normalizer(logits, shard.group, shard.size, work)
         # One SUM for both reductions: [2, C] (the target logit from the rank owning it)
         packed = sum_exp.unsqueeze(0)
@@ -349,9 +352,9 @@ class ChunkScores:
         at_least = self.logits[:, :valid] >= self._target_logit.unsqueeze(-1)
         return self._sum_over_tp(at_least.sum(dim=-1, dtype=torch.int64))
 
-    def target_id_logprobs(self) -> torch.Tensor:
-        """float32 ``[C, K]`` log-probabilities of the rows' caller-chosen ids."""
-        return self._sum_over_tp(self._owned_logits(self.target_ids)) - self.lse.unsqueeze(-1)
+    def id_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 ``[C, K]`` log-probabilities of global ``ids [C, K]`` (one SUM over TP)."""
+        return self._sum_over_tp(self._owned_logits(ids)) - self.lse.unsqueeze(-1)
 
     def top_k(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids [C, k] int64, logprobs [C, k] float32)``, most likely first (computed once)."""
@@ -370,12 +373,10 @@ class ChunkScores:
         return self._top_k
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadOptions:
-    """The request options the head outputs' trailing shapes read (``Output.dims``)."""
-
-    top_k: int = 0
-    num_target_ids: int = 0
+def head_options(top_k: int, inputs: dict[str, torch.Tensor]) -> types.SimpleNamespace:
+    """What the head outputs' trailing shapes read (``Output.dims``), derived from the
+    step: its ``top_k`` and ``num_<name>`` of each head input."""
+    return types.SimpleNamespace(top_k=top_k, **schema.input_columns(inputs))
 
 
 def _default_outputs(targets: torch.Tensor | None, top_k: int) -> list[schema.Output]:
@@ -419,7 +420,7 @@ def score_tokens(
     chunk_tokens: int = 1024,
     vocab_size: int | None = None,
     outputs: list[schema.Output] | None = None,
-    target_ids: torch.Tensor | None = None,
+    inputs: dict[str, torch.Tensor] | None = None,
     scratch: Scratch | None = None,
 ) -> TokenScores:
     """Per-token outputs (logprobs of ``targets``, top-k, ...) from vocab-parallel logits.
@@ -447,8 +448,10 @@ def score_tokens(
             normaliser, as in Megatron's vocab-parallel cross-entropy.
         outputs: the head outputs to compute (:func:`megascore.api.schema.head_outputs`);
             None: the logprobs when ``targets`` is given and the top-k when ``top_k > 0``.
-        target_ids: int64 ``[T, K]`` caller-chosen global ids whose logprobs the
-            ``target_logprobs`` output returns, or None.
+        inputs: ``[T, ...]`` rows of each head input of the table by name
+            (:func:`megascore.api.schema.head_inputs`: ``target_ids`` int64 ``[T, K]``,
+            whose logprobs ``target_logprobs`` returns); each chunk's outputs read its rows
+            (``ChunkScores.inputs``). None: none.
         scratch: where the vocabulary-wide temporaries live (:mod:`megascore.engine.scratch`;
             the engine passes the head's, reused from step to step); None: new ones.
 
@@ -468,8 +471,8 @@ def score_tokens(
     shard = VocabShard(tp_group, tp_size, tp_rank * v_local, vocab_size)
     outputs = _default_outputs(targets, top_k) if outputs is None else outputs
     device = source.device
-    k_ids = 0 if target_ids is None else target_ids.shape[1]
-    scores = _allocate(outputs, HeadOptions(top_k, k_ids), num_tokens, device)
+    inputs = inputs or {}
+    scores = _allocate(outputs, head_options(top_k, inputs), num_tokens, device)
     # Scratch reused by every chunk: the exp pass (and the padding mask of the top-k),
     # and the temperature-scaled logits.
     rows = min(chunk_tokens, num_tokens)
@@ -489,8 +492,8 @@ def score_tokens(
                 temp = temperature[start:end].to(device, torch.float32).unsqueeze(-1)
                 chunk = torch.div(chunk, temp, out=scaled[: end - start])
             tgt = None if targets is None else targets[start:end]
-            ids = None if target_ids is None else target_ids[start:end]
-            context = ChunkScores(chunk, tgt, shard, work, top_k, ids)
+            rows_in = {name: values[start:end] for name, values in inputs.items()}
+            context = ChunkScores(chunk, tgt, shard, work, top_k, rows_in)
             for out in outputs:
                 scores[out.name][start:end] = out.head(context)
             # Free this chunk's logits before the head computes the next one (peak: one

@@ -44,8 +44,9 @@ class Microbatch:
             (:func:`megascore.engine.routing.local_replay_targets`), or None.
         recorded_routes: set by the forward step when the step records the routing:
             int64 ``[n, L_stage, k]`` (None on a stage without MoE layers).
-        target_ids: int64 ``[T_local, K]`` caller-chosen ids scored at each position
-            (those given for the token the position predicts), or None.
+        head_inputs: each head input of the table (:func:`megascore.api.schema.head_inputs`)
+            at this shard's positions, ``[T_local, ...]``: at each position the values
+            given for the token it predicts.
         num_sequences: the microbatch's sequences.
         last_rows: int64 ``[n]`` (CPU) the local rows (this CP shard's) that hold the
             last token of a sequence: their output predicts the token after it
@@ -63,7 +64,7 @@ class Microbatch:
     mtp_loss_mask: torch.Tensor | None
     replay_routes: torch.Tensor | None = None
     recorded_routes: torch.Tensor | None = None
-    target_ids: torch.Tensor | None = None
+    head_inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     num_sequences: int = 0
     last_rows: torch.Tensor | None = None
     last_sequences: torch.Tensor | None = None
@@ -81,7 +82,7 @@ def build_microbatch(
     cp_size: int,
     has_request_mask: bool,
     lengths: np.ndarray | None = None,
-    target_ids: np.ndarray | None = None,
+    head_inputs: dict[str, np.ndarray] | None = None,
 ) -> Microbatch:
     """Packs one microbatch for this rank's CP rank.
 
@@ -95,8 +96,8 @@ def build_microbatch(
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
         has_request_mask: the request carried a loss mask (MTP then uses it).
-        lengths: int64 ``[B_mb]`` the microbatch's sequence lengths (with ``target_ids``).
-        target_ids: int64 ``[T_mb, K]`` token-aligned caller-chosen ids, or None.
+        lengths: int64 ``[B_mb]`` the microbatch's sequence lengths (with ``head_inputs``).
+        head_inputs: token-aligned ``[T_mb, ...]`` head inputs by name (none: None).
 
     Returns:
         The :class:`Microbatch`. Without sequences (``lengths`` empty) it is the padding
@@ -140,9 +141,10 @@ def build_microbatch(
         temperature=temps,
         loss_mask=mask.to(device),
         mtp_loss_mask=mask.unsqueeze(0).to(device) if has_request_mask else None,
-        target_ids=None
-        if target_ids is None
-        else _predicting_rows(target_ids, lengths, positions, packed, pad_to),
+        head_inputs={
+            name: _predicting_rows(values, lengths, positions, packed, pad_to)
+            for name, values in (head_inputs or {}).items()
+        },
         num_sequences=0 if lengths is None else len(lengths),
         last_rows=last_rows,
         last_sequences=last_sequences,

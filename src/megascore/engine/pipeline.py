@@ -68,7 +68,6 @@ class ScoreSpec:
             (:func:`megascore.engine.packed_inputs.model_inputs`).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
-        num_target_ids: K of the batch's target ids (0 without).
         scored_rows_only: compute the output head and log-softmax only at the rows that
             predict a scored token (``Microbatch.loss_mask``); the other rows get each
             output's fill. For steps that return no per-token output (no logprobs, no
@@ -86,7 +85,6 @@ class ScoreSpec:
     metrics_forward: bool
     lm_head_dtype: str = "model"
     record_routes: bool = False
-    num_target_ids: int = 0
     scored_rows_only: bool = False
 
 
@@ -97,14 +95,14 @@ def _score_microbatch(
     last row (:func:`_score_last_rows`) and the normalised loss."""
     cu_padded = mb.packed.cu_seqlens_padded.to("cpu", torch.int64)
     per_token = [out for out in spec.outputs if not schema.at_last_row(out)]
-    targets, temperature, target_ids, rows = mb.targets, mb.temperature, mb.target_ids, None
+    targets, temperature, inputs, rows = mb.targets, mb.temperature, mb.head_inputs, None
     source = head
     if spec.scored_rows_only:  # the output head runs only where a scored token is predicted
         rows = mb.loss_mask.nonzero().squeeze(1)
         source = dataclasses.replace(head, hidden_states=head.hidden_states[rows])
         targets = targets[rows]
         temperature = None if temperature is None else temperature[rows]
-        target_ids = None if target_ids is None else target_ids[rows]
+        inputs = {name: values[rows] for name, values in inputs.items()}
     scores = score_tokens(
         source if spec.lm_head_dtype == "model" else Float32Logits(source),
         targets,
@@ -113,7 +111,7 @@ def _score_microbatch(
         top_k=spec.top_k,
         chunk_tokens=spec.chunk_tokens,
         vocab_size=spec.vocab_size,
-        target_ids=target_ids,
+        inputs=inputs,
         scratch=head.scratch,
         # the logprobs always: Megatron's schedule takes a loss from every microbatch
         outputs=list(dict.fromkeys([schema.output("logprobs"), *per_token])),

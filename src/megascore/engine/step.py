@@ -183,12 +183,12 @@ def _metrics_forward(model, batch: ScoreBatch) -> tuple[bool, bool]:
 
 def token_keys(batch: ScoreBatch) -> np.ndarray | None:
     """What must match for two tokens to be shared: the id, the routes it replays and the
-    target ids scored at it."""
+    head inputs read at it (:func:`megascore.api.schema.head_inputs`: the target ids)."""
     extra = [  # [T, -1] (an empty data-parallel share has T = 0 and no columns to infer)
         np.asarray(values, dtype=np.int64).reshape(batch.num_tokens, -1)
         if batch.num_tokens
         else np.zeros((0, 0), dtype=np.int64)
-        for values in (batch.routing, batch.target_ids)
+        for values in (batch.routing, *schema.head_inputs(batch).values())
         if values is not None
     ]
     if not extra:
@@ -218,6 +218,7 @@ def _plan(
     target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
     temps = None if batch.temperature is None else np.asarray(batch.temperature)
     tokens = [layout.token_index(lengths, mb.sequences) for mb in layouts]
+    head_inputs = {name: np.asarray(v) for name, v in schema.head_inputs(batch).items()}
     microbatches = [
         build_microbatch(
             mb.segments,
@@ -230,7 +231,7 @@ def _plan(
             cp_size=cp_size,
             has_request_mask=batch.loss_mask is not None,
             lengths=lengths[mb.sequences],
-            target_ids=None if batch.target_ids is None else batch.target_ids[tok],
+            head_inputs={name: values[tok] for name, values in head_inputs.items()},
         )
         for mb, tok in zip(layouts, tokens, strict=True)
     ]
@@ -253,7 +254,6 @@ def _plan(
         # rows of the sequences are computed apart, schema.at_last_row)
         scored_rows_only=batch.logprob_positions == schema.MASKED
         or not any(out.wanted(batch) for out in outputs if not schema.at_last_row(out)),
-        num_target_ids=batch.num_target_ids,
     )
     return _Plan(microbatches, layouts, tokens, pad_to, spec, record, want_moe, want_mtp)
 
