@@ -26,7 +26,6 @@ import logging
 import os
 import platform
 import pstats
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,19 +48,14 @@ LOSSES = ("nll",)
 # ---- process set-up -------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound and released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def single_rank_env() -> None:
     """Environment of a one-rank torch.distributed job (the engine's default group)."""
+    from megascore_server.ports import pick_port
+
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", str(pick_port()))
 
 
 def quiet_logs() -> None:

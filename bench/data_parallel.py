@@ -27,8 +27,6 @@ Writes (or replaces) the "Expert / data parallelism" section of ``bench/RESULTS.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +35,6 @@ import common
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests.e2e.serve, tests.checkpoint.scripts.ckpt_common
 BEGIN, END = "<!-- data_parallel.py: begin -->", "<!-- data_parallel.py: end -->"
 SECTION = "## Expert / data parallelism (`bench/data_parallel.py`)"
 TARGET = 1.6
@@ -62,32 +59,17 @@ def write_checkpoint(directory: Path) -> int:
     import torch
     import transformers
 
-    from tests.checkpoint.scripts.ckpt_common import save_hf_model
-
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**DIMS)).eval()
-    save_hf_model(model, "qwen3_moe", directory)
+    model.save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
-
-
-def cpu_seconds(server) -> float:
-    """CPU time (user + system) so far of the server's processes (every rank)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in server.tree():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / ticks
 
 
 def score(client, server, workload) -> tuple[float, float, object]:
     """``(wall seconds, server CPU seconds, result)`` of one request with the workload."""
-    cpu, start = cpu_seconds(server), time.perf_counter()
+    cpu, start = server.cpu_seconds(), time.perf_counter()
     result = client.score(workload.sequences, top_k=common.TOP_K, losses=common.LOSSES)
-    return time.perf_counter() - start, cpu_seconds(server) - cpu, result
+    return time.perf_counter() - start, server.cpu_seconds() - cpu, result
 
 
 def max_diff(a, b) -> float:
@@ -103,7 +85,7 @@ def main() -> int:
     args = p.parse_args()
     common.quiet_logs()
     from megascore_client import ScoringClient
-    from tests.e2e.serve import ServeProcess
+    from megascore_server.serve_process import CPU_ONE_THREAD, ServeProcess
 
     machine = common.machine_info("cpu")
     workload, _ = common.make_workloads(args.num, 0, DIMS["vocab_size"])
@@ -119,7 +101,7 @@ def main() -> int:
         try:
             for name, extra in layouts.items():
                 log = Path(tmp) / f"{name.replace(' ', '_').replace(',', '')}.log"
-                servers[name] = ServeProcess(log, *flags, *extra)
+                servers[name] = ServeProcess(log, *flags, *extra, env=CPU_ONE_THREAD)
             for server in servers.values():
                 server.wait_serving()
             clients = {name: ScoringClient(s.target) for name, s in servers.items()}

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import pstats
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,8 +37,12 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from megascore_server.serve_process import ServeProcess
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,14 @@ def subprocess_env() -> dict[str, str]:
 # ---- server ---------------------------------------------------------------------------------
 
 
-class Server:
-    """A ``megascore serve`` subprocess on 127.0.0.1, stopped by PID.
+def start_server(
+    device: str,
+    max_tokens: int,
+    log_path: Path,
+    model: str = "bench",
+    extra_args: tuple[str, ...] = (),
+) -> ServeProcess:
+    """A ``megascore serve`` subprocess on 127.0.0.1 with its metrics endpoint.
 
     Args:
         device: "cpu" or "cuda".
@@ -64,97 +73,20 @@ class Server:
         log_path: where the server's stdout / stderr go.
         model: ``--model``.
         extra_args: more ``megascore serve`` flags.
+
+    Returns:
+        The started :class:`megascore_server.serve_process.ServeProcess`
+        (``wait_serving``, then ``stop``: SIGTERM, SIGKILL after a grace period).
     """
+    import common
 
-    def __init__(
-        self,
-        device: str,
-        max_tokens: int,
-        log_path: Path,
-        model: str = "bench",
-        extra_args: tuple[str, ...] = (),
-    ):
-        import common
+    from megascore_server.serve_process import ServeProcess
 
-        self.port = common.free_port()
-        self.metrics_port = common.free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        exe = Path(sys.executable).with_name("megascore")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "megascore_client.cli"]
-        self.cmd = [
-            *cmd,
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--model",
-            model,
-            "--device",
-            device,
-            "--dtype",
-            common.dtype_name(device),
-            "--max-tokens-per-batch",
-            str(max_tokens),
-            "--metrics-port",
-            str(self.metrics_port),
-            *extra_args,
-        ]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Server:
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=subprocess_env()
-        )
-        logger.info("started %s (pid %d)", " ".join(self.cmd), self.proc.pid)
-        return self
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def wait_serving(self, timeout: float) -> None:
-        """Waits for health SERVING; raises with the log tail when the process died."""
-        from megascore_client import ScoringClient, ScoringError
-
-        deadline = time.monotonic() + timeout
-        with ScoringClient(self.target, retries=None) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"server exited with {self.proc.returncode}:\n{self.log_tail()}"
-                    )
-                try:
-                    client.wait_until_serving(timeout=5.0)
-                    return
-                except ScoringError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"server not SERVING after {timeout:.0f}s:\n{self.log_tail()}"
-                        ) from None
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
-
-    def stop(self, grace: float = 30.0) -> int | None:
-        """SIGTERM by PID, SIGKILL after ``grace`` seconds; returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                logger.warning("server pid %d ignored SIGTERM; killing it", self.proc.pid)
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+    flags = ["--model", model, "--device", device, "--dtype", common.dtype_name(device)]
+    flags += ["--max-tokens-per-batch", str(max_tokens), *extra_args]
+    server = ServeProcess(log_path, *flags, metrics=True)
+    logger.info("started %s (pid %d)", " ".join(server.cmd), server.pid)
+    return server
 
 
 def step_stats(metrics_url: str) -> tuple[float, float]:
@@ -167,13 +99,6 @@ def step_stats(metrics_url: str) -> tuple[float, float]:
         if name in ("megascore_steps_total", "megascore_step_latency_seconds_sum"):
             values[name] = float(value)
     return values["megascore_steps_total"], values["megascore_step_latency_seconds_sum"]
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (``/proc/PID/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- client process -------------------------------------------------------------------------
@@ -193,6 +118,7 @@ def write_requests(path: Path, sequences: list[np.ndarray], batches: list[list[i
 
 async def _client_run(args: argparse.Namespace) -> dict:
     from megascore_client import AsyncScoringClient
+    from megascore_server.procfs import cpu_seconds
 
     data = np.load(args.requests)
     flat = np.split(data["token_ids"], np.cumsum(data["lengths"])[:-1])
@@ -210,12 +136,12 @@ async def _client_run(args: argparse.Namespace) -> dict:
                 return await client.score(seqs, top_k=args.top_k, losses=("nll",))
 
         steps_before, busy_before = step_stats(args.metrics_url)
-        server_cpu = process_cpu_seconds(args.server_pid)
+        server_cpu = cpu_seconds(args.server_pid)
         cpu, start = time.process_time(), time.perf_counter()
         results = await asyncio.gather(*(one(r) for r in requests))
         seconds = time.perf_counter() - start
         client_cpu = time.process_time() - cpu
-        server_cpu = process_cpu_seconds(args.server_pid) - server_cpu
+        server_cpu = cpu_seconds(args.server_pid) - server_cpu
         steps_after, busy_after = step_stats(args.metrics_url)
     requests_detail = [
         {
@@ -271,7 +197,7 @@ def client_main(argv: list[str]) -> None:
 
 
 def e2e_pass(
-    server: Server,
+    server: ServeProcess,
     sequences: list[np.ndarray],
     batches: list[list[int]],
     workdir: Path,
@@ -409,7 +335,7 @@ def main() -> None:
     common.check_device(args.device)
     with tempfile.TemporaryDirectory(prefix="megascore-bench-") as tmp:
         workdir = Path(tmp)
-        server = Server(args.device, args.max_tokens, workdir / "server.log").start()
+        server = start_server(args.device, args.max_tokens, workdir / "server.log")
         engine = None
         try:
             engine = common.create_engine(args.device)

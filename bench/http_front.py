@@ -42,9 +42,11 @@ from pathlib import Path
 import common
 import numpy as np
 import orjson
-import psutil
-from e2e_vs_engine import Server, process_cpu_seconds
-from prefix_sharing import peak_rss_mib
+from e2e_vs_engine import start_server
+
+from megascore_server import procfs
+from megascore_server.ports import pick_port
+from megascore_server.serve_process import ServeProcess
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- http_front.py: begin -->", "<!-- http_front.py: end -->"
@@ -61,28 +63,17 @@ VARIANTS = ("grpc", *SHAPES)
 # ---- the server's processes ----------------------------------------------------------------
 
 
-def server_pids(server: Server) -> list[int]:
-    """The server process and its live descendants (a launcher's ranks)."""
-    root = psutil.Process(server.proc.pid)
-    return [root.pid, *(p.pid for p in root.children(recursive=True))]
-
-
 def reset_peaks(pids: list[int]) -> None:
     for pid in pids:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
+        procfs.reset_peak_rss(pid)  # VmHWM := the current RSS
 
 
 def peak_mib(pids: list[int]) -> float:
-    return sum(peak_rss_mib(pid) for pid in pids)
+    return sum(procfs.status_kib(pid, "VmHWM") for pid in pids) / 1024
 
 
 def rss_mib(pids: list[int]) -> float:
-    return sum(psutil.Process(pid).memory_info().rss for pid in pids) / 2**20
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    return sum(process_cpu_seconds(pid) for pid in pids)
+    return sum(procfs.rss_kb(pid) for pid in pids) / 1024
 
 
 # ---- the two fronts ------------------------------------------------------------------------
@@ -108,7 +99,7 @@ READ = {"http-lp1": lp1_logprobs, "http-pl20": pl20_logprobs}
 class Fronts:
     """The SDK's async client and a keep-alive aiohttp session, both to ``server``."""
 
-    def __init__(self, server: Server, grpc, http, url: str):
+    def __init__(self, server: ServeProcess, grpc, http, url: str):
         self.server, self.grpc, self.http, self.url = server, grpc, http, url
         self.model = ""
 
@@ -126,7 +117,7 @@ class Fronts:
             except aiohttp.ClientConnectionError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no /v1/models answer:\n{self.server.log_tail()}")
+                raise RuntimeError(f"no /v1/models answer:\n{self.server.output(3000)}")
             await asyncio.sleep(0.2)
 
     async def send(self, variant: str, seqs: list[np.ndarray]) -> tuple[list[np.ndarray], int]:
@@ -157,16 +148,16 @@ async def one_pass(fronts: Fronts, variant: str, requests: list[list[np.ndarray]
         async with slots:
             return await fronts.send(variant, seqs)
 
-    pids = server_pids(fronts.server)
+    pids = fronts.server.tree()
     reset_peaks(pids)
-    server_cpu, cpu = cpu_seconds(pids), time.process_time()
+    server_cpu, cpu = procfs.cpu_seconds(*pids), time.process_time()
     start = time.perf_counter()
     answers = await asyncio.gather(*(one(r) for r in requests))
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
         "client_cpu_s": time.process_time() - cpu,
-        "server_cpu_s": cpu_seconds(pids) - server_cpu,
+        "server_cpu_s": procfs.cpu_seconds(*pids) - server_cpu,
         "peak_mib": peak_mib(pids),
         "bytes": sum(n for _, n in answers),
         "logprobs": [lp for lps, _ in answers for lp in lps],
@@ -180,7 +171,7 @@ def max_diff(ours: list[np.ndarray], grpc: list[np.ndarray]) -> float:
     )
 
 
-async def measure_async(server: Server, http_port: int, num: int, rounds: int) -> dict:
+async def measure_async(server: ServeProcess, http_port: int, num: int, rounds: int) -> dict:
     import aiohttp
 
     from megascore_client import AsyncScoringClient
@@ -203,7 +194,7 @@ async def measure_async(server: Server, http_port: int, num: int, rounds: int) -
         warm = [common.warmup_sequences(workload)]
         for variant in VARIANTS:
             await one_pass(fronts, variant, warm)
-        pids = server_pids(server)
+        pids = server.tree()
         res: dict = {v: [] for v in VARIANTS}
         res |= {"model": fronts.model, "idle_mib": rss_mib(pids), "processes": len(pids)}
         res |= {"summary": workload.summary(), "tokens": workload.num_tokens}
@@ -227,10 +218,10 @@ async def measure_async(server: Server, http_port: int, num: int, rounds: int) -
 
 
 def measure(tmp: Path, num: int, rounds: int) -> dict:
-    http_port = common.free_port()
-    server = Server(
+    http_port = pick_port()
+    server = start_server(
         "cpu", MAX_TOKENS, tmp / "server.log", extra_args=("--http-port", str(http_port))
-    ).start()
+    )
     try:
         server.wait_serving(900.0)
         res = asyncio.run(measure_async(server, http_port, num, rounds))

@@ -109,15 +109,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_job(args: argparse.Namespace, pp: int, out: Path) -> None:
+    from megascore_server.ports import pick_port
+
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), CUDA_VISIBLE_DEVICES="")
     cmd = [
         sys.executable,
@@ -125,7 +119,7 @@ def run_job(args: argparse.Namespace, pp: int, out: Path) -> None:
         "torch.distributed.run",
         f"--nproc-per-node={pp}",
         "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+        f"--master-port={pick_port()}",
         "--max-restarts=0",
         str(Path(__file__).resolve()),
         "--worker",

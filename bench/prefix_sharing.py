@@ -47,7 +47,9 @@ from pathlib import Path
 
 import common
 import numpy as np
-from e2e_vs_engine import Server, process_cpu_seconds
+from e2e_vs_engine import start_server
+
+from megascore_server import procfs
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ def computed_tokens(groups: list[Group]) -> int:
 
 def score_pass(client, groups: list[Group], pid: int, **options):
     """Scores every group as one request; returns (wall s, server CPU s, results)."""
-    cpu = process_cpu_seconds(pid)
+    cpu = procfs.cpu_seconds(pid)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
         results = list(
@@ -137,15 +139,7 @@ def score_pass(client, groups: list[Group], pid: int, **options):
                 groups,
             )
         )
-    return time.perf_counter() - start, process_cpu_seconds(pid) - cpu, results
-
-
-def peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return time.perf_counter() - start, procfs.cpu_seconds(pid) - cpu, results
 
 
 FULL = dict(top_k=common.TOP_K, losses=common.LOSSES)
@@ -160,13 +154,11 @@ def measure(args, workdir: Path) -> dict:
     }
     heavy = prompt_heavy_groups(args.heavy, args.seed)
     servers = {
-        "dense": Server(
+        "dense": start_server(
             "cpu", MAX_TOKENS, workdir / "dense.log", extra_args=("--no-prefix-sharing",)
         ),
-        "shared": Server("cpu", MAX_TOKENS, workdir / "shared.log"),
+        "shared": start_server("cpu", MAX_TOKENS, workdir / "shared.log"),
     }
-    for server in servers.values():
-        server.start()
     runs = {name: {"dense": [], "shared": []} for name in workloads}
     runs["response-only"] = {"all rows": [], "scored rows": []}
     last = {}
@@ -201,7 +193,7 @@ def measure(args, workdir: Path) -> dict:
                 runs["response-only"][side].append((wall, cpu))
                 last[("response-only", side)] = results
                 logger.info("response-only %s: %.1f s wall, %.1f s CPU", side, wall, cpu)
-        peaks = {k: peak_rss_mib(p) for k, p in pids.items()}
+        peaks = {k: procfs.status_kib(p, "VmHWM") / 1024 for k, p in pids.items()}
         for client in clients.values():
             client.close()
     finally:

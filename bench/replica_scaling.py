@@ -30,7 +30,7 @@ from pathlib import Path
 
 import common
 import numpy as np
-from e2e_vs_engine import Server
+from e2e_vs_engine import start_server
 
 HERE = Path(__file__).parent
 BEGIN, END = "<!-- replica_scaling.py: begin -->", "<!-- replica_scaling.py: end -->"
@@ -75,7 +75,7 @@ def measure(model: str, num: int, reps: int, workdir: Path) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"
     vocab = builtin_model(model).vocab_size
     rollout, _ = common.make_workloads(num, seed=0, vocab_size=vocab, max_len=1024)
-    servers = [Server("cpu", 4096, workdir / f"r{i}.log", model=model).start() for i in range(2)]
+    servers = [start_server("cpu", 4096, workdir / f"r{i}.log", model=model) for i in range(2)]
     res: dict = {"one": [], "two": [], "push_one": [], "push_two": [], "summary": rollout.summary()}
     try:
         for server in servers:

@@ -37,7 +37,9 @@ from pathlib import Path
 
 import common
 import numpy as np
-from e2e_vs_engine import Server, process_cpu_seconds
+from e2e_vs_engine import start_server
+
+from megascore_server.procfs import cpu_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ BEGIN, END = "<!-- routing_cost.py: begin -->", "<!-- routing_cost.py: end -->"
 def score_pass(client, sequences: list[np.ndarray], routing: bool, server_pid: int):
     """Scores ``sequences`` in requests of ``BATCH``; returns (wall s, CPU s, results)."""
     chunks = [sequences[i : i + BATCH] for i in range(0, len(sequences), BATCH)]
-    cpu = process_cpu_seconds(server_pid) + time.process_time()
+    cpu = cpu_seconds(server_pid) + time.process_time()
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
         results = list(
@@ -66,7 +68,7 @@ def score_pass(client, sequences: list[np.ndarray], routing: bool, server_pid: i
             )
         )
     wall = time.perf_counter() - start
-    return wall, process_cpu_seconds(server_pid) + time.process_time() - cpu, results
+    return wall, cpu_seconds(server_pid) + time.process_time() - cpu, results
 
 
 def wire_cases(results, with_routing: bool) -> list:
@@ -123,7 +125,7 @@ def measure(num_sequences: int, reps: int, seed: int, workdir: Path) -> dict:
     from megascore_client import ScoringClient
 
     rollout, _ = common.make_workloads(num_sequences, seed, VOCAB, max_len=1024)
-    server = Server("cpu", 4096, workdir / "serve.log", model=MODEL).start()
+    server = start_server("cpu", 4096, workdir / "serve.log", model=MODEL)
     try:
         server.wait_serving(300)
         with ScoringClient(server.target, timeout=600) as client:

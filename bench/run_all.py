@@ -387,9 +387,9 @@ def memory_row(mem: dict, device: str) -> Row:
 def measure(args: argparse.Namespace, cfg: Settings, workdir: Path) -> dict:
     """Everything but the report; returns what the report needs."""
     log(f"starting `megascore serve --model {args.model}` (subprocess)")
-    server = e2e_vs_engine.Server(
+    server = e2e_vs_engine.start_server(
         args.device, cfg.max_tokens, workdir / "server.log", model=args.model
-    ).start()
+    )
     engine = None
     try:
         log("building the in-process engine and the transformers model")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import common
 import numpy as np
-from e2e_vs_engine import Server
+from e2e_vs_engine import start_server
 
 HERE = Path(__file__).parent
 BEGIN, END = "<!-- single_sequence.py: begin -->", "<!-- single_sequence.py: end -->"
@@ -89,8 +89,7 @@ def measure(tmp: Path, lengths: list[int], reps: int, attentions: list[str]) -> 
     model.save_pretrained(tmp / "llama")
     rng = np.random.default_rng(0)
     seqs = {n: rng.integers(0, VOCAB, n) for n in lengths}
-    server = Server("cpu", max(lengths), tmp / "server.log", model=f"hf:{tmp / 'llama'}")
-    server.start()
+    server = start_server("cpu", max(lengths), tmp / "server.log", model=f"hf:{tmp / 'llama'}")
     rows: dict[tuple[int, str], dict] = {}
     try:
         server.wait_serving(timeout=900)

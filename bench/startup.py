@@ -30,16 +30,16 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import common
 
+from megascore_server import procfs
+
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- startup.py: begin -->", "<!-- startup.py: end -->"
-MEGASCORE = Path(sys.executable).with_name("megascore")
 GIB = 2**30
 _BUILT = re.compile(r"built and loaded in ([0-9.]+) s")  # the engine's start-up log line
 TARGET_S_PER_GIB = 1.0
@@ -119,44 +119,27 @@ def write_checkpoint(directory: Path) -> tuple[int, int]:
     return params, size
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of the process so far (``/proc/PID/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _status_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/{pid}/status")
-
-
 class Server:
     """One ``megascore serve`` subprocess on the CPU, timed from spawn to SERVING."""
 
     def __init__(self, model: str, log: Path, dtype: str = "float32"):
         from megascore_client import ScoringClient
+        from megascore_server.serve_process import ServeProcess
 
-        port = common.free_port()
-        cmd = [str(MEGASCORE), "serve", "--model", model, "--device", "cpu", "--dtype", dtype]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--grace-s", "2"]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-        self.client = ScoringClient(f"127.0.0.1:{port}", timeout=600)
-        start = time.perf_counter()
-        self.proc = subprocess.Popen(  # noqa: SIM115 - closed with the process
-            cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env
-        )
+        flags = ["--model", model, "--device", "cpu", "--dtype", dtype, "--grace-s", "2"]
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        # health polled every 20 ms from the spawn: serving_s is spawn -> first SERVING
+        self.server = ServeProcess(log, *flags, env=env, poll_s=0.02)
+        self.pid = self.server.pid
+        self.client = ScoringClient(self.server.target, timeout=600)
         try:
-            self.client.wait_until_serving(timeout=600, interval=0.02)
+            self.server.wait_serving(timeout=600)
         except BaseException:
             self.stop()
             raise
-        self.startup_s = time.perf_counter() - start
-        self.startup_cpu_s = _cpu_s(self.proc.pid)
-        self.peak_rss = _status_kib(self.proc.pid, "VmHWM") * 1024
+        self.startup_s = self.server.serving_s
+        self.startup_cpu_s = procfs.cpu_seconds(self.pid)
+        self.peak_rss = procfs.status_kib(self.pid, "VmHWM") * 1024
         found = _BUILT.search(log.read_text())
         if found is None:
             self.stop()
@@ -164,25 +147,20 @@ class Server:
         self.built_s = float(found.group(1))
 
     def rss(self) -> int:
-        return _status_kib(self.proc.pid, "VmRSS") * 1024
+        return procfs.rss_kb(self.pid) * 1024
 
     def load_weights(self, model: str) -> tuple[float, int, int]:
         """LoadWeights; returns (seconds, RSS before, peak RSS during)."""
-        with open(f"/proc/{self.proc.pid}/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
+        procfs.reset_peak_rss(self.pid)  # VmHWM := the current RSS
         before = self.rss()
         start = time.perf_counter()
         self.client.load_weights(model)
         seconds = time.perf_counter() - start
-        return seconds, before, _status_kib(self.proc.pid, "VmHWM") * 1024
+        return seconds, before, procfs.status_kib(self.pid, "VmHWM") * 1024
 
     def stop(self) -> None:
         self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        self.server.stop(grace=60)
 
 
 def measure(reps: int, workdir: Path) -> dict:

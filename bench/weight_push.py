@@ -38,11 +38,14 @@ from pathlib import Path
 import common
 import numpy as np
 
+from megascore_server.ports import pick_port
+from megascore_server.procfs import cpu_seconds
+from megascore_server.serve_process import ServeProcess
+
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- weight_push.py: begin -->", "<!-- weight_push.py: end -->"
 TARGET = 0.9
 DELTA_FRACTIONS = (0.01, 0.10)
-MEGASCORE = Path(sys.executable).with_name("megascore")
 
 
 def run_sink(port: int) -> None:
@@ -84,16 +87,14 @@ def run_sink(port: int) -> None:
     asyncio.run(serve())
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
+def _threads() -> dict[str, str]:
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _start_sink(port: int, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, **_threads())
+    cmd = [sys.executable, __file__, "--sink", str(port)]
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
 
 
 def _hf_model(dtype):
@@ -163,30 +164,31 @@ def measure(reps: int, workdir: Path) -> dict:
         "fp32": dict(model.state_dict()),
         "bf16": {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()},
     }
-    ports = {name: common.free_port() for name in ("fp32", "bf16", "sink")}
-    procs = [_start([sys.executable, __file__, "--sink", str(ports["sink"])], workdir / "sink.log")]
+    sink_port = pick_port()
+    sink = _start_sink(sink_port, workdir / "sink.log")
+    servers = {}
     for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
-        cmd = [str(MEGASCORE), "serve", "--model", f"hf:{ckpt}", "--dtype", dtype]
-        cmd += ["--host", "127.0.0.1", "--port", str(ports[name]), "--grace-s", "2"]
-        procs.append(_start(cmd, workdir / f"{name}.log"))
-    clients = {n: ScoringClient(f"127.0.0.1:{p}", timeout=600) for n, p in ports.items()}
-    clients["delta"] = ScoringClient(f"127.0.0.1:{ports['bf16']}", timeout=600)
+        flags = ["--model", f"hf:{ckpt}", "--dtype", dtype, "--grace-s", "2"]
+        servers[name] = ServeProcess(workdir / f"{name}.log", *flags, env=_threads())
+    targets = {name: s.target for name, s in servers.items()} | {"sink": f"127.0.0.1:{sink_port}"}
+    clients = {n: ScoringClient(t, timeout=600) for n, t in targets.items()}
+    clients["delta"] = ScoringClient(targets["bf16"], timeout=600)
     res: dict = {"push": {}, "sink": {}, "load": {}, "bytes": {}, "delta": {}, "cpu": {}}
-    pids = {"sink": procs[0].pid, "fp32": procs[1].pid, "bf16": procs[2].pid}
+    pids = {"sink": sink.pid} | {name: s.pid for name, s in servers.items()}
     try:
         for name in ("fp32", "bf16"):
-            clients[name].wait_until_serving(timeout=600)
+            servers[name].wait_serving(timeout=600)
         time.sleep(1.0)  # the sink is up long before the servers
         for rep in range(reps):
             for dtype in ("fp32", "bf16"):
-                before = _cpu_seconds(pids[dtype])
+                before = cpu_seconds(pids[dtype])
                 pushed = clients[dtype].push_weights(
                     states[dtype].items(), version=f"{dtype}-{rep}"
                 )
-                between = _cpu_seconds(pids["sink"])
-                server_cpu = _cpu_seconds(pids[dtype]) - before
+                between = cpu_seconds(pids["sink"])
+                server_cpu = cpu_seconds(pids[dtype]) - before
                 sunk = clients["sink"].push_weights(states[dtype].items())
-                sink_cpu = _cpu_seconds(pids["sink"]) - between
+                sink_cpu = cpu_seconds(pids["sink"]) - between
                 res["cpu"].setdefault(dtype, []).append((server_cpu, sink_cpu))
                 assert sunk.num_bytes == pushed.num_bytes
                 res["push"].setdefault(dtype, []).append(pushed)
@@ -209,13 +211,13 @@ def measure(reps: int, workdir: Path) -> dict:
     finally:
         for client in clients.values():
             client.close()
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        sink.terminate()
+        for server in servers.values():
+            server.stop(grace=60)
+        try:
+            sink.wait(60)
+        except subprocess.TimeoutExpired:
+            sink.kill()
     return res
 
 

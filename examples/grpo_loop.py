@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -95,19 +94,15 @@ def tiny_llama(seed: int) -> transformers.LlamaForCausalLM:
     return model.eval()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def launched_servers(init_dir: Path, log_dir: Path, names=("policy", "reference")):
     """One ``megascore serve --model hf:init_dir`` subprocess per name: their targets."""
+    from megascore_server.ports import pick_port  # the server is installed with [examples]
+
     procs, targets = [], []
     try:
         for name in names:
-            port = free_port()
+            port = pick_port()
             log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
             cmd = [sys.executable, "-m", "megascore_server.main", "--model", f"hf:{init_dir}"]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--grace-s", "2"]

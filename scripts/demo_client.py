@@ -9,32 +9,16 @@ instead of waiting the whole ``--wait``); also a minimal example of the SDK:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 
 from megascore_client import ScoringClient, ScoringError
+from megascore_server.procfs import alive
 
 LOG_TAIL_LINES = 30
-
-
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc: trust kill(0)
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def log_tail(path: str | None, lines: int = LOG_TAIL_LINES) -> str:
@@ -72,7 +56,7 @@ def wait_until_serving(
     deadline = time.monotonic() + timeout
     last = "no answer yet"
     while True:
-        if server_pid is not None and not process_alive(server_pid):
+        if server_pid is not None and not alive(server_pid):
             fail(f"the server (pid {server_pid}) exited before serving ({last})", server_log)
         try:
             status = client.health(timeout=max(0.1, min(1.0, deadline - time.monotonic())))

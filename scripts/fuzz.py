@@ -45,9 +45,9 @@ from grpc_health.v1 import health_pb2  # noqa: E402
 
 from megascore.v1 import scoring_pb2 as pb  # noqa: E402
 from megascore.v1 import scoring_pb2_grpc as pb_grpc  # noqa: E402
+from megascore_server.serve_process import CPU_ONE_THREAD, SERVING, ServeProcess  # noqa: E402
 from megascore_server.status import MAX_MESSAGE_CHARS  # noqa: E402
 from tests.e2e.reference import WEIGHTS  # noqa: E402
-from tests.e2e.serve import SERVING, ServeProcess  # noqa: E402
 from tests.reliability.hostile import (  # noqa: E402
     AMBIGUOUS,
     BENIGN,
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         if args.tp > 1:
             flags += ["--tensor-model-parallel-size", str(args.tp)]
         print(f"fuzz: starting megascore serve {' '.join(flags)} (log {log})", flush=True)
-        server = ServeProcess(log, *flags)
+        server = ServeProcess(log, *flags, env=CPU_ONE_THREAD)
     problems: list[str] = []
     try:
         if server is not None:

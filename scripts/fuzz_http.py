@@ -57,14 +57,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from megascore.api import schema
+from megascore.model.config import builtin_model
+from megascore_client import ScoringClient
+from megascore_server.ports import pick_port
+from megascore_server.serve_process import CPU_ONE_THREAD, ServeProcess
 
-from megascore.api import schema  # noqa: E402
-from megascore_client import ScoringClient  # noqa: E402
-from megascore_server.ports import pick_port  # noqa: E402
-from tests.e2e.reference import ATOL, VOCAB  # noqa: E402
-from tests.e2e.serve import ServeProcess  # noqa: E402
+VOCAB = builtin_model("tiny").vocab_size  # the fuzzed server's model
+ATOL = 1e-5  # gRPC vs HTTP logprobs of the same probe (each scored in a step of its own)
 
 KINDS = {
     "valid": 12,
@@ -912,7 +912,7 @@ def main(argv=None) -> int:
         flags = ["--model", "tiny", "--device", "cpu", "--http-port", str(http_port)]
         flags += ["--max-message-bytes", str(args.max_body_bytes), "--grace-s", "30"]
         print(f"fuzz_http: starting megascore serve {' '.join(flags)} (log {log})", flush=True)
-        server = ServeProcess(log, *flags)
+        server = ServeProcess(log, *flags, env=CPU_ONE_THREAD)
         url = f"http://127.0.0.1:{http_port}"
     problems: list[str] = []
     exit_code = None

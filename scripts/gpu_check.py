@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -201,50 +200,31 @@ def gpu_tests(table: Table, out: Path) -> None:
             table.add(name, "PASS", seconds)
 
 
-def _free_port() -> int:
-    from megascore_server.ports import pick_port
-
-    return pick_port()
-
-
 class Served:
-    """``megascore serve`` in a subprocess (the CLI's entry point) on a free port."""
+    """``megascore serve`` in a subprocess (a ``ServeProcess``) on a free port."""
 
     def __init__(self, model: str, device: str, dtype: str, log: Path, *extra: str):
-        self.port = _free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        cmd = [*CLI, "serve", "--model", model, "--device", device, "--dtype", dtype]
-        cmd += ["--port", str(self.port), "--log-level", "WARNING", *extra]
-        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        from megascore_server.serve_process import ServeProcess
+
+        flags = ["--model", model, "--device", device, "--dtype", dtype]
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.server = ServeProcess(log, *flags, "--log-level", "WARNING", *extra)
+        self.target = self.server.target
 
     def wait_healthy(self, timeout: float = 240) -> float:
-        """Seconds from start to SERVING."""
+        """Seconds from start to SERVING, as the CLI's ``health --wait`` sees it."""
         _run([*CLI, "health", "--target", self.target, "--wait", str(timeout)], timeout + 20)
         return time.monotonic() - self.started
 
     def stop(self) -> int:
-        """SIGTERM, then the exit status (SIGKILL of the group if it does not leave)."""
-        try:
-            self.proc.send_signal(signal.SIGTERM)
-            return self.proc.wait(timeout=90)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            self.log.close()
+        """SIGTERM, then the exit status (SIGKILL of what is left after 90 s)."""
+        return self.server.stop(grace=90)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
+        self.server.close()
 
 
 def serve_e2e(device: str, dtype: str, out: Path) -> tuple[str, str]:
@@ -370,6 +350,7 @@ def round_trip_worker(out: Path, device: str) -> None:
     import numpy as np
 
     from megascore.model.build import HAVE_TE
+    from megascore_server.ports import pick_port
     from tests.checkpoint.scripts.ckpt_common import (
         hf_logprobs,
         make_hf_model,
@@ -377,7 +358,7 @@ def round_trip_worker(out: Path, device: str) -> None:
         write_hf_checkpoint,
     )
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pick_port()), RANK="0")
     os.environ.update(WORLD_SIZE="1", LOCAL_RANK="0")
     backends = ["torch", "te"] if HAVE_TE and device == "cuda" else ["torch"]
     ids = token_batch()
@@ -390,7 +371,7 @@ def round_trip_worker(out: Path, device: str) -> None:
         hf_bf16 = hf_logprobs(make_hf_model(family).to(torch.bfloat16), ids)
         bf16_tol = max(BF16_FACTOR * float(np.abs(hf_bf16 - ref).mean()), BF16_FLOOR)
         convert = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port"]
-        convert += [str(_free_port()), str(ROOT / "scripts" / "convert_hf_to_megatron.py")]
+        convert += [str(pick_port()), str(ROOT / "scripts" / "convert_hf_to_megatron.py")]
         convert += ["--hf", str(hf), "--out", str(mg), "--device", device, "--dtype", "float32"]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         _run(convert, timeout=240, env=env)

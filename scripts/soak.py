@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megascore_client import ScoringClient  # noqa: E402
-from tests.e2e.serve import ServeProcess  # noqa: E402
+from megascore_server.serve_process import CPU_ONE_THREAD, ServeProcess  # noqa: E402
 from tests.reliability.load import (  # noqa: E402
     KINDS,
     RssSampler,
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         if args.tp > 1:
             flags += ["--tensor-model-parallel-size", str(args.tp)]
         print(f"soak: starting megascore serve {' '.join(flags)} (log {log})", flush=True)
-        server = ServeProcess(log, *flags)
+        server = ServeProcess(log, *flags, env=CPU_ONE_THREAD)
     try:
         if server is not None:
             server.wait_serving()

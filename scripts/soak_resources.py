@@ -11,28 +11,14 @@ reported, not judged).
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
 from pathlib import Path
 
-METRICS = ("rss_kib", "fds", "threads")
+from megascore_server.procfs import Usage, usage
 
-
-def read_process(pid: int) -> tuple[int, int, int] | None:
-    """(VmRSS KiB, open fds, threads) of ``pid``; None when it is gone."""
-    try:
-        rss = threads = 0
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1])
-            elif line.startswith("Threads:"):
-                threads = int(line.split()[1])
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, ValueError):
-        return None
-    return rss, fds, threads
+METRICS = Usage._fields  # ("rss_kib", "fds", "threads")
 
 
 class ResourceSampler:
@@ -60,7 +46,7 @@ class ResourceSampler:
                     pids = tuple(sorted(pids_of()))
                 except Exception:  # a role whose process is between incarnations
                     pids = ()
-                values = [v for v in (read_process(p) for p in pids) if v is not None]
+                values = [v for v in (usage(p) for p in pids) if v is not None]
                 if pids and len(values) == len(pids):
                     sums = tuple(sum(v[i] for v in values) for i in range(3))
                     self.samples[name].append((now, pids, *sums))

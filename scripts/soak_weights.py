@@ -45,7 +45,7 @@ from soak_resources import ResourceSampler, write_csv
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_client import ScoringClient, ScoringError
 from megascore_server.ports import pick_port
-from tests.e2e.serve import MEGASCORE, ServeProcess
+from megascore_server.serve_process import CPU_ONE_THREAD, MEGASCORE, ServeProcess
 
 MODEL = "tiny-moe"
 BASE_SPEC = "builtin:tiny-moe@1234"
@@ -84,7 +84,7 @@ class Replica:
         if self.http_port:
             flags += ["--http-port", str(self.http_port)]
         log = self.log_dir / f"{self.name}-{self.incarnation}.log"
-        self.server = ServeProcess(log, *flags, port=self.port)
+        self.server = ServeProcess(log, *flags, port=self.port, env=CPU_ONE_THREAD)
 
     def wait_up(self) -> None:
         self.server.wait_serving()

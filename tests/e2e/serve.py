@@ -1,10 +1,9 @@
-"""A real ``megascore serve`` subprocess for end-to-end tests, and /proc helpers.
+"""The real ``megascore serve`` subprocesses of the end-to-end tests.
 
-:class:`ServeProcess` starts ``megascore serve`` (the console script, or
-``torchrun -m megascore_server.main``) in its own session on 127.0.0.1 and a free
-port, waits for SERVING while recording the health states it passes through, finds
-its ranks through ``/proc`` and always tears everything it started down: SIGCONT and
-SIGKILL to its own process group, never a kill by name.
+:class:`ServeProcess` is :class:`megascore_server.serve_process.ServeProcess` with the
+tests' environment: one intra-op thread per rank, no GPU, the checkout on
+``PYTHONPATH`` (engine factories of ``tests.*``) and as the working directory. The
+tests read ``/proc`` with :mod:`megascore_server.procfs`.
 
 :class:`SharedServers` keeps one server per configuration for the whole pytest
 session: ``tests/e2e`` and ``tests/reliability`` use the same subprocesses (fixtures in
@@ -14,342 +13,33 @@ session: ``tests/e2e`` and ``tests/reliability`` use the same subprocesses (fixt
 from __future__ import annotations
 
 import atexit
-import contextlib
+import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from megascore.api.wire import encode_array
-from megascore.v1 import scoring_pb2 as pb
-from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from megascore_server.ports import pick_port
+from megascore_server import serve_process
+from megascore_server.serve_process import SERVING
 
 ROOT = Path(__file__).resolve().parents[2]
-MEGASCORE = Path(sys.executable).with_name("megascore")
-START_TIMEOUT_S = 240.0  # torch + megatron import on 2 busy cores
-_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-# ---------------------------------------------------------------------------- /proc
+class ServeProcess(serve_process.ServeProcess):
+    """The product harness, started as every test starts it (see the module docstring).
 
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """``(state, ppid, pgid)`` of ``pid``, or None when it does not exist."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        fields = raw.rsplit(")", 1)[1].split()
-        return fields[0], int(fields[1]), int(fields[2])
-    except (OSError, IndexError, ValueError):  # gone, or caught mid-exit with a short read
-        return None
-
-
-def alive(pid: int) -> bool:
-    """True when ``pid`` exists and is not a zombie."""
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z"
-
-
-def all_pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def children(pid: int) -> list[int]:
-    """Live (non-zombie) direct children of ``pid``."""
-    out = []
-    for p in all_pids():
-        stat = _stat(p)
-        if stat is not None and stat[1] == pid and stat[0] != "Z":
-            out.append(p)
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children, grandchildren ...)."""
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [c for p in frontier for c in children(p)]
-        found += kids
-        frontier = kids
-    return found
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes of process group ``pgid``."""
-    out = []
-    for p in all_pids():
-        stat = _stat(p)
-        if stat is not None and stat[2] == pgid and stat[0] != "Z":
-            out.append(p)
-    return out
-
-
-def env_of(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-
-
-def rss_kb(pid: int) -> int:
-    """VmRSS of ``pid`` in KiB (0 when gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def wait_gone(pids, timeout: float = 10.0) -> list[int]:
-    """Waits until none of ``pids`` is alive; returns those still alive after ``timeout``."""
-    end = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if alive(p)]
-        if not left or time.monotonic() >= end:
-            return left
-        time.sleep(0.1)
-
-
-# ---------------------------------------------------------------------------- server
-
-
-class ServeProcess:
-    """``megascore serve`` as a subprocess in its own session.
-
-    Args:
-        log_path: file receiving the server's stdout / stderr.
-        args: extra ``serve`` flags (``--port`` and ``--host`` are added).
-        torchrun_nproc: start under ``python -m torch.distributed.run`` with this many
-            ranks per node instead of the console script.
-        metrics: also expose the Prometheus endpoint on a free port.
-        env: extra environment variables.
-        credentials: TLS credentials of the helper's own channel (health polling);
-            None for a plaintext server.
-        port: the port to serve on (e.g. ``megascore_server.ports.pick_port()``, to
-            restart a server on the same address); None = a free port.
+    ``env`` entries override the tests' own (``MEGASCORE_ENGINE_FACTORY`` for a fake
+    engine, ``CUDA_VISIBLE_DEVICES`` ...); the other arguments are the product's.
     """
 
-    def __init__(
-        self,
-        log_path: Path,
-        *args: str,
-        torchrun_nproc: int | None = None,
-        metrics: bool = False,
-        env: dict[str, str] | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        port: int | None = None,
-    ):
-        self.log_path = Path(log_path)
-        self.port = pick_port() if port is None else port
-        self.metrics_port = pick_port() if metrics else None
-        self.target = f"127.0.0.1:{self.port}"
-        self.health_seen: list[str] = []
-        self.startup_probe: tuple[grpc.StatusCode, str] | None = None
-        flags = ["--host", "127.0.0.1", "--port", str(self.port), *args]
-        if self.metrics_port:
-            flags += ["--metrics-port", str(self.metrics_port)]
-        if torchrun_nproc is None:
-            cmd = [str(MEGASCORE), "serve", *flags]
-        else:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc-per-node={torchrun_nproc}",
-                "--standalone",  # its store binds a port of the kernel's choice
-                "--max-restarts=0",
-                "-m",
-                "megascore_server.main",
-                *flags,
-            ]
-        environ = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
-        environ.update(
-            OMP_NUM_THREADS="1",
-            CUDA_VISIBLE_DEVICES="",
-            PYTHONUNBUFFERED="1",
-            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")])),
-        )
-        environ.pop("MEGASCORE_ENGINE_FACTORY", None)
-        environ.update(env or {})
-        self.cmd = cmd
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=environ,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.pid = self.proc.pid
-        if credentials is None:
-            self._channel = grpc.insecure_channel(self.target)
-        else:
-            self._channel = grpc.secure_channel(self.target, credentials)
-        self.known_pids: set[int] = {self.pid}
-        self._closing = False
-        self._serving = threading.Event()
-        self._monitor = threading.Thread(target=self._monitor_startup, daemon=True)
-        self._monitor.start()
-
-    # ---- state ----------------------------------------------------------------------------
-
-    def output(self, tail: int = 12000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-tail:]
-        except FileNotFoundError:
-            return ""
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def stub(self) -> pb_grpc.ScorerStub:
-        return pb_grpc.ScorerStub(self._channel)
-
-    def health(self, service: str = "", timeout: float = 2.0) -> int:
-        """One Health/Check on the helper's own channel (TLS if given); raises grpc.RpcError."""
-        stub = health_pb2_grpc.HealthStub(self._channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
-
-    def _note(self, state: str) -> None:
-        if not self.health_seen or self.health_seen[-1] != state:
-            self.health_seen.append(state)
-
-    def _probe_score(self) -> tuple[grpc.StatusCode, str]:
-        """What a Score call gets before SERVING (code, details)."""
-        request = pb.ScoreRequest(
-            token_ids=encode_array(np.array([1, 2, 3], dtype=np.int64)),
-            lengths=encode_array(np.array([3], dtype=np.int64)),
-        )
-        try:
-            self.stub().Score(request, timeout=5)
-        except grpc.RpcError as exc:
-            return exc.code(), exc.details() or ""
-        return grpc.StatusCode.OK, ""
-
-    def _monitor_startup(self) -> None:
-        """Thread: polls Health/Check from the start until SERVING, recording each state.
-
-        States: "unreachable" (no answer), "NOT_SERVING", "SERVING", or another status
-        code name (e.g. DEADLINE_EXCEEDED while rank 0's imports hold the GIL).
-        """
-        while self.running() and not self._closing:  # wait_serving() bounds the wait
-            try:
-                status = self.health(timeout=2.0)
-                state = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-            except grpc.RpcError as exc:
-                code = exc.code()
-                state = "unreachable" if code is grpc.StatusCode.UNAVAILABLE else code.name
-            except ValueError:  # the channel was closed meanwhile
-                return
-            self._note(state)
-            if state == "NOT_SERVING" and self.startup_probe is None:
-                self.startup_probe = self._probe_score()
-            if state == "SERVING":
-                self._serving.set()
-                self.known_pids.update(descendants(self.pid))
-                return
-            time.sleep(0.1)
-
-    def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Waits until the start-up monitor saw SERVING (fails if the server exits first)."""
-        end = time.monotonic() + timeout
-        while not self._serving.wait(0.2):
-            if not self.running():
-                raise AssertionError(
-                    f"serve exited early ({self.proc.returncode}):\n{self.output()}"
-                )
-            if time.monotonic() >= end or not self._monitor.is_alive():
-                raise AssertionError(f"never SERVING (seen {self.health_seen}):\n{self.output()}")
-
-    def rank_pids(self) -> dict[int, int]:
-        """rank -> pid of the live ranks (the server process itself when it is rank 0)."""
-        ranks = {}
-        for pid in [self.pid, *descendants(self.pid)]:
-            rank = env_of(pid).get("RANK")
-            if rank is not None and alive(pid):
-                ranks[int(rank)] = pid
-        if not ranks and alive(self.pid):
-            ranks[0] = self.pid  # single process: RANK is set inside it, not in its environ
-        self.known_pids.update(ranks.values())
-        return ranks
-
-    def tree(self) -> list[int]:
-        """The server process and its live descendants."""
-        pids = [self.pid, *descendants(self.pid)] if alive(self.pid) else []
-        self.known_pids.update(pids)
-        return pids
-
-    def total_rss_kb(self) -> int:
-        return sum(rss_kb(pid) for pid in self.tree())
-
-    def metrics_text(self, timeout: float = 10.0) -> str:
-        assert self.metrics_port, "server started without metrics"
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310
-            return response.read().decode()
-
-    # ---- shutdown -------------------------------------------------------------------------
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"serve did not exit in {timeout} s:\n{self.output()}") from None
-
-    def leftovers(self, timeout: float = 15.0) -> list[int]:
-        """Processes of this server still alive ``timeout`` s after it exited.
-
-        Checks every pid seen so far (ranks, launcher children) and the process group.
-        """
-        return wait_gone(set(self.known_pids) | set(group_members(self.pid)), timeout)
-
-    def terminate(self, timeout: float = 90.0) -> int:
-        """SIGTERM to the server process; returns its exit code."""
-        self.tree()
-        if self.running():
-            self.proc.send_signal(signal.SIGTERM)
-        return self.wait(timeout)
-
-    def close(self) -> None:
-        """Kills whatever is left of this server (its process group) and closes files."""
-        self._closing = True
-        self._monitor.join(5)
-        self._channel.close()
-        pids = set(self.known_pids) | set(group_members(self.pid))
-        if self.running():
-            pids.update(descendants(self.pid))
-        for pid in pids:
-            if alive(pid) and pid != os.getpid():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGCONT)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        for pid in pids:
-            if alive(pid) and pid != os.getpid():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-        self._log.close()
+    def __init__(self, log_path: Path, *args: str, env: dict | None = None, **kw):
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        environ = {**serve_process.CPU_ONE_THREAD, "PYTHONPATH": path, **(env or {})}
+        super().__init__(log_path, *args, env=environ, cwd=ROOT, **kw)
 
 
 class SharedServers:
@@ -503,8 +193,6 @@ def run_example(script: str, *args: str, timeout: float = 240) -> tuple[list[dic
     """Runs ``examples/<script> --launch --json *args`` (it starts its own servers) and
     checks it exits 0; returns its per-step JSON lines (``{"step": ...}``) and the
     seconds it took."""
-    import json
-
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), "--launch", "--json", *args],

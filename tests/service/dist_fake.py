@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from megascore.api.errors import CheckpointError, WorkerLostError
+from megascore_server.procfs import alive
 from tests.service.fake_engine import FakeEngine
 
 
@@ -58,20 +59,12 @@ class WorkerEngine:
         (self.directory / f"clean{self.rank}").write_text("0")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 def _hold_load(directory: Path, rank: int) -> None:
     """Waits for the ``release`` file, as every rank inside a long collective load."""
     (directory / f"loading{rank}").write_text("1")
     while not (directory / "release").exists():
         pid0 = directory / "pid0"
-        if rank != 0 and pid0.exists() and not _alive(int(pid0.read_text())):
+        if rank != 0 and pid0.exists() and not alive(int(pid0.read_text())):
             raise WorkerLostError("rank 0 is gone during the model build")
         time.sleep(0.02)
 

@@ -11,7 +11,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import socket
 import threading
 import time
 
@@ -25,12 +24,6 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.app import build_server
 from megascore_server.config import GrpcServerConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

@@ -7,65 +7,44 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from megascore.v1 import scoring_pb2 as pb
-from megascore.v1 import scoring_pb2_grpc as pb_grpc
-from tests.service.harness import Req, check_response, free_port
+from megascore_server.procfs import alive
+from tests.e2e.serve import ServeProcess
+from tests.service.harness import Req, check_response
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVE = "import sys; from megascore_server.main import main; sys.exit(main(sys.argv[1:]))"
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+FAKE_ENGINE = "tests.service.dist_fake:create"
 
 
 class Serve:
-    """``megascore serve`` in a subprocess, killed with its ranks at teardown."""
+    """``megascore serve`` with the fake engine of ``tests.service.dist_fake``.
+
+    A :class:`ServeProcess` (killed with its ranks at teardown); the fake's ranks write
+    their pids, and what they did, into ``tmp_path``.
+    """
 
     def __init__(self, tmp_path: Path, *args: str, env: dict | None = None):
         self.dir = tmp_path
-        self.port = free_port()
-        environ = dict(os.environ)
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
-            environ.pop(key, None)
-        environ.update(
-            PYTHONPATH=str(ROOT),
-            MEGASCORE_ENGINE_FACTORY="tests.service.dist_fake:create",
-            MEGASCORE_FAKE_DIR=str(tmp_path),
-            **(env or {}),
+        fake = {"MEGASCORE_ENGINE_FACTORY": FAKE_ENGINE, "MEGASCORE_FAKE_DIR": str(tmp_path)}
+        self.server = ServeProcess(
+            tmp_path / "serve.log", "--grace-s", "5", *args, env={**fake, **(env or {})}
         )
-        self.log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVE, "--port", str(self.port), "--grace-s", "5", *args],
-            env=environ,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = pb_grpc.ScorerStub(self.channel)
+        self.proc = self.server.proc
+        self.stub = self.server.stub()
 
     def output(self) -> str:
-        return (self.dir / "serve.log").read_text()
+        return self.server.log_path.read_text()
 
     def health_status(self) -> int | None:
         """Health of the server, or None when nothing answers."""
         try:
-            stub = health_pb2_grpc.HealthStub(self.channel)
-            return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            return self.server.health(timeout=1)
         except grpc.RpcError:
             return None
 
@@ -81,18 +60,7 @@ class Serve:
         raise AssertionError(f"never answered health:\n{self.output()}")
 
     def wait_serving(self, timeout: float = 60) -> None:
-        health = health_pb2_grpc.HealthStub(self.channel)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, f"serve exited early:\n{self.output()}"
-            try:
-                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"never SERVING:\n{self.output()}")
+        self.server.wait_serving(timeout)
 
     def rank_pids(self, n: int, timeout: float = 30) -> list[int]:
         files = [self.dir / f"pid{r}" for r in range(n)]
@@ -103,17 +71,10 @@ class Serve:
         return [int(f.read_text()) for f in files]
 
     def wait(self, timeout: float = 60) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"serve did not exit:\n{self.output()}") from None
+        return self.server.wait(timeout)
 
     def close(self) -> None:
-        self.channel.close()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
+        self.server.close()
 
 
 @pytest.fixture

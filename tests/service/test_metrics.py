@@ -9,8 +9,9 @@ import urllib.request
 import grpc
 import pytest
 
+from megascore_server.ports import pick_port
 from tests.service.fake_engine import FakeEngine
-from tests.service.harness import Req, ServerThread, check_response, free_port
+from tests.service.harness import Req, ServerThread, check_response
 
 
 def scrape(port: int) -> str:
@@ -26,7 +27,7 @@ def value(text: str, series: str) -> float:
 
 def test_metrics_endpoint_serves_counters():
     srv = ServerThread(
-        FakeEngine(), metrics_port=free_port(), max_tokens_per_batch=64, pad_multiple=4
+        FakeEngine(), metrics_port=pick_port(), max_tokens_per_batch=64, pad_multiple=4
     )
     port = srv.handles.metrics_port
     try:

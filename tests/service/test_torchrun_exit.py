@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.service.harness import free_port
+from megascore_server.ports import pick_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("torch")  # torchrun (the floors venv has no torch)
@@ -38,7 +38,7 @@ def _wait_serving(target: str, proc: subprocess.Popen, log: Path, timeout: float
 
 
 def test_sigterm_to_torchrun_drains_every_rank_and_exits_0(tmp_path):
-    port = free_port()
+    port = pick_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
