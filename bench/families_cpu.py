@@ -40,7 +40,7 @@ from common import (
 )
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests.checkpoint.scripts.ckpt_common (MTP layers)
+sys.path.insert(0, str(HERE.parent))  # testkit.checkpoints (MTP layers)
 MAX_TOKENS = 4096
 SECTION = "## Model families (`bench/families_cpu.py`)"
 BEGIN, END = "<!-- families_cpu.py: begin -->", "<!-- families_cpu.py: end -->"
@@ -97,7 +97,7 @@ def save(root: Path) -> dict[str, tuple[Path, object, int, int]]:
     import torch
     import transformers
 
-    from tests.checkpoint.scripts.ckpt_common import save_hf_model
+    from testkit.checkpoints import save_hf_model
 
     out = {}
     for family, cfg in hf_configs().items():

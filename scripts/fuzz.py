@@ -1,7 +1,7 @@
 """Long hostile-input run against a live megascore server (outside CI).
 
 The long version of ``tests/reliability/test_hostile.py``, with the same strategies
-(:mod:`tests.reliability.hostile`). Starts ``megascore serve --model tiny --nproc 2
+(:mod:`testkit.hostile`). Starts ``megascore serve --model tiny --nproc 2
 --tensor-model-parallel-size 2`` (or uses ``--target``), answers a probe request, then
 sends ``--cases`` hypothesis cases, one at a time, of these kinds:
 
@@ -47,8 +47,7 @@ from megascore.v1 import scoring_pb2 as pb  # noqa: E402
 from megascore.v1 import scoring_pb2_grpc as pb_grpc  # noqa: E402
 from megascore_server.serve_process import CPU_ONE_THREAD, SERVING, ServeProcess  # noqa: E402
 from megascore_server.status import MAX_MESSAGE_CHARS  # noqa: E402
-from tests.e2e.reference import WEIGHTS  # noqa: E402
-from tests.reliability.hostile import (  # noqa: E402
+from testkit.hostile import (  # noqa: E402
     AMBIGUOUS,
     BENIGN,
     CERTAIN,
@@ -63,6 +62,7 @@ from tests.reliability.hostile import (  # noqa: E402
     same_answer,
     wire_payloads,
 )
+from testkit.reference import WEIGHTS  # noqa: E402
 
 KINDS = {"unary": 50, "wire": 15, "raw_rpc": 5, "stream": 20, "load": 3, "deadline": 7}
 """Kind -> percent of the cases."""

@@ -257,7 +257,7 @@ def sdk_rows(table: Table, device: str, dtype: str, out: Path) -> None:
     import torch
 
     from megascore_client import ScoringClient
-    from tests.checkpoint.scripts.ckpt_common import (
+    from testkit.checkpoints import (
         hf_logprobs,
         make_hf_model,
         token_batch,
@@ -351,7 +351,7 @@ def round_trip_worker(out: Path, device: str) -> None:
 
     from megascore.model.build import HAVE_TE
     from megascore_server.ports import pick_port
-    from tests.checkpoint.scripts.ckpt_common import (
+    from testkit.checkpoints import (
         hf_logprobs,
         make_hf_model,
         token_batch,

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from megascore_client import ScoringClient  # noqa: E402
 from megascore_server.serve_process import CPU_ONE_THREAD, ServeProcess  # noqa: E402
-from tests.reliability.load import (  # noqa: E402
+from testkit.load import (  # noqa: E402
     KINDS,
     RssSampler,
     Stats,

@@ -8,7 +8,7 @@ import pytest
 
 from megascore.config import EngineConfig
 from megascore.model.build import build_model
-from tests.checkpoint.scripts.ckpt_common import FAMILIES, write_hf_checkpoint
+from testkit.checkpoints import FAMILIES, write_hf_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from megascore.checkpoint.megatron_ckpt import load_checkpoint, save_checkpoint
 from megascore.config import EngineConfig
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
-from tests.checkpoint.scripts.ckpt_common import hf_config, megatron_logprobs, token_batch
+from testkit.checkpoints import hf_config, megatron_logprobs, token_batch
 from tests.checkpoint.te_spec import te_shaped_model
 
 # TE parameter -> the local spec's parameter holding the same norm (te_spec's docstring).

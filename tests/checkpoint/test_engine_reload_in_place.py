@@ -18,7 +18,7 @@ from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.config import EngineConfig
 from megascore.engine import served_model
 from megascore.engine.runtime import DistributedEngine
-from tests.checkpoint.scripts.ckpt_common import engine_logprobs, token_batch
+from testkit.checkpoints import engine_logprobs, token_batch
 from tests.one_rank import one_rank_world
 
 TOL = 1e-4

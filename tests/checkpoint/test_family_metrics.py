@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.checkpoint.scripts.ckpt_common import MOE_FAMILIES
+from testkit.checkpoints import MOE_FAMILIES
 from tests.torchrun import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "metrics_worker.py"

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from megascore.api.errors import CheckpointError
 from megascore.checkpoint import fp8, hf_config_to_model_config
 from megascore.checkpoint.safetensors_io import SafetensorsDir
-from tests.checkpoint.scripts.ckpt_common import hf_config, quantize_block_fp8
+from testkit.checkpoints import hf_config, quantize_block_fp8
 
 BLOCK = (32, 24)
 

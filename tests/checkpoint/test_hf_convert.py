@@ -23,7 +23,7 @@ from megascore.config import EngineConfig
 from megascore.engine.served_model import load_served_model, reload_served_model
 from megascore.model.config import builtin_model
 from megascore.model.weights import canonical_name
-from tests.checkpoint.scripts.ckpt_common import FAMILIES, megatron_logprobs, token_batch
+from testkit.checkpoints import FAMILIES, megatron_logprobs, token_batch
 
 TOL = 1e-4
 

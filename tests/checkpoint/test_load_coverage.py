@@ -30,7 +30,7 @@ from megascore.checkpoint.megatron_ckpt import CONFIG_FILE, FORMAT, config_to_js
 from megascore.checkpoint.resolve import resolve_model
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.model.config import builtin_model
-from tests.checkpoint.scripts.ckpt_common import megatron_logprobs, token_batch
+from testkit.checkpoints import megatron_logprobs, token_batch
 
 
 def _params(model) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from megascore.checkpoint.megatron_ckpt import save_checkpoint
 from megascore.config import EngineConfig
 from megascore.engine.served_model import load_served_model
-from tests.checkpoint.scripts.ckpt_common import megatron_logprobs, token_batch
+from testkit.checkpoints import megatron_logprobs, token_batch
 
 TOL = 1e-4
 _RANDOM_OPS = {

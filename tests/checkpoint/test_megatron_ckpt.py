@@ -13,7 +13,7 @@ from megascore.api.errors import CheckpointError
 from megascore.checkpoint import resolve_model
 from megascore.checkpoint.megatron_ckpt import CONFIG_FILE, load_checkpoint, save_checkpoint
 from megascore.model.config import builtin_model
-from tests.checkpoint.scripts.ckpt_common import megatron_logprobs, token_batch
+from testkit.checkpoints import megatron_logprobs, token_batch
 
 
 def _tensors(model) -> dict[str, torch.Tensor]:

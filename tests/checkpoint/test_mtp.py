@@ -1,7 +1,7 @@
 """MTP metrics from the checkpoint's MTP layers vs a plain-PyTorch reference.
 
 For the deepseek_v3 (with and without the query LoRA) and glm4_moe tiny checkpoints
-(``tests.checkpoint.scripts.ckpt_common``: random MTP layers stored as DeepSeek-V3
+(``testkit.checkpoints``: random MTP layers stored as DeepSeek-V3
 stores them, after the last decoder layer) the engine serves ``mtp_1_loss`` and
 ``mtp_1_acceptance_rate``; the reference below computes them from the DeepSeek-V3
 paper's definition of the MTP module (section 2.2), reading the MTP tensors straight
@@ -28,8 +28,8 @@ import torch
 from safetensors import safe_open
 
 from megascore.api.types import ScoreBatch
-from tests.checkpoint.scripts.ckpt_common import MTP_FAMILIES, VOCAB
-from tests.e2e.reference import engine_outputs
+from testkit.checkpoints import MTP_FAMILIES, VOCAB
+from testkit.reference import engine_outputs
 
 TOL = 1e-5
 LENGTHS = (1, 2, 3, 9, 20, 33)

@@ -29,7 +29,7 @@ from megascore.api.types import ScoreBatch
 from megascore.checkpoint import check_same_architecture, read_model_config, resolve_model
 from megascore.checkpoint.optional_parts import served_mtp_layers
 from megascore.model.config import builtin_model
-from tests.checkpoint.scripts.ckpt_common import (
+from testkit.checkpoints import (
     hf_logprobs,
     make_hf_model,
     megatron_logprobs,

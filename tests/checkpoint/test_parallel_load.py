@@ -18,7 +18,7 @@ from megascore.checkpoint import resolve_model
 from megascore.checkpoint.megatron_ckpt import save_checkpoint
 from megascore.config import EngineConfig
 from megascore.model.build import build_model
-from tests.checkpoint.scripts.ckpt_common import (
+from testkit.checkpoints import (
     FAMILIES,
     MOE_FAMILIES,
     megatron_logprobs,

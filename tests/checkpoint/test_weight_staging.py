@@ -26,7 +26,7 @@ from megascore.api.types import (
 )
 from megascore.checkpoint import resolve_model
 from megascore.engine.push.apply import WeightStaging, gather_targets, weight_targets
-from tests.checkpoint.scripts.ckpt_common import FAMILIES, MTP_FAMILIES, make_hf_model
+from testkit.checkpoints import FAMILIES, MTP_FAMILIES, make_hf_model
 
 
 def _loaded(build, directory):

@@ -21,7 +21,7 @@ import pytest
 from megascore.api import mismatch, schema
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
-from tests.checkpoint.scripts.ckpt_common import write_hf_checkpoint
+from testkit.checkpoints import write_hf_checkpoint
 from tests.one_rank import one_rank_world
 
 NUM_SEQUENCES = 200

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.reference import engine_outputs, sample_cases
+from testkit.reference import engine_outputs, sample_cases
 
 
 @pytest.fixture(scope="session")

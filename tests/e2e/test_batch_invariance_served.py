@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from megascore_client import ScoringClient
-from tests.checkpoint.scripts.ckpt_common import write_hf_checkpoint
+from testkit.checkpoints import write_hf_checkpoint
 from tests.e2e.server_pool import ServerSpec, module_pool
 
 NUM_SEQUENCES = 200

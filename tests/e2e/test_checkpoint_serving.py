@@ -1,7 +1,7 @@
 """Issue 5 through the real server and client: HF checkpoints served by ``megascore serve``.
 
 * For every supported family (llama, qwen2, mistral, mixtral) a tiny random
-  transformers model (``tests.checkpoint.scripts.ckpt_common``, weights rescaled so
+  transformers model (``testkit.checkpoints``, weights rescaled so
   logprobs are far from uniform) is saved and served as ``hf:DIR`` (TP=1, and TP=2
   for llama and mixtral: vocab-parallel output, split QKV groups, expert TP with
   sequence parallelism). Logprobs, top-k and the NLL returned through
@@ -35,7 +35,7 @@ import pytest
 
 from megascore.checkpoint import resolve_model
 from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
-from tests.checkpoint.scripts.ckpt_common import VOCAB, make_hf_model
+from testkit.checkpoints import VOCAB, make_hf_model
 from tests.e2e.serve import ServeProcess
 from tests.e2e.server_pool import ServerSpec, module_pool
 

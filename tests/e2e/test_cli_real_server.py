@@ -19,7 +19,7 @@ import numpy as np
 from megascore.api import schema
 from megascore_client import ScoringClient, score_jsonl
 from megascore_client.jsonl_rows import RowLimits
-from tests.e2e.reference import VOCAB
+from testkit.reference import VOCAB
 
 MEGASCORE = Path(sys.executable).with_name("megascore")  # the venv's console script
 

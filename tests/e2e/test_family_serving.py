@@ -1,7 +1,7 @@
 """Issue 12 through the real server and client: qwen3, qwen3_moe, deepseek_v3 and glm4_moe
 checkpoints served by ``megascore serve --model hf:DIR``.
 
-For every family a tiny random transformers model (``tests.checkpoint.scripts.ckpt_common``:
+For every family a tiny random transformers model (``testkit.checkpoints``:
 QK-norm; dense-first MoE layers; MLA with a query LoRA, ``v_head_dim`` != key dim and
 YaRN; sigmoid routers with correction bias, expert groups, scaling factor and a shared
 expert; partial rotary with QKV bias; deepseek_v3 / glm4_moe with a random MTP layer
@@ -39,7 +39,7 @@ import pytest
 
 from megascore.checkpoint import resolve_model
 from megascore_client import ScoringClient, ScoringError
-from tests.checkpoint.scripts.ckpt_common import (
+from testkit.checkpoints import (
     MOE_FAMILIES,
     MTP_FAMILIES,
     VOCAB,

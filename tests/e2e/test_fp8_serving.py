@@ -5,7 +5,7 @@ A tiny random transformers DeepseekV3 model (MLA with a query LoRA and YaRN, sig
 router with expert groups, a dense first layer, a shared expert, an MTP layer) is saved,
 then rewritten as DeepSeek publishes V3 / R1: every projection ``F8_E4M3`` with a float32
 ``weight_scale_inv`` per block and ``quantization_config`` in config.json
-(``tests.checkpoint.scripts.ckpt_common.quantize_checkpoint_fp8``; blocks of 32 x 24 so
+(``testkit.checkpoints.quantize_checkpoint_fp8``; blocks of 32 x 24 so
 that the tiny matrices have several blocks, partial last blocks, and TP=2 slices that
 start inside a block). Served at TP=2 in float32, its logprobs and top-k equal those of
 transformers holding the dequantised weights (max |delta| <= 1e-4); the reference on the
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from megascore_client import ScoringClient
-from tests.checkpoint.scripts.ckpt_common import (
+from testkit.checkpoints import (
     load_dequantised,
     make_hf_model,
     quantize_checkpoint_fp8,

@@ -36,7 +36,7 @@ import pytest
 
 from megascore.engine.microbatch_plan import split_microbatches
 from megascore_client import ScoringClient, ScoringError
-from tests.e2e.reference import (
+from testkit.reference import (
     ATOL,
     WEIGHTS,
     assert_result_matches_output,

@@ -21,7 +21,7 @@ import pytest
 
 from megascore_client import ScoringClient, ScoringError
 from megascore_server.procfs import children
-from tests.e2e.reference import VOCAB, assert_result_matches_output
+from testkit.reference import VOCAB, assert_result_matches_output
 from tests.e2e.serve import assert_not_serving
 
 TP2 = ("--model", "tiny", "--tensor-model-parallel-size", "2", "--grace-s", "5")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
-from tests.e2e.reference import (
+from testkit.reference import (
     LOSSES,
     VOCAB,
     WEIGHTS,

@@ -36,7 +36,7 @@ from megascore_client import AsyncScoringClient, RetryPolicy, ScoringClient, Sco
 from megascore_client.inputs import make_batch
 from megascore_client.splitting import ScoreOptions, build_parts
 from megascore_server.ports import pick_port
-from tests.e2e.reference import LOSSES, VOCAB, assert_results_equal, assert_top_k_close
+from testkit.reference import LOSSES, VOCAB, assert_results_equal, assert_top_k_close
 from tests.e2e.serve import ServeProcess, own_servers
 
 LIMIT = 64 * 1024  # the smallest max_message_bytes the client accepts

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from megascore_client import ScoringClient
-from tests.e2e.reference import VOCAB
+from testkit.reference import VOCAB
 
 PAD = 3  # a real token id as padding
 

@@ -32,7 +32,7 @@ import torch
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
-from tests.checkpoint.scripts.ckpt_common import VOCAB, make_hf_model
+from testkit.checkpoints import VOCAB, make_hf_model
 from tests.e2e.serve import ServeProcess
 
 pytestmark = pytest.mark.timeout(900)

@@ -4,7 +4,7 @@ The tokenizer is a byte-level BPE trained here, offline, with the ``tokenizers``
 :data:`CORPUS` and saved as ``tokenizer.json`` + ``tokenizer_config.json`` (what
 ``AutoTokenizer.from_pretrained(DIR)`` loads, and what the server's ``hf:DIR`` default
 tokenizer is). The models are the checkpoint tests' tiny random families
-(:mod:`tests.checkpoint.scripts.ckpt_common`, rescaled weights so that logprobs spread over
+(:mod:`testkit.checkpoints`, rescaled weights so that logprobs spread over
 several nats) with the vocabulary of that tokenizer. :class:`Reference` scores token ids
 with ``transformers`` loaded back from the directory: the independent side of every test.
 """
@@ -117,7 +117,7 @@ def write_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    from tests.checkpoint.scripts.ckpt_common import _named_tensors, _rescale, hf_config
+    from testkit.checkpoints import _named_tensors, _rescale, hf_config
 
     directory = Path(directory)
     tokenizer = train_tokenizer(directory)

@@ -32,9 +32,9 @@ from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import ScoringClient, ScoringError
 from megascore_server.procfs import children
-from tests.e2e.reference import assert_results_equal
+from testkit.load import make_cases
+from testkit.reference import assert_results_equal
 from tests.e2e.serve import ROOT, SERVING, assert_not_serving
-from tests.reliability.load import make_cases
 
 TP2 = ("--model", "tiny", "--nproc", "2", "--tensor-model-parallel-size", "2")
 COLLECTIVE_TIMEOUT_S = 10

@@ -30,9 +30,7 @@ from hypothesis import strategies as st
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.status import MAX_MESSAGE_CHARS
-from tests.e2e.reference import VOCAB, WEIGHTS
-from tests.e2e.serve import SERVING
-from tests.reliability.hostile import (
+from testkit.hostile import (
     AMBIGUOUS,
     BENIGN,
     CERTAIN,
@@ -50,6 +48,8 @@ from tests.reliability.hostile import (
     send,
     wire_payloads,
 )
+from testkit.reference import VOCAB, WEIGHTS
+from tests.e2e.serve import SERVING
 
 FUZZ = settings(
     max_examples=2000,

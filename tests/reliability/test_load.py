@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from megascore_client import ScoringClient
-from tests.reliability.load import RssSampler, make_cases, reference_results, run_load
+from testkit.load import RssSampler, make_cases, reference_results, run_load
 
 CLIENTS = {"unary": 2, "stream": 2, "async": 2}
 WARMUP_S = 5.0

@@ -17,7 +17,7 @@ import torch
 from megascore.checkpoint import hf_config_to_model_config
 from megascore.config import EngineConfig
 from megascore.model.build import build_model, make_transformer_config
-from tests.checkpoint.scripts.ckpt_common import hf_config
+from testkit.checkpoints import hf_config
 from tests.unit.test_routing_variants import CFG as SIGMOID_ROUTER
 
 # DeepSeek-V3-style: dense first layer, sigmoid router with expert bias and groups

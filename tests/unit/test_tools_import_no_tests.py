@@ -2,9 +2,10 @@
 
 The tools stand on the products (``megascore``, ``megascore_server``,
 ``megascore_client``): what a tool shares with the tests lives in a product (the
-server harness is :mod:`megascore_server.serve_process`) or beside the tool, not in
-``tests``. Every ``import`` / ``from ... import`` statement counts, at any depth
-(inside functions too).
+server harness is :mod:`megascore_server.serve_process`) or in ``testkit/`` (tiny
+checkpoints, the reference scoring, hostile requests, client load), not in ``tests``.
+Every ``import`` / ``from ... import`` statement counts, at any depth (inside functions
+too).
 """
 
 from __future__ import annotations
@@ -14,15 +15,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL_DIRS = ("bench", "scripts", "examples")
-# The imports of tests/ still there, per file, each until its module moves out of tests/
-# (test helpers that a tool shares). The list only shrinks: a file that no longer needs
-# its entry fails the test as well, so the entry goes with the import.
-NOT_YET_MOVED = {
-    "bench/families_cpu.py": {"tests.checkpoint.scripts.ckpt_common"},
-    "scripts/fuzz.py": {"tests.e2e.reference", "tests.reliability.hostile"},
-    "scripts/gpu_check.py": {"tests.checkpoint.scripts.ckpt_common"},
-    "scripts/soak.py": {"tests.reliability.load"},
-}
 
 
 def imports_of_tests(path: Path) -> set[str]:
@@ -44,7 +36,7 @@ def test_the_tools_import_nothing_from_tests():
         for path in sorted((ROOT / directory).rglob("*.py")):
             if names := imports_of_tests(path):
                 found[path.relative_to(ROOT).as_posix()] = names
-    assert found == NOT_YET_MOVED, "bench/, scripts/ and examples/ must not import tests.*"
+    assert found == {}, "bench/, scripts/ and examples/ must not import tests.*"
 
 
 def test_every_kind_of_import_of_tests_is_seen(tmp_path):

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # testkit
 
-from ckpt_common import engine_logprobs, engine_on_rank0, token_batch  # noqa: E402
+from testkit.checkpoints import engine_logprobs, engine_on_rank0, token_batch  # noqa: E402
 
 FAMILIES = {"llama": "llama_b", "qwen2": "qwen2"}  # family -> checkpoint served first
 LAYOUTS = {"pp2": (1, 2), "pp2_tp2": (2, 2)}  # name -> (tp, pp)

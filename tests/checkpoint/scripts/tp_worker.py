@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # testkit
 
-from ckpt_common import (  # noqa: E402
+from testkit.checkpoints import (  # noqa: E402
     FAMILIES,
     MOE_FAMILIES,
     MTP_FAMILIES,

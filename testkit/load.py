@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from megascore_client import AsyncScoringClient, ScoringClient, ScoringError
-from tests.e2e.reference import LOSSES, VOCAB, Case
+from testkit.reference import LOSSES, VOCAB, Case
 
 KINDS = ("unary", "stream", "async")
 

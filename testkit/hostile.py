@@ -17,7 +17,7 @@ from megascore.config import EngineConfig
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.status import DECODE_LOG_EVERY_S
 from megascore_server.validation import MAX_ID_CHARS
-from tests.e2e.reference import VOCAB, WEIGHTS
+from testkit.reference import VOCAB, WEIGHTS
 
 DEADLINE_S = 60
 MAX_TOP_K = EngineConfig().max_top_k  # the fuzzed server's default
