@@ -128,13 +128,8 @@ class WeightPusher:
             start = time.monotonic()
             iterator = aiter(requests)
             first = await anext(iterator, None)
-            if first is None or first.WhichOneof("step") != "begin":
-                raise InvalidRequestError("message 0: an UpdateWeights stream starts with begin")
-            names = _NAMES.get(first.begin.names)
-            if names is None:
-                raise InvalidRequestError("begin.names: WEIGHT_NAMES_HF or WEIGHT_NAMES_MEGATRON")
+            names, base = self._check_begin(first, batcher)
             base_version = first.begin.base_weights_version
-            base = self._delta_base(base_version, batcher) if base_version else None
             opened = True
             targets = await batcher.run_on_engine(lambda e: e.begin_weight_update(names))
             session = PushSession(
@@ -148,11 +143,10 @@ class WeightPusher:
             version = commit.weights_version or new_weights_version()
             if commit.prepare:
                 hold_s = _prepare_timeout(commit)
-                response = pb.UpdateWeightsResponse(
+                response = _response(
+                    session,
                     weights_version=version,
                     previous_weights_version=batcher.weights_version,
-                    num_tensors=len(session.received),
-                    num_bytes=session.num_bytes,
                     stream_ms=stream_ms,
                     prepared=True,
                     push_id=uuid.uuid4().hex,
@@ -188,15 +182,30 @@ class WeightPusher:
             stream_ms,
             swap_ms,
         )
-        response = pb.UpdateWeightsResponse(
+        response = _response(
+            session,
             weights_version=new,
             previous_weights_version=previous,
-            num_tensors=len(session.received),
-            num_bytes=session.num_bytes,
             stream_ms=stream_ms,
             swap_ms=swap_ms,
         )
         return response, info
+
+    def _check_begin(self, first, batcher: DynamicBatcher) -> tuple[int, dict | None]:
+        """The names and the delta base (None: a full push) of a stream's first message,
+        checked before anything is opened on the engine.
+
+        Raises:
+            InvalidRequestError: the stream does not start with a valid begin.
+            WrongVersionError, FailedPreconditionError: a delta this replica cannot take.
+        """
+        if first is None or first.WhichOneof("step") != "begin":
+            raise InvalidRequestError("message 0: an UpdateWeights stream starts with begin")
+        names = _NAMES.get(first.begin.names)
+        if names is None:
+            raise InvalidRequestError("begin.names: WEIGHT_NAMES_HF or WEIGHT_NAMES_MEGATRON")
+        base_version = first.begin.base_weights_version
+        return names, self._delta_base(base_version, batcher) if base_version else None
 
     def _delta_base(self, base_version: str, batcher: DynamicBatcher) -> dict[str, tuple]:
         """The kept tensors a delta against ``base_version`` patches.
@@ -337,6 +346,13 @@ class WeightPusher:
             await batcher.run_on_engine(lambda e: e.abort_weight_update())
         except Exception as exc:  # noqa: BLE001 - the batcher reports a lost engine itself
             logger.warning("dropping an unfinished weight push failed: %s", exc)
+
+
+def _response(session: PushSession, **fields) -> pb.UpdateWeightsResponse:
+    """The answer to a push: what it carried, and ``fields``."""
+    return pb.UpdateWeightsResponse(
+        num_tensors=len(session.received), num_bytes=session.num_bytes, **fields
+    )
 
 
 def _commit_call(version: str, partial: bool, base_version: str):
