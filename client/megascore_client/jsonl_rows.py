@@ -171,38 +171,39 @@ def check_rollout(rollout, num_tokens: int) -> tuple[np.ndarray | None, str | No
     return np.asarray(rollout, dtype=np.float64), None
 
 
+def _id_array(
+    value, name: str, num_tokens: int, ndim: int, expected: str, dtype
+) -> tuple[np.ndarray | None, str | None]:
+    """A row's ``[num_tokens, ...]`` array of non-negative integer ids (``ndim`` axes) as
+    ``dtype``, and what is wrong with it (None when nothing)."""
+    if not isinstance(value, list):
+        return None, f"{name} is {_kind(value)}; expected {expected}"
+    try:
+        values = np.asarray(value)
+    except ValueError:  # ragged
+        values = np.asarray([], dtype=object)
+    if values.ndim != ndim or values.shape[0] != num_tokens or values.dtype.kind not in "iu":
+        return None, f"{name} is not {expected}"
+    if values.size and (values.min() < 0 or values.max() > np.iinfo(dtype).max):
+        return None, f"{name}: {'expert ids' if ndim == 3 else 'ids'} must be integers >= 0"
+    return values.astype(dtype), None
+
+
 def check_routing(routing, num_tokens: int) -> tuple[np.ndarray | None, str | None]:
     """A row's routing as int32 ``[num_tokens, L, k]`` and what is wrong with it (None
     when nothing)."""
-    expected = f"[{num_tokens}][num_moe_layers][topk] lists of expert ids"
-    if not isinstance(routing, list):
-        return None, f"routing is {_kind(routing)}; expected {expected}"
-    try:
-        values = np.asarray(routing)
-    except ValueError:  # ragged
-        values = np.asarray([], dtype=object)
-    if values.ndim != 3 or values.shape[0] != num_tokens or values.dtype.kind != "i":
-        return None, f"routing is not {expected} (one per token, all of the same size)"
-    if values.size and (values.min() < 0 or values.max() > np.iinfo(np.int32).max):
-        return None, "routing: expert ids must be integers >= 0"
-    return values.astype(np.int32), None
+    expected = (
+        f"[{num_tokens}][num_moe_layers][topk] lists of expert ids "
+        "(one per token, all of the same size)"
+    )
+    return _id_array(routing, "routing", num_tokens, 3, expected, np.int32)
 
 
 def check_target_ids(target_ids, num_tokens: int) -> tuple[np.ndarray | None, str | None]:
     """A row's target ids as int64 ``[num_tokens, K]`` and what is wrong with them (None
     when nothing is; the server checks them against its vocabulary and ``max_target_ids``)."""
     expected = f"[{num_tokens}][K] lists of token ids (the same K on every row)"
-    if not isinstance(target_ids, list):
-        return None, f"target_ids is {_kind(target_ids)}; expected {expected}"
-    try:
-        values = np.asarray(target_ids)
-    except ValueError:  # ragged
-        values = np.asarray([], dtype=object)
-    if values.ndim != 2 or values.shape[0] != num_tokens or values.dtype.kind not in "iu":
-        return None, f"target_ids is not {expected}"
-    if values.size and (values.min() < 0 or values.max() > np.iinfo(np.int64).max):
-        return None, "target_ids: ids must be integers >= 0"
-    return values.astype(np.int64), None
+    return _id_array(target_ids, "target_ids", num_tokens, 2, expected, np.int64)
 
 
 def read_rows(
