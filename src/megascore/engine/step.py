@@ -330,12 +330,13 @@ def _local_results(
     if groups.pp.size() > 1 and cfg.output_rank in dist.get_process_group_ranks(groups.pp):
         mtp_names = mtp_metric_names(model.config) if plan.want_mtp else []
         rows = {schema.TOKEN: len(microbatches) * plan.pad_to, schema.SEQUENCE: len(order)}
-        _send_results_to_output_rank(result, plan.spec, rows, mtp_names, groups.pp, cfg)
+        _send_results_to_output_rank(result, batch, plan.spec, rows, mtp_names, groups.pp, cfg)
     return result
 
 
 def _send_results_to_output_rank(
     result: StepResult,
+    batch: ScoreBatch,
     spec: ScoreSpec,
     rows: dict[str, int],
     mtp_names: list[str],
@@ -355,7 +356,7 @@ def _send_results_to_output_rank(
         if is_src:
             tensor = result.values[out.name].to(device).contiguous()
         else:
-            shape = (rows[out.per], *schema.flat_dims(out, spec))
+            shape = (rows[out.per], *schema.flat_dims(out, batch))  # the batch's options
             tensor = torch.empty(shape, dtype=getattr(torch, out.dtype), device=device)
         dist.broadcast(tensor, src=cfg.result_rank, group=pp_group)
         result.values[out.name] = tensor.cpu()
