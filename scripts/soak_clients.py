@@ -162,7 +162,8 @@ class Ledger:
                 self.pinned["refused"] += 1
             elif code == "FAILED_PRECONDITION" or code not in EXPECTED_CODES:
                 detail = f": {str(error)[:400]}" if error is not None else ""
-                self.unexpected.append(f"{kind}: failed {code} (pin {pin!r}){detail}")
+                at = time.strftime("%H:%M:%S")  # to find it in the replicas' logs
+                self.unexpected.append(f"{at} {kind}: failed {code} (pin {pin!r}){detail}")
 
 
 def _code(exc: BaseException) -> str:

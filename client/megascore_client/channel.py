@@ -6,7 +6,7 @@ the clients only differ in which ``grpc`` module opens the channel.
 
 Retries are gRPC's own (``grpc.enable_retries`` + a ``retryPolicy`` in the
 ``grpc.service_config`` JSON): only UNAVAILABLE is retried, with exponential backoff,
-and only the calls that read (:data:`RETRIED_METHODS`: scoring, model info, health);
+and only the unary calls that read (:data:`RETRIED_METHODS`: Score, model info, health);
 LoadWeights, UpdateWeights and FinishWeightUpdate change the served weights and go out
 once (a push that fails UNAVAILABLE is the caller's to repeat, from its start).
 Each delay is the current backoff +-20 % (gRPC core's retry code jitters its backoff by
@@ -43,8 +43,11 @@ __all__ = [
 
 SCORER_SERVICE = "megascore.v1.Scorer"
 HEALTH_SERVICE = "grpc.health.v1.Health"
-RETRIED_METHODS = ("Score", "ScoreStream", "GetModelInfo")
-"""The Scorer methods gRPC retries (they read; the weight-changing ones are not retried)."""
+RETRIED_METHODS = ("Score", "GetModelInfo")
+"""The Scorer methods gRPC retries (they read; the weight-changing ones are not retried).
+ScoreStream is not one of them: gRPC's replay of a bidi stream whose first attempt was
+refused lost one pipelined message in the 60-minute soak (docs/reliability.md); a
+failed stream fails its outstanding futures instead (:mod:`megascore_client.stream`)."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _LB_POLICIES = ("pick_first", "round_robin")
 

@@ -205,21 +205,26 @@ class DynamicBatcher:
         self._enqueue(barrier)
         return await barrier.future
 
-    async def run_on_engine(self, fn: Callable[[Engine], object]) -> object:
-        """Runs ``fn(engine)`` on the engine thread between two steps, without waiting for
-        the queued requests (a weight push stages its tensors so while scoring goes on).
+    def run_on_engine(self, fn: Callable[[Engine], object]) -> asyncio.Future:
+        """Queues ``fn(engine)`` on the engine thread at once, to run between two steps
+        without waiting for the queued requests (a weight push stages its tensors so
+        while scoring goes on); returns the future of its result. Calls run in the order
+        they were queued: an abort queued after a tensor's staging runs after it, even
+        when the caller never awaited the staging.
 
         Raises:
-            Whatever ``fn`` raises; :class:`UnavailableError` when shutting down or the
-            engine was lost (a :class:`WorkerLostError` from ``fn`` is fatal, as in a step).
+            UnavailableError: (at once) when shutting down or the engine was lost. The
+            future holds whatever ``fn`` raises (a :class:`WorkerLostError` is fatal,
+            as in a step).
         """
         self._check_open()
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor, fn, self._engine)
-        except WorkerLostError as exc:
-            self._fatal(exc)
-            raise
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, self._engine)
+        future.add_done_callback(self._check_lost)
+        return future
+
+    def _check_lost(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and isinstance(future.exception(), WorkerLostError):
+            self._fatal(future.exception())
 
     @property
     def queue_depth(self) -> int:

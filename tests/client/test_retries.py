@@ -48,6 +48,19 @@ def test_other_codes_are_not_retried(server, code):
     assert info.value.code is code and server.scorer.calls["Score"] == 1
 
 
+def test_a_refused_stream_is_not_replayed_by_grpc(server):
+    """A ScoreStream refused UNAVAILABLE (a replica still loading) fails its outstanding
+    futures at once: gRPC's replay of a bidi stream's pipelined messages is not trusted
+    (it lost one in the 60-minute soak) and a lost message would fail the whole stream."""
+    server.scorer.fail_next.append(UNAVAILABLE)
+    with _client(server) as client:
+        with client.stream() as stream:
+            futures = [stream.submit([[1, 2, 3 + i]]) for i in range(4)]
+            errors = [f.exception(timeout=10) for f in futures]
+    assert {e.code for e in errors} == {grpc.StatusCode.UNAVAILABLE}
+    assert server.scorer.calls["ScoreStream"] == 1
+
+
 def test_attempts_are_bounded_and_retries_can_be_disabled(server):
     server.scorer.fail_next += [UNAVAILABLE] * 6
     with _client(server, retries=RetryPolicy(3, 0.01, 0.02)) as client:

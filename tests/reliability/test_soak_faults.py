@@ -6,6 +6,11 @@
   new version, and the prepared push does not hold the stop. A push stream left open
   and idle across the SIGTERM (a trainer between two tensors) is ended UNAVAILABLE by
   the drain and dropped, as an idle ScoreStream is; it does not hold the stop.
+* **SIGTERM right after a tensor completed** (seen once in the 60-minute run: the
+  drain ended the push stream in the same turn of the event loop that queued the
+  tensor's staging; the abort reached the engine first, the staging then found no
+  open push and the replica reported itself broken): the staging is queued on the
+  engine thread when it is asked for, so the abort always comes after it.
 * **Staging memory after N pushes** (the trainer's push every few seconds, for hours):
   the host memory an engine keeps for the next push is one tensor per pushed
   parameter, of that parameter's size, however many pushes (full, partial, aborted)
@@ -18,6 +23,7 @@ The other faults of the soak have their own tests already (docs/reliability.md,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 
@@ -26,10 +32,13 @@ import numpy as np
 import pytest
 import torch
 
+from megascore.api.errors import UnavailableError, WorkerLostError
 from megascore.api.types import LAYOUT_COMMON, WEIGHT_NAMES_MEGATRON
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
+from megascore_server.batcher import DynamicBatcher
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE
+from megascore_server.push.pusher import WeightPusher
 from tests.one_rank import one_rank_world
 from tests.service.harness import ServerThread, wait_for
 from tests.service.test_weight_push import (
@@ -85,6 +94,52 @@ def test_sigterm_during_an_idle_push_stream_does_not_hold_the_drain():
     finally:
         release.set()
         server.stop()
+
+
+class StrictPushEngine(PushEngine):
+    """Refuses a staging without an open push, as every rank of the real engine does."""
+
+    def __init__(self):
+        super().__init__()
+        self.open = False
+
+    def begin_weight_update(self, names: int):
+        self.open = True
+        return super().begin_weight_update(names)
+
+    def stage_weight(self, name, dtype, shape, data, layout):
+        if not self.open:
+            raise WorkerLostError("WEIGHTS_TENSOR without an open weight push")
+        super().stage_weight(name, dtype, shape, data, layout)
+
+    def abort_weight_update(self):
+        self.open = False
+        super().abort_weight_update()
+
+
+def test_a_drain_right_after_a_tensor_completed_aborts_after_its_staging():
+    """The drain ends a push stream in the same turn that queued a tensor's staging (no
+    await between them): the abort follows the staging on the engine thread, the
+    replica is not broken and keeps serving."""
+    engine = StrictPushEngine()
+
+    async def drained_after_a_tensor():  # what service._until_drain yields, then raises
+        yield begin()
+        yield chunk("norm", (5,), NORM)
+        raise UnavailableError(SHUTTING_DOWN_MESSAGE)
+
+    async def main():
+        with concurrent.futures.ThreadPoolExecutor(1) as executor:
+            batcher = DynamicBatcher(
+                engine, executor, max_tokens_per_batch=64, max_batch_wait_ms=1, max_queue=4
+            )
+            with pytest.raises(UnavailableError, match="shutting down"):
+                await WeightPusher().push(drained_after_a_tensor(), batcher)
+            await asyncio.sleep(0.1)  # a staging queued late would run (and break) now
+            await batcher.run_on_engine(lambda e: None)  # refused once the engine is lost
+
+    asyncio.run(main())
+    assert [e[0] for e in engine.events] == ["begin", "stage", "abort"]
 
 
 @pytest.fixture(scope="module")

@@ -330,7 +330,7 @@ class WeightPusher:
                 while staging and sum(n for _, n in staging) + tensor.total > STAGING_BYTES:
                     await staging[0][0]
                     staging.popleft()
-                future = asyncio.ensure_future(batcher.run_on_engine(_stage_call(tensor)))
+                future = batcher.run_on_engine(_stage_call(tensor))
                 staging.append((future, tensor.total))
             raise ConflictError(
                 f"the stream ended after {index + 1} messages without a commit; "
