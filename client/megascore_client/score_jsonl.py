@@ -94,21 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="batches in flight")
     parser.add_argument("--top-k", type=int, default=0, help="top-k alternatives per token")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
-    for option in _row_options():
-        if option.names is not None:
-            parser.add_argument(
-                "--" + option.name.replace("_", "-"),
-                choices=list(option.names),
-                default=next(iter(option.names)),
-                help=f"the request's {option.name} option (default: %(default)s)",
-            )
-        else:
-            what = option.name.removeprefix("return_")
-            parser.add_argument(
-                "--" + option.name.replace("_", "-"),
-                action="store_true",
-                help=f"write each row's {what} (the request's {option.name} option)",
-            )
+    _add_table_arguments(parser)
     parser.add_argument(
         "--no-logprobs", dest="logprobs", action="store_false", help="omit per-token logprobs"
     )
@@ -134,6 +120,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="no progress line (rows, tokens/s) on stderr",
     )
+
+
+def _add_table_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per request option of the table a row can use (:func:`_row_options`)."""
+    for option in _row_options():
+        flag = "--" + option.name.replace("_", "-")
+        if option.names is not None:
+            parser.add_argument(
+                flag,
+                choices=list(option.names),
+                default=next(iter(option.names)),
+                help=f"the request's {option.name} option (default: %(default)s)",
+            )
+        else:
+            what = option.name.removeprefix("return_")
+            parser.add_argument(
+                flag,
+                action="store_true",
+                help=f"write each row's {what} (the request's {option.name} option)",
+            )
 
 
 def rejected_path(output: Path) -> Path:
@@ -240,11 +246,7 @@ def _row_options() -> list[schema.Option]:
         o
         for o in schema.OPTIONS
         if o.names is not None
-        or (
-            o.name.startswith("return_")
-            and o.default is False
-            and not o.name.endswith("_metrics")
-        )
+        or (o.name.startswith("return_") and o.default is False and not o.name.endswith("_metrics"))
     ]
 
 

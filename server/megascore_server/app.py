@@ -42,6 +42,42 @@ def _bind_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def _grpc_server(
+    config: GrpcServerConfig, metrics: ServerMetrics, token: str | None
+) -> grpc.aio.Server:
+    """The gRPC server with its interceptors and message limits (no service added)."""
+    # First: it also answers (and counts) the calls the next ones refuse.
+    interceptors = [StatusInterceptor(metrics)]
+    if token is not None:
+        interceptors.append(BearerTokenInterceptor(token))
+    return grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials) -> int:
+    """Binds ``address`` (TLS with ``credentials``); returns the port.
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot bind {address}: {exc}") from exc
+    if port == 0:
+        raise RuntimeError(f"cannot bind {address}")
+    return port
+
+
 def build_server(
     engine: Engine | None,
     server_config: GrpcServerConfig,
@@ -78,19 +114,8 @@ def build_server(
     )
     servicer = ScorerServicer(service, max_stream_inflight=config.max_stream_inflight)
     token = read_token(config.auth_token_file) if config.auth_token_file else None
-    # First: it also answers (and counts) the calls the next ones refuse.
-    interceptors = [StatusInterceptor(metrics)]
-    if token is not None:
-        interceptors.append(BearerTokenInterceptor(token))
-    credentials = server_credentials(config)
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ],
-    )
+    credentials = server_credentials(config)  # unreadable files fail before anything starts
+    server = _grpc_server(config, metrics, token)
     # The engine thread: builds the engine (load_engine), then runs every step.
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megascore-engine")
     handles = ServerHandles(
@@ -109,16 +134,7 @@ def build_server(
     reflection.enable_server_reflection(
         (SCORER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    address = _bind_address(config.host, config.port)
-    try:
-        if credentials is None:
-            port = server.add_insecure_port(address)
-        else:
-            port = server.add_secure_port(address, credentials)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot bind {address}: {exc}") from exc
-    if port == 0:
-        raise RuntimeError(f"cannot bind {address}")
+    port = _bind(server, _bind_address(config.host, config.port), credentials)
     if config.http_port:
         from megascore_server.http.server import HttpFront  # the ASGI stack, only when on
 

@@ -280,7 +280,7 @@ def test_channel_settings():
     retry = config["methodConfig"][0]["retryPolicy"]
     assert retry["retryableStatusCodes"] == ["UNAVAILABLE"] and retry["maxAttempts"] == 3
     retried = {n.get("method", "*") for n in config["methodConfig"][0]["name"]}
-    assert retried == {"Score", "ScoreStream", "GetModelInfo", "*"}  # "*": all of Health
+    assert retried == {"Score", "GetModelInfo", "*"}  # "*": all of Health; not ScoreStream
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
     off = dict(ChannelSettings.build("h:1", tls=None, retries=0, keepalive_time_s=None).options())
     assert off["grpc.enable_retries"] == 0 and "grpc.keepalive_time_ms" not in off

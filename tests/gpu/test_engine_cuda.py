@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megascore.api.losses import loss_names
 from megascore.api.types import ScoreBatch, ScoreOutput
 from megascore.config import EngineConfig
-from megascore.engine.losses import loss_names
 from megascore.engine.runtime import DistributedEngine
 from megascore.model.build import HAVE_TE
 

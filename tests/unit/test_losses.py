@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megascore.api.layout import effective_loss_mask
-from megascore.engine import losses
-from megascore.engine.losses import compute_losses, loss_names
+from megascore.api import losses
+from megascore.api.layout import count_loss_tokens, effective_loss_mask
+from megascore.api.losses import compute_losses, loss_names
 
 
 def test_loss_names_sorted_and_include_basics():
@@ -21,7 +21,8 @@ def test_nll_and_mean_nll_by_hand():
     # NeMo-RL layout: entry 0 of each sequence is 0.0.
     logprobs = np.array([0.0, -1.0, -2.0, 0.0, 0.0, -0.5, -0.25, -4.0], np.float32)
     mask = np.array([1, 1, 0, 1, 1, 1, 1, 1], np.uint8)
-    out, num = compute_losses(("nll", "mean_nll", "perplexity"), logprobs, lengths, mask)
+    out = compute_losses(("nll", "mean_nll", "perplexity"), logprobs, lengths, mask)
+    num = count_loss_tokens(lengths, mask)
     np.testing.assert_array_equal(num, [1, 0, 3])
     assert num.dtype == np.int64
     np.testing.assert_allclose(out["nll"], [1.0, 0.0, 4.75])
@@ -35,7 +36,8 @@ def test_no_mask_means_all_positions_after_the_first():
     rng = np.random.default_rng(0)
     logprobs = -rng.random(7).astype(np.float32)
     logprobs[[0, 2]] = 123.0  # entry 0 never contributes, whatever it holds
-    out, num = compute_losses(["nll"], logprobs, lengths, None)
+    out = compute_losses(["nll"], logprobs, lengths, None)
+    num = count_loss_tokens(lengths, None)
     np.testing.assert_array_equal(num, [1, 4])
     np.testing.assert_allclose(out["nll"], [-logprobs[1], -logprobs[3:].astype(np.float64).sum()])
 
@@ -58,5 +60,5 @@ def test_registered_loss_is_computed(monkeypatch):
     monkeypatch.setattr(losses, "_REGISTRY", dict(losses._REGISTRY))
     losses.register_loss("max_nll")(lambda lp, m, n: np.maximum.reduceat(-lp * m, [0, 2]))
     assert "max_nll" in loss_names()
-    out, _ = compute_losses(("max_nll",), np.array([0.0, -3.0, 0.0, -1.0]), np.array([2, 2]), None)
+    out = compute_losses(("max_nll",), np.array([0.0, -3.0, 0.0, -1.0]), np.array([2, 2]), None)
     np.testing.assert_allclose(out["max_nll"], [3.0, 1.0])

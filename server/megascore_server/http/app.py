@@ -89,7 +89,20 @@ def build_app(
         """The metrics label of ``path``: itself when a route has it, else ``other``."""
         return path if any(getattr(r, "path", None) == path for r in app.routes) else "other"
 
-    def _counted(request: Request, response):
+    def run(request, route, work, fields=None, gated=True):
+        return calls.run(request, route, service, metrics, work, fields=fields, gated=gated)
+
+    _add_error_handlers(app, metrics, route_of)
+    _add_scoring_routes(app, service, run)
+    _add_model_routes(app, service, run)
+    _add_tokenizer_routes(app, service, run)
+    return Guard(app, metrics, token=token, max_body_bytes=max_body_bytes, route_of=route_of)
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics, route_of) -> None:
+    """A body FastAPI could not parse and an unknown route: 4xx in the OpenAI error shape."""
+
+    def counted(request: Request, response):
         route, status = route_of(request.url.path), str(response.status_code)
         metrics.observe_request(route, status, 0.0, front="http")
         return response
@@ -97,15 +110,16 @@ def build_app(
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         message, field = _validation_message(exc)
-        return _counted(request, error_response(HttpError(400, message, field)))
+        return counted(request, error_response(HttpError(400, message, field)))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         error = HttpError(exc.status_code, f"{request.url.path}: {exc.detail}")
-        return _counted(request, error_response(error))
+        return counted(request, error_response(error))
 
-    def run(request, route, work, fields=None, gated=True):
-        return calls.run(request, route, service, metrics, work, fields=fields, gated=gated)
+
+def _add_scoring_routes(app: FastAPI, service: ScoringService, run) -> None:
+    """vLLM's ``/v1/completions`` and SGLang's ``/generate``."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -126,6 +140,10 @@ def build_app(
             lambda arrival, deadline: generate(service, body, request_id, arrival, deadline),
             GENERATE_FIELDS,
         )
+
+
+def _add_model_routes(app: FastAPI, service: ScoringService, run) -> None:
+    """``/v1/models`` and the health probes (:data:`OPEN_PATHS`)."""
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -154,6 +172,10 @@ def build_app(
     for path in OPEN_PATHS:
         app.add_api_route(path, health, methods=["GET"])
 
+
+def _add_tokenizer_routes(app: FastAPI, service: ScoringService, run) -> None:
+    """``/tokenizer_info``, ``/tokenize`` and ``/detokenize`` (the server's tokenizer)."""
+
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request):
         async def work(arrival, deadline):
@@ -181,8 +203,6 @@ def build_app(
             return json_response({"prompt": text})
 
         return await run(request, "/detokenize", work, {"token_ids": "tokens"}, gated=False)
-
-    return Guard(app, metrics, token=token, max_body_bytes=max_body_bytes, route_of=route_of)
 
 
 def _ids(values: list[Any]) -> np.ndarray:

@@ -142,7 +142,6 @@ class WeightPusher:
             stream_ms = (time.monotonic() - start) * 1e3
             version = commit.weights_version or new_weights_version()
             if commit.prepare:
-                hold_s = _prepare_timeout(commit)
                 response = _response(
                     session,
                     weights_version=version,
@@ -151,6 +150,7 @@ class WeightPusher:
                     prepared=True,
                     push_id=uuid.uuid4().hex,
                 )
+                hold_s = _prepare_timeout(commit)
                 self._hold(response, partial, hold_s, batcher, session, base_version)
                 settled, release = True, False  # held until finish() or the timeout
                 return response, None
@@ -173,23 +173,7 @@ class WeightPusher:
         finally:
             if release:
                 self._busy = False
-        logger.info(
-            "weights %r -> %r pushed: %d tensors, %d bytes in %.0f ms (+%.0f ms swap)",
-            previous,
-            new,
-            len(session.received),
-            session.num_bytes,
-            stream_ms,
-            swap_ms,
-        )
-        response = _response(
-            session,
-            weights_version=new,
-            previous_weights_version=previous,
-            stream_ms=stream_ms,
-            swap_ms=swap_ms,
-        )
-        return response, info
+        return _pushed(session, new, previous, stream_ms, swap_ms), info
 
     def _check_begin(self, first, batcher: DynamicBatcher) -> tuple[int, dict | None]:
         """The names and the delta base (None: a full push) of a stream's first message,
@@ -352,6 +336,28 @@ def _response(session: PushSession, **fields) -> pb.UpdateWeightsResponse:
     """The answer to a push: what it carried, and ``fields``."""
     return pb.UpdateWeightsResponse(
         num_tensors=len(session.received), num_bytes=session.num_bytes, **fields
+    )
+
+
+def _pushed(
+    session: PushSession, new: str, previous: str, stream_ms: float, swap_ms: float
+) -> pb.UpdateWeightsResponse:
+    """Logs a push swapped in and answers it."""
+    logger.info(
+        "weights %r -> %r pushed: %d tensors, %d bytes in %.0f ms (+%.0f ms swap)",
+        previous,
+        new,
+        len(session.received),
+        session.num_bytes,
+        stream_ms,
+        swap_ms,
+    )
+    return _response(
+        session,
+        weights_version=new,
+        previous_weights_version=previous,
+        stream_ms=stream_ms,
+        swap_ms=swap_ms,
     )
 
 

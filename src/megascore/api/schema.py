@@ -4,7 +4,8 @@ Every layer reads these declarations instead of naming fields one by one:
 
 * :data:`OPTIONS`: scalar request options. The name is the ``ScoreOptions`` proto field
   *and* the :class:`~megascore.api.types.ScoreBatch` attribute; each declares its default,
-  how a step of several requests combines it, and its one check (run by the wire gate,
+  how a step of several requests combines it, and its one check (both in
+  :mod:`megascore.api.option_rules`; the check is run by the wire gate,
   ``megascore_server.validation``, and by the engine, ``ScoreBatch.check``).
 * :data:`INPUTS`: arrays a request may carry besides ids and lengths (per token or per
   sequence): dtype, the value a merged step gives requests that did not send one, how
@@ -29,8 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from megascore.api import mismatch
-from megascore.api.errors import quoted
+from megascore.api import layout, losses, mismatch
+from megascore.api import option_rules as rules
+from megascore.api.option_rules import (  # noqa: F401 - the table's names too
+    LOGPROB_POSITIONS,
+    MASKED,
+    MAX_ID_CHARS,
+)
 
 TOKEN = "token"
 """An output or input with one row per token (``[T, *dims]``)."""
@@ -73,113 +79,35 @@ class Option:
     names: dict[str, int] | None = None
 
 
-def _check_top_k(value, limits) -> str | None:
-    if not 0 <= value <= limits.max_top_k:
-        return f"{value} is outside [0, max_top_k={limits.max_top_k}]"
-    return None
-
-
-def _check_losses(value, limits) -> str | None:
-    for i, name in enumerate(value):
-        if name not in limits.loss_names:
-            known = ", ".join(sorted(limits.loss_names)) or "none"
-            return f"[{i}]: unknown loss {quoted(name)} (available: {known})"
-    return None
-
-
-def _check_metrics(value, limits) -> str | None:
-    if value and not limits.metrics_supported:
-        return (
-            "MoE / MTP metrics of a MoE model with TP > 1 need sequence_parallel, which the "
-            "engine config disables (leave it unset to turn it on)"
-        )
-    return None
-
-
-def _check_metric_group(group: str, layers: str):
-    """The check of ``return_<group>_metrics``: refused on a model without those layers
-    (as routing on a dense model; for MTP layers a checkpoint declares but does not hold,
-    saying so), then :func:`_check_metrics`."""
-
-    def check(value, limits) -> str | None:
-        if value and group == "mtp" and limits.mtp_not_served:
-            return f"the served model has no MTP layers: {limits.mtp_not_served}"
-        if value and group not in limits.metric_groups:
-            return (
-                f"the served model has no {layers} layers (ModelInfo.{group}_metric_names is empty)"
-            )
-        return _check_metrics(value, limits)
-
-    return check
-
-
-def _check_routing(value, limits) -> str | None:
-    if value and limits.routing is None:
-        return "the served model has no MoE layers to route"
-    return None
-
-
-MAX_ID_CHARS = 256
-"""Longest ``request_id`` / ``weights_version`` accepted."""
-
-
-def _check_version(value, limits) -> str | None:
-    if len(value) > MAX_ID_CHARS:
-        return f"{len(value)} characters, at most {MAX_ID_CHARS}"
-    return None
-
-
-def _pinned(values: list) -> str:
-    """The one version the requests of a step pin ("" when none does); the batcher
-    never puts requests pinned to different versions in one step."""
-    pins = {value for value in values if value}
-    if len(pins) > 1:
-        raise ValueError(f"a step's requests pin different weights versions: {sorted(pins)}")
-    return pins.pop() if pins else ""
-
-
-def _union(values: list) -> tuple:
-    return tuple(dict.fromkeys(name for names in values for name in names))
-
-
-def _one(values: list) -> bool:
-    """Metrics are per forward: a step computes them only for a request alone in it."""
-    return len(values) == 1 and bool(values[0])
-
-
-LOGPROB_POSITIONS = {"all": 1, "masked": 2}
-"""``ScoreOptions.logprob_positions`` by name (the ``LogprobPositions`` enum; 0, unset,
-is every position as "all")."""
-MASKED = LOGPROB_POSITIONS["masked"]
-
-
-def _check_positions(value, limits) -> str | None:
-    if value not in (0, *LOGPROB_POSITIONS.values()):
-        names = ", ".join(f"{v} = {name}" for name, v in LOGPROB_POSITIONS.items())
-        return f"{value} is not a LogprobPositions value ({names})"
-    return None
-
-
-def _masked(values: list) -> int:
-    """A step computes the head only at the masked positions when all its requests ask
-    for that (the others' results are cut to their mask afterwards)."""
-    return MASKED if all(value == MASKED for value in values) else 0
-
-
 OPTIONS: tuple[Option, ...] = (
     Option("return_logprobs", True, any, convert=bool),
-    Option("top_k", 0, max, _check_top_k, int, flag=False),
-    Option("losses", (), _union, _check_losses, lambda names: _union([names]), flag=False),
-    Option("return_moe_metrics", False, _one, _check_metric_group("moe", "MoE"), bool),
-    Option("return_mtp_metrics", False, _one, _check_metric_group("mtp", "MTP"), bool),
-    Option("return_routing", False, any, _check_routing, bool),
+    Option("top_k", 0, max, rules.check_top_k, int, flag=False),
+    Option(
+        "losses",
+        (),
+        rules.union,
+        rules.check_losses,
+        lambda names: rules.union([names]),
+        flag=False,
+    ),
+    Option("return_moe_metrics", False, rules.one, rules.check_metric_group("moe", "MoE"), bool),
+    Option("return_mtp_metrics", False, rules.one, rules.check_metric_group("mtp", "MTP"), bool),
+    Option("return_routing", False, any, rules.check_routing, bool),
     Option("return_entropy", False, any, convert=bool),
     Option("return_importance_weights", False, any, convert=bool),
     Option("return_token_ranks", False, any, convert=bool),
     Option("return_next_token", False, any, convert=bool),
-    Option("weights_version", "", _pinned, _check_version, str, flag=False, broadcast=False),
     Option(
-        "logprob_positions", 0, _masked, _check_positions, int, flag=False, names=LOGPROB_POSITIONS
+        "weights_version", "", rules.pinned, rules.check_version, str, flag=False, broadcast=False
+    ),
+    Option(
+        "logprob_positions",
+        0,
+        rules.masked,
+        rules.check_positions,
+        int,
+        flag=False,
+        names=LOGPROB_POSITIONS,
     ),
 )
 
@@ -297,7 +225,10 @@ class Output:
         keys: ``options -> names`` of a map output (one ``[B]`` array per name).
         optional: the client accepts a response without it (None in the result).
         finish: computed on the output rank from the batch and the step's other outputs
-            (``(batch, values) -> array``), after the head outputs and the losses.
+            (``(batch, values) -> array``, or a dict for ``keys``), after the head
+            outputs, in the table's order.
+        needs: the outputs a ``finish`` reads (computed by the head when it is wanted,
+            even when they are not returned; e.g. the logprobs of the losses).
         head: computed on the last pipeline stage from each chunk of the output
             head's logits (``megascore.engine.logprobs.ChunkScores``):
             ``chunk -> [C, *dims]`` tensor; it is then CP-gathered, sent to the output
@@ -319,6 +250,15 @@ class Output:
     optional: bool = False
     head: Callable[[Any], Any] | None = None
     finish: Callable[[Any, dict], Any] | None = None
+    needs: tuple[str, ...] = ()
+
+
+def _routes(batch, values: dict) -> np.ndarray:
+    """The routing of each token: the replayed routes of the request, else those the
+    step recorded (``values["routing"]``, already in the flat layout)."""
+    if batch.routing is not None:
+        return np.asarray(batch.routing, dtype=np.int32)
+    return values["routing"]
 
 
 def _next_top_k(options) -> tuple[int]:
@@ -368,6 +308,7 @@ OUTPUTS: tuple[Output, ...] = (
         wanted=lambda o: o.return_routing,
         dims=None,
         wire_dims=("routing_num_moe_layers", "routing_topk"),
+        finish=lambda batch, values: _routes(batch, values),
     ),
     Output(
         "losses",
@@ -377,6 +318,10 @@ OUTPUTS: tuple[Output, ...] = (
         "loss",
         wanted=lambda o: bool(o.losses),
         keys=lambda o: tuple(o.losses),
+        finish=lambda batch, values: losses.compute_losses(
+            batch.losses, values["logprobs"], batch.lengths, batch.loss_mask
+        ),
+        needs=("logprobs",),
     ),
     Output(
         "num_loss_tokens",
@@ -386,6 +331,7 @@ OUTPUTS: tuple[Output, ...] = (
         "num_tokens",
         wanted=lambda o: True,
         optional=True,
+        finish=lambda batch, values: layout.count_loss_tokens(batch.lengths, batch.loss_mask),
     ),
     Output(
         "entropy",
@@ -422,6 +368,7 @@ OUTPUTS: tuple[Output, ...] = (
             batch.loss_mask,
             batch.mismatch_ratio_cap,
         ),
+        needs=("logprobs",),
     ),
     Output(
         "importance_weights",
@@ -433,6 +380,7 @@ OUTPUTS: tuple[Output, ...] = (
         finish=lambda batch, values: mismatch.importance_weights(
             values["logprobs"], batch.rollout_logprobs, batch.lengths, batch.mismatch_ratio_cap
         ),
+        needs=("logprobs",),
     ),
     Output(
         "token_ranks",
@@ -496,23 +444,17 @@ def outputs(per: str | None = None) -> tuple[Output, ...]:
 def head_outputs(options) -> list[Output]:
     """The outputs the output head computes for a step with ``options``.
 
-    The logprobs are computed whenever losses or a ``finish`` output need them, even
-    when not returned.
+    A head output is also computed when a wanted ``finish`` output needs it (the
+    logprobs of the losses), even when not returned.
     """
-    needs_logprobs = bool(options.losses) or any(
-        o.finish is not None and o.wanted(options) for o in OUTPUTS
-    )
-    return [
-        o
-        for o in OUTPUTS
-        if o.head is not None and (o.wanted(options) or (o.name == "logprobs" and needs_logprobs))
-    ]
+    needed = {name for o in OUTPUTS if o.wanted(options) for name in o.needs}
+    return [o for o in OUTPUTS if o.head is not None and (o.wanted(options) or o.name in needed)]
 
 
 def positional(output: Output) -> bool:
     """Whether ``logprob_positions`` restricts ``output``: a per-token output of the
-    output head, or computed from them (``finish``); not the routing."""
-    return output.per == TOKEN and (output.head is not None or output.finish is not None)
+    output head, or computed from them (``needs``); not the routing."""
+    return output.per == TOKEN and (output.head is not None or bool(output.needs))
 
 
 def at_last_row(output: Output) -> bool:

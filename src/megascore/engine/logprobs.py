@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megascore.api import schema
 from megascore.engine.scratch import Scratch
+from megascore.engine.vocab_top_k import chunk_top_k
 
 logger = logging.getLogger(__name__)
 
@@ -160,110 +161,6 @@ def _chunk_log_normalizer(
     return global_max, shifted.exp_().sum(dim=-1)
 
 
-def _boundary_ties(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k ids of rows whose k-th and (k+1)-th largest values are equal.
-
-    Takes every column above the k-th value, then the lowest-id columns equal to it.
-
-    Args:
-        values: float32 ``[R, V]``.
-        k: ``1 <= k < V``.
-
-    Returns:
-        int64 ``[R, k]`` column ids in ascending order.
-    """
-    num_rows = values.shape[0]
-    # kth: [R, 1], the k-th largest value of each row
-    kth = torch.topk(values, k, dim=-1, sorted=True).values[:, -1:]
-    above = values > kth
-    n_above = above.sum(dim=-1, keepdim=True, dtype=torch.int32)
-    tied = values == kth
-    take_tied = tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= k - n_above)
-    # Exactly k columns per row are selected; nonzero lists them row-major.
-    return (above | take_tied).nonzero()[:, 1].view(num_rows, k)
-
-
-def _local_top_k_lowest_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of each row where ties at the k-th value go to the lowest column.
-
-    ``torch.topk`` picks an arbitrary subset of equal values at the boundary
-    (common with bf16 logits); this makes the choice deterministic and
-    independent of how the vocabulary is split across TP ranks. One
-    ``topk(k + 1)`` settles every row whose k-th and (k+1)-th values differ (the
-    top-k set is then unique); only the rows with a tie at the boundary take the
-    exact, slower pass of :func:`_boundary_ties`.
-
-    Args:
-        values: float32 ``[C, V]``.
-        k: ``1 <= k <= V``.
-
-    Returns:
-        ``(ids [C, k] int64, values [C, k])``, ids in ascending order (not by value).
-    """
-    num_rows, num_cols = values.shape
-    if num_rows == 0 or k == num_cols:
-        ids = torch.arange(k, device=values.device).expand(num_rows, k).contiguous()
-        return ids, torch.gather(values, -1, ids)
-    top = torch.topk(values, k + 1, dim=-1, sorted=True)
-    ids = top.indices[:, :k]
-    # rows where the k-th and (k+1)-th values are equal: which of them belong is ambiguous
-    ambiguous = (top.values[:, k - 1] == top.values[:, k]).nonzero().squeeze(1)
-    if ambiguous.numel():
-        ids[ambiguous] = _boundary_ties(values[ambiguous], k)
-    ids = ids.sort(dim=-1).values
-    return ids, torch.gather(values, -1, ids)
-
-
-def _chunk_top_k(
-    logits: torch.Tensor,
-    k: int,
-    vocab_start: int,
-    vocab_size: int | None,
-    tp_group: dist.ProcessGroup | None,
-    tp_size: int,
-    work: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distributed top-k of one chunk of logits.
-
-    Selecting on the logits rather than the log-probabilities gives the same ids:
-    the two differ by one constant per row (the log normaliser).
-
-    Args:
-        logits: float32 ``[C, V_local]`` (already divided by the temperature).
-        k: number of alternatives.
-        vocab_start: global id of this shard's column 0.
-        vocab_size: ids >= vocab_size (Megatron vocabulary padding) are never chosen;
-            None keeps every column.
-        tp_group: tensor-parallel group, or None.
-        tp_size: size of ``tp_group``.
-        work: float32 scratch of at least ``[C, V_local]``, overwritten when this shard
-            holds padding columns.
-
-    Returns:
-        ``(ids [C, k] int64, logits [C, k] float32)``, largest first; equal values
-        are ordered by ascending id (for any TP split).
-    """
-    num_tokens, v_local = logits.shape
-    if vocab_size is not None and vocab_start + v_local > vocab_size:
-        logits = work[:num_tokens].copy_(logits)
-        logits[:, max(vocab_size - vocab_start, 0) :] = float("-inf")
-    k_local = min(k, v_local)
-    cand_ids, cand_vals = _local_top_k_lowest_id(logits, k_local)
-    cand_ids = cand_ids + vocab_start
-    if tp_size > 1:
-        gathered_vals = [torch.empty_like(cand_vals) for _ in range(tp_size)]
-        gathered_ids = [torch.empty_like(cand_ids) for _ in range(tp_size)]
-        dist.all_gather(gathered_vals, cand_vals.contiguous(), group=tp_group)
-        dist.all_gather(gathered_ids, cand_ids.contiguous(), group=tp_group)
-        # [C, tp * k_local]; ids ascend along the row (shards are in rank order)
-        cand_vals = torch.cat(gathered_vals, dim=-1)
-        cand_ids = torch.cat(gathered_ids, dim=-1)
-    # Stable descending sort keeps equal values in ascending id order.
-    val_order = torch.sort(cand_vals, dim=-1, descending=True, stable=True).indices[:, :k]
-    assert val_order.shape == (num_tokens, k)
-    return torch.gather(cand_ids, -1, val_order), torch.gather(cand_vals, -1, val_order)
-
-
 @dataclasses.dataclass
 class VocabShard:
     """This rank's slice of the vocabulary and the group that holds the others.
@@ -360,7 +257,7 @@ class ChunkScores:
         """``(ids [C, k] int64, logprobs [C, k] float32)``, most likely first (computed once)."""
         if self._top_k is None:
             shard = self.shard
-            ids, vals = _chunk_top_k(
+            ids, vals = chunk_top_k(
                 self.logits,
                 self.top_k_size,
                 shard.start,

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import time
 
 import torch
@@ -60,13 +59,13 @@ import torch.distributed as dist
 
 from megascore.api.errors import LOAD_FAILURES, CheckpointError, WorkerLostError
 from megascore.api.limits import Limits, check_pinned_version
+from megascore.api.losses import loss_names
 from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 from megascore.checkpoint import parse_model_string
 from megascore.config import EngineConfig
 from megascore.engine import protocol
 from megascore.engine.data_parallel import DataParallelGroup
 from megascore.engine.forward import moe_metric_names, mtp_metric_names
-from megascore.engine.losses import loss_names
 from megascore.engine.push.apply import WeightStaging
 from megascore.engine.push.handler import WeightPushHandler
 from megascore.engine.reload import WeightReload
@@ -82,7 +81,7 @@ from megascore.engine.startup import (
 )
 from megascore.engine.step import StepConfig, StepGroups, agree_on_status
 from megascore.engine.worker_loop import WorkerLoop
-from megascore.model.parallel import initialize_parallel, resolve_device
+from megascore.model.parallel import initialize_parallel, select_device
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +99,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         groups: StepGroups,
         command_group: dist.ProcessGroup,
         data_parallel: DataParallelGroup,
+        device: torch.device,
     ):
         """Use :meth:`create`; this only stores what it built."""
         self.engine_cfg = engine_cfg
@@ -110,7 +110,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         self.data_parallel = data_parallel
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.device = resolve_device(engine_cfg)
+        self.device = device
         is_moe = loaded.config.is_moe  # reloads keep the architecture, hence the layout
         self.sequence_parallel = engine_cfg.sequence_parallel_for(is_moe)
         self.step_cfg = StepConfig(
@@ -176,52 +176,22 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             WorkerLostError: some rank failed to build the model.
         """
         parse_model_string(engine_cfg.model)  # bad strings fail alike everywhere, early
-        device = resolve_device(engine_cfg)
+        device = select_device(engine_cfg)  # the one place it is resolved
         check_prefix_sharing_device(engine_cfg, device)
-        if device.type == "cuda" and "LOCAL_RANK" in os.environ:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            device = resolve_device(engine_cfg)
         owns_default_group = init_distributed(engine_cfg, device)
         own_groups: list[dist.ProcessGroup] = []
         try:
             pg_collection = initialize_parallel(engine_cfg)
-            pp = pg_collection.pp.size()
-            expected = result_rank(dist.get_world_size(), pp)
-            if DRIVER_RANK in dist.get_process_group_ranks(pg_collection.pp):
-                last = dist.get_global_rank(pg_collection.pp, pp - 1)
-                if last != expected:
-                    raise RuntimeError(f"last pipeline stage of rank 0 is {last}, not {expected}")
-            world = list(range(dist.get_world_size()))
-            status_timeout = datetime.timedelta(seconds=3 * engine_cfg.collective_timeout_s)
-            own_groups.append(dist.new_group(world, backend="gloo", timeout=status_timeout))
-            command_timeout = _COMMAND_TIMEOUT  # gloo timeouts are per process: see above
-            if dist.get_rank() == DRIVER_RANK:
-                command_timeout = datetime.timedelta(seconds=engine_cfg.collective_timeout_s)
-            own_groups.append(dist.new_group(world, backend="gloo", timeout=command_timeout))
-            status, command = own_groups
+            _check_result_rank(pg_collection)
+            status, command = _control_groups(engine_cfg, own_groups)
             groups = StepGroups(
                 tp=pg_collection.tp, cp=pg_collection.cp, pp=pg_collection.pp, status=status
             )
             data_parallel = DataParallelGroup.create(pg_collection, engine_cfg.collective_timeout_s)
             if data_parallel.results is not None:
                 own_groups.append(data_parallel.results)
-
-            def agree(problem: BaseException | None) -> None:
-                failed = agree_on_status(problem is not None, status)
-                if failed and isinstance(problem, LOAD_FAILURES) and len(failed) == len(world):
-                    raise problem  # a config / checkpoint error, the same everywhere
-                if failed:
-                    raise WorkerLostError(f"building the model failed on ranks {failed}: {problem}")
-
             start = time.perf_counter()
-            loaded, error = load_agreeing(
-                lambda before_write: load_served_model(
-                    engine_cfg.model, engine_cfg, pg_collection, before_write=before_write
-                ),
-                agree,
-                "building the model",
-            )
-            agree(error)  # every rank has built it
+            loaded = _build_agreeing(engine_cfg, pg_collection, status, device)
         except BaseException:
             teardown_groups(own_groups, owns_default_group)
             raise
@@ -231,7 +201,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             loaded.weights_version,
             time.perf_counter() - start,
         )
-        engine = cls(engine_cfg, loaded, pg_collection, groups, command, data_parallel)
+        engine = cls(engine_cfg, loaded, pg_collection, groups, command, data_parallel, device)
         auto_sp = engine.sequence_parallel and engine_cfg.sequence_parallel is None
         if auto_sp and engine.rank == DRIVER_RANK:
             logger.info(
@@ -382,3 +352,53 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         if self.data_parallel.results is not None:
             groups.append(self.data_parallel.results)
         teardown_groups(groups, self._owns_default_group)
+
+
+def _check_result_rank(pg_collection) -> None:
+    """The last pipeline stage of rank 0's pipeline is the rank the results come from."""
+    pp = pg_collection.pp.size()
+    expected = result_rank(dist.get_world_size(), pp)
+    if DRIVER_RANK in dist.get_process_group_ranks(pg_collection.pp):
+        last = dist.get_global_rank(pg_collection.pp, pp - 1)
+        if last != expected:
+            raise RuntimeError(f"last pipeline stage of rank 0 is {last}, not {expected}")
+
+
+def _control_groups(
+    engine_cfg: EngineConfig, own_groups: list[dist.ProcessGroup]
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The gloo groups over every rank for the step status and for the commands (added
+    to ``own_groups``, which the caller tears down on a failure)."""
+    world = list(range(dist.get_world_size()))
+    status_timeout = datetime.timedelta(seconds=3 * engine_cfg.collective_timeout_s)
+    own_groups.append(dist.new_group(world, backend="gloo", timeout=status_timeout))
+    command_timeout = _COMMAND_TIMEOUT  # gloo timeouts are per process: see above
+    if dist.get_rank() == DRIVER_RANK:
+        command_timeout = datetime.timedelta(seconds=engine_cfg.collective_timeout_s)
+    own_groups.append(dist.new_group(world, backend="gloo", timeout=command_timeout))
+    return own_groups[-2], own_groups[-1]
+
+
+def _build_agreeing(
+    engine_cfg: EngineConfig, pg_collection, status: dist.ProcessGroup, device: torch.device
+) -> LoadedModel:
+    """Builds and loads the served model on this rank; every rank agrees over ``status``
+    that all did (a config or checkpoint error the same everywhere is raised as is)."""
+    world_size = dist.get_world_size()
+
+    def agree(problem: BaseException | None) -> None:
+        failed = agree_on_status(problem is not None, status)
+        if failed and isinstance(problem, LOAD_FAILURES) and len(failed) == world_size:
+            raise problem  # a config / checkpoint error, the same everywhere
+        if failed:
+            raise WorkerLostError(f"building the model failed on ranks {failed}: {problem}")
+
+    loaded, error = load_agreeing(
+        lambda before_write: load_served_model(
+            engine_cfg.model, engine_cfg, pg_collection, before_write=before_write, device=device
+        ),
+        agree,
+        "building the model",
+    )
+    agree(error)  # every rank has built it
+    return loaded

@@ -109,6 +109,8 @@ def load_served_model(
     pg_collection,
     weights_version: str = "",
     before_write: Callable[[], None] | None = None,
+    *,
+    device: torch.device | None = None,
 ) -> LoadedModel:
     """Builds the model named by ``model`` on this rank and loads its weights (start-up).
 
@@ -126,6 +128,8 @@ def load_served_model(
         before_write: passed to a checkpoint's loader: called once the checkpoint was
             checked against the built model, before its first write (the engine agrees
             with the other ranks there). Not called for a built-in.
+        device: this rank's device (the engine's, resolved once at start-up); None
+            resolves it from ``engine_cfg`` (a model built on its own).
 
     Returns:
         The :class:`LoadedModel`.
@@ -137,13 +141,15 @@ def load_served_model(
     config, load_weights, meta = resolve_model(
         model, seed=engine_cfg.seed, ignore_mtp_layers=engine_cfg.ignore_mtp_layers
     )
+    device = device or resolve_device(engine_cfg)
     built = build_model(
         config,
         dataclasses.replace(engine_cfg, seed=config.seed),
         pg_collection,
         random_weights=load_weights is None,
+        device=device,
     )
-    if engine_cfg.batch_invariant_on(resolve_device(engine_cfg).type):
+    if engine_cfg.batch_invariant_on(device.type):
         make_batch_invariant(built)
     num_parameters = count_parameters(built, pg_collection)
     if load_weights is not None:

@@ -3,8 +3,9 @@
 
 :func:`finish_step` maps every per-token head output from packed to flat through the
 packed <-> flat index that packing built (:class:`PredictionIndex`, from
-``token_positions``), computes the losses from the logprobs and takes the routing from the
-recorded (or replayed) routes. The step itself is :func:`megascore.engine.step.run_step`.
+``token_positions``) and the recorded routes to each token; every other output (the
+losses, their token counts, the routing, the mismatch statistics) is its table entry's
+``finish``. The step itself is :func:`megascore.engine.step.run_step`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 
 from megascore.api import layout, schema, selection
 from megascore.api.types import ScoreBatch, ScoreOutput
-from megascore.engine.losses import compute_losses
 from megascore.engine.step import StepResult
 
 
@@ -55,8 +55,8 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
     """Output rank: builds the :class:`ScoreOutput` from the gathered step results.
 
     Every per-token head output is mapped from packed to flat (its ``fill`` at entry 0 of
-    each sequence), the losses computed from the logprobs, the routing taken from the
-    recorded (or replayed) routes.
+    each sequence), the recorded routes to their tokens; then each wanted output with
+    a ``finish`` (:data:`megascore.api.schema.OUTPUTS`) is computed from those.
 
     Args:
         batch: the batch of the step.
@@ -71,14 +71,7 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         out = schema.output(name)
         flat = schema.at_last_row(out)  # [B, *dims] already
         values[name] = packed.numpy() if flat else index.to_flat(packed, out.fill)
-    logprobs = values.get("logprobs")
-    scored = logprobs if logprobs is not None else np.zeros(batch.num_tokens)
-    values["losses"], values["num_loss_tokens"] = compute_losses(
-        batch.losses if logprobs is not None else (), scored, batch.lengths, batch.loss_mask
-    )
-    if batch.return_routing and batch.routing is not None:
-        values["routing"] = np.asarray(batch.routing, dtype=np.int32)
-    elif batch.return_routing:
+    if batch.return_routing and batch.routing is None:  # recorded: each token's routes
         values["routing"] = result.routing.numpy()[result.token_positions.numpy()].astype(np.int32)
     for out in schema.OUTPUTS:
         if out.finish is not None and out.wanted(batch):

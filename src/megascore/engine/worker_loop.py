@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 
 from megascore.api.errors import CheckpointError
+from megascore.api.losses import loss_names
 from megascore.engine import protocol
-from megascore.engine.losses import loss_names
 from megascore.engine.startup import DRIVER_RANK
 
 logger = logging.getLogger(__name__)

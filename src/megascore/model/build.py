@@ -110,6 +110,36 @@ def resolve_attention_backend(engine_cfg: EngineConfig, device: torch.device) ->
     return engine_cfg.attention_backend
 
 
+def _moe_fields(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> dict:
+    """The ``TransformerConfig`` fields of a MoE model: its router, dropless experts and
+    routing replay."""
+    return dict(
+        num_moe_experts=model_cfg.num_moe_experts,
+        moe_router_topk=model_cfg.moe_router_topk,
+        moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
+        moe_router_score_function=model_cfg.moe_router_score_function,
+        moe_router_pre_softmax=model_cfg.moe_router_pre_softmax,
+        moe_router_load_balancing_type=model_cfg.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model_cfg.moe_z_loss_coeff,
+        moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
+        moe_layer_freq=model_cfg.moe_layer_freq,
+        moe_router_enable_expert_bias=model_cfg.moe_router_enable_expert_bias,
+        moe_router_num_groups=model_cfg.moe_router_num_groups,
+        moe_router_group_topk=model_cfg.moe_router_group_topk,
+        moe_router_topk_scaling_factor=model_cfg.moe_router_topk_scaling_factor,
+        moe_router_dtype=engine_cfg.router_dtype_for(model_cfg.moe_router_dtype),
+        moe_expert_capacity_factor=None,
+        # each EP rank sends its tokens to the experts' ranks and back (the data-parallel
+        # ranks score different sequences: megascore.engine.data_parallel); the CPU
+        # overrides select "allgather" (alltoall creates CUDA streams)
+        moe_token_dispatcher_type="alltoall",
+        # Every router gets a RouterReplay (megascore.engine.routing); idle unless a
+        # request records or replays routes.
+        moe_enable_routing_replay=True,
+    )
+
+
 def make_transformer_config(
     model_cfg: ModelConfig, engine_cfg: EngineConfig, device: torch.device, backend: str = "torch"
 ) -> TransformerConfig:
@@ -162,31 +192,7 @@ def make_transformer_config(
         **_pipeline_kwargs(model_cfg.num_layers, engine_cfg.pipeline_model_parallel_size),
     )
     if model_cfg.is_moe:
-        kwargs.update(
-            num_moe_experts=model_cfg.num_moe_experts,
-            moe_router_topk=model_cfg.moe_router_topk,
-            moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
-            moe_router_score_function=model_cfg.moe_router_score_function,
-            moe_router_pre_softmax=model_cfg.moe_router_pre_softmax,
-            moe_router_load_balancing_type=model_cfg.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
-            moe_z_loss_coeff=model_cfg.moe_z_loss_coeff,
-            moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
-            moe_layer_freq=model_cfg.moe_layer_freq,
-            moe_router_enable_expert_bias=model_cfg.moe_router_enable_expert_bias,
-            moe_router_num_groups=model_cfg.moe_router_num_groups,
-            moe_router_group_topk=model_cfg.moe_router_group_topk,
-            moe_router_topk_scaling_factor=model_cfg.moe_router_topk_scaling_factor,
-            moe_router_dtype=engine_cfg.router_dtype_for(model_cfg.moe_router_dtype),
-            moe_expert_capacity_factor=None,
-            # each EP rank sends its tokens to the experts' ranks and back (the data-parallel
-            # ranks score different sequences: megascore.engine.data_parallel); the CPU
-            # overrides select "allgather" (alltoall creates CUDA streams)
-            moe_token_dispatcher_type="alltoall",
-            # Every router gets a RouterReplay (megascore.engine.routing); idle unless a
-            # request records or replays routes.
-            moe_enable_routing_replay=True,
-        )
+        kwargs.update(_moe_fields(model_cfg, engine_cfg))
     if model_cfg.has_mtp:
         kwargs.update(
             mtp_num_layers=model_cfg.mtp_num_layers,
@@ -375,6 +381,7 @@ def build_model(
     pg_collection: ProcessGroupCollection | None = None,
     *,
     random_weights: bool = True,
+    device: torch.device | None = None,
 ) -> GPTModel:
     """Builds the GPTModel of one replica on this rank.
 
@@ -386,6 +393,8 @@ def build_model(
         random_weights: draw the weights from the seed (built-in models); False leaves
             the parameters unwritten (uninitialised memory) for a checkpoint loader,
             which must write every one of them.
+        device: where to build it (the engine passes the device it resolved at
+            start-up); None resolves it from ``engine_cfg``.
 
     Returns:
         The model on its device, in eval mode, parameters not requiring grad,
@@ -403,7 +412,7 @@ def build_model(
             f"vocab_size ({model_cfg.vocab_size}) and num_query_groups "
             f"({model_cfg.num_query_groups}) must be divisible by TP = {tp}"
         )
-    device = resolve_device(engine_cfg)
+    device = device or resolve_device(engine_cfg)
     if device.type == "cpu":
         cpu_compat.apply()
     seed = engine_cfg.seed if engine_cfg.seed is not None else model_cfg.seed

@@ -9,6 +9,7 @@ after :func:`destroy_parallel`. Library code takes the returned
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,20 @@ def resolve_device(engine_cfg: EngineConfig) -> torch.device:
     if engine_cfg.device == "cuda":
         raise ValueError("device 'cuda' requested but CUDA is not available")
     return torch.device("cpu")
+
+
+def select_device(engine_cfg: EngineConfig) -> torch.device:
+    """The device of this rank, resolved once at start-up: under a launcher that sets
+    ``LOCAL_RANK`` a CUDA rank first makes that GPU its current device.
+
+    Raises:
+        ValueError: as :func:`resolve_device`.
+    """
+    device = resolve_device(engine_cfg)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = resolve_device(engine_cfg)
+    return device
 
 
 def initialize_parallel(engine_cfg: EngineConfig) -> ProcessGroupCollection:

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from engine_common import TOP_K, CheckLog, edge_case_batch, save_output
 
 from megascore.api.errors import CheckpointError, InvalidRequestError
+from megascore.api.losses import loss_names
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
-from megascore.engine.losses import loss_names
 from megascore.engine.runtime import DistributedEngine
 
 ATOL = 1e-5

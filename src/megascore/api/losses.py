@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megascore.api.layout import count_loss_tokens, effective_loss_mask, segment_sum
+from megascore.api.layout import effective_loss_mask, segment_sum
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ def compute_losses(
     logprobs: np.ndarray,
     lengths: np.ndarray,
     loss_mask: np.ndarray | None,
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Evaluates the named losses for one batch.
+) -> dict[str, np.ndarray]:
+    """Evaluates the named losses for one batch (the tokens that count in them:
+    :func:`megascore.api.layout.count_loss_tokens`).
 
     Args:
         names: loss names (each must be registered).
@@ -87,8 +88,7 @@ def compute_losses(
         loss_mask: ``[T]`` of 0/1 or None for all ones.
 
     Returns:
-        ``(losses, num_loss_tokens)``: name -> float64 ``[B]``, and int64 ``[B]``
-        tokens that contributed (masked positions 1..L-1).
+        name -> float64 ``[B]``.
 
     Raises:
         ValueError: for an unknown loss name.
@@ -101,6 +101,4 @@ def compute_losses(
     lp = np.asarray(logprobs, dtype=np.float64)
     if lp.shape != mask.shape:
         raise ValueError(f"logprobs must have {mask.shape[0]} entries, got {lp.shape}")
-    num_loss_tokens = count_loss_tokens(lengths, loss_mask)
-    losses = {name: _REGISTRY[name](lp, mask, lengths).astype(np.float64) for name in names}
-    return losses, num_loss_tokens
+    return {name: _REGISTRY[name](lp, mask, lengths).astype(np.float64) for name in names}
