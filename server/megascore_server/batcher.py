@@ -8,7 +8,8 @@ interleave. Scheduling:
   ``max_queue_tokens`` tokens; beyond it :class:`ResourceExhaustedError`.
 * A step is launched when its token budget can be filled, when the oldest
   waiting request has waited ``max_batch_wait_ms``, or at once when nothing
-  else can join it. Sequences are chosen first-fit decreasing
+  else can join it. Planning units (a sequence, or a request's sequences that share a
+  prompt: :mod:`megascore_server.shared_units`) are chosen first-fit decreasing by rows
   (:func:`~megascore_server.batch_assembly.fill_step`); a request larger than the
   budget is spread over several steps and reassembled in its own order.
 * Requests with different options share a step: per-sequence temperature,
@@ -79,11 +80,13 @@ class DynamicBatcher:
     Args:
         engine: the engine (``score`` and ``load_weights`` run on ``executor``).
         executor: a single-thread executor owned by the caller.
-        max_tokens_per_batch: padded-token budget of a step.
+        max_tokens_per_batch: budget of a step: its padded rows.
         max_batch_wait_ms: longest wait before launching a step that is not full.
         max_queue: most waiting requests.
         max_queue_tokens: most waiting tokens (0 = no token bound).
         pad_multiple: the engine's per-sequence pad multiple (for the budget).
+        min_shared_prefix: the shortest prefix the engine's steps share (0: none), for
+            the planning units (:mod:`megascore_server.shared_units`).
         metrics: optional Prometheus metrics.
         on_fatal: called once with the error that made the engine unusable (a
             :class:`WorkerLostError` from the engine, or a scheduler failure).
@@ -99,6 +102,7 @@ class DynamicBatcher:
         max_queue: int,
         max_queue_tokens: int = 0,
         pad_multiple: int = 1,
+        min_shared_prefix: int = 0,
         metrics: ServerMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ):
@@ -109,6 +113,7 @@ class DynamicBatcher:
         self._max_queue = max_queue
         self._max_queue_tokens = max_queue_tokens
         self._pad_multiple = pad_multiple
+        self._min_shared_prefix = min_shared_prefix
         self._metrics = metrics
         self.on_fatal = on_fatal
         self._queue: collections.deque[PendingRequest | Barrier] = collections.deque()
@@ -150,7 +155,13 @@ class DynamicBatcher:
                 f"(max_queue_tokens {self._max_queue_tokens}); retry later"
             )
         item = PendingRequest.create(
-            request_id, batch, arrival=arrival, deadline=deadline, pad_multiple=self._pad_multiple
+            request_id,
+            batch,
+            arrival=arrival,
+            deadline=deadline,
+            pad_multiple=self._pad_multiple,
+            min_shared_prefix=self._min_shared_prefix,
+            budget=self.budget,
         )
         self._enqueue(item)
         self._queued_requests += 1
@@ -303,7 +314,7 @@ class DynamicBatcher:
             return 0.0  # nothing can join it, or it already waited
         if any(isinstance(item, Barrier) for item in self._queue):
             return 0.0  # later requests wait behind the barrier: nothing else can join
-        if sum(int(i.remaining_padded().sum()) for i in window) >= self.budget:
+        if sum(int(i.remaining_costs().sum()) for i in window) >= self.budget:
             return 0.0
         return head.arrival + self._max_wait_s - now
 
@@ -375,7 +386,7 @@ class DynamicBatcher:
             barrier.future.set_result(result)
 
     def _plan(self, window: list[PendingRequest]) -> list[tuple[PendingRequest, np.ndarray]]:
-        taken = fill_step([item.remaining_padded() for item in window], self.budget)
+        taken = fill_step([item.remaining_costs() for item in window], self.budget)
         pieces = []
         for item, positions in zip(window, taken, strict=True):
             if positions.size == 0:

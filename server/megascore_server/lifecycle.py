@@ -164,7 +164,9 @@ class ServerHandles:
         return engine
 
     def wire_engine(self, engine: Engine, pad_multiple: int = 1) -> None:
-        """Wires ``engine`` in (limits, batcher, servicer) without touching health."""
+        """Wires ``engine`` in (limits, batcher, servicer) without touching health; the
+        batcher plans shared prompts together when the engine exposes the prefixes its
+        steps share (``engine.min_shared_prefix``, as ``DistributedEngine`` does)."""
         if self.batcher is not None:
             raise RuntimeError("an engine is already attached")
         info = engine.info()
@@ -177,6 +179,7 @@ class ServerHandles:
             max_queue=self.config.max_queue,
             max_queue_tokens=self.config.max_queue_tokens,
             pad_multiple=pad_multiple,
+            min_shared_prefix=getattr(engine, "min_shared_prefix", None) or 0,
             metrics=self.metrics,
             on_fatal=self.on_fatal,
         )

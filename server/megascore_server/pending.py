@@ -15,9 +15,9 @@ from collections.abc import Callable
 import numpy as np
 
 from megascore.api import schema
-from megascore.api.layout import padded_lengths
 from megascore.api.selection import concat_outputs, keep_masked_positions, select_sequences
 from megascore.api.types import ScoreBatch, ScoreOutput
+from megascore_server.shared_units import planning_units
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,12 @@ class PendingRequest:
     future: asyncio.Future
     arrival: float
     deadline: float | None
-    padded: np.ndarray
+    units: list[np.ndarray]
+    """Request-sequence indices planned together (:mod:`megascore_server.shared_units`)."""
+    costs: np.ndarray
+    """Rows each unit costs a step."""
     remaining: np.ndarray
-    """Request-sequence indices not yet dispatched, longest first."""
+    """Units not yet dispatched, costliest first."""
     remaining_tokens: int
     parts: list[tuple[np.ndarray, ScoreOutput]] = dataclasses.field(default_factory=list)
     metric_sums: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
@@ -77,16 +80,19 @@ class PendingRequest:
         arrival: float,
         deadline: float | None,
         pad_multiple: int,
+        min_shared_prefix: int = 0,
+        budget: int = 0,
     ) -> PendingRequest:
-        padded = padded_lengths(batch.lengths, pad_multiple)
+        units, costs = planning_units(batch, pad_multiple, min_shared_prefix, budget)
         return cls(
             request_id=request_id,
             batch=batch,
             future=asyncio.get_running_loop().create_future(),
             arrival=arrival,
             deadline=deadline,
-            padded=padded,
-            remaining=np.argsort(-padded, kind="stable"),
+            units=units,
+            costs=costs,
+            remaining=np.argsort(-costs, kind="stable"),
             remaining_tokens=batch.num_tokens,
         )
 
@@ -102,17 +108,17 @@ class PendingRequest:
         """Cancelled by its caller, answered already, or past its deadline."""
         return self.future.done() or (self.deadline is not None and now >= self.deadline)
 
-    def remaining_padded(self) -> np.ndarray:
-        """Padded lengths of the waiting sequences, longest first."""
-        return self.padded[self.remaining]
+    def remaining_costs(self) -> np.ndarray:
+        """Rows of the waiting units, costliest first."""
+        return self.costs[self.remaining]
 
     def take(self, positions: np.ndarray) -> tuple[np.ndarray, int]:
-        """Removes ``remaining[positions]`` from the waiting sequences.
+        """Removes ``remaining[positions]`` from the waiting units.
 
         Returns:
             ``(request-sequence indices ascending, their real token count)``.
         """
-        idx = np.sort(self.remaining[positions])
+        idx = np.sort(np.concatenate([self.units[u] for u in self.remaining[positions]]))
         keep = np.ones(self.remaining.size, dtype=bool)
         keep[positions] = False
         self.remaining = self.remaining[keep]

@@ -159,3 +159,21 @@ def test_masked_positions_through_the_sdk(tp1):
             np.testing.assert_allclose(a[inside], b[inside], rtol=0, atol=1e-6, err_msg=name)
             assert (a[~inside] == fill).all(), name
     np.testing.assert_allclose(got.loss["nll"], dense.loss["nll"], rtol=1e-6)
+
+
+def test_a_request_over_one_step_keeps_its_groups_in_one_step(tp1):
+    """GRPO groups whose dense tokens exceed the step budget (16384) but whose rows fit
+    it: the batcher plans each group whole (issue 35), so the request takes one step and
+    every sequence shares its prompt; each scores like itself alone."""
+    rng = np.random.default_rng(35)
+    seqs = []
+    for _ in range(4):
+        prompt = rng.integers(1, 500, 600).tolist()
+        seqs += [prompt + rng.integers(1, 500, rng.integers(60, 140)).tolist() for _ in range(8)]
+    assert sum(map(len, seqs)) > 16384
+    with ScoringClient(tp1.target) as client:
+        together = client.score(seqs)
+        assert together.timings.num_steps == 1
+        for i in rng.choice(len(seqs), 6, replace=False):
+            alone = client.score([seqs[i]]).logprobs[0]
+            np.testing.assert_allclose(together.logprobs[i], alone, rtol=0, atol=1e-6)

@@ -220,6 +220,12 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         """Per-sequence pad multiple of every step (the server's batcher budgets with it)."""
         return self.step_cfg.pad_multiple
 
+    @property
+    def min_shared_prefix(self) -> int:
+        """The shortest prefix a step shares (0: its steps run dense); the server's
+        batcher plans a request's sequences that share one together."""
+        return self.step_cfg.min_shared_prefix or 0
+
     # ---- Engine protocol (rank 0) -------------------------------------------------------------
 
     def info(self) -> ModelInfo:
