@@ -1,15 +1,16 @@
 """Pure planning for the dynamic batcher: which sequences go into the next step.
 
-A step is filled first-fit decreasing over the *sequences* of the waiting
-requests: the oldest request's longest remaining sequence goes in first (so
-the head of the queue always progresses), then every other candidate
-sequence, longest first, is taken when it still fits the token budget. A
-request larger than the budget is therefore spread over several steps, and
-small requests fill the room its long sequences leave.
+A step is filled first-fit decreasing over the *planning units* of the waiting
+requests (a sequence, or a request's sequences that share a prompt:
+:mod:`megascore_server.shared_units`): the oldest request's costliest remaining
+unit goes in first (so the head of the queue always progresses), then every other
+candidate unit, costliest first, is taken when it still fits the budget. A request
+larger than the budget is therefore spread over several steps, and small requests
+fill the room its large units leave.
 
-The budget counts *padded* tokens (each sequence rounded up to the engine's
-per-sequence pad multiple, :func:`megascore.api.layout.padded_lengths`), which is
-what the engine allocates. Planning works on domain types only (no protobuf).
+The budget counts the *padded rows* the engine allocates (each segment rounded up to
+its per-sequence pad multiple, :func:`megascore.api.layout.padded_lengths`).
+Planning works on domain types only (no protobuf).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ logger = logging.getLogger(__name__)
 
 
 def fill_step(candidates: list[np.ndarray], budget: int) -> list[np.ndarray]:
-    """First-fit decreasing of one step over several requests' sequences.
+    """First-fit decreasing of one step over several requests' planning units.
 
     Args:
-        candidates: per request (oldest first), the padded lengths of its remaining
-            sequences sorted longest first. ``candidates[0]`` must be non-empty and
+        candidates: per request (oldest first), the rows of its remaining units
+            sorted costliest first. ``candidates[0]`` must be non-empty and
             its first entry must fit ``budget``.
         budget: token budget of the step.
 
@@ -40,7 +41,7 @@ def fill_step(candidates: list[np.ndarray], budget: int) -> list[np.ndarray]:
     """
     head_len = int(candidates[0][0])
     if head_len > budget:
-        raise ValueError(f"sequence of {head_len} padded tokens exceeds the step budget {budget}")
+        raise ValueError(f"a unit of {head_len} padded rows exceeds the step budget {budget}")
     room = budget - head_len
     sizes = np.array([c.size for c in candidates], dtype=np.int64)
     lens = np.concatenate(candidates)

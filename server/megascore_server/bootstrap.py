@@ -72,7 +72,7 @@ def create_engine(engine_config: EngineConfig):
 
 
 def pad_multiple(engine, engine_config: EngineConfig) -> int:
-    """Per-sequence pad multiple of the engine (the batcher budgets padded tokens).
+    """Per-sequence pad multiple of the engine (the batcher budgets padded rows).
 
     Uses ``engine.pad_multiple`` when the engine exposes it (``DistributedEngine``
     does: it knows whether the served model turned sequence parallelism on), else

@@ -36,7 +36,8 @@ class GrpcServerConfig:
     """Local tokenizer directory for text prompts and token strings; unset = an
     ``hf:DIR`` checkpoint's own tokenizer when it has one (built-ins have none)."""
     max_tokens_per_batch: int = 16384
-    """Token budget of one engine step (padded tokens)."""
+    """Budget of one engine step: its padded rows (a shared prompt counted once when
+    the engine shares prefixes; ``megascore_server.shared_units``)."""
     max_batch_wait_ms: float = 2.0
     """Longest wait for more requests before launching a step that is not full."""
     max_queue: int = 1024

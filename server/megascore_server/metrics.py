@@ -79,7 +79,7 @@ class ServerMetrics:
         )
         self.fill_ratio = prom.Histogram(
             "megascore_batch_fill_ratio",
-            "Real tokens of a step / token budget",
+            "Real tokens of a step / token budget (above 1 when its shared prompts save rows)",
             buckets=_RATIO_BUCKETS,
             registry=r,
         )

@@ -1,6 +1,7 @@
 """Work items of the batcher: a request being scored piecewise, and a barrier.
 
-A :class:`PendingRequest` tracks which of its sequences still wait, collects
+A :class:`PendingRequest` tracks which of its planning units (sequences, or
+sequences sharing a prompt: :mod:`megascore_server.shared_units`) still wait, collects
 the pieces of output each engine step produced for it and, once every
 sequence was scored, assembles its :class:`TimedOutput` in its own order.
 """
@@ -80,8 +81,8 @@ class PendingRequest:
         arrival: float,
         deadline: float | None,
         pad_multiple: int,
-        min_shared_prefix: int = 0,
-        budget: int = 0,
+        min_shared_prefix: int,
+        budget: int,
     ) -> PendingRequest:
         units, costs = planning_units(batch, pad_multiple, min_shared_prefix, budget)
         return cls(

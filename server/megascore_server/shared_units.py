@@ -4,15 +4,13 @@ With prefix sharing on, a step computes every prefix its sequences share once
 (``megascore.engine.prefix_tree``), so what a step costs is the rows its segments
 occupy, not its sequences' dense lengths. The batcher therefore plans in *units*: a
 unit is a set of a request's sequences that share a prefix of at least the engine's
-``min_shared_prefix`` tokens, costed as the rows the engine computes for it
-
-    pad(P) + sum over members of pad(L_i - P + 1)   (0 for a member that is the prefix)
-
-(``P`` the prefix they all share, ``+ 1`` the lead row of a continuation, ``pad`` the
-per-sequence pad multiple). Nested prefixes (a system prompt under several prompts)
-make the engine share more than ``P``: the cost is an upper bound, never below what
-the step really computes. Every other sequence is a unit of its own at its padded
-length.
+``min_shared_prefix`` tokens (at the same temperature), costed as the rows the engine
+computes for it alone in a step: its segments as the engine's prefix tree cuts them
+(``megascore.engine.prefix_tree``: each shared prefix and nested extension once, each
+continuation with its lead row), each padded to the per-sequence pad multiple, e.g.
+``pad(P) + sum_i pad(L_i - P + 1)`` for one prompt of ``P`` tokens. Sequences of other
+requests in the step may share more, never less. Every other sequence is a unit of its
+own at its padded length.
 
 A unit larger than the step budget is cut where its members share least (a system
 prompt shared by several prompt groups: into the groups); a group that alone exceeds
@@ -61,6 +59,7 @@ class _Planner:
     def __init__(self, batch: ScoreBatch, pad_multiple: int, min_shared: int, budget: int):
         self.ids = np.asarray(batch.token_ids)
         self.lengths = np.asarray(batch.lengths, dtype=np.int64)
+        self.temperatures = batch.temperatures()
         self.starts = offsets(self.lengths)[:-1]
         self.pad = pad_multiple
         self.min_shared = min_shared
@@ -79,9 +78,14 @@ class _Planner:
         """Sequences in token order (those with a common prefix are neighbours), cut
         where two neighbours share less than ``min_shared``: ``(members, links)``,
         ``links[j]`` the prefix members ``j`` and ``j + 1`` share."""
-        order = sorted(range(self.lengths.size), key=lambda i: self._tokens(i).tobytes())
+        # by temperature, then tokens (fixed-width keys as bytes: a prefix sorts first)
+        key = self.temperatures
+        order = sorted(range(self.lengths.size), key=lambda i: (key[i], self._tokens(i).tobytes()))
         links = np.array(
-            [self._common(a, b) for a, b in zip(order, order[1:], strict=False)],
+            [
+                self._common(a, b) if key[a] == key[b] else 0  # no sharing across them
+                for a, b in zip(order, order[1:], strict=False)
+            ],
             np.int64,
         )
         cuts = np.flatnonzero(links < self.min_shared) + 1
@@ -92,14 +96,30 @@ class _Planner:
         ]
 
     def cost(self, members: np.ndarray, links: np.ndarray) -> int:
-        """Rows of ``members`` (neighbours in token order, ``links`` between them) in
-        one step; their padded length when alone."""
-        if members.size == 1:
-            return int(padded_lengths(self.lengths[members], self.pad)[0])
-        prefix = int(links.min())
-        rest = self.lengths[members] - prefix
-        rows = np.where(rest > 0, padded_lengths(np.maximum(rest, 0) + 1, self.pad), 0)
-        return int(padded_lengths(np.array([prefix]), self.pad)[0] + rows.sum())
+        """Padded rows of ``members`` (neighbours in sorted order, ``links`` between
+        them) alone in a step: the segments the engine's prefix tree cuts them into."""
+        segments: list[int] = []
+        self._segments(self.lengths[members], links, 0, members.size, 0, segments)
+        return int(padded_lengths(np.array(segments, np.int64), self.pad).sum())
+
+    def _segments(self, lengths, links, lo: int, hi: int, start: int, out: list) -> None:
+        """Segment lengths of the sorted sequences ``[lo, hi)`` sharing ``[0, start)``,
+        as ``megascore.engine.prefix_tree`` cuts them (a child's lead row counted)."""
+        lead = 1 if start else 0
+        while lo < hi and lengths[lo] == start:
+            lo += 1  # it ends with its parent (a prefix sorts first): no segment
+        i = lo
+        while i < hi:
+            j = i
+            while j + 1 < hi and links[j] - start >= self.min_shared:
+                j += 1
+            if j == i:  # shares nothing more: a continuation (or a sequence alone)
+                out.append(int(lengths[i]) - start + lead)
+            else:
+                end = int(links[i:j].min())
+                out.append(end - start + lead)
+                self._segments(lengths, links, i, j + 1, end, out)
+            i = j + 1
 
     def fit(self, members: np.ndarray, links: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """``members`` as units ``(members, links)`` within the budget: whole when they

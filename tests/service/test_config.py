@@ -180,7 +180,7 @@ def test_help_lists_fields(capsys):
         "--no-sequence-parallel",
     ):
         assert flag in out
-    assert "Token budget of one engine step" in out
+    assert "Budget of one engine step: its padded rows" in out
 
 
 @pytest.mark.parametrize(

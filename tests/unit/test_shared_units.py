@@ -27,12 +27,13 @@ def grpo(rng, prompts: int, n: int, prompt_len: int, response_len: int, prefix=(
     return [seqs[i] for i in order]
 
 
-def engine_rows(batch, members: np.ndarray) -> int:
+def engine_rows(batch, members: np.ndarray, pad: int = PAD) -> int:
     """Rows the engine's prefix tree computes for ``members`` in one step."""
     starts = np.concatenate([[0], np.cumsum(batch.lengths)])
     ids = np.concatenate([batch.token_ids[starts[i] : starts[i + 1]] for i in members])
-    layout = shared_layout(ids, batch.lengths[members], min_shared=MIN_SHARED)
-    return int(padded_lengths(layout.lengths, PAD).sum())
+    labels = batch.temperatures()[members]
+    layout = shared_layout(ids, batch.lengths[members], min_shared=MIN_SHARED, labels=labels)
+    return int(padded_lengths(layout.lengths, pad).sum())
 
 
 def check_partition(units, n: int) -> None:
@@ -52,12 +53,27 @@ def test_each_grpo_group_is_one_unit_costed_as_the_engine_computes_it():
     assert costs.sum() < 0.5 * dense
 
 
-def test_nested_prefixes_cost_at_least_what_the_engine_computes():
+@pytest.mark.parametrize("pad", [1, PAD, 64, 128])
+def test_nested_prefixes_cost_what_the_engine_computes(pad):
+    """A system prompt over three prompt groups, at pad multiples small and large
+    against the shortest shared prefix: the unit costs the engine's padded segments."""
     rng = np.random.default_rng(1)
-    system = rng.integers(1, 1000, 40).tolist()
-    batch = make_batch(grpo(rng, prompts=3, n=4, prompt_len=120, response_len=30, prefix=system))
+    for _ in range(5):
+        system = rng.integers(1, 1000, rng.integers(16, 60)).tolist()
+        seqs = grpo(rng, prompts=3, n=4, prompt_len=int(rng.integers(16, 150)), response_len=30)
+        batch = make_batch([system + s for s in seqs])
+        units, costs = planning_units(batch, pad, MIN_SHARED, budget=100_000)
+        assert len(units) == 1 and costs[0] == engine_rows(batch, units[0], pad)
+
+
+def test_sequences_at_other_temperatures_share_nothing():
+    rng = np.random.default_rng(6)
+    batch = make_batch(grpo(rng, prompts=1, n=4, prompt_len=100, response_len=20))
+    batch = dataclasses.replace(batch, temperature=np.array([1.0, 1.0, 0.5, 0.7], np.float32))
     units, costs = planning_units(batch, PAD, MIN_SHARED, budget=100_000)
-    assert len(units) == 1 and costs[0] >= engine_rows(batch, units[0])
+    assert sorted(u.size for u in units) == [1, 1, 2]
+    for unit, cost in zip(units, costs, strict=True):
+        assert cost == engine_rows(batch, unit)
 
 
 def test_a_unit_over_the_budget_is_cut_at_its_weakest_link_then_into_runs():
@@ -74,7 +90,7 @@ def test_a_unit_over_the_budget_is_cut_at_its_weakest_link_then_into_runs():
     check_partition(units, 12)
     assert costs.max() <= budget and len(units) > 3
     for unit, cost in zip(units, costs, strict=True):
-        assert engine_rows(batch, unit) <= cost
+        assert engine_rows(batch, unit) == cost
 
 
 @pytest.mark.parametrize(

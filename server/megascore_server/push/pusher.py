@@ -294,35 +294,33 @@ class WeightPusher:
 
     async def _stage_all(self, iterator, session: PushSession, batcher: DynamicBatcher):
         """Reads chunks up to the commit, staging each complete tensor on the engine thread
-        while the next ones arrive (at most ``STAGING_BYTES`` of tensors waiting there)."""
+        while the next ones arrive (at most ``STAGING_BYTES`` of tensors waiting there).
+        Each staging is queued on the engine thread when its tensor completes, so an abort
+        after an error here runs after every staging asked for."""
         staging: collections.deque[tuple[asyncio.Future, int]] = collections.deque()
         index = 0
-        try:
-            async for message in iterator:
-                index += 1
-                kind = message.WhichOneof("step")
-                if kind == "commit":
-                    while staging:
-                        await staging[0][0]
-                        staging.popleft()
-                    return message.commit
-                if kind != "chunk":
-                    raise InvalidRequestError(f"message {index}: {kind} inside a push")
-                tensor = session.add(message.chunk, index)
-                if tensor is None or tensor.ignored:
-                    continue
-                while staging and sum(n for _, n in staging) + tensor.total > STAGING_BYTES:
+        async for message in iterator:
+            index += 1
+            kind = message.WhichOneof("step")
+            if kind == "commit":
+                while staging:
                     await staging[0][0]
                     staging.popleft()
-                future = batcher.run_on_engine(_stage_call(tensor))
-                staging.append((future, tensor.total))
-            raise ConflictError(
-                f"the stream ended after {index + 1} messages without a commit; "
-                "nothing changed (the old weights keep serving)"
-            )
-        finally:  # on an error: the abort, queued after these on the engine thread, follows
-            for future, _ in staging:
-                future.add_done_callback(_retrieve)
+                return message.commit
+            if kind != "chunk":
+                raise InvalidRequestError(f"message {index}: {kind} inside a push")
+            tensor = session.add(message.chunk, index)
+            if tensor is None or tensor.ignored:
+                continue
+            while staging and sum(n for _, n in staging) + tensor.total > STAGING_BYTES:
+                await staging[0][0]
+                staging.popleft()
+            future = batcher.run_on_engine(_stage_call(tensor))
+            staging.append((future, tensor.total))
+        raise ConflictError(
+            f"the stream ended after {index + 1} messages without a commit; "
+            "nothing changed (the old weights keep serving)"
+        )
 
     @staticmethod
     async def _abort(batcher: DynamicBatcher) -> None:
@@ -381,8 +379,3 @@ def _commit_call(version: str, partial: bool, base_version: str):
 def _stage_call(tensor: PushedTensor):
     dtype = DTYPES[tensor.dtype][0]
     return lambda e: e.stage_weight(tensor.name, dtype, tensor.shape, tensor.data, tensor.layout)
-
-
-def _retrieve(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()

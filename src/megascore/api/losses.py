@@ -14,14 +14,11 @@ requests.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import numpy as np
 
 from megascore.api.layout import effective_loss_mask, segment_sum
-
-logger = logging.getLogger(__name__)
 
 LossFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 """``fn(logprobs float64 [T], mask float64 [T], lengths int64 [B]) -> float64 [B]``."""
