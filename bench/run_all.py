@@ -46,6 +46,7 @@ import mfu
 import option_cost
 import packed_vs_hf
 import pipeline
+import prefix_grid
 import prefix_sharing
 import replica_scaling
 import routing_cost
@@ -484,6 +485,7 @@ def main() -> int:
         batch_invariance,
         option_cost,
         prefix_sharing,
+        prefix_grid,
         startup,
         data_parallel,
         replica_scaling,

@@ -25,7 +25,10 @@ in all on one GPU (a row that would start later is SKIP "time budget"):
 * tokens/s and MFU (model FLOP/s over the GPU's dense bfloat16 peak, and over a
   measured ``torch.mm``) of the ``bench`` model and of ``bench-8b``;
 * host syncs in one engine step (torch.profiler: synchronising CUDA calls, and the
-  ops that read a device value on the host).
+  ops that read a device value on the host);
+* shared prefixes (``scripts/gpu_prefix_sharing.py``): a GRPO batch scored by a dense
+  and a shared engine (torch backend), logprob parity and tokens/s against the ideal
+  ratio, on ``bench`` and ``bench-8b``.
 
 Without CUDA every GPU row is ``SKIP`` with "no CUDA" and the script exits 0.
 ``--device cpu`` runs the rows on the CPU instead (float32, torch backend; the
@@ -78,6 +81,8 @@ GPU_ROWS = (
     "tokens/s and MFU bench",
     f"tokens/s and MFU {BIG}",
     "host syncs per step",
+    "prefix sharing vs dense bench",
+    f"prefix sharing vs dense {BIG}",
 )
 
 
@@ -546,7 +551,19 @@ def main() -> int:
     table.run("host syncs per step", host_syncs, device)
     for model in ("bench", BIG):
         table.run(f"tokens/s and MFU {model}", throughput, model, device)
+    for model in ("bench", BIG):
+        table.run(f"prefix sharing vs dense {model}", shared_prefix_row, model, device, dtype)
     return table.print()
+
+
+def shared_prefix_row(model: str, device: str, dtype: str) -> tuple[str, str]:
+    """``scripts/gpu_prefix_sharing.py`` on ``model`` (the 8B shape on a GPU only)."""
+    if device != "cuda" and model == BIG:
+        return "SKIP", f"{model} needs 32 GB in float32 on the CPU: run on a GPU"
+    import gpu_prefix_sharing
+
+    _bench().single_rank_env()
+    return gpu_prefix_sharing.prefix_sharing(model, device, dtype)
 
 
 if __name__ == "__main__":

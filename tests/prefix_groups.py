@@ -9,6 +9,8 @@ threshold; sequences sharing nothing; groups of different temperatures.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from megascore.api.types import ScoreBatch
@@ -79,3 +81,34 @@ def assert_same_scores(shared, dense, atol: float = 1e-6) -> None:
     np.testing.assert_array_equal(shared.num_loss_tokens, dense.num_loss_tokens)
     if dense.routing is not None:
         np.testing.assert_array_equal(np.sort(shared.routing, -1), np.sort(dense.routing, -1))
+
+
+def assert_same_metrics(shared, dense) -> None:
+    """Every MoE / MTP metric of ``dense`` (it has both kinds) within 1e-6 relative, and
+    the scores as :func:`assert_same_scores`."""
+    want = {**dense.moe_metrics, **dense.mtp_metrics}
+    got = {**shared.moe_metrics, **shared.mtp_metrics}
+    assert dense.moe_metrics and dense.mtp_metrics and got.keys() == want.keys(), (got, want)
+    for name, value in want.items():
+        assert abs(got[name] - value) <= 1e-6 * max(abs(value), 1e-3), (name, got[name], value)
+    assert_same_scores(shared, dense)
+
+
+@contextlib.contextmanager
+def spy_prefix_attention():
+    """Yields a list that gets, per attention plan built on this rank inside the block,
+    whether a segment attended to prefix rows."""
+    from megascore.model import attention
+
+    seen: list[bool] = []
+    build = attention._build_plan
+
+    def spy(seg_lens, cp_rank, cp_size, device, prefixes=None, parents=None):
+        seen.append(prefixes is not None and any(len(p) for p in prefixes))
+        return build(seg_lens, cp_rank, cp_size, device, prefixes, parents)
+
+    attention._build_plan = spy
+    try:
+        yield seen
+    finally:
+        attention._build_plan = build

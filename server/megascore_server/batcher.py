@@ -18,10 +18,9 @@ interleave. Scheduling:
 * A request that replays a MoE routing shares steps only with other such requests
   (Megatron replays the routing of a whole forward); a request asking for the
   routing shares steps with any other.
-* A request asking for MoE or MTP metrics never shares a step: its metrics
-  are those of forwards over its own sequences only. Spread over several
-  steps, each metric is the token-weighted mean of the steps' values
-  (weights = real tokens of each step).
+* A request asking for MoE or MTP metrics never shares a step: its metrics are
+  those of forwards over its own sequences only. Spread over several steps, each
+  metric is the token-weighted mean of the steps' values (weights = their tokens).
 * A request pinned to a weights version (``options.weights_version``) is checked
   against the served version when a step that would take it starts: on another
   version it fails at once with FAILED_PRECONDITION (a swap queued before it has run
@@ -68,6 +67,7 @@ from megascore.api.types import Engine, ModelInfo, ScoreBatch, ScoreOutput
 from megascore_server.batch_assembly import fill_step, merge_batches
 from megascore_server.metrics import ServerMetrics
 from megascore_server.pending import Barrier, PendingRequest, TimedOutput
+from megascore_server.shared_units import Sharing
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ class DynamicBatcher:
         max_queue: most waiting requests.
         max_queue_tokens: most waiting tokens (0 = no token bound).
         pad_multiple: the engine's per-sequence pad multiple (for the budget).
-        min_shared_prefix: the shortest prefix the engine's steps share (0: none), for
-            the planning units (:mod:`megascore_server.shared_units`).
+        sharing: what the engine's steps share, for the planning units
+            (:mod:`megascore_server.shared_units`).
         metrics: optional Prometheus metrics.
         on_fatal: called once with the error that made the engine unusable (a
             :class:`WorkerLostError` from the engine, or a scheduler failure).
@@ -102,7 +102,7 @@ class DynamicBatcher:
         max_queue: int,
         max_queue_tokens: int = 0,
         pad_multiple: int = 1,
-        min_shared_prefix: int = 0,
+        sharing: Sharing = Sharing(),
         metrics: ServerMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ):
@@ -113,7 +113,7 @@ class DynamicBatcher:
         self._max_queue = max_queue
         self._max_queue_tokens = max_queue_tokens
         self._pad_multiple = pad_multiple
-        self._min_shared_prefix = min_shared_prefix
+        self._sharing = sharing
         self._metrics = metrics
         self.on_fatal = on_fatal
         self._queue: collections.deque[PendingRequest | Barrier] = collections.deque()
@@ -160,7 +160,7 @@ class DynamicBatcher:
             arrival=arrival,
             deadline=deadline,
             pad_multiple=self._pad_multiple,
-            min_shared_prefix=self._min_shared_prefix,
+            sharing=self._sharing,
             budget=self.budget,
         )
         self._enqueue(item)

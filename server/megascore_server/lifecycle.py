@@ -55,6 +55,7 @@ from megascore_server.gate import CallGate
 from megascore_server.health import ScorerHealth
 from megascore_server.metrics import ServerMetrics
 from megascore_server.service import ScoringService
+from megascore_server.shared_units import Sharing
 
 if TYPE_CHECKING:
     from megascore_server.http.server import HttpFront
@@ -166,7 +167,7 @@ class ServerHandles:
     def wire_engine(self, engine: Engine, pad_multiple: int = 1) -> None:
         """Wires ``engine`` in (limits, batcher, servicer) without touching health; the
         batcher plans shared prompts together when the engine exposes the prefixes its
-        steps share (``engine.min_shared_prefix``, as ``DistributedEngine`` does)."""
+        steps share (:meth:`Sharing.of`)."""
         if self.batcher is not None:
             raise RuntimeError("an engine is already attached")
         info = engine.info()
@@ -179,7 +180,7 @@ class ServerHandles:
             max_queue=self.config.max_queue,
             max_queue_tokens=self.config.max_queue_tokens,
             pad_multiple=pad_multiple,
-            min_shared_prefix=getattr(engine, "min_shared_prefix", None) or 0,
+            sharing=Sharing.of(engine),
             metrics=self.metrics,
             on_fatal=self.on_fatal,
         )

@@ -18,7 +18,7 @@ import numpy as np
 from megascore.api import schema
 from megascore.api.selection import concat_outputs, keep_masked_positions, select_sequences
 from megascore.api.types import ScoreBatch, ScoreOutput
-from megascore_server.shared_units import planning_units
+from megascore_server.shared_units import Sharing, planning_units
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,12 @@ class PendingRequest:
         arrival: float,
         deadline: float | None,
         pad_multiple: int,
-        min_shared_prefix: int,
+        sharing: Sharing,
         budget: int,
     ) -> PendingRequest:
-        units, costs = planning_units(batch, pad_multiple, min_shared_prefix, budget)
+        units, costs = planning_units(
+            batch, pad_multiple, sharing.min_shared_prefix, budget, sharing.metrics_lead_rows
+        )
         return cls(
             request_id=request_id,
             batch=batch,

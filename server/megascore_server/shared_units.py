@@ -15,12 +15,15 @@ own at its padded length.
 A unit larger than the step budget is cut where its members share least (a system
 prompt shared by several prompt groups: into the groups); a group that alone exceeds
 the budget is cut into consecutive runs of members that fit, each run computing the
-prompt once in its own step. Requests the engine does not share (routes to replay,
-target ids, MoE / MTP metrics) or a replica without sharing plan sequence by sequence,
-as before.
+prompt once in its own step. A request with MoE / MTP metrics is planned alike, its
+continuations costed with the engine's ``metrics_lead_rows`` (1 + its MTP layers), or
+sequence by sequence where its metrics steps run dense. Requests with routes to replay
+or target ids and a replica without sharing plan sequence by sequence, as before.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -28,8 +31,35 @@ from megascore.api.layout import offsets, padded_lengths
 from megascore.api.types import ScoreBatch
 
 
+@dataclasses.dataclass(frozen=True)
+class Sharing:
+    """What an engine's steps share, for the plan.
+
+    Attributes:
+        min_shared_prefix: the shortest prefix its steps share (0: they run dense).
+        metrics_lead_rows: rows a continuation repeats of its prefix in a step with MoE /
+            MTP metrics (0: such steps run dense).
+    """
+
+    min_shared_prefix: int = 0
+    metrics_lead_rows: int = 0
+
+    @classmethod
+    def of(cls, engine) -> Sharing:
+        """An engine's (``DistributedEngine.min_shared_prefix`` and ``metrics_lead_rows``;
+        an engine without them runs dense)."""
+        return cls(
+            getattr(engine, "min_shared_prefix", None) or 0,
+            getattr(engine, "metrics_lead_rows", None) or 0,
+        )
+
+
 def planning_units(
-    batch: ScoreBatch, pad_multiple: int, min_shared_prefix: int, budget: int
+    batch: ScoreBatch,
+    pad_multiple: int,
+    min_shared_prefix: int,
+    budget: int,
+    metrics_lead_rows: int = 0,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """The units of a request and their costs in rows.
 
@@ -38,16 +68,19 @@ def planning_units(
         pad_multiple: the engine's per-sequence pad multiple.
         min_shared_prefix: the shortest prefix the engine shares; 0 when it shares none.
         budget: the step budget (rows); every sequence alone fits it.
+        metrics_lead_rows: rows a continuation repeats in a step with MoE / MTP metrics;
+            0 when such steps run dense.
 
     Returns:
         ``(units, costs)``: int64 arrays of request-sequence indices (ascending), and
         int64 ``[num_units]`` rows each unit costs a step.
     """
     padded = padded_lengths(batch.lengths, pad_multiple)
-    dense = batch.routing is not None or batch.target_ids is not None
-    if not min_shared_prefix or dense or batch.return_moe_metrics or batch.return_mtp_metrics:
+    lead = metrics_lead_rows if batch.return_moe_metrics or batch.return_mtp_metrics else 1
+    dense = batch.routing is not None or batch.target_ids is not None or not lead
+    if not min_shared_prefix or dense:
         return [np.array([i]) for i in range(padded.size)], padded
-    planner = _Planner(batch, pad_multiple, min_shared_prefix, budget)
+    planner = _Planner(batch, pad_multiple, min_shared_prefix, budget, lead)
     units = [unit for run in planner.runs() for unit in planner.fit(*run)]
     costs = np.array([planner.cost(*unit) for unit in units], dtype=np.int64)
     return [np.sort(members) for members, _ in units], costs
@@ -56,7 +89,9 @@ def planning_units(
 class _Planner:
     """The units of one request (see the module docstring)."""
 
-    def __init__(self, batch: ScoreBatch, pad_multiple: int, min_shared: int, budget: int):
+    def __init__(
+        self, batch: ScoreBatch, pad_multiple: int, min_shared: int, budget: int, lead: int
+    ):
         self.ids = np.asarray(batch.token_ids)
         self.lengths = np.asarray(batch.lengths, dtype=np.int64)
         self.temperatures = batch.temperatures()
@@ -64,6 +99,7 @@ class _Planner:
         self.pad = pad_multiple
         self.min_shared = min_shared
         self.budget = budget
+        self.lead = lead
 
     def _tokens(self, i: int) -> np.ndarray:
         return self.ids[self.starts[i] : self.starts[i] + self.lengths[i]]
@@ -104,8 +140,8 @@ class _Planner:
 
     def _segments(self, lengths, links, lo: int, hi: int, start: int, out: list) -> None:
         """Segment lengths of the sorted sequences ``[lo, hi)`` sharing ``[0, start)``,
-        as ``megascore.engine.prefix_tree`` cuts them (a child's lead row counted)."""
-        lead = 1 if start else 0
+        as ``megascore.engine.prefix_tree`` cuts them (a child's lead rows counted)."""
+        lead = min(self.lead, start)
         while lo < hi and lengths[lo] == start:
             lo += 1  # it ends with its parent (a prefix sorts first): no segment
         i = lo

@@ -87,9 +87,9 @@ class EngineConfig:
     prefix_sharing: bool | None = None
     """Compute a prefix that sequences of a step share once (GRPO groups); unset: on for CPU.
 
-    None (auto) is on for the CPU and off on GPU; True on GPU is refused at start-up (no
-    tested varlen kernel returning the log-sum-exp yet); False is the dense forward.
-    Multi-latent attention and the TE backend run dense."""
+    None (auto) is on for the CPU and off on GPU (not measured there yet: docs/deploy.md);
+    True is on, on GPU too (the ``torch`` attention backend); False is the dense forward.
+    The TE backend runs dense."""
     min_shared_prefix: int = 16
     """Shortest shared prefix (in tokens) computed once when ``prefix_sharing`` is on."""
 

@@ -86,3 +86,21 @@ def test_a_failed_check_is_a_row_and_the_exit_status(capsys):
     rows = _parse(capsys.readouterr().out)
     assert rows["broken"][0] == "FAIL" and "ZeroDivisionError" in rows["broken"][2]
     assert rows["ok"] == ("PASS", 1.0, "")
+
+
+def test_the_prefix_sharing_row_runs_shared_against_dense_on_the_cpu():
+    """The row a GPU run fills (tiny here, float32): the shared engine really shares,
+    its logprobs equal the dense engine's and the detail gives the ideal ratio."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_prefix_sharing", ROOT / "scripts" / "gpu_prefix_sharing.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from tests.one_rank import one_rank_world
+
+    with one_rank_world():
+        result, detail = module.prefix_sharing("tiny", "cpu", "float32")
+    assert result == "PASS", detail
+    batch = module.grpo_batch(512)
+    ideal = batch.num_tokens / module.computed_rows(batch)
+    assert ideal > 2 and f"(ideal {ideal:.2f}x" in detail

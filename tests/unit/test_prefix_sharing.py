@@ -6,6 +6,7 @@ The layouts TP2 / EP2 / PP2 / CP2 are in tests/distributed/test_prefix_sharing.p
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -13,12 +14,19 @@ import torch
 
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
-from megascore.engine.segment_packing import GPU_REFUSAL, check_prefix_sharing_device
+from megascore.engine.segment_packing import min_shared_prefix
 from megascore_server.config_loader import load_serve_config
 from tests.one_rank import one_rank_world
-from tests.prefix_groups import MIN_SHARED, assert_same_scores, prefix_group_batch
+from tests.prefix_groups import (
+    MIN_SHARED,
+    assert_same_metrics,
+    assert_same_scores,
+    prefix_group_batch,
+    spy_prefix_attention,
+)
 
 BATCH = prefix_group_batch(seed=11, return_routing=True)
+METRICS = dataclasses.replace(BATCH, return_moe_metrics=True, return_mtp_metrics=True)
 # caller-chosen ids scored at every token: the same for every sequence of a shared prompt
 # except sequence 0's token 5 (that token of its prompt can then not be shared)
 TARGET_IDS = (BATCH.token_ids[:, None] + np.arange(3)) % 512
@@ -35,15 +43,26 @@ def _moved_route(routing: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def outputs():
-    """Per engine (dense, shared): the batch recorded, replayed with moved routes, and
-    with MoE / MTP metrics."""
+    """Per engine (dense, shared, and shared with metrics per microbatch): the batch
+    recorded, replayed with moved routes, and with MoE / MTP metrics (whether their step
+    attended to prefix rows beside them)."""
     results = {}
     with one_rank_world():
-        for sharing in (False, True):
+        for sharing, reduction in ((False, "step"), (True, "step"), (True, "microbatch")):
             engine = DistributedEngine.create(
-                EngineConfig(model="tiny-moe", prefix_sharing=sharing, min_shared_prefix=MIN_SHARED)
+                EngineConfig(
+                    model="tiny-moe",
+                    prefix_sharing=sharing,
+                    min_shared_prefix=MIN_SHARED,
+                    metrics_reduction=reduction,
+                )
             )
             try:
+                with spy_prefix_attention() as seen:
+                    metrics = engine.score(METRICS)
+                if reduction == "microbatch":
+                    results[reduction] = (metrics, any(seen))
+                    continue
                 recorded = engine.score(BATCH)
                 results[sharing] = {
                     "min_shared": engine.step_cfg.min_shared_prefix,
@@ -51,9 +70,7 @@ def outputs():
                     "replayed": engine.score(
                         dataclasses.replace(BATCH, routing=_moved_route(recorded.routing))
                     ),
-                    "metrics": engine.score(
-                        dataclasses.replace(BATCH, return_moe_metrics=True, return_mtp_metrics=True)
-                    ),
+                    "metrics": (metrics, any(seen)),
                     "targets": engine.score(
                         dataclasses.replace(BATCH, target_ids=TARGET_IDS, return_entropy=True)
                     ),
@@ -79,21 +96,30 @@ def test_tokens_replaying_different_routes_are_not_merged(outputs):
     assert_same_scores(shared, dense)
 
 
-def test_metrics_are_those_of_the_dense_batch(outputs):
-    shared, dense = outputs[True]["metrics"], outputs[False]["metrics"]
-    assert dense.moe_metrics and dense.mtp_metrics
-    for name, value in {**dense.moe_metrics, **dense.mtp_metrics}.items():
-        got = {**shared.moe_metrics, **shared.mtp_metrics}[name]
-        assert got == pytest.approx(value, rel=1e-6, abs=1e-7), name
-    assert_same_scores(shared, dense)
+def test_metrics_computed_shared_are_those_of_the_dense_batch(outputs):
+    (shared, shared_seen), (dense, dense_seen) = outputs[True]["metrics"], outputs[False]["metrics"]
+    assert shared_seen and not dense_seen  # the metrics step attended to prefix rows
+    assert_same_metrics(shared, dense)
 
 
-def test_explicit_prefix_sharing_is_refused_on_gpu():
-    with pytest.raises(ValueError, match="not available on GPU"):
-        check_prefix_sharing_device(EngineConfig(prefix_sharing=True), torch.device("cuda"))
-    assert "--no-prefix-sharing" in GPU_REFUSAL
-    check_prefix_sharing_device(EngineConfig(), torch.device("cuda"))  # auto: off, no error
-    check_prefix_sharing_device(EngineConfig(prefix_sharing=True), torch.device("cpu"))
+def test_metrics_per_microbatch_run_dense(outputs):
+    # Megatron's per-microbatch trackers see packed rows: such a step does not share
+    metrics, seen = outputs["microbatch"]
+    assert not seen and metrics.moe_metrics and metrics.mtp_metrics
+
+
+def test_prefix_sharing_is_on_where_asked_on_gpu_and_auto_on_cpu():
+    model = types.SimpleNamespace(
+        position_embedding_type="rope",
+        config=types.SimpleNamespace(multi_latent_attention=False, apply_rope_fusion=False),
+    )
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert min_shared_prefix(EngineConfig(prefix_sharing=True), cuda, model) == 16
+    assert min_shared_prefix(EngineConfig(), cuda, model) is None  # auto: not measured there
+    assert min_shared_prefix(EngineConfig(), cpu, model) == 16
+    assert min_shared_prefix(EngineConfig(prefix_sharing=False), cpu, model) is None
+    model.megascore_attention_backend = "te"  # TransformerEngine's attention: dense
+    assert min_shared_prefix(EngineConfig(prefix_sharing=True), cuda, model) is None
 
 
 def test_serve_flags():

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from megascore.api import layout
 from megascore.engine.microbatch_plan import plan_microbatches
 from megascore.engine.prefix_tree import dense_layout, shared_groups, shared_layout
+from megascore.engine.segment_packing import pack_layout, prefix_rows
 from tests.prefix_groups import MIN_SHARED, prefix_group_sequences
 
 
@@ -79,6 +81,36 @@ def test_nested_prefixes_are_nested_segments():
         (19, 2, 9),
         (19, 3, 9),
     ]
+
+
+@pytest.mark.parametrize("lead_rows", [2, 3])
+def test_continuations_repeat_the_lead_rows_of_their_prefix(lead_rows):
+    """A step running MTP layers repeats the prefix's last 1 + k tokens in each child; a
+    child sees exactly the rows of the positions before its first (packed prefix rows)."""
+    for seed in range(3):
+        seqs, temps = prefix_group_sequences(seed)
+        ids, lengths = _flat(seqs)
+        segments = shared_layout(
+            ids, lengths, min_shared=MIN_SHARED, labels=np.array(temps), lead_rows=lead_rows
+        )
+        check_layout(segments, seqs)
+        one = shared_layout(ids, lengths, min_shared=MIN_SHARED, labels=np.array(temps))
+        children = segments.parents >= 0
+        np.testing.assert_array_equal(segments.lengths - one.lengths, (lead_rows - 1) * children)
+        np.testing.assert_array_equal(one.offsets - segments.offsets, (lead_rows - 1) * children)
+        packed = pack_layout(
+            torch.from_numpy(segments.token_ids),
+            segments,
+            pad_multiple=4,
+            pad_to=int(layout.padded_lengths(segments.lengths, 4).sum()),
+            cp_rank=0,
+            cp_size=1,
+        )
+        prefixes = prefix_rows(packed.packed_seq_params)
+        for s, rows in enumerate(prefixes):
+            seq = seqs[segments.sequences[s]]
+            assert len(rows) == segments.offsets[s]
+            np.testing.assert_array_equal(packed.input_ids[0, rows].numpy(), seq[: len(rows)])
 
 
 def test_nothing_shared_is_the_dense_layout():

@@ -27,12 +27,14 @@ def grpo(rng, prompts: int, n: int, prompt_len: int, response_len: int, prefix=(
     return [seqs[i] for i in order]
 
 
-def engine_rows(batch, members: np.ndarray, pad: int = PAD) -> int:
+def engine_rows(batch, members: np.ndarray, pad: int = PAD, lead_rows: int = 1) -> int:
     """Rows the engine's prefix tree computes for ``members`` in one step."""
     starts = np.concatenate([[0], np.cumsum(batch.lengths)])
     ids = np.concatenate([batch.token_ids[starts[i] : starts[i + 1]] for i in members])
     labels = batch.temperatures()[members]
-    layout = shared_layout(ids, batch.lengths[members], min_shared=MIN_SHARED, labels=labels)
+    layout = shared_layout(
+        ids, batch.lengths[members], min_shared=MIN_SHARED, labels=labels, lead_rows=lead_rows
+    )
     return int(padded_lengths(layout.lengths, pad).sum())
 
 
@@ -97,7 +99,7 @@ def test_a_unit_over_the_budget_is_cut_at_its_weakest_link_then_into_runs():
     "change",
     [
         {"target_ids": "ids"},
-        {"return_moe_metrics": True},
+        {"return_moe_metrics": True},  # metrics steps run dense: metrics_lead_rows 0
         {"routing": "routes"},
     ],
 )
@@ -112,6 +114,20 @@ def test_what_the_engine_does_not_share_is_planned_sequence_by_sequence(change):
     units, costs = planning_units(batch, PAD, MIN_SHARED, budget=100_000)
     assert [u.tolist() for u in units] == [[i] for i in range(6)]
     np.testing.assert_array_equal(costs, padded_lengths(batch.lengths, PAD))
+
+
+@pytest.mark.parametrize("lead_rows", [1, 3])
+def test_a_metrics_request_is_planned_with_the_lead_rows_of_its_steps(lead_rows):
+    """A request with MoE / MTP metrics on an engine whose metrics steps share: units
+    costed with the continuations' lead rows (1 + the MTP layers) as the engine cuts them."""
+    rng = np.random.default_rng(7)
+    system = rng.integers(1, 1000, 30).tolist()
+    batch = make_batch(grpo(rng, prompts=2, n=4, prompt_len=60, response_len=20, prefix=system))
+    batch = dataclasses.replace(batch, return_mtp_metrics=True)
+    for pad in (1, PAD):
+        units, costs = planning_units(batch, pad, MIN_SHARED, 100_000, metrics_lead_rows=lead_rows)
+        assert len(units) == 1
+        assert costs[0] == engine_rows(batch, units[0], pad, lead_rows=lead_rows)
 
 
 def test_without_sharing_every_sequence_is_its_own_unit():

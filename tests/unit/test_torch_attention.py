@@ -6,12 +6,17 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megascore.api import layout
 from megascore.engine.packing import cp_shard_indices
+from megascore.engine.prefix_tree import shared_layout
+from megascore.engine.segment_packing import full_positions, pack_layout, prefix_rows
+from megascore.model import attention
 from megascore.model.attention import TorchCoreAttention, _build_plan
 
 HEADS, GROUPS, DIM = 4, 2, 8
@@ -117,3 +122,71 @@ def test_plain_sbhd_input_is_causal_per_batch_row():
 def test_segment_not_divisible_by_cp_chunks_raises():
     with pytest.raises(ValueError, match="sequence 1"):
         _build_plan([4, 6], 0, 2, torch.device("cpu"))
+
+
+def _shared_case(lead_rows: int, pad: int):
+    """Sequences sharing nested prefixes laid out shared (prefix_tree + pack_layout), with
+    q / k / v a function of each row's token and position (a lead row repeats its
+    parent's row exactly, as in the model)."""
+    gen = torch.Generator().manual_seed(3)
+    outer, inner = (
+        torch.randint(1, 50, (11,), generator=gen),
+        torch.randint(1, 50, (7,), generator=gen),
+    )
+    tails = [torch.randint(1, 50, (n,), generator=gen) for n in (1, 6, 3, 9, 0)]
+    seqs = [torch.cat([outer, inner, tails[0]]), torch.cat([outer, inner, tails[1]])]
+    seqs += [torch.cat([outer, tails[2]]), torch.cat([outer, tails[3]]), torch.cat([outer, inner])]
+    lengths = np.array([len(s) for s in seqs])
+    segments = shared_layout(torch.cat(seqs).numpy(), lengths, min_shared=4, lead_rows=lead_rows)
+    pad_to = int(layout.padded_lengths(segments.lengths, pad).sum())
+    tables = [torch.randn(64, n, DIM, generator=gen) for n in (HEADS, GROUPS, GROUPS)]
+    positions = [torch.randn(64, n, DIM, generator=gen) for n in (HEADS, GROUPS, GROUPS)]
+    return seqs, segments, pad_to, tables, positions
+
+
+@pytest.mark.parametrize(("lead_rows", "cp_size"), [(1, 1), (3, 1), (1, 2), (2, 2)])
+def test_continuations_match_the_dense_softmax_through_attention_with_lse(
+    monkeypatch, lead_rows, cp_size
+):
+    """Shared prefixes (nested, continuations of 0 and 1 tokens, 1 or 3 lead rows, CP 1
+    and 2): every token's output equals its sequence's dense causal attention, and both
+    the continuations' own pass and the prefix pass go through ``attention_with_lse``,
+    the function the CUDA path calls too (tests/gpu/test_attention_lse.py)."""
+    seqs, segments, pad_to, tables, positions = _shared_case(lead_rows, 2 * cp_size)
+    calls = []
+    real = attention.attention_with_lse
+
+    def spy(q, k, v, **kwargs):
+        calls.append(kwargs["causal"] or kwargs["mask"] is not None)  # own pass or prefix pass
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention, "attention_with_lse", spy)
+    ids = torch.from_numpy(segments.token_ids)
+    full = pack_layout(ids, segments, pad_multiple=2 * cp_size, pad_to=pad_to, cp_rank=0, cp_size=1)
+    params = full.packed_seq_params
+    pos = full_positions(full.cu_seqlens_padded, params)
+    tok = torch.zeros(pad_to, dtype=torch.long)
+    tok[full.token_positions] = ids
+    q, k, v = (t[tok] + p[pos] for t, p in zip(tables, positions, strict=True))
+    cu = full.cu_seqlens_padded.long()
+    shards = [cp_shard_indices(cu, r, cp_size) for r in range(cp_size)]
+    k_gathered, v_gathered = torch.cat([k[i] for i in shards]), torch.cat([v[i] for i in shards])
+    out = torch.zeros(pad_to, HEADS, DIM)
+    seg_lens = cu.diff().tolist()
+    for rank, idx in enumerate(shards):
+        plan = _build_plan(
+            seg_lens, rank, cp_size, q.device, prefix_rows(params), params.segment_parents
+        )
+        out[idx] = _module(cp_size, rank)._attend(q[idx], k_gathered, v_gathered, plan)
+    assert True in calls and False in calls  # own passes and prefix passes
+    rows = full.token_positions[torch.from_numpy(segments.token_rows)]
+    start = 0
+    for seq in seqs:
+        n = len(seq)
+        at = torch.arange(n)
+        dense = [t[seq] + p[at] for t, p in zip(tables, positions, strict=True)]
+        expected = _reference(*dense, [n])
+        torch.testing.assert_close(
+            out[rows[start : start + n]].double(), expected, atol=1e-5, rtol=0
+        )
+        start += n

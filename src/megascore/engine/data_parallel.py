@@ -68,7 +68,14 @@ from megascore.engine.microbatch_plan import (
     shared_units,
     split_microbatches,
 )
-from megascore.engine.step import StepConfig, StepGroups, run_step, shared_prefix, token_keys
+from megascore.engine.step import (
+    StepConfig,
+    StepGroups,
+    lead_rows,
+    run_step,
+    shared_prefix,
+    token_keys,
+)
 from megascore.engine.step_output import finish_step
 
 logger = logging.getLogger(__name__)
@@ -315,6 +322,7 @@ class DataParallelGroup:
                 min_shared=min_shared,
                 token_keys=token_keys(batch),
                 labels=batch.temperatures(),
+                lead_rows=lead_rows(model, batch),
             )
         split = split_step(batch.lengths, self.size, cfg.pad_multiple, cfg.microbatches, shared)
         part = sub_batch(batch, split.parts[self.rank])

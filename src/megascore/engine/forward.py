@@ -225,11 +225,13 @@ def forward_microbatch(
     *,
     metrics_forward: bool = False,
     loss_mask_packed_local: torch.Tensor | None = None,
+    tokens: step_metrics.TokenRows | None = None,
 ):
     """``model(**model_inputs(...))`` for one packed microbatch, in the step's mode
     (:func:`scoring_forward`): under ``metrics_reduction="step"`` the step's collector
-    (:mod:`megascore.engine.step_metrics`) sees it; else a metrics forward's z-loss and
-    MTP losses are token-weighted over the ranks (:func:`_token_weight_z_loss`,
+    (:mod:`megascore.engine.step_metrics`) sees it, reading each token of ``tokens``
+    (where the sequences' tokens are; None: each segment a sequence); else a metrics
+    forward's z-loss and MTP losses are token-weighted over the ranks (:func:`_token_weight_z_loss`,
     :func:`_token_weight_mtp_loss`). Returns what the model returns (the
     :class:`OutputHead` on the last stage, the hidden states elsewhere)."""
     kwargs = model_inputs(
@@ -240,7 +242,7 @@ def forward_microbatch(
     )
     collector = step_metrics.active(model) if metrics_forward else None
     if collector is not None:  # metrics_reduction "step": statistics, reduced at the end
-        with collector.microbatch(packed):
+        with collector.microbatch(packed, tokens), rope_positions(model, packed):
             return model(**kwargs)
     weigh = metrics_forward and bool(model.config.num_moe_experts)
     before = _z_loss_values() if weigh else None

@@ -39,7 +39,9 @@ class Microbatch:
             scored token (the request's loss mask, Megatron's alignment; a shared row
             is scored where any of its sequences scores it).
         mtp_loss_mask: ``[1, T_local]`` the same mask for MTP when the request has one,
-            else None (Megatron's default mask).
+            else None (Megatron's default mask). With shared prefixes it counts, at each
+            row, the sequences whose scored next token that row predicts (an MTP metric
+            weighs a shared row by the sequences it stands for).
         replay_routes: int64 ``[n, L_stage, k]`` MoE routes this stage's routers replay
             (:func:`megascore.engine.routing.local_replay_targets`), or None.
         recorded_routes: set by the forward step when the step records the routing:
@@ -48,6 +50,7 @@ class Microbatch:
             at this shard's positions, ``[T_local, ...]``: at each position the values
             given for the token it predicts.
         num_sequences: the microbatch's sequences.
+        lengths: int64 ``[num_sequences]`` (CPU) their lengths, or None.
         last_rows: int64 ``[n]`` (CPU) the local rows (this CP shard's) that hold the
             last token of a sequence: their output predicts the token after it
             (:func:`megascore.api.schema.at_last_row`). A sequence that ends where a shared
@@ -66,6 +69,7 @@ class Microbatch:
     recorded_routes: torch.Tensor | None = None
     head_inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     num_sequences: int = 0
+    lengths: torch.Tensor | None = None
     last_rows: torch.Tensor | None = None
     last_sequences: torch.Tensor | None = None
 
@@ -96,7 +100,8 @@ def build_microbatch(
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
         has_request_mask: the request carried a loss mask (MTP then uses it).
-        lengths: int64 ``[B_mb]`` the microbatch's sequence lengths (with ``head_inputs``).
+        lengths: int64 ``[B_mb]`` the microbatch's sequence lengths (with ``head_inputs``
+            or shared segments).
         head_inputs: token-aligned ``[T_mb, ...]`` head inputs by name (none: None).
 
     Returns:
@@ -134,18 +139,22 @@ def build_microbatch(
     mask = roll_within_segments(full, cu_padded, shifts=-1)[0, shard]
     positions = packed.token_positions[torch.from_numpy(segments.token_rows)]
     last_rows, last_sequences = _last_rows(positions, lengths, packed, pad_to)
+    mtp_mask = mask.unsqueeze(0) if has_request_mask else None
+    if segments.shared:
+        mtp_mask = _prediction_counts(target_mask, lengths, positions, pad_to)[shard][None]
     return Microbatch(
         packed=packed,
         token_positions=positions,
         targets=targets,
         temperature=temps,
         loss_mask=mask.to(device),
-        mtp_loss_mask=mask.unsqueeze(0).to(device) if has_request_mask else None,
+        mtp_loss_mask=None if mtp_mask is None else mtp_mask.to(device),
         head_inputs={
             name: _predicting_rows(values, lengths, positions, packed, pad_to)
             for name, values in (head_inputs or {}).items()
         },
         num_sequences=0 if lengths is None else len(lengths),
+        lengths=None if lengths is None else torch.as_tensor(lengths, dtype=torch.int64),
         last_rows=last_rows,
         last_sequences=last_sequences,
     )
@@ -168,6 +177,25 @@ def _last_rows(
     return rows[mine], mine
 
 
+def _predicted(lengths: np.ndarray, count: int) -> torch.Tensor:
+    """bool ``[count]``: the tokens that have a predicting row (all but each sequence's first)."""
+    predicted = torch.ones(count, dtype=torch.bool)
+    predicted[layout.offsets(lengths)[:-1]] = False
+    return predicted
+
+
+def _prediction_counts(
+    target_mask: np.ndarray, lengths: np.ndarray, positions: torch.Tensor, pad_to: int
+) -> torch.Tensor:
+    """float32 ``[pad_to]``: per packed row (full axis), the scored tokens it predicts
+    (``target_mask``, token-aligned; a token's predicting row is the one before its own,
+    ``positions``), summed over the sequences that share the row."""
+    predicted = _predicted(lengths, positions.numel())
+    counts = torch.zeros(pad_to)
+    counts.index_add_(0, positions[predicted] - 1, torch.from_numpy(target_mask)[predicted])
+    return counts
+
+
 def _predicting_rows(
     values: np.ndarray,
     lengths: np.ndarray,
@@ -179,7 +207,6 @@ def _predicting_rows(
     token (one before it, ``positions``: each token's packed row; a sequence's first row
     has none and is dropped), this CP rank's shard of them, on the ids' device."""
     rows = torch.zeros((pad_to, values.shape[1]), dtype=torch.int64)
-    predicted = torch.ones(positions.numel(), dtype=torch.bool)
-    predicted[layout.offsets(lengths)[:-1]] = False  # each sequence's first token
+    predicted = _predicted(lengths, positions.numel())
     rows[positions[predicted] - 1] = torch.from_numpy(np.asarray(values, np.int64))[predicted]
     return rows[packed.shard_indices].to(packed.input_ids.device)

@@ -120,6 +120,7 @@ def shared_units(
     min_shared: int,
     token_keys: np.ndarray | None = None,
     labels: np.ndarray | None = None,
+    lead_rows: int = 1,
 ) -> SharedUnits:
     """The groups of a step's sequences that share a prefix of ``>= min_shared`` tokens,
     with their layouts (arguments as :func:`plan_microbatches`)."""
@@ -138,6 +139,7 @@ def shared_units(
                 min_shared=min_shared,
                 token_keys=keys[tok],
                 labels=labels[seqs],
+                lead_rows=lead_rows,
             )
         )
     costs = np.array(
@@ -167,6 +169,7 @@ def plan_microbatches(
     min_shared: int | None = None,
     token_keys: np.ndarray | None = None,
     labels: np.ndarray | None = None,
+    lead_rows: int = 1,
     cuts: MicrobatchPlan | None = None,
 ) -> tuple[list[MicrobatchSegments], int]:
     """Splits a step into microbatches, computing shared prefixes once when asked.
@@ -185,6 +188,8 @@ def plan_microbatches(
         min_shared: shortest prefix worth sharing, or None for the dense layout.
         token_keys: int64 ``[T, w]`` what must match for tokens to be shared (None: ids).
         labels: ``[B]`` sequences of different labels share nothing (None: all equal).
+        lead_rows: the parent's last tokens a continuation computes again
+            (:func:`~megascore.engine.prefix_tree.shared_layout`).
         cuts: the step's given microbatches (:mod:`megascore.engine.data_parallel`,
             whose ``segments`` replace ``min_shared``); None: cut here.
 
@@ -201,6 +206,7 @@ def plan_microbatches(
             min_shared=min_shared,
             token_keys=token_keys,
             labels=labels,
+            lead_rows=lead_rows,
         )
         ranges, pad_to = split_microbatches(units.costs, pad_multiple, count)
         return [joined_groups(units, lengths, range(a, b)) for a, b in ranges], pad_to

@@ -48,6 +48,7 @@ from megascore.engine.forward import forward_microbatch
 from megascore.engine.logprobs import Float32Logits, score_tokens
 from megascore.engine.microbatch import Microbatch
 from megascore.engine.routing import recorded_routes, set_replay_targets
+from megascore.engine.step_metrics import TokenRows
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ def forward_step(data_iterator, model, *, spec: ScoreSpec):
         mb.packed,
         metrics_forward=spec.metrics_forward,
         loss_mask_packed_local=mb.mtp_loss_mask,
+        tokens=None if mb.lengths is None else TokenRows(mb.token_positions, mb.lengths),
     )
     if spec.record_routes:
         mb.recorded_routes = recorded_routes(model)

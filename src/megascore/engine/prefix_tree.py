@@ -16,10 +16,14 @@ exact match):
   at the position that token has in the sequence: its output predicts the
   child's first token, so every prediction of a sequence comes from the row
   before the token in the same segment (as in a dense segment), and the parent's
-  last row, whose next token differs per child, is used by none of them;
+  last row, whose next token differs per child, is used by none of them. A step
+  that runs ``k`` MTP layers gives each child ``1 + k`` lead rows (the parent's
+  last ``1 + k`` tokens): MTP depth ``d`` at position ``p`` reads the tokens up to
+  ``p + d + 1``, so the rows whose MTP values depend on the child's tokens are
+  computed in the child (:mod:`megascore.engine.step_metrics`);
 * a segment's rows sit at positions ``offset ..`` of their sequences (RoPE and
-  position ids continue from the prefix) and attend to the parent's keys before
-  its last row, the parent's ancestors' likewise, and their own causal past
+  position ids continue from the prefix) and attend to the keys of the positions
+  before their first row (the parent's, its ancestors'), and their own causal past
   (:mod:`megascore.model.attention`).
 
 Only sequences of the same *label* (the engine uses the temperature) share
@@ -136,8 +140,9 @@ def shared_groups(
 class _Builder:
     """Accumulates the segments of :func:`shared_layout`."""
 
-    def __init__(self, token_ids: np.ndarray, lengths: np.ndarray):
+    def __init__(self, token_ids: np.ndarray, lengths: np.ndarray, lead_rows: int):
         self.ids = token_ids
+        self.lead_rows = lead_rows
         self.lengths = lengths
         self.bounds = layout.offsets(lengths)
         self.token_rows = np.full(int(self.bounds[-1]), -1, dtype=np.int64)
@@ -148,7 +153,7 @@ class _Builder:
     def add(self, rep: int, start: int, end: int, parent: int, members) -> int:
         """Segment of tokens ``[start, end)`` of sequence ``rep`` (and of ``members``)."""
         base = int(self.bounds[rep])
-        lead = 0 if parent < 0 else 1  # a child repeats its parent's last token first
+        lead = 0 if parent < 0 else min(self.lead_rows, start)  # the parent's last tokens
         source = np.arange(base + start - lead, base + end, dtype=np.int64)
         own = np.arange(self.rows + lead, self.rows + lead + end - start, dtype=np.int64)
         for b in members:
@@ -200,6 +205,7 @@ def shared_layout(
     min_shared: int,
     token_keys: np.ndarray | None = None,
     labels: np.ndarray | None = None,
+    lead_rows: int = 1,
 ) -> SegmentLayout:
     """The segments of a microbatch with its shared prefixes computed once.
 
@@ -211,12 +217,14 @@ def shared_layout(
         token_keys: int64 ``[T, w]`` what must match for tokens to be shared; None:
             the ids.
         labels: ``[B]`` sequences of different labels share nothing; None: all equal.
+        lead_rows: the parent's last tokens a child computes again (>= 1; the module
+            docstring).
 
     Returns:
         The :class:`SegmentLayout` (:func:`dense_layout`'s when nothing is shared).
     """
-    if min_shared < 1:
-        raise ValueError(f"min_shared must be >= 1, got {min_shared}")
+    if min_shared < 1 or lead_rows < 1:
+        raise ValueError(f"min_shared and lead_rows must be >= 1, got {min_shared}, {lead_rows}")
     token_ids = np.asarray(token_ids, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     keys = token_ids[:, None] if token_keys is None else np.asarray(token_keys, dtype=np.int64)
@@ -224,7 +232,7 @@ def shared_layout(
     order, lcp = _sorted_with_lcp(keys, lengths, labels)
     if len(lengths) < 2 or not (lcp >= min_shared).any():
         return dense_layout(token_ids, lengths)
-    builder = _Builder(token_ids, lengths)
+    builder = _Builder(token_ids, lengths, lead_rows)
     empty = [int(b) for b in order if lengths[b] == 0]
     for b in empty:  # an empty sequence keeps its empty segment, as in the dense layout
         builder.add(b, 0, 0, -1, [b])

@@ -70,7 +70,7 @@ from megascore.engine.push.apply import WeightStaging
 from megascore.engine.push.handler import WeightPushHandler
 from megascore.engine.reload import WeightReload
 from megascore.engine.routing import routing_shape
-from megascore.engine.segment_packing import check_prefix_sharing_device, min_shared_prefix
+from megascore.engine.segment_packing import min_shared_prefix
 from megascore.engine.served_model import LoadedModel, load_served_model
 from megascore.engine.startup import (
     DRIVER_RANK,
@@ -79,7 +79,7 @@ from megascore.engine.startup import (
     result_rank,
     teardown_groups,
 )
-from megascore.engine.step import StepConfig, StepGroups, agree_on_status
+from megascore.engine.step import StepConfig, StepGroups, agree_on_status, metrics_lead_rows
 from megascore.engine.worker_loop import WorkerLoop
 from megascore.model.parallel import initialize_parallel, select_device
 
@@ -177,7 +177,6 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         """
         parse_model_string(engine_cfg.model)  # bad strings fail alike everywhere, early
         device = select_device(engine_cfg)  # the one place it is resolved
-        check_prefix_sharing_device(engine_cfg, device)
         owns_default_group = init_distributed(engine_cfg, device)
         own_groups: list[dist.ProcessGroup] = []
         try:
@@ -225,6 +224,15 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         """The shortest prefix a step shares (0: its steps run dense); the server's
         batcher plans a request's sequences that share one together."""
         return self.step_cfg.min_shared_prefix or 0
+
+    @property
+    def metrics_lead_rows(self) -> int:
+        """Rows a continuation repeats of its prefix in a step with MoE / MTP metrics
+        (:func:`~megascore.engine.step.metrics_lead_rows`; 0: such steps run dense), for
+        the batcher's plan of such requests."""
+        if not self.min_shared_prefix or self.step_cfg.metrics_reduction != "step":
+            return 0
+        return metrics_lead_rows(self.loaded.model.config)
 
     # ---- Engine protocol (rank 0) -------------------------------------------------------------
 

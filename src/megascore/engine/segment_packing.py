@@ -10,10 +10,12 @@ places read it:
   segment's rows attend to :func:`prefix_rows` first, then causally to its own;
 * :func:`full_positions` continues positions from the prefix (the model's
   ``position_ids``: learned position embeddings);
-* :func:`rope_positions` makes the model's RoPE table follow the same positions,
+* :func:`rope_positions` makes the model's RoPE tables follow the same positions,
   through Megatron's packed-frequency path (``freqs`` with one row per packed
-  position, ``_apply_rotary_pos_emb_thd``); dense packings take the same path (one
-  rotation over the batch instead of one per sequence).
+  position, ``_apply_rotary_pos_emb_thd``): GPTModel's table, or the one each
+  multi-latent attention module applies to its queries and keys itself; dense
+  packings take the same path (one rotation over the batch instead of one per
+  sequence).
 
 Under context parallelism the segments are sharded like sequences (2 x CP chunks
 each, load-balanced); the attention all-gathers K and V, so a continuation's rows reach
@@ -28,6 +30,7 @@ import logging
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
 from megascore.config import EngineConfig
 from megascore.engine.packing import PackedSequences, pack_sequences
@@ -54,24 +57,24 @@ class SharedPrefixParams(PackedSeqParams):
 def prefix_rows(params: SharedPrefixParams) -> list[torch.Tensor]:
     """Packed rows every segment attends to before its own, in position order.
 
-    A child sees its parent's prefix rows and the parent's rows but the last (the
-    child's lead row repeats that one), so segment ``s`` gets ``segment_offsets[s]`` rows.
+    A child sees the rows of the positions before its first one: its parent's prefix
+    rows, then the parent's own rows (its lead rows repeat the parent's last ones), so
+    segment ``s`` gets ``segment_offsets[s]`` rows.
 
     Returns:
         int64 CPU tensors, one per segment (empty for a root).
     """
     starts = params.cu_seqlens_q_padded.tolist()
+    offsets = params.segment_offsets
     rows: list[torch.Tensor] = []
     for s, parent in enumerate(params.segment_parents):
         if parent < 0:
             rows.append(torch.empty(0, dtype=torch.long))
             continue
-        own = torch.arange(params.segment_lengths[parent] - 1) + starts[parent]
-        rows.append(torch.cat([rows[parent], own]))
-        if len(rows[s]) != params.segment_offsets[s]:
-            raise ValueError(
-                f"segment {s}: {len(rows[s])} prefix rows, offset {params.segment_offsets[s]}"
-            )
+        own = torch.arange(params.segment_lengths[parent]) + starts[parent]
+        rows.append(torch.cat([rows[parent], own])[: offsets[s]])
+        if len(rows[s]) != offsets[s]:
+            raise ValueError(f"segment {s}: {len(rows[s])} prefix rows, offset {offsets[s]}")
     return rows
 
 
@@ -141,59 +144,66 @@ def full_positions(cu_seqlens_padded: torch.Tensor, params: PackedSeqParams) -> 
 
 @contextlib.contextmanager
 def rope_positions(model, packed: PackedSequences):
-    """Inside the block the model's RoPE table has one row per packed position, at that
+    """Inside the block the model's RoPE tables have one row per packed position, at that
     row's position in its sequence (:func:`full_positions`).
 
     Megatron then rotates the whole packed batch in one pass (its packed-frequency THD
-    path, also under CP) instead of one pass per sequence, and a shared prefix's
-    continuation is rotated at the positions that follow the prefix. A no-op for models
-    without GPTModel-level RoPE and with the fused RoPE kernel (its THD kernel indexes
-    the table by position inside the sequence; shared prefixes are refused there).
+    path, also under CP: it picks this rank's rows of each sequence by the sequence's
+    packed offset) instead of one pass per sequence, and a shared prefix's continuation
+    is rotated at the positions that follow the prefix. The tables are those of
+    :func:`_rope_tables`: GPTModel's, or each multi-latent attention's own. A no-op
+    without such a table (other position embeddings, the fused RoPE kernel) and for
+    non-THD input.
     """
-    rotary = getattr(model, "rotary_pos_emb", None)
     params = packed.packed_seq_params
-    if (
-        rotary is None
-        or model.position_embedding_type != "rope"
-        or model.config.apply_rope_fusion
-        or params.qkv_format != "thd"
-    ):
+    tables = _rope_tables(model) if params.qkv_format == "thd" else []
+    if not tables:
         yield
         return
-    rows = full_positions(packed.cu_seqlens_padded, params)
+    rows = full_positions(packed.cu_seqlens_padded, params).to(packed.input_ids.device)
 
-    def per_row(module, args, output):  # output: [max_seqlen, 1, 1, dim]
-        return output[rows.to(output.device)]  # [T, 1, 1, dim]
+    def per_row(module, args, output):
+        # RotaryEmbedding: [max_seqlen, 1, 1, dim]; YarnRotaryEmbedding: (that, mscale)
+        if isinstance(output, tuple):
+            return output[0][rows], *output[1:]  # [T, 1, 1, dim], mscale
+        return output[rows]  # [T, 1, 1, dim]
 
-    handle = rotary.register_forward_hook(per_row)
+    handles = [table.register_forward_hook(per_row) for table in tables]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
-GPU_REFUSAL = (
-    "prefix sharing is not available on GPU yet: it needs a varlen attention kernel that "
-    "returns the log-sum-exp, and none is tested (docs/deploy.md); start with "
-    "--no-prefix-sharing (the default on GPU)"
-)
+def _rope_tables(model) -> list[torch.nn.Module]:
+    """The rotary embeddings :func:`rope_positions` re-indexes.
 
-
-def check_prefix_sharing_device(engine_cfg: EngineConfig, device: torch.device) -> None:
-    """Start-up check: an explicit ``prefix_sharing`` on a CUDA device is refused."""
-    if engine_cfg.prefix_sharing and device.type == "cuda":
-        raise ValueError(GPU_REFUSAL)
+    GPTModel's table (RoPE position embeddings), or, for multi-latent attention, the one
+    every MLA module (decoder and MTP layers) builds and applies itself. MLA asks its
+    table for ``max_seqlen`` rows with ``packed_seq=True`` (not CP-sliced) and, under CP,
+    keeps it whole, so its rows index the full packed axis as GPTModel's do. None with
+    the fused RoPE kernel: its THD kernel indexes the table by position inside the
+    sequence (and YaRN's fused path fills a cos / sin cache from the table).
+    """
+    if model.config.apply_rope_fusion:
+        return []
+    if model.config.multi_latent_attention:
+        return [m.rotary_pos_emb for m in model.modules() if isinstance(m, MultiLatentAttention)]
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None or model.position_embedding_type != "rope":
+        return []
+    return [rotary]
 
 
 def _unsupported(model) -> str | None:
     """Why a built model cannot compute shared prefixes, or None."""
-    if model.config.multi_latent_attention:
-        return "multi-latent attention (it applies RoPE inside its attention)"
     if model.position_embedding_type not in ("rope", "learned_absolute", "none"):
         return f"{model.position_embedding_type!r} position embeddings"
     if getattr(model, "megascore_attention_backend", "torch") != "torch":
         return "the TransformerEngine attention backend"
-    if model.position_embedding_type == "rope" and model.config.apply_rope_fusion:
+    rope = model.position_embedding_type == "rope" or model.config.multi_latent_attention
+    if rope and model.config.apply_rope_fusion:
         return "the fused RoPE kernel"
     return None
 
@@ -201,9 +211,10 @@ def _unsupported(model) -> str | None:
 def min_shared_prefix(engine_cfg: EngineConfig, device: torch.device, model) -> int | None:
     """The shortest prefix a replica's steps share, or None when its steps run dense.
 
-    ``prefix_sharing`` None (auto) is on for the CPU, off on GPU; False is off. A model
-    or layout that cannot share (:func:`_unsupported`) runs dense, with a warning when
-    sharing was asked for explicitly.
+    ``prefix_sharing`` None (auto) is on for the CPU and off on CUDA (its kernels'
+    speed is not measured yet: docs/deploy.md), True on, False off. A model or layout
+    that cannot share (:func:`_unsupported`) runs dense, with a warning when sharing was
+    asked for explicitly.
 
     Args:
         engine_cfg: the engine config.
@@ -213,8 +224,8 @@ def min_shared_prefix(engine_cfg: EngineConfig, device: torch.device, model) -> 
     Returns:
         ``engine_cfg.min_shared_prefix`` or None.
     """
-    check_prefix_sharing_device(engine_cfg, device)
-    if engine_cfg.prefix_sharing is False or device.type == "cuda":
+    auto_off = engine_cfg.prefix_sharing is None and device.type == "cuda"
+    if engine_cfg.prefix_sharing is False or auto_off:
         return None
     reason = _unsupported(model)
     if reason is not None:

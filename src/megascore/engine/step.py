@@ -167,9 +167,24 @@ class _Plan:
 
 
 def shared_prefix(model, batch: ScoreBatch, cfg: StepConfig) -> int | None:
-    """The step's shortest shared prefix, or None for a dense step: sharing off, or a
-    forward recording MoE / MTP metrics (they are the dense batch's)."""
-    return None if any(_metrics_forward(model, batch)) else cfg.min_shared_prefix
+    """The step's shortest shared prefix, or None for a dense step: sharing off, or MoE /
+    MTP metrics read from Megatron's per-microbatch trackers (``metrics_reduction``
+    "microbatch": they see the packed rows). Step metrics weigh each shared row by the
+    sequences it stands for (:mod:`megascore.engine.step_metrics`)."""
+    per_microbatch = any(_metrics_forward(model, batch)) and cfg.metrics_reduction != "step"
+    return None if per_microbatch else cfg.min_shared_prefix
+
+
+def lead_rows(model, batch: ScoreBatch) -> int:
+    """Rows a continuation computes again of its prefix: 1, or :func:`metrics_lead_rows`
+    in a step that records MoE / MTP metrics (:mod:`megascore.engine.prefix_tree`)."""
+    return metrics_lead_rows(model.config) if any(_metrics_forward(model, batch)) else 1
+
+
+def metrics_lead_rows(config) -> int:
+    """Rows a continuation computes again of its prefix in a metrics step: 1 + the MTP
+    layers (a metrics forward runs them)."""
+    return 1 + (config.mtp_num_layers or 0)
 
 
 def _metrics_forward(model, batch: ScoreBatch) -> tuple[bool, bool]:
@@ -213,6 +228,7 @@ def _plan(
         min_shared=shared_prefix(model, batch, cfg),
         token_keys=token_keys(batch),
         labels=batch.temperatures(),
+        lead_rows=lead_rows(model, batch),
         cuts=cuts,
     )
     target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)

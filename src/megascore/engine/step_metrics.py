@@ -8,13 +8,21 @@ server chose, not the user (``metrics_reduction="microbatch"``,
 over all microbatches and ranks of the step and applies the formula once:
 
 * a hook on every router's ``TopKRouter.routing`` (per instance, for the metrics
-  forward only) reads the router logits and Megatron's padding mask (True = pad) of
-  each call and adds, per MoE layer: per expert, the real tokens routed there and the
-  sum of their routing scores (Megatron's ``compute_routing_scores_for_aux_loss``: the
-  aux-loss top-k, without expert bias), the real-token count and the sum of the
-  squared ``logsumexp`` of the logits (float64); the same counts per *sequence*;
+  forward only) reads the router logits of each call and adds, per MoE layer: per
+  expert, the tokens routed there and the sum of their routing scores (Megatron's
+  ``compute_routing_scores_for_aux_loss``: the aux-loss top-k, without expert bias),
+  the token count and the sum of the squared ``logsumexp`` of the logits (float64);
+  the same counts per *sequence*. The tokens are those of the dense batch
+  (:class:`TokenRows`): every real token of every sequence, read at the row that
+  computes it, so a row of a shared prefix counts once per sequence it stands for; MTP
+  layer ``d`` sees the positions whose token ``d`` ahead is real (Megatron's rolled
+  padding mask), read in the segment that holds the tokens up to ``p + d + 1``
+  (:mod:`megascore.engine.prefix_tree`: continuations repeat ``1 + d`` rows);
 * per microbatch, the change of Megatron's MTP tracker gives each MTP layer's summed
   token losses (its masked mean times its token count), accepted and counted tokens;
+  the loss mask is a weight (:mod:`megascore.engine.microbatch`: the sequences whose
+  scored token a row predicts) and the acceptance counts weigh by it
+  (:func:`_weighted_acceptance_counts`; a 0 / 1 mask gives Megatron's counts);
 * at the end of the step (:meth:`StepMetrics.reduce`) the statistics are summed over
   the ranks that hold different tokens (sequence-parallel TP slices, CP shards, the
   DP ranks when they score different sequences, the PP stages' layers) and counted
@@ -44,14 +52,17 @@ count (``tests/unit/test_step_metrics.py``, ``tests/distributed``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from megascore.api import layout
 from megascore.engine.packing import PackedSequences, cp_shard_indices
 
 _ACTIVE: dict[int, StepMetrics] = {}  # id(model) -> its collector during a metrics step
@@ -70,6 +81,43 @@ def router_rows(model, packed: PackedSequences) -> torch.Tensor:
         per = rows.numel() // tp.size()
         rows = rows[tp.rank() * per : (tp.rank() + 1) * per]
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRows:
+    """Where a microbatch's tokens are computed.
+
+    Attributes:
+        positions: int64 ``[T_mb]`` (CPU) the packed row (full axis) of each token of the
+            microbatch's sequences, in their order (rows of a shared prefix repeat).
+        lengths: int64 ``[B_mb]`` (CPU) the sequences' lengths.
+    """
+
+    positions: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def dense(cls, packed: PackedSequences) -> TokenRows:
+        """Every packed segment one sequence of its real tokens."""
+        real = packed.cu_seqlens.to("cpu", torch.long).diff()
+        starts = packed.cu_seqlens_padded.to("cpu", torch.long)[:-1]
+        first = torch.repeat_interleave(torch.from_numpy(layout.offsets(real.numpy())[:-1]), real)
+        rows = torch.arange(int(real.sum())) - first + torch.repeat_interleave(starts, real)
+        return cls(rows, real)
+
+    def at_depth(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, sequences)`` int64 ``[n]``: the tokens ``p`` with a real token ``depth``
+        ahead, each at the row of its position in the segment that holds the tokens up to
+        ``p + depth + 1`` (the last token's at the end), and their sequences."""
+        count = self.lengths.numel()
+        seq = torch.repeat_interleave(torch.arange(count), self.lengths)
+        first = torch.from_numpy(layout.offsets(self.lengths.numpy())[:-1])[seq]
+        pos = torch.arange(self.positions.numel()) - first
+        length = self.lengths[seq]
+        keep = pos + depth < length
+        ahead = torch.minimum(pos + depth + 1, length - 1)
+        rows = self.positions[(first + ahead)[keep]] - (ahead - pos)[keep]
+        return rows, seq[keep]
 
 
 def active(model) -> StepMetrics | None:
@@ -105,7 +153,8 @@ class StepMetrics:
         self.sequences: list[torch.Tensor] = []
         # per MTP layer: summed token losses, accepted, counted
         self.mtp = torch.zeros(3, cfg.mtp_num_layers or 0, **f64)
-        self._seq_of_row: torch.Tensor | None = None
+        self._depths: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._num_rows = 0
         if self.moe_names and cfg.mtp_use_repeated_layer:
             raise ValueError("metrics_reduction 'step' does not support mtp_use_repeated_layer")
 
@@ -121,9 +170,12 @@ class StepMetrics:
         for router in routers:
             router.routing = self._hooked(router)
         _ACTIVE[id(self.model)] = self
+        counts = multi_token_prediction._compute_mtp_acceptance_counts
+        multi_token_prediction._compute_mtp_acceptance_counts = _weighted_acceptance_counts
         try:
             yield self
         finally:
+            multi_token_prediction._compute_mtp_acceptance_counts = counts
             _ACTIVE.pop(id(self.model), None)
             for router in routers:
                 del router.routing  # the class's method again
@@ -138,22 +190,29 @@ class StepMetrics:
         return hooked
 
     @contextlib.contextmanager
-    def microbatch(self, packed: PackedSequences):
-        """Around one microbatch's forward: the rows' sequences for the routers, and the
-        MTP tracker's change for the MTP statistics."""
-        cu_pad = packed.cu_seqlens_padded.to("cpu", torch.long)
-        num_seqs = cu_pad.numel() - 1
-        seq = torch.repeat_interleave(torch.arange(num_seqs), cu_pad[1:] - cu_pad[:-1])
-        self._seq_of_row = seq[router_rows(self.model, packed)].to(self.device)
+    def microbatch(self, packed: PackedSequences, tokens: TokenRows | None = None):
+        """Around one microbatch's forward: where each token's router rows are (``tokens``;
+        None: :meth:`TokenRows.dense`), and the MTP tracker's change for the MTP
+        statistics."""
+        tokens = TokenRows.dense(packed) if tokens is None else tokens
+        rows = router_rows(self.model, packed)
+        local = torch.full((int(packed.cu_seqlens_padded[-1]),), -1, dtype=torch.long)
+        local[rows] = torch.arange(rows.numel())
+        self._num_rows = rows.numel()
+        self._depths = []
+        for depth in range(1 + (self.model.config.mtp_num_layers or 0)):
+            at, seq = tokens.at_depth(depth)
+            mine = local[at] >= 0  # the tokens this rank's routers see
+            self._depths.append((local[at][mine].to(self.device), seq[mine].to(self.device)))
         self.sequences.append(
-            torch.zeros(self.layers, num_seqs, 2 * self.experts + 1, dtype=torch.float64,
-                        device=self.device)
+            torch.zeros(self.layers, tokens.lengths.numel(), 2 * self.experts + 1,
+                        dtype=torch.float64, device=self.device)
         )  # fmt: skip
         before = self._mtp_tracker()
         try:
             yield
         finally:
-            self._seq_of_row = None
+            self._depths = None
         if self.want_mtp:
             after = self._mtp_tracker()
             loss, correct, total = (a - b for a, b in zip(after, before, strict=True))
@@ -167,29 +226,29 @@ class StepMetrics:
         return [tracker[k].detach().to(self.mtp).clone() for k in _MTP_KEYS]
 
     def _record_router(self, router, logits: torch.Tensor, padding_mask) -> None:
-        if self._seq_of_row is None:
+        if self._depths is None:
             raise RuntimeError("a router ran outside a metrics microbatch")
         layer = router.layer_number - 1
+        depth = router.layer_number if router.is_mtp_layer else 0
         if router.is_mtp_layer:
             layer += self.model.config.num_layers
         with torch.no_grad():
             logits = logits.detach().reshape(-1, self.experts)  # [rows, E]
-            if logits.shape[0] != self._seq_of_row.numel():
+            if logits.shape[0] != self._num_rows:
                 raise RuntimeError(
                     f"router of layer {layer + 1}: {logits.shape[0]} rows, "
-                    f"expected {self._seq_of_row.numel()}"
+                    f"expected {self._num_rows}"
                 )
-            if padding_mask is None:
-                padding_mask = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-            pad = padding_mask.reshape(-1)
+            pad = None if padding_mask is None else padding_mask.reshape(-1)
             routed, scores = compute_routing_scores_for_aux_loss(
                 logits, router.topk, router.score_function, fused=False, padding_mask=pad
             )
-            real = (~pad).double()
-            lse2 = torch.logsumexp(logits.double(), dim=-1).square() * real
-            per_row = torch.cat([routed.double(), scores.double(), real[:, None]], dim=1)
-            self.tokens[layer] += torch.cat([per_row.sum(0), lse2.sum()[None]])
-            self.sequences[-1][layer].index_add_(0, self._seq_of_row, per_row)
+            rows, seq = self._depths[depth]
+            ones = torch.ones_like(rows, dtype=torch.float64)[:, None]
+            per_token = torch.cat([routed[rows].double(), scores[rows].double(), ones], dim=1)
+            lse2 = torch.logsumexp(logits[rows].double(), dim=-1).square()
+            self.tokens[layer] += torch.cat([per_token.sum(0), lse2.sum()[None]])
+            self.sequences[-1][layer].index_add_(0, seq, per_token)
 
     # ---- reduction ------------------------------------------------------------------------
 
@@ -271,3 +330,20 @@ class StepMetrics:
             out[f"mtp_{i + 1}_loss"] = float(loss[i] / counted)
             out[f"mtp_{i + 1}_acceptance_rate"] = float(correct[i] / counted * 100.0)
         return out
+
+
+def _weighted_acceptance_counts(
+    mtp_logits, mtp_labels, loss_mask, output_layer, runtime_gather_output, tp_group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``_compute_mtp_acceptance_counts`` with the loss mask as a weight:
+    ``(sum of weights where the MTP argmax is the label, sum of weights)``."""
+    mtp = multi_token_prediction
+    with torch.no_grad():
+        size = dist.get_world_size(group=tp_group) if tp_group is not None else 1
+        if size > 1 and mtp._mtp_logits_are_vocab_sharded(output_layer, runtime_gather_output):
+            preds = mtp._vocab_parallel_argmax(mtp_logits, tp_group, size)
+        else:
+            preds = torch.argmax(mtp_logits, dim=-1)  # [s, b]
+        weights = loss_mask.transpose(0, 1).float()  # [b, s] -> [s, b]
+        correct = ((preds == mtp_labels.transpose(0, 1)) * weights).sum()
+        return correct.float(), weights.sum().float()

@@ -16,10 +16,14 @@ constructor and forward arguments and supports what the local module does not:
   load-balanced one: each (padded) sequence is cut into ``2 * cp`` chunks and CP
   rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` in that order;
 * shared prefixes (:class:`megascore.engine.segment_packing.SharedPrefixParams`, any CP size:
-  the prefix rows are looked up in the gathered keys):
-  a segment that continues a prefix attends to the prefix's rows
-  (:func:`megascore.engine.segment_packing.prefix_rows`) and then causally to its own, in
-  one softmax per query (the prefix's keys come first, as in the dense sequence).
+  the prefix rows are looked up in the gathered keys): a segment that continues a
+  prefix attends causally to its own rows like any segment (batched with the other
+  continuations of its length), and the rows of all the continuations of one parent
+  attend to their common prefix rows (:func:`megascore.engine.segment_packing.prefix_rows`)
+  in one more call without a mask (every prefix row precedes them); the two partial
+  softmaxes are merged by their log-sum-exps into the one softmax over prefix and own
+  keys. Both calls go through :func:`attention_with_lse`, on the CPU and on CUDA alike;
+  segments without a prefix keep the plain SDPA call.
 
 Numbers equal a dense causal softmax attention per sequence within fp32 rounding.
 """
@@ -54,19 +58,37 @@ class _Bucket:
     Attributes:
         q_index: ``[n, q_len]`` positions of the queries (and outputs) in the local tensor.
         k_index: ``[n, k_len]`` positions of the keys in the (gathered) key tensor.
-        offset: global position of the first query inside its sequence; the query at
-            chunk position ``i`` sees keys ``0 .. offset + i``.
+        offset: position of the first query inside its segment; the query at chunk
+            position ``i`` sees the segment's keys ``0 .. offset + i``.
+        continues: the segments continue a prefix: the call keeps its log-sum-exp for
+            the merge with the prefix pass (:class:`_PrefixCall`).
     """
 
     q_index: torch.Tensor
     k_index: torch.Tensor
     offset: int
+    continues: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrefixCall:
+    """The rows of the continuations of one parent against their common prefix rows,
+    every one of which precedes them: one call without a mask.
+
+    Attributes:
+        q_index: ``[n]`` local rows of the continuations' queries.
+        k_index: ``[k_len]`` positions of the prefix rows in the (gathered) key tensor.
+    """
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     key: tuple
     buckets: tuple[_Bucket, ...]
+    prefix_calls: tuple[_PrefixCall, ...] = ()
 
 
 def _build_plan(
@@ -75,8 +97,10 @@ def _build_plan(
     cp_size: int,
     device: torch.device,
     prefixes: list[torch.Tensor] | None = None,
+    parents: tuple[int, ...] | None = None,
 ) -> _Plan:
-    """Groups the local query chunks of every segment by shape.
+    """Groups the local query chunks of every segment by shape; the continuations' rows
+    by parent for the prefix pass.
 
     Args:
         seg_lens: global (padded) length of every segment, in packing order.
@@ -86,9 +110,11 @@ def _build_plan(
         prefixes: per segment, the packed rows it attends to before its own
             (:func:`megascore.engine.segment_packing.prefix_rows`, rows of the full packed
             axis), or None.
+        parents: per segment, its parent (-1: a root), with ``prefixes``.
 
     Returns:
-        The buckets of SDPA calls covering every non-empty segment.
+        The buckets of SDPA calls covering every non-empty segment, and one prefix call
+        per parent of continuations.
     """
     n_chunks = 2 * cp_size if cp_size > 1 else 1
     cu = torch.tensor([0, *seg_lens], dtype=torch.long).cumsum(0)
@@ -100,8 +126,9 @@ def _build_plan(
     else:
         full_to_gathered = torch.arange(int(cu[-1]))
 
-    # (q_len, offset, k_len) -> list of (local query start, key rows in the full packed axis)
-    groups: dict[tuple[int, int, int], list[tuple[int, torch.Tensor]]] = {}
+    # (q_len, offset, k_len, continues) -> [(local query start, key rows in the full axis)]
+    groups: dict[tuple[int, int, int, bool], list[tuple[int, torch.Tensor]]] = {}
+    queries_of: dict[int, list[torch.Tensor]] = {}  # parent -> its children's local rows
     local_start = 0
     for b, length in enumerate(seg_lens):
         if length == 0:
@@ -112,18 +139,20 @@ def _build_plan(
             )
         chunk = length // n_chunks
         chunk_ids = (cp_rank, n_chunks - 1 - cp_rank) if cp_size > 1 else (0,)
-        before = prefixes[b] if prefixes is not None else torch.empty(0, dtype=torch.long)
+        continues = prefixes is not None and len(prefixes[b]) > 0
         for slot, chunk_id in enumerate(chunk_ids):
-            # chunk queries see the segment's prefix rows, then its own rows up to themselves
-            offset = len(before) + chunk_id * chunk
-            keys = torch.cat([before, int(cu[b]) + torch.arange(chunk_id * chunk + chunk)])
-            groups.setdefault((chunk, offset, len(keys)), []).append(
-                (local_start + slot * chunk, keys)
+            # chunk queries see their segment's rows up to themselves
+            keys = int(cu[b]) + torch.arange(chunk_id * chunk + chunk)
+            start = local_start + slot * chunk
+            groups.setdefault((chunk, chunk_id * chunk, len(keys), continues), []).append(
+                (start, keys)
             )
+            if continues:
+                queries_of.setdefault(parents[b], []).append(torch.arange(start, start + chunk))
         local_start += len(chunk_ids) * chunk
 
     buckets = []
-    for (q_len, offset, _), entries in sorted(groups.items()):
+    for (q_len, offset, _, continues), entries in sorted(groups.items()):
         q_starts = torch.tensor([e[0] for e in entries], dtype=torch.long)
         q_index = q_starts[:, None] + torch.arange(q_len)  # [n, q_len]
         k_full = torch.stack([e[1] for e in entries])  # [n, k_len]
@@ -132,10 +161,73 @@ def _build_plan(
                 q_index=q_index.to(device),
                 k_index=full_to_gathered[k_full].to(device),
                 offset=offset,
+                continues=continues,
+            )
+        )
+    prefix_calls = []
+    for parent, rows in queries_of.items():
+        child = next(b for b, p in enumerate(parents) if p == parent)  # children share it
+        prefix_calls.append(
+            _PrefixCall(
+                q_index=torch.cat(rows).to(device),
+                k_index=full_to_gathered[prefixes[child]].to(device),
             )
         )
     key = (tuple(seg_lens), cp_rank, cp_size, str(device))
-    return _Plan(key=key, buckets=tuple(buckets))
+    return _Plan(key=key, buckets=tuple(buckets), prefix_calls=tuple(prefix_calls))
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and the log-sum-exp of each query's scores, on any device: the
+    shared-prefix path's one kernel call (torch's flash attention on the CPU, its
+    memory-efficient attention on CUDA, which takes float32 as well).
+
+    Args:
+        q: ``[n, heads, q_len, dim]``.
+        k: ``[n, groups, k_len, dim]`` (GQA: ``heads`` a multiple of ``groups``).
+        v: ``[n, groups, k_len, v_dim]``.
+        causal: query ``i`` sees keys ``0 .. i``.
+        mask: bool ``[q_len, k_len]`` (True: attend) or None.
+        scale: the softmax scale.
+
+    Returns:
+        ``(out [n, heads, q_len, v_dim], lse float32 [n, heads, q_len])``.
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    cuda = q.device.type == "cuda"
+    bias = None
+    if mask is not None:  # additive; on CUDA its rows padded to 16 keys (aligned)
+        padded = -(-k_len // 16) * 16 if cuda else k_len
+        bias = q.new_zeros(q_len, padded)[:, :k_len].masked_fill_(~mask, float("-inf"))
+    if not cuda:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q_len, k_len)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., :q_len].float()
+
+
+def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """Two softmax attentions of the same queries over disjoint keys, as one over both:
+    ``out`` ``[n, heads, v_dim]``, ``lse`` float32 ``[n, heads]``."""
+    top = torch.maximum(lse_a, lse_b)
+    wa, wb = (lse_a - top).exp()[..., None], (lse_b - top).exp()[..., None]
+    return (out_a.float() * wa + out_b.float() * wb) / (wa + wb)
 
 
 class TorchCoreAttention(MegatronModule):
@@ -198,8 +290,10 @@ class TorchCoreAttention(MegatronModule):
         cached = getattr(params, _PLAN_ATTR, None) if params is not None else None
         if cached is not None and cached.key == key:
             return cached
-        prefixes = prefix_rows(params) if isinstance(params, SharedPrefixParams) else None
-        plan = _build_plan(seg_lens, cp_rank, cp_size, device, prefixes)
+        prefixes, parents = None, None
+        if isinstance(params, SharedPrefixParams):
+            prefixes, parents = prefix_rows(params), params.segment_parents
+        plan = _build_plan(seg_lens, cp_rank, cp_size, device, prefixes, parents)
         if params is not None:
             setattr(params, _PLAN_ATTR, plan)
         return plan
@@ -214,37 +308,63 @@ class TorchCoreAttention(MegatronModule):
         return gather_from_sequence_parallel_region(x, True, group=self.cp_group)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan):
-        """Runs every bucket. q/k: [t(_k), heads/groups, dim], v: [t_k, groups, v_dim]
-        -> [t, heads, v_dim]."""
+        """Runs every bucket, then the prefix calls, each merged into its continuations'
+        rows by their log-sum-exps. q/k: [t(_k), heads/groups, dim], v: [t_k, groups,
+        v_dim] -> [t, heads, v_dim]."""
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # [t, heads, v_dim]
-        dropout_p = self.dropout_p if self.training else 0.0
-        gqa = k.shape[1] != q.shape[1]
+        lse = q.new_zeros(q.shape[:-1], dtype=torch.float32) if plan.prefix_calls else None
+        if plan.prefix_calls and self.training and self.dropout_p:
+            raise ValueError("shared prefixes need attention dropout 0")
         for bucket in plan.buckets:
-            n, q_len = bucket.q_index.shape
-            k_len = bucket.k_index.shape[1]
-            # qb: [n, heads, q_len, dim]; kb/vb: [n, groups, k_len, dim]
-            qb = q[bucket.q_index].permute(0, 2, 1, 3)
-            kb = k[bucket.k_index].permute(0, 2, 1, 3)
-            vb = v[bucket.k_index].permute(0, 2, 1, 3)
-            if bucket.offset == 0 and q_len == k_len:
-                mask, causal = None, True
-            else:
-                # query i (global offset + i) sees keys 0 .. offset + i: [q_len, k_len]
-                rows = torch.arange(q_len, device=q.device)[:, None] + bucket.offset
-                mask = torch.arange(k_len, device=q.device)[None, :] <= rows
-                causal = False
+            self._run_bucket(q, k, v, bucket, out, lse)
+        for call in plan.prefix_calls:
+            # [1, heads, n, dim] against [1, groups, k_len, dim]: every prefix row precedes
+            ob, lb = attention_with_lse(
+                q[call.q_index].permute(1, 0, 2)[None],
+                k[call.k_index].permute(1, 0, 2)[None],
+                v[call.k_index].permute(1, 0, 2)[None],
+                causal=False,
+                mask=None,
+                scale=self.softmax_scale,
+            )
+            rows = call.q_index
+            merged = _merge(out[rows], lse[rows], ob[0].permute(1, 0, 2), lb[0].permute(1, 0))
+            out[rows] = merged.to(out.dtype)
+        return out
+
+    def _run_bucket(self, q, k, v, bucket: _Bucket, out: torch.Tensor, lse) -> None:
+        """One bucket's SDPA call into ``out`` (and its log-sum-exps into ``lse`` for
+        continuations)."""
+        n, q_len = bucket.q_index.shape
+        k_len = bucket.k_index.shape[1]
+        # qb: [n, heads, q_len, dim]; kb/vb: [n, groups, k_len, dim]
+        qb = q[bucket.q_index].permute(0, 2, 1, 3)
+        kb = k[bucket.k_index].permute(0, 2, 1, 3)
+        vb = v[bucket.k_index].permute(0, 2, 1, 3)
+        if bucket.offset == 0 and q_len == k_len:
+            mask, causal = None, True
+        else:
+            # query i (segment position offset + i) sees keys 0 .. offset + i: [q_len, k_len]
+            rows = torch.arange(q_len, device=q.device)[:, None] + bucket.offset
+            mask = torch.arange(k_len, device=q.device)[None, :] <= rows
+            causal = False
+        if bucket.continues:
+            ob, lb = attention_with_lse(
+                qb, kb, vb, causal=causal, mask=mask, scale=self.softmax_scale
+            )
+            lse[bucket.q_index] = lb.permute(0, 2, 1)  # [n, q_len, heads]
+        else:
             ob = F.scaled_dot_product_attention(
                 qb,
                 kb,
                 vb,
                 attn_mask=mask,
-                dropout_p=dropout_p,
+                dropout_p=self.dropout_p if self.training else 0.0,
                 is_causal=causal,
                 scale=self.softmax_scale,
-                enable_gqa=gqa,
+                enable_gqa=k.shape[1] != q.shape[1],
             )
-            out[bucket.q_index] = ob.permute(0, 2, 1, 3).to(out.dtype)  # [n, q_len, heads, dim]
-        return out
+        out[bucket.q_index] = ob.permute(0, 2, 1, 3).to(out.dtype)  # [n, q_len, heads, dim]
 
     def forward(
         self,

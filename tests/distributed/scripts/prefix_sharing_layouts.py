@@ -7,15 +7,17 @@ For every layout, one engine with ``prefix_sharing=False`` and one with it on
   recorded; PP2 in up to 4 microbatches, the groups interleaved in the batch) and CP2
   (tiny): shared within 1e-6 of dense (fp32), top-k ids and recorded routes equal, and
   the shared engine's replay of its own routes is bit-identical to its recording forward;
-* the shared engine's attention did attend to shared prefix rows in every layout (at
-  EP2 the two ranks are data-parallel: each computes the prefixes of its groups).
+* tiny-moe: a step with MoE and MTP metrics (aux, sequence aux and z losses, MTP loss
+  and acceptance) computed shared gives the dense step's metrics within 1e-6 relative;
+* the shared engine's attention did attend to shared prefix rows in every layout, the
+  metrics step's too (at EP2 the two ranks are data-parallel: each computes the
+  prefixes of its groups).
 
 Check outcomes go to ``OUT_DIR/prefix_rank{r}.json``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import sys
@@ -27,8 +29,13 @@ from engine_common import CheckLog
 
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
-from megascore.model import attention
-from tests.prefix_groups import MIN_SHARED, assert_same_scores, prefix_group_batch
+from tests.prefix_groups import (
+    MIN_SHARED,
+    assert_same_metrics,
+    assert_same_scores,
+    prefix_group_batch,
+    spy_prefix_attention,
+)
 
 # name -> (model, tp, cp, ep, pp)
 LAYOUTS = {
@@ -39,24 +46,6 @@ LAYOUTS = {
     "cp2": ("tiny", 1, 2, 1, 1),
     "moe_cp2": ("tiny-moe", 1, 2, 1, 1),
 }
-
-
-@contextlib.contextmanager
-def spy_prefix_attention():
-    """Yields a list that gets, per attention plan built on this rank inside the block,
-    whether a segment attended to prefix rows."""
-    seen: list[bool] = []
-    build = attention._build_plan
-
-    def spy(seg_lens, cp_rank, cp_size, device, prefixes=None):
-        seen.append(prefixes is not None and any(len(p) for p in prefixes))
-        return build(seg_lens, cp_rank, cp_size, device, prefixes)
-
-    attention._build_plan = spy
-    try:
-        yield seen
-    finally:
-        attention._build_plan = build
 
 
 def with_engine(spec, sharing: bool, rank: int, work):
@@ -88,18 +77,26 @@ def run_layout(name: str, spec, rank: int) -> None:
     moe = spec[0] == "tiny-moe"
     batch = prefix_group_batch(seed=len(name), return_routing=moe)
 
+    metrics = dataclasses.replace(batch, return_moe_metrics=True, return_mtp_metrics=True)
+
+    def dense_work(engine):
+        return engine.score(batch), engine.score(metrics) if moe else None
+
     def shared_work(engine):
         out = engine.score(batch)
         # replaying the shared forward's own routes reproduces it bit for bit
         again = engine.score(dataclasses.replace(batch, routing=out.routing)) if moe else None
-        return engine.step_cfg.min_shared_prefix, out, again
+        before = len(seen)
+        with_metrics = engine.score(metrics) if moe else None
+        return engine.step_cfg.min_shared_prefix, out, again, with_metrics, any(seen[before:])
 
-    dense = with_engine(spec, False, rank, lambda engine: engine.score(batch))
     with spy_prefix_attention() as seen:
+        dense, dense_metrics = with_engine(spec, False, rank, dense_work) or (None, None)
+        assert not any(seen), "the dense engine attended to prefix rows"
         shared = with_engine(spec, True, rank, shared_work)
     if rank != 0:
         return
-    min_shared, out, again = shared
+    min_shared, out, again, with_metrics, metrics_shared = shared
     assert min_shared == MIN_SHARED, min_shared
     assert any(seen), "the shared engine never attended to prefix rows"
     assert_same_scores(out, dense)
@@ -107,6 +104,8 @@ def run_layout(name: str, spec, rank: int) -> None:
         assert np.array_equal(again.logprobs, out.logprobs)
         assert np.array_equal(again.top_k_logprobs, out.top_k_logprobs)
         assert np.array_equal(again.routing, out.routing)
+        assert metrics_shared, "the metrics step did not attend to prefix rows"
+        assert_same_metrics(with_metrics, dense_metrics)
 
 
 def main(out_dir: Path) -> None:
