@@ -83,12 +83,13 @@ def assert_same_scores(shared, dense, atol: float = 1e-6) -> None:
         np.testing.assert_array_equal(np.sort(shared.routing, -1), np.sort(dense.routing, -1))
 
 
-def assert_same_metrics(shared, dense) -> None:
-    """Every MoE / MTP metric of ``dense`` (it has both kinds) within 1e-6 relative, and
-    the scores as :func:`assert_same_scores`."""
+def assert_same_metrics(shared, dense, mtp: bool = True) -> None:
+    """Every MoE / MTP metric of ``dense`` (it has MoE metrics, and MTP ones with ``mtp``)
+    within 1e-6 relative, and the scores as :func:`assert_same_scores`."""
     want = {**dense.moe_metrics, **dense.mtp_metrics}
     got = {**shared.moe_metrics, **shared.mtp_metrics}
-    assert dense.moe_metrics and dense.mtp_metrics and got.keys() == want.keys(), (got, want)
+    assert dense.moe_metrics and bool(dense.mtp_metrics) == mtp, want
+    assert got.keys() == want.keys(), (got, want)
     for name, value in want.items():
         assert abs(got[name] - value) <= 1e-6 * max(abs(value), 1e-3), (name, got[name], value)
     assert_same_scores(shared, dense)

@@ -1,9 +1,10 @@
-"""Shared prefixes vs the dense forward for multi-latent attention at TP2 (with SP), CP2
-and PP2.
+"""Shared prefixes vs the dense forward of ``hf:`` MoE families at TP2 (with SP), CP2, EP2
+and PP2: multi-latent attention and Qwen3-MoE.
 
 One 2-rank torchrun launch of ``scripts/prefix_sharing_mla_layouts.py`` on a tiny
 DeepSeek-V3 ``hf:`` checkpoint (MLA with a query LoRA and YaRN RoPE, MoE, one MTP
-layer; tests/unit/test_prefix_sharing_mla.py writes it): per layout the shared engine's
+layer) and a tiny Qwen3-MoE one (tests/unit/test_prefix_sharing_mla.py writes them,
+with transformers' own initialisation): per family and layout the shared engine's
 logprobs, top-k and losses are within 1e-6 (fp32) of the dense engine's on random
 prefix groups, the recorded routes are equal and the MoE / MTP metrics of a shared step
 are the dense step's within 1e-6 relative.
@@ -20,19 +21,23 @@ from tests.unit.test_prefix_sharing_mla import write_mla_checkpoint
 
 SCRIPT = Path(__file__).parent / "scripts" / "prefix_sharing_mla_layouts.py"
 NPROC = 2
-LAYOUTS = ("tp2", "cp2", "pp2")  # as in the script
+FAMILIES = ("deepseek_v3", "qwen3_moe")
+LAYOUTS = ("tp2", "cp2", "ep2", "pp2")  # as in the script
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    checkpoint = tmp_path_factory.mktemp("deepseek_v3")
-    write_mla_checkpoint("deepseek_v3", checkpoint)
+    models = []
+    for family in FAMILIES:
+        checkpoint = tmp_path_factory.mktemp(family)
+        write_mla_checkpoint(family, checkpoint)
+        models.append(f"{family}={checkpoint}")
     out_dir = tmp_path_factory.mktemp("prefix_sharing_mla")
-    return run_check_script(SCRIPT, NPROC, out_dir, "prefix_mla_rank", str(checkpoint))
+    return run_check_script(SCRIPT, NPROC, out_dir, "prefix_mla_rank", *models)
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_mla_shared_prefixes_match_dense_in_layout(launch, name):
+@pytest.mark.parametrize("name", [f"{f} {layout}" for f in FAMILIES for layout in LAYOUTS])
+def test_hf_moe_shared_prefixes_match_dense_in_layout(launch, name):
     for rank in range(NPROC):
         result = launch["checks"][rank].get(name)
         assert result is not None, f"rank {rank} did not run {name}:\n{launch['error']}"
