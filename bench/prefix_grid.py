@@ -11,7 +11,7 @@ included), printed beside it with their quotient (the efficiency).
 
 1. **grid** (model ``bench``, float32): prompt medians 128 / 512 / 2k / 8k x response
    medians 32 / 256 / 1k x n = 4 / 8 / 16 (log-normal lengths, sigma 0.3), as many
-   prompts per cell as make about ``CELL_TOKENS`` dense tokens (at least one), and
+   prompts per cell as make about ``--cell-tokens`` dense tokens (at least one), and
    agentic histories of 2k and 8k x 8 turns of 128 and 512, two histories per cell;
    every length divided by ``--scale`` (default 4: the bench model's positions end at
    4096, and a 2-core CPU scores the grid in about a quarter of an hour at a quarter
@@ -47,21 +47,23 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 BEGIN, END = "<!-- prefix_grid.py: begin -->", "<!-- prefix_grid.py: end -->"
 DEFAULT_BUDGET = 16384
+TINY_VOCAB = 512  # tiny and tiny-moe
 PROMPTS, RESPONSES, NS = (128, 512, 2048, 8192), (32, 256, 1024), (4, 8, 16)
 HISTORIES, TURNS = (2048, 8192), (128, 512)
 CELL_TARGET, MEDIAN_TARGET, MOE_TARGET, RL_TARGET = 0.8, 0.9, 1.6, 0.85
-CELL_TOKENS = 8192
 
 
-def grpo_cell(rng, prompts: int, n: int, prompt: int, response: int, limit: int) -> list[Group]:
+def grpo_cell(
+    rng, prompts: int, n: int, prompt: int, response: int, limit: int, vocab: int = 32000
+) -> list[Group]:
     """``prompts`` groups of ``n``: log-normal lengths (sigma 0.3) around the medians,
-    each sequence within ``limit`` positions."""
+    each sequence within ``limit`` positions, ids below ``vocab``."""
     p_lens = _lognormal(rng, prompts, prompt, 0.3, 1, limit // 2)
     r_lens = [_lognormal(rng, n, response, 0.3, 1, limit - int(p)) for p in p_lens]
-    return _groups(rng, p_lens, r_lens)
+    return [Group([s % vocab for s in g.sequences], g.masks) for g in _groups(rng, p_lens, r_lens)]
 
 
-def grid_cells(scale: int, seed: int) -> dict[str, list[Group]]:
+def grid_cells(scale: int, cell_tokens: int, seed: int) -> dict[str, list[Group]]:
     """The grid's workloads by name (lengths divided by ``scale``)."""
     rng = np.random.default_rng(seed)
     cells = {}
@@ -69,7 +71,7 @@ def grid_cells(scale: int, seed: int) -> dict[str, list[Group]]:
         for r in RESPONSES:
             for n in NS:
                 prompt, response = p // scale, max(1, r // scale)
-                count = max(1, round(CELL_TOKENS / (n * (prompt + response))))
+                count = max(1, round(cell_tokens / (n * (prompt + response))))
                 groups = grpo_cell(rng, count, n, prompt, response, 4096)
                 cells[f"grpo {p}/{r} n={n}"] = groups
     for h in HISTORIES:
@@ -136,7 +138,7 @@ def efficiency(groups: list[Group], measured: tuple) -> float:
 
 def measure(args, workdir: Path) -> list[str]:
     lines = []
-    cells = grid_cells(args.scale, args.seed)
+    cells = grid_cells(args.scale, args.cell_tokens, args.seed)
     grid = run_pair("bench", cells, workdir, return_logprobs=True)
     effs = [efficiency(cells[name], grid[name]) for name in cells]
     median = statistics.median(effs)
@@ -151,14 +153,14 @@ def measure(args, workdir: Path) -> list[str]:
         eff = efficiency(groups, grid[name])
         lines.append(row(name, groups, grid[name], f">= {CELL_TARGET:.0%}", eff >= CELL_TARGET))
     rng = np.random.default_rng(args.seed)
-    moe = {"moe-metrics": grpo_cell(rng, 8, 8, 512, 512, 1024)}
+    moe = {"moe-metrics": grpo_cell(rng, 8, 8, 512, 512, 1024, TINY_VOCAB)}
     got = run_pair("tiny-moe", moe, workdir, return_logprobs=True, metrics=("moe", "mtp"))
     ratio = got["moe-metrics"][0] / got["moe-metrics"][1]
     lines.append(row("moe-metrics (tiny-moe)", moe["moe-metrics"], got["moe-metrics"],
                      f">= {MOE_TARGET}x", ratio >= MOE_TARGET))  # fmt: skip
     groups = []
     while sum(len(s) for g in groups for s in g.sequences) < args.rl_tokens:
-        groups += grpo_cell(rng, 1, 8, 256, 256, 1024)
+        groups += grpo_cell(rng, 1, 8, 256, 256, 1024, TINY_VOCAB)
     rl = {"rl-batch": [Group([s for g in groups for s in g.sequences],
                              [m for g in groups for m in g.masks])]}  # fmt: skip
     got = run_pair("tiny", rl, workdir, return_logprobs=True)
@@ -178,6 +180,7 @@ HEADER = (
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", type=int, default=4, help="divide the grid's lengths by this")
+    p.add_argument("--cell-tokens", type=int, default=8192, help="dense tokens per grid cell")
     p.add_argument("--rl-tokens", type=int, default=1 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
@@ -193,8 +196,9 @@ def main() -> None:
             BEGIN,
             "## Shared prefixes on a grid of shapes (`bench/prefix_grid.py`)",
             "",
-            f"Written by `python bench/prefix_grid.py --scale {args.scale} --rl-tokens "
-            f"{args.rl_tokens}` in {(time.time() - start) / 60:.1f} min ({now}, load average "
+            f"Written by `python bench/prefix_grid.py --scale {args.scale} --cell-tokens "
+            f"{args.cell_tokens} --rl-tokens {args.rl_tokens}` in "
+            f"{(time.time() - start) / 60:.1f} min ({now}, load average "
             f"{load_start} at the start, {common.load_average()} at the end); rerun it to "
             "update this section. What is measured: the module docstring; ideal = dense "
             "tokens / shared rows.",

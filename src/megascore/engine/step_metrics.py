@@ -17,7 +17,8 @@ over all microbatches and ranks of the step and applies the formula once:
   computes it, so a row of a shared prefix counts once per sequence it stands for; MTP
   layer ``d`` sees the positions whose token ``d`` ahead is real (Megatron's rolled
   padding mask), read in the segment that holds the tokens up to ``p + d + 1``
-  (:mod:`megascore.engine.prefix_tree`: continuations repeat ``1 + d`` rows);
+  (:mod:`megascore.engine.prefix_tree`: with ``k`` MTP layers continuations repeat
+  ``1 + k`` rows of their prefix);
 * per microbatch, the change of Megatron's MTP tracker gives each MTP layer's summed
   token losses (its masked mean times its token count), accepted and counted tokens;
   the loss mask is a weight (:mod:`megascore.engine.microbatch`: the sequences whose

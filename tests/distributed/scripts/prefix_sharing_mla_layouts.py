@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 from engine_common import CheckLog
+from prefix_sharing_layouts import with_engine
 
-from megascore.config import EngineConfig
-from megascore.engine.runtime import DistributedEngine
 from tests.prefix_groups import (
     MIN_SHARED,
     assert_same_metrics,
@@ -37,31 +36,6 @@ from tests.unit.test_prefix_sharing_mla import mla_batch
 
 # name -> (tp, cp, ep, pp)
 LAYOUTS = {"tp2": (2, 1, 1, 1), "cp2": (1, 2, 1, 1), "ep2": (1, 1, 2, 1), "pp2": (1, 1, 1, 2)}
-
-
-def with_engine(model: str, spec, sharing: bool, rank: int, work):
-    """``work(engine)`` on rank 0 of an engine in layout ``spec`` (the workers serve it)."""
-    tp, cp, ep, pp = spec
-    engine = DistributedEngine.create(
-        EngineConfig(
-            model=model,
-            tensor_model_parallel_size=tp,
-            context_parallel_size=cp,
-            expert_model_parallel_size=ep,
-            pipeline_model_parallel_size=pp,
-            prefix_sharing=sharing,
-            min_shared_prefix=MIN_SHARED,
-            logprob_chunk_tokens=64,
-            collective_timeout_s=60.0,
-        )
-    )
-    if rank != 0:
-        engine.worker_loop()
-        return None
-    try:
-        return work(engine)
-    finally:
-        engine.shutdown()
 
 
 def run_layout(name: str, model: str, spec, rank: int) -> None:
@@ -81,9 +55,9 @@ def run_layout(name: str, model: str, spec, rank: int) -> None:
         return engine.step_cfg.min_shared_prefix, out, with_metrics, any(seen[before:])
 
     with spy_prefix_attention() as seen:
-        dense = with_engine(model, spec, False, rank, dense_work)
+        dense = with_engine((model, *spec), False, rank, dense_work)
         assert not any(seen), "the dense engine attended to prefix rows"
-        shared = with_engine(model, spec, True, rank, shared_work)
+        shared = with_engine((model, *spec), True, rank, shared_work)
     if rank != 0:
         return
     min_shared, out, with_metrics, metrics_shared = shared
