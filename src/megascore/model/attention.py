@@ -128,7 +128,7 @@ def _build_plan(
 
     # (q_len, offset, k_len, continues) -> [(local query start, key rows in the full axis)]
     groups: dict[tuple[int, int, int, bool], list[tuple[int, torch.Tensor]]] = {}
-    queries_of: dict[int, list[torch.Tensor]] = {}  # parent -> its children's local rows
+    queries_of: dict[int, tuple] = {}  # parent -> (its prefix rows, its children's local rows)
     local_start = 0
     for b, length in enumerate(seg_lens):
         if length == 0:
@@ -147,8 +147,10 @@ def _build_plan(
             groups.setdefault((chunk, chunk_id * chunk, len(keys), continues), []).append(
                 (start, keys)
             )
-            if continues:
-                queries_of.setdefault(parents[b], []).append(torch.arange(start, start + chunk))
+            if continues:  # a parent's children share their prefix rows
+                queries_of.setdefault(parents[b], (prefixes[b], []))[1].append(
+                    torch.arange(start, start + chunk)
+                )
         local_start += len(chunk_ids) * chunk
 
     buckets = []
@@ -165,12 +167,11 @@ def _build_plan(
             )
         )
     prefix_calls = []
-    for parent, rows in queries_of.items():
-        child = next(b for b, p in enumerate(parents) if p == parent)  # children share it
+    for prefix, rows in queries_of.values():
         prefix_calls.append(
             _PrefixCall(
                 q_index=torch.cat(rows).to(device),
-                k_index=full_to_gathered[prefixes[child]].to(device),
+                k_index=full_to_gathered[prefix].to(device),
             )
         )
     key = (tuple(seg_lens), cp_rank, cp_size, str(device))
