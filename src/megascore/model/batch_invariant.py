@@ -120,7 +120,7 @@ def _invariant_activation(activation):
 
 def make_batch_invariant(model: torch.nn.Module) -> int:
     """Pads the rows of every token-axis matmul of ``model`` and runs its MLP activations
-in fixed blocks (in place, idempotent).
+    in fixed blocks (in place, idempotent).
 
     Args:
         model: a Megatron ``GPTModel`` (or any module) built with the local linears.
