@@ -4,27 +4,36 @@ least ``MIN_ROWS`` rows."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from megascore.model.batch_invariant import MIN_ROWS, _invariant_activation
 
 
-def test_a_row_activates_the_same_in_tensors_of_any_size():
-    """The rows of every tensor, 1 to 4,000 rows of 32 columns (a gated MLP's half: a
-    strided view, as Megatron's ``glu`` passes it), equal the rows of one large tensor
-    bit for bit, with every thread torch has; values match plain SiLU / GELU within
-    float32 rounding."""
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_a_row_activates_the_same_in_tensors_of_any_size(threads):
+    """The rows of every tensor, 1 to 4,000 rows of 32 or 40 columns (a gated MLP's half:
+    a strided view, as Megatron's ``glu`` passes it), equal the rows of one large tensor
+    bit for bit, on 1 to 4 threads; values match plain SiLU / GELU within float32
+    rounding."""
     torch.manual_seed(0)
-    whole = torch.randn(4099, 64) * 4
-    for activation in (F.silu, F.gelu):
-        invariant = _invariant_activation(activation)
-        reference = invariant(whole.chunk(2, dim=-1)[0])
-        torch.testing.assert_close(reference, activation(whole.chunk(2, dim=-1)[0]))
-        for rows in (1, 7, 64, 333, 1025, 2049, 4000):
-            start = int(torch.randint(0, 4099 - rows + 1, ()))
-            part = whole[start : start + rows].chunk(2, dim=-1)[0]
-            assert torch.equal(invariant(part), reference[start : start + rows]), rows
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for columns in (32, 40):
+            whole = torch.randn(4099, 2 * columns) * 4
+            for activation in (F.silu, F.gelu):
+                invariant = _invariant_activation(activation)
+                reference = invariant(whole.chunk(2, dim=-1)[0])
+                torch.testing.assert_close(reference, activation(whole.chunk(2, dim=-1)[0]))
+                for rows in (1, 7, 64, 333, 1025, 2049, 4000):
+                    start = int(torch.randint(0, 4099 - rows + 1, ()))
+                    part = whole[start : start + rows].chunk(2, dim=-1)[0]
+                    got = invariant(part)
+                    assert torch.equal(got, reference[start : start + rows]), (columns, rows)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_shapes_dtypes_and_empty_tensors_pass_through():
