@@ -128,6 +128,22 @@ def computed_tokens(groups: list[Group]) -> int:
     return total
 
 
+def attention_ratio(groups: list[Group]) -> float:
+    """Dense over shared attention work (query-key pairs): what sharing saves of the
+    attention, less than of the rows, since a continuation still attends to its prefix
+    (a segment of ``n`` rows after ``p`` prefix rows: ``n * p + n (n + 1) / 2`` pairs)."""
+    from megascore.engine.prefix_tree import shared_layout
+
+    dense = shared = 0
+    for g in groups:
+        lengths = np.array([len(s) for s in g.sequences])
+        dense += int((lengths * (lengths + 1) // 2).sum())
+        layout = shared_layout(np.concatenate(g.sequences), lengths, min_shared=16)
+        n, p = layout.lengths, layout.offsets
+        shared += int((n * p + n * (n + 1) // 2).sum())
+    return dense / shared
+
+
 def score_pass(client, groups: list[Group], pid: int, **options):
     """Scores every group as one request; returns (wall s, server CPU s, results)."""
     cpu = procfs.cpu_seconds(pid)
