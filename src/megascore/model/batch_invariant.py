@@ -115,6 +115,8 @@ def _invariant_activation(activation):
 
     def run(x: torch.Tensor) -> torch.Tensor:
         size, threads = x.numel(), torch.get_num_threads()
+        if not size:
+            return activation(x)
         share = _VECTOR_ELEMENTS * threads
         padded = max(-(-size // share) * share, _GRAIN_ELEMENTS * threads if threads > 1 else 0)
         flat = x.new_empty(padded)
@@ -128,7 +130,7 @@ def _invariant_activation(activation):
 
 def make_batch_invariant(model: torch.nn.Module) -> int:
     """Pads the rows of every token-axis matmul of ``model`` and runs its MLP activations
-    in fixed blocks (in place, idempotent).
+    on padded flat copies (in place, idempotent).
 
     Args:
         model: a Megatron ``GPTModel`` (or any module) built with the local linears.
