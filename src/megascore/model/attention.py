@@ -170,29 +170,25 @@ def _build_plan(
         q_starts = torch.tensor([e[0] for e in entries], dtype=torch.long)
         q_index = q_starts[:, None] + torch.arange(q_len)  # [n, q_len]
         k_index = full_to_gathered[torch.stack([e[1] for e in entries])]  # [n, k_len]
-        buckets.append(
-            _Bucket(
-                q_index=q_index.to(device),
-                k_index=k_index.to(device),
-                offset=offset,
-                continues=continues,
-                q_rows=_consecutive(q_index),
-                k_rows=_consecutive(k_index),
-            )
-        )
-    prefix_calls = []
-    for prefix, rows in queries_of.values():
-        q_index, k_index = torch.cat(rows), full_to_gathered[prefix]
-        prefix_calls.append(
-            _PrefixCall(
-                q_index=q_index.to(device),
-                k_index=k_index.to(device),
-                q_rows=_consecutive(q_index),
-                k_rows=_consecutive(k_index),
-            )
-        )
+        indices = _indices(q_index, k_index, device)
+        buckets.append(_Bucket(offset=offset, continues=continues, **indices))
+    prefix_calls = [
+        _PrefixCall(**_indices(torch.cat(rows), full_to_gathered[prefix], device))
+        for prefix, rows in queries_of.values()
+    ]
     key = (tuple(seg_lens), cp_rank, cp_size, str(device))
     return _Plan(key=key, buckets=tuple(buckets), prefix_calls=tuple(prefix_calls))
+
+
+def _indices(q_index: torch.Tensor, k_index: torch.Tensor, device) -> dict:
+    """A call's query and key indices (on the CPU) as its fields: on ``device``, and as
+    slices where the rows are consecutive."""
+    return dict(
+        q_index=q_index.to(device),
+        k_index=k_index.to(device),
+        q_rows=_consecutive(q_index),
+        k_rows=_consecutive(k_index),
+    )
 
 
 def _consecutive(index: torch.Tensor) -> slice | None:
