@@ -80,8 +80,9 @@ class EngineConfig:
     checkpoints and built-ins); MTP layers the files do not hold are always left out."""
     batch_invariant: bool | None = None
     """Bit-identical results for a sequence whatever else is in the step (every token-axis
-    matmul padded to at least 64 rows, the MLP activation run in fixed blocks). Unset: on for the CPU, off on CUDA; True on
-    CUDA is refused at start-up (no batch-invariant kernels there yet, docs/deploy.md).
+    matmul padded to at least 64 rows, the MLP activation run on a padded copy). Unset: on
+    for the CPU, off on CUDA; True on CUDA is refused at start-up (no batch-invariant
+    kernels there yet, docs/deploy.md).
 
     Implemented in ``megascore.model.batch_invariant``."""
     prefix_sharing: bool | None = None
