@@ -115,30 +115,27 @@ def tokens(groups: list[Group]) -> int:
     return sum(len(s) for g in groups for s in g.sequences)
 
 
-def computed_tokens(groups: list[Group]) -> int:
-    """Tokens the shared server computes (the segments of every group)."""
+def _layouts(groups: list[Group]):
+    """Each group's sequence lengths and the prefix tree the shared server cuts it into."""
     from megascore.engine.prefix_tree import shared_layout
 
-    total = 0
     for g in groups:
         lengths = np.array([len(s) for s in g.sequences])
-        total += int(
-            shared_layout(np.concatenate(g.sequences), lengths, min_shared=16).lengths.sum()
-        )
-    return total
+        yield lengths, shared_layout(np.concatenate(g.sequences), lengths, min_shared=16)
+
+
+def computed_tokens(groups: list[Group]) -> int:
+    """Tokens the shared server computes (the segments of every group)."""
+    return sum(int(layout.lengths.sum()) for _, layout in _layouts(groups))
 
 
 def attention_ratio(groups: list[Group]) -> float:
     """Dense over shared attention work (query-key pairs): what sharing saves of the
     attention, less than of the rows, since a continuation still attends to its prefix
     (a segment of ``n`` rows after ``p`` prefix rows: ``n * p + n (n + 1) / 2`` pairs)."""
-    from megascore.engine.prefix_tree import shared_layout
-
     dense = shared = 0
-    for g in groups:
-        lengths = np.array([len(s) for s in g.sequences])
+    for lengths, layout in _layouts(groups):
         dense += int((lengths * (lengths + 1) // 2).sum())
-        layout = shared_layout(np.concatenate(g.sequences), lengths, min_shared=16)
         n, p = layout.lengths, layout.offsets
         shared += int((n * p + n * (n + 1) // 2).sum())
     return dense / shared
