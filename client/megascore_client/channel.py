@@ -5,10 +5,16 @@ policy and the load-balancing policy) is computed once into :class:`ChannelSetti
 the clients only differ in which ``grpc`` module opens the channel.
 
 Retries are gRPC's own (``grpc.enable_retries`` + a ``retryPolicy`` in the
-``grpc.service_config`` JSON): only UNAVAILABLE is retried, with exponential backoff,
-and only the unary calls that read (:data:`RETRIED_METHODS`: Score, model info, health);
+``grpc.service_config`` JSON): UNAVAILABLE and CANCELLED are retried, with exponential
+backoff, and only the unary calls that read (:data:`RETRIED_METHODS`: Score, model info, health);
 LoadWeights, UpdateWeights and FinishWeightUpdate change the served weights and go out
 once (a push that fails UNAVAILABLE is the caller's to repeat, from its start).
+CANCELLED is retried because a server that stops cancels, in grpc core, every call that
+reaches it after its shutdown began and before the client read its GOAWAY (status
+CANCELLED, details "CANCELLED"; no handler runs, so the server cannot answer it
+otherwise: docs/reliability.md "Drain"). Scoring is idempotent, so such a call is sent
+again. gRPC never retries a call its caller cancelled (``future.cancel()``, a closed
+channel) nor one past its own deadline (DEADLINE_EXCEEDED).
 Each delay is the current backoff +-20 % (gRPC core's retry code jitters its backoff by
 0.2, ``RetryFilter::BackoffJitter()``; the ``[0, backoff]`` draw of the retry design
 doc, gRFC A6, is not what grpcio 1.85 does): the backoff starts at
@@ -48,6 +54,9 @@ RETRIED_METHODS = ("Score", "GetModelInfo")
 ScoreStream is not one of them: gRPC's replay of a bidi stream whose first attempt was
 refused lost one pipelined message in the 60-minute soak (docs/reliability.md); a
 failed stream fails its outstanding futures instead (:mod:`megascore_client.stream`)."""
+RETRIED_CODES = ("UNAVAILABLE", "CANCELLED")
+"""The status codes gRPC retries (CANCELLED only when the server or the connection
+ended the call: gRPC does not retry its caller's own cancellation)."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _LB_POLICIES = ("pick_first", "round_robin")
 
@@ -90,7 +99,8 @@ class TlsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
-    """gRPC retry policy applied to UNAVAILABLE only.
+    """gRPC retry policy applied to UNAVAILABLE and to CANCELLED by the server (see the
+    module doc).
 
     The n-th retry waits ``min(initial_backoff_s * backoff_multiplier**(n-1),
     max_backoff_s)`` +-20 % (gRPC's jitter).
@@ -124,7 +134,7 @@ class RetryPolicy:
             "initialBackoff": f"{self.initial_backoff_s:.3f}s",
             "maxBackoff": f"{self.max_backoff_s:.3f}s",
             "backoffMultiplier": self.backoff_multiplier,
-            "retryableStatusCodes": ["UNAVAILABLE"],
+            "retryableStatusCodes": list(RETRIED_CODES),
         }
 
 

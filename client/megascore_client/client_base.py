@@ -93,7 +93,8 @@ class ClientBase:
                 split into several requests. With ``max_request_tokens="auto"``, the
                 server's own limit (``ModelInfo.max_message_bytes``) is looked up too, and
                 batches are split under the smaller of the two.
-            retries: retry policy for UNAVAILABLE only: a :class:`RetryPolicy`, True
+            retries: retry policy for UNAVAILABLE and a CANCELLED the caller did not
+                ask for (:mod:`megascore_client.channel`): a :class:`RetryPolicy`, True
                 (default policy: 5 attempts, backoff 0.2 s x2 up to 5 s), an int number
                 of retries (0-4), or None to disable.
             load_balancing: None (gRPC default, pick_first), "pick_first" or

@@ -1,7 +1,10 @@
-"""Retries through the channel's service config: UNAVAILABLE only, with backoff."""
+"""Retries through the channel's service config: UNAVAILABLE and a CANCELLED the caller
+did not ask for (a stopping server's grpc core), with backoff."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import threading
 import time
 
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 
 from megascore_client import RetryPolicy, ScoringClient, ScoringError
+from megascore_client.channel import ChannelSettings
 from tests.client.fake_server import FakeScorer, FakeServer, ref_logprobs
 
 UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, "draining")
@@ -28,6 +32,115 @@ def test_unavailable_is_retried_even_for_large_requests(server):
         result = client.score(big)
     np.testing.assert_array_equal(result.logprobs[0], ref_logprobs(big[0]))
     assert server.scorer.calls["Score"] == 3
+
+
+def test_a_cancelled_answer_from_the_server_is_retried(server):
+    server.scorer.fail_next += [(grpc.StatusCode.CANCELLED, "CANCELLED")]
+    with _client(server) as client:
+        result = client.score([[1, 2, 3]])
+    np.testing.assert_array_equal(result.logprobs[0], ref_logprobs([1, 2, 3]))
+    assert server.scorer.calls["Score"] == 2
+
+
+class _RawServer:
+    """A grpc.aio server on its own loop thread whose Score waits ``delay_s`` and
+    answers empty bytes; counts the calls its handler saw."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s, self.calls = delay_s, 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = self.run(self._start())
+
+    def run(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self) -> int:
+        async def score(request, context):
+            self.calls += 1
+            await asyncio.sleep(self.delay_s)
+            return b""
+
+        handler = grpc.method_handlers_generic_handler(
+            "megascore.v1.Scorer", {"Score": grpc.unary_unary_rpc_method_handler(score)}
+        )
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((handler,))
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return port
+
+    def close(self) -> None:
+        self.run(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _raw_score(target: str, retries):
+    settings = ChannelSettings.build(target, tls=None, retries=retries)
+    channel = grpc.insecure_channel(target, options=settings.options())
+    return channel, channel.unary_unary("/megascore.v1.Scorer/Score")
+
+
+def test_calls_racing_a_server_shutdown_are_retried_not_cancelled():
+    """The source of the soak's CANCELLED: grpc core cancels every call that reaches a
+    server after its shutdown began and before the client read the GOAWAY (CANCELLED,
+    details "CANCELLED", no handler runs). Clients without retries see it; the SDK's
+    policy sends those calls again (here to a dead port: UNAVAILABLE), never CANCELLED."""
+    codes = {False: collections.Counter(), True: collections.Counter()}  # by retried
+    lock = threading.Lock()
+    rounds = 0
+    while codes[False]["CANCELLED"] == 0 and rounds < 40:
+        rounds += 1
+        server, stop = _RawServer(delay_s=0.001), threading.Event()
+
+        def hammer(retried: bool, target=f"127.0.0.1:{server.port}", stop=stop):
+            channel, score = _raw_score(target, FAST if retried else None)
+            with channel:
+                while not stop.is_set():
+                    try:
+                        score(b"", timeout=5)
+                        code = "OK"
+                    except grpc.RpcError as exc:
+                        code = exc.code().name
+                    with lock:
+                        codes[retried][code] += 1
+
+        threads = [threading.Thread(target=hammer, args=(i % 2 == 0,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)
+        server.run(server.server.stop(1.0))
+        time.sleep(0.1)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        server.close()
+    assert codes[False]["CANCELLED"] > 0, (rounds, codes)  # the race was exercised
+    assert codes[True]["CANCELLED"] == 0 and codes[True]["OK"] > 0, codes
+
+
+def test_a_call_its_caller_cancels_is_not_sent_again():
+    server = _RawServer(delay_s=1.0)
+    try:
+        channel, score = _raw_score(f"127.0.0.1:{server.port}", FAST)
+        with channel:
+            future = score.future(b"", timeout=10)
+            deadline = time.monotonic() + 10
+            while server.calls == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert future.cancel()
+            time.sleep(0.5)  # more than FAST's whole backoff
+            with pytest.raises(grpc.FutureCancelledError):
+                future.result()
+        assert server.calls == 1
+        channel, score = _raw_score(f"127.0.0.1:{server.port}", FAST)
+        with channel, pytest.raises(grpc.RpcError) as info:
+            score(b"", timeout=0.3)  # its own deadline: DEADLINE_EXCEEDED, not re-sent
+        assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and server.calls == 2
+    finally:
+        server.close()
 
 
 def test_invalid_argument_is_not_retried(server):

@@ -321,6 +321,60 @@ def test_loading_and_draining_are_503():
         srv.stop()
 
 
+def test_requests_racing_the_stop_get_503_never_a_reset():
+    """Keep-alive clients call in a loop while the server stops: each request is answered
+    200 or 503 (``Retry-After``, ``Connection: close``), or its connection is refused
+    once the listener is closed; no request dies on a connection the server dropped.
+    The clients wait as ``Retry-After`` says: one that reconnects at once can land in the
+    listener's backlog at its close, which the kernel resets before any byte is read."""
+    outcomes: dict[str, int] = {}
+    lock = threading.Lock()
+    for _ in range(2):
+        srv = serve(FakeEngine())
+        srv.call(srv.handles.gate.open())
+        stop = threading.Event()
+
+        def hammer(port=srv.http_port, stop=stop):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            body = json.dumps(completion()).encode()
+            while not stop.is_set():
+                try:
+                    conn.request("POST", "/v1/completions", body=body)
+                    response = conn.getresponse()
+                    response.read()
+                    outcome = str(response.status)
+                    if response.status == 503:
+                        closing = response.getheader("Connection") == "close"
+                        retry = response.getheader("Retry-After") == "1"
+                        outcome += "" if closing and retry else " without close / Retry-After"
+                        time.sleep(1.0)
+                except ConnectionRefusedError:
+                    outcome = "refused"
+                    conn.close()
+                    time.sleep(0.01)
+                except (http.client.HTTPException, OSError) as exc:
+                    outcome = f"dropped: {type(exc).__name__}"
+                    conn.close()
+                with lock:
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            conn.close()
+
+        threads = [threading.Thread(target=hammer) for _ in range(6)]
+        try:
+            for thread in threads:
+                thread.start()
+            wait_for(lambda: outcomes.get("200", 0) > 20, what="answers")
+            assert srv.call(srv.handles.stop(grace=5), timeout=60) is True
+            time.sleep(1.2)  # clients keep calling the stopped server
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+            srv.stop()
+    assert set(outcomes) <= {"200", "503", "refused"}, repr(outcomes)
+    assert outcomes.get("503", 0) > 0 and outcomes.get("refused", 0) > 0, outcomes
+
+
 def test_x_request_timeout_ends_the_call_with_504(server):
     gate = held(server)
     try:

@@ -113,4 +113,6 @@ def error_response(exc: BaseException, request_id: str = "", fields=None) -> Res
         }
     }
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    if status == 503:  # loading or draining: the client reconnects (after a drain, elsewhere)
+        headers["Connection"] = "close"
     return json_response(body, status, headers)

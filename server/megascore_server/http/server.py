@@ -4,7 +4,9 @@
 gRPC's does), serves with uvicorn from :meth:`HttpFront.start` (its signal handlers
 off: rank 0's own handlers drive the drain) and stops after the gRPC drain
 (:meth:`megascore_server.lifecycle.ServerHandles.stop`): the gate has answered new
-calls 503 since the drain began and the calls in flight have finished by then.
+calls 503 (``Retry-After``, ``Connection: close``: a keep-alive connection is closed
+after that answer, never under a later request) since the drain began and the calls in
+flight have finished by then.
 TLS and mutual TLS use the gRPC server's files.
 """
 
