@@ -101,10 +101,14 @@ def _corrupt_cases():
         t["model.embed_tokens.weight"] = torch.cat([t["model.embed_tokens.weight"]] * 2)
         return t
 
-    return {
-        "missing": (drop, "model.layers.1.self_attn.k_proj.weight"),
-        "wrong_shape": (reshape, "model.layers.0.mlp.down_proj.weight"),
-        "vocab": (vocab, "vocab mismatch"),
+    return {  # the message: the file, then the tensor (regex special characters escaped)
+        "missing": (drop, "missing tensor 'model.layers.1.self_attn.k_proj.weight'"),
+        "wrong_shape": (
+            reshape,
+            "model.safetensors: tensor 'model.layers.0.mlp.down_proj.weight' has shape "
+            "[64, 64], expected [64, 128] from the architecture in config.json",
+        ),
+        "vocab": (vocab, "model.safetensors: vocab mismatch: tensor 'model.embed_tokens.weight'"),
     }
 
 
@@ -115,7 +119,7 @@ def test_corrupt_checkpoint_raises_and_leaves_model(hf_dirs, tmp_path, build, ca
     cfg, load, _ = resolve_model(f"hf:{hf_dirs['llama']}")
     model = build(cfg)
     before = _params(model)
-    with pytest.raises(CheckpointError, match=needle.replace(".", r"\.")):
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
         load_hf_weights(model, cfg, tmp_path / case)
     after = _params(model)
     assert all(torch.equal(before[k], after[k]) for k in before)

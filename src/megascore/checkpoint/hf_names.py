@@ -212,7 +212,7 @@ def mtp_copies(cfg: ModelConfig, reader: SafetensorsDir) -> list[tuple[str, str]
                 main = main or output
                 if reader.shape(copy) != reader.shape(main):
                     raise CheckpointError(
-                        f"{reader.directory}: {copy!r} has shape {list(reader.shape(copy))}, "
+                        f"{reader.file(copy)}: {copy!r} has shape {list(reader.shape(copy))}, "
                         f"{main!r} {list(reader.shape(main))}: MTP layers share the main model's"
                     )
                 copies.append((copy, main))

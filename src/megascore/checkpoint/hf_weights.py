@@ -97,8 +97,8 @@ def plan_hf_load(
     embed = "model.embed_tokens.weight"
     if embed in reader and reader.shape(embed)[0] != model_cfg.vocab_size:
         raise CheckpointError(
-            f"vocab mismatch: {embed} has {reader.shape(embed)[0]} rows but the model "
-            f"vocab_size is {model_cfg.vocab_size}"
+            f"{reader.file(embed)}: vocab mismatch: tensor {embed!r} has "
+            f"{reader.shape(embed)[0]} rows but the model's vocab_size is {model_cfg.vocab_size}"
         )
     mapper = ParamMapper(model_cfg, reader, ranks)
     offset = decoder_layer_offset(model)

@@ -67,14 +67,13 @@ class Src:
     full: tuple[int, ...] | None = None
 
     def validate(self, reader: SafetensorsDir) -> None:
-        if self.name not in reader:
-            raise CheckpointError(f"{reader.directory}: missing tensor {self.name!r}")
+        """Raises unless the checkpoint holds the tensor with the shape its config implies."""
         want = self.full or self.shape
-        got = reader.shape(self.name)
+        got = reader.shape(self.name)  # raises for a missing tensor
         if got != want:
             raise CheckpointError(
-                f"{reader.directory}: tensor {self.name!r} has shape {list(got)}, "
-                f"expected {list(want)}"
+                f"{reader.file(self.name)}: tensor {self.name!r} has shape {list(got)}, "
+                f"expected {list(want)} from the architecture in config.json"
             )
 
     def rows(self, reader: SafetensorsDir, start: int, stop: int) -> torch.Tensor:

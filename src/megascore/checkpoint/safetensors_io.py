@@ -1,13 +1,14 @@
 """Streaming, validated access to a directory of ``.safetensors`` files.
 
 :class:`SafetensorsDir` resolves tensor names to files (``model.safetensors`` or a
-sharded ``model.safetensors.index.json``), checks every file header against the
-file size *before* any data is read (a truncated download is reported with the
-first tensor it cuts off), and reads *slices* of tensors with plain positioned
-reads of the byte span that holds them: a tensor-parallel rank reads only the rows of
-its own shard (a column slice reads the rows it spans, then keeps its columns). The
-files are not memory-mapped: the read pages stay in the page cache, not in the
-process's resident memory, so a load's peak RSS is the model plus the shard in flight.
+sharded ``model.safetensors.index.json``), checks every file header *before* any data
+is read (:mod:`megascore.checkpoint.safetensors_files`: a truncated download is reported
+with the first tensor it cuts off, a corrupt header with the entry), and reads *slices*
+of tensors with plain positioned reads of the byte span that holds them: a
+tensor-parallel rank reads only the rows of its own shard (a column slice reads the rows
+it spans, then keeps its columns). The files are not memory-mapped: the read pages stay
+in the page cache, not in the process's resident memory, so a load's peak RSS is the
+model plus the shard in flight.
 
 Block-scaled FP8 tensors (DeepSeek-V3's ``F8_E4M3`` weights with ``weight_scale_inv``,
 ``megascore.checkpoint.fp8``) read as float32 real values: the slice of the FP8
@@ -17,11 +18,8 @@ belong to them (not listed by :meth:`SafetensorsDir.names`).
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -29,26 +27,10 @@ import torch
 
 from megascore.api.errors import CheckpointError
 from megascore.checkpoint import fp8
+from megascore.checkpoint.safetensors_files import INDEX_FILE, read_header, weight_files
 
 logger = logging.getLogger(__name__)
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _TORCH_DTYPES = {
     "F64": torch.float64,
@@ -64,51 +46,6 @@ _TORCH_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-# The header is a few kB to a few MB; anything larger is a corrupt length field.
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-
-def _read_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
-    """Parses and validates one file's header.
-
-    Returns:
-        ``(name -> {dtype, shape, data_offsets}, file offset of the data section)``.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes)")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > min(size - 8, _MAX_HEADER_BYTES):
-                raise CheckpointError(
-                    f"{path}: corrupt or truncated safetensors header "
-                    f"(header length {header_len}, file size {size})"
-                )
-            header = json.loads(f.read(header_len))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
-    header.pop("__metadata__", None)
-    data_bytes = size - 8 - header_len
-    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][1]):
-        begin, end = info["data_offsets"]
-        nbytes = math.prod(info["shape"]) * _DTYPE_BYTES.get(info["dtype"], 0)
-        if end - begin != nbytes:
-            raise CheckpointError(
-                f"{path}: corrupt header entry for tensor {name!r}: {end - begin} bytes for "
-                f"shape {info['shape']} {info['dtype']}"
-            )
-        if end > data_bytes:
-            raise CheckpointError(
-                f"{path}: truncated: tensor {name!r} needs bytes [{begin}, {end}) of the data "
-                f"section but the file holds only {data_bytes}"
-            )
-    return header, 8 + header_len
 
 
 class SafetensorsDir:
@@ -120,9 +57,10 @@ class SafetensorsDir:
             (:func:`megascore.checkpoint.fp8.block_size` of its ``config.json``).
 
     Raises:
-        CheckpointError: no safetensors weights, a broken index, a file named by the
-            index missing, a corrupt / truncated file, or an FP8 tensor whose
-            ``*_scale_inv`` is missing or has another shape than its blocks.
+        CheckpointError: naming the file (and the tensor): no safetensors weights, a
+            broken index, a file named by the index missing, a corrupt / truncated file
+            (:mod:`megascore.checkpoint.safetensors_files`), a tensor in two files, or an
+            FP8 tensor whose ``*_scale_inv`` is missing or has another shape than its blocks.
     """
 
     def __init__(self, directory: str | Path, fp8_block: tuple[int, int] | None = None):
@@ -132,9 +70,9 @@ class SafetensorsDir:
         self._info: dict[str, dict[str, Any]] = {}
         self._data_start: dict[Path, int] = {}
         self._handles: dict[Path, BinaryIO] = {}
-        self.files = self._resolve_files()
+        self.files, self._indexed = weight_files(self.directory)
         for path in self.files:
-            header, self._data_start[path] = _read_header(path)
+            header, self._data_start[path] = read_header(path)
             for name, info in header.items():
                 if name in self._info:
                     raise CheckpointError(f"{path}: tensor {name!r} also in {self._file_of[name]}")
@@ -150,38 +88,16 @@ class SafetensorsDir:
                 continue
             scale = name + fp8.SCALE_SUFFIX
             want = fp8.scale_shape(tuple(info["shape"]), block)
+            path = self._file_of[name]
             if len(info["shape"]) < 2:
-                raise CheckpointError(f"{self.directory}: FP8 tensor {name!r} is not a matrix")
+                raise CheckpointError(f"{path}: FP8 tensor {name!r} is not a matrix")
             if scale not in self._info:
-                raise CheckpointError(f"{self.directory}: FP8 tensor {name!r} has no {scale!r}")
+                raise CheckpointError(f"{path}: FP8 tensor {name!r} has no {scale!r}")
             if tuple(self._info[scale]["shape"]) != want:
                 raise CheckpointError(
-                    f"{self.directory}: {scale!r} has shape {self._info[scale]['shape']}, "
+                    f"{self._file_of[scale]}: {scale!r} has shape {self._info[scale]['shape']}, "
                     f"expected {list(want)} ({name!r} {info['shape']} in {list(block)} blocks)"
                 )
-
-    def _resolve_files(self) -> list[Path]:
-        index = self.directory / INDEX_FILE
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: corrupt index: {e}") from e
-            files = sorted({self.directory / f for f in weight_map.values()})
-            for path in files:
-                if not path.is_file():
-                    raise CheckpointError(f"{path}: shard named by {INDEX_FILE} is missing")
-            return files
-        single = self.directory / SINGLE_FILE
-        if single.is_file():
-            return [single]
-        files = sorted(self.directory.glob("*.safetensors"))
-        if files:
-            return files
-        hint = (
-            " (PyTorch .bin weights are not supported)" if any(self.directory.glob("*.bin")) else ""
-        )
-        raise CheckpointError(f"{self.directory}: no safetensors weights found{hint}")
 
     # --- metadata (no data read) ---
 
@@ -205,10 +121,20 @@ class SafetensorsDir:
         """Safetensors dtype string of ``name`` (``"BF16"``, ``"F32"`` ...)."""
         return self._entry(name)["dtype"]
 
+    def file(self, name: str) -> Path:
+        """The file that holds tensor ``name``."""
+        self._entry(name)
+        return self._file_of[name]
+
     def _entry(self, name: str) -> dict[str, Any]:
-        if name not in self._info:
-            raise CheckpointError(f"{self.directory}: missing tensor {name!r}")
-        return self._info[name]
+        if name in self._info:
+            return self._info[name]
+        claimed = self._indexed.get(name)
+        if claimed is not None:  # an index out of step with its shards (a mixed download)
+            raise CheckpointError(
+                f"{claimed}: missing tensor {name!r}, which {INDEX_FILE} puts in this file"
+            )
+        raise CheckpointError(f"{self.directory}: missing tensor {name!r}")
 
     # --- data ---
 
