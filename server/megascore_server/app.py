@@ -21,6 +21,7 @@ from megascore.api.types import Engine
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.auth import BearerTokenInterceptor, read_token
 from megascore_server.config import GrpcServerConfig
+from megascore_server.connection_limits import connection_cap
 from megascore_server.gate import CallGate
 from megascore_server.health import SCORER_SERVICE, ScorerHealth
 from megascore_server.lifecycle import ServerHandles, resolve_limits
@@ -45,7 +46,8 @@ def _bind_address(host: str, port: int) -> str:
 def _grpc_server(
     config: GrpcServerConfig, metrics: ServerMetrics, token: str | None
 ) -> grpc.aio.Server:
-    """The gRPC server with its interceptors and message limits (no service added)."""
+    """The gRPC server with its interceptors, message and connection limits (no service
+    added)."""
     # First: it also answers (and counts) the calls the next ones refuse.
     interceptors = [StatusInterceptor(metrics)]
     if token is not None:
@@ -56,6 +58,9 @@ def _grpc_server(
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+            ("grpc.max_allowed_incoming_connections", connection_cap(config.max_connections)),
+            ("grpc.server_handshake_timeout_ms", int(config.header_timeout_s * 1000)),
         ],
     )
 

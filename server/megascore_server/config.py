@@ -52,6 +52,16 @@ class GrpcServerConfig:
     """Largest gRPC message sent or received."""
     max_stream_inflight: int = 32
     """Requests of one ScoreStream submitted ahead of their responses (back-pressure)."""
+    max_concurrent_streams: int = 128
+    """Calls open at once on one gRPC connection (HTTP/2 ``MAX_CONCURRENT_STREAMS``);
+    a client's further calls wait on its side."""
+    max_connections: int = 0
+    """Connections each front (gRPC, HTTP) keeps open at once; beyond, a new one is
+    closed at once (HTTP: answered 503 first). 0 = a third of the open-files limit
+    (``megascore_server.connection_limits``)."""
+    header_timeout_s: float = 10.0
+    """Time a connection has to send a whole HTTP request head (of opening, or of its
+    previous answer's end) or to finish its gRPC handshake; else it is closed."""
     tls_cert: str | None = None
     """PEM server certificate chain; enables TLS together with ``tls_key``."""
     tls_key: str | None = None
@@ -79,6 +89,7 @@ class GrpcServerConfig:
             "max_queue",
             "max_request_tokens",
             "max_stream_inflight",
+            "max_concurrent_streams",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -95,6 +106,10 @@ class GrpcServerConfig:
             raise ValueError(
                 f"max_sequence_length must be >= 1 or None, got {self.max_sequence_length}"
             )
+        if self.max_connections < 0:
+            raise ValueError(f"max_connections must be >= 0, got {self.max_connections}")
+        if self.header_timeout_s <= 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
         if self.max_batch_wait_ms < 0:
             raise ValueError(f"max_batch_wait_ms must be >= 0, got {self.max_batch_wait_ms}")
         if self.max_message_bytes < 4096:

@@ -7,7 +7,8 @@ off: rank 0's own handlers drive the drain) and stops after the gRPC drain
 calls 503 (``Retry-After``, ``Connection: close``: a keep-alive connection is closed
 after that answer, never under a later request) since the drain began and the calls in
 flight have finished by then.
-TLS and mutual TLS use the gRPC server's files.
+TLS and mutual TLS use the gRPC server's files; the connection cap and the header
+timeout are in :mod:`megascore_server.http.connections`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import ssl
 import uvicorn
 
 from megascore_server.config import GrpcServerConfig
+from megascore_server.connection_limits import connection_cap
 from megascore_server.http.app import build_app
+from megascore_server.http.connections import guarded_protocol
 from megascore_server.metrics import ServerMetrics
 from megascore_server.service import ScoringService
 
@@ -83,6 +86,10 @@ class HttpFront:
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=1,
+                http=guarded_protocol(
+                    max_connections=connection_cap(config.max_connections),
+                    header_timeout_s=config.header_timeout_s,
+                ),
                 **tls,
             )
         )
