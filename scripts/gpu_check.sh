@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One-shot GPU check of megascore: prints a table (scripts/gpu_check.py lists the rows).
-# At most 8 minutes on one GPU; on a machine without CUDA it prints the "no CUDA" table
-# and exits 0; --device cpu runs the rows on the CPU. Exit status 1 when a row failed.
+# GPU check of megascore: prints a table (scripts/gpu_check.py lists the rows). One
+# deadline (480 s) from this script's start, the kit install included: every row runs in
+# what is left of its window and is written to $OUT (or --out DIR) as it finishes. On a
+# machine without CUDA it prints the "no CUDA" table and exits 0; --device cpu runs the
+# rows on the CPU. Exit status 1 when a row failed. --dry-run prints the plan only.
 #
-#   bash scripts/gpu_check.sh [--device auto|cuda|cpu] [--out DIR]
+#   bash scripts/gpu_check.sh [--device auto|cuda|cpu] [--out DIR] [--rows a,b|all] [--dry-run]
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. When that interpreter lacks
 # megascore's dependencies or its installed entry points (`megascore serve` is found
@@ -13,6 +15,7 @@
 # scripts/device_kit.sh on a machine with PyPI), then megascore itself with
 # `pip install --no-index --no-deps -e .`.
 set -uo pipefail
+STARTED=$(date +%s.%N)  # the deadline counts from here
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
@@ -27,7 +30,7 @@ import grpc_reflection.v1alpha.reflection, megascore_server, megascore_client
 assert m.entry_points(group="megascore.commands", name="serve"), "no megascore.commands"
 '
 
-if ! "$PY" -c "$READY" 2>/dev/null; then
+if [[ " $* " != *" --dry-run "* ]] && ! "$PY" -c "$READY" 2>/dev/null; then
   VENV="$ROOT/.venv-gpu-check"
   if ! compgen -G "$KIT/*.whl" >/dev/null; then
     echo "gpu_check: $PY lacks megascore's dependencies and $KIT holds no wheels:" \
@@ -52,4 +55,4 @@ fi
 # This checkout first (an installed megascore may be another tree's), then tests/ helpers.
 export PYTHONPATH="$ROOT/src:$ROOT/server:$ROOT/client:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
-exec "$PY" scripts/gpu_check.py "$@"
+exec "$PY" scripts/gpu_check.py --started "$STARTED" "$@"

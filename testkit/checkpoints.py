@@ -151,12 +151,15 @@ def _named_tensors(module):
     return [*module.named_parameters(), *buffers]
 
 
-def make_hf_model(family: str, seed: int = 0):
-    """A tiny random ``*ForCausalLM`` with rescaled weights, in eval mode."""
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    """A tiny random ``*ForCausalLM`` with rescaled weights, in eval mode (``overrides``:
+    config fields to change, e.g. ``vocab_size``)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family))
+    config = hf_config(family)
+    config.update(overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     _rescale(_named_tensors(model), torch.Generator().manual_seed(seed))
     return model.eval()
 

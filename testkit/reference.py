@@ -155,3 +155,19 @@ def assert_results_equal(a, b, atol: float = 0.0) -> None:
     for name in a.loss:
         np.testing.assert_allclose(a.loss[name], b.loss[name], rtol=atol and 1e-5, atol=atol)
     np.testing.assert_array_equal(a.num_tokens, b.num_tokens)
+
+
+def softmax_attention(q, k, v, mask, scale):
+    """float64 softmax attention and log-sum-exps: ``q`` ``[n, heads, q_len, dim]``, ``k`` /
+    ``v`` ``[n, groups, k_len, dim]`` (GQA), ``mask`` bool ``[q_len, k_len]`` (True: attend).
+
+    Returns:
+        ``(out [n, heads, q_len, v_dim], lse [n, heads, q_len])``, float64.
+    """
+    import torch
+
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v, torch.logsumexp(scores, -1)

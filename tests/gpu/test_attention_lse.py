@@ -13,19 +13,12 @@ import pytest
 import torch
 
 from megascore.model.attention import _merge, attention_with_lse
+from testkit.reference import softmax_attention as _reference
 
 pytestmark = pytest.mark.gpu
 
 HEADS, GROUPS, DIM = 8, 2, 64
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def _reference(q, k, v, mask, scale):
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    scores = q.double() @ k.transpose(-1, -2) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(-1) @ v, torch.logsumexp(scores, -1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
