@@ -159,16 +159,21 @@ def model_inputs(
     cp_rank, cp_size = _cp_rank_size(model)
     device = next(model.parameters()).device
     p = packed.packed_seq_params
+    # The torch backend keeps the boundaries on the host: Megatron's THD RoPE (a loop
+    # over the sequences with .item()), the core attention's plan and the MTP roll read
+    # them in every layer, which on a GPU would be ~2B+5 host syncs per layer. TE's
+    # kernels take them on the device.
+    where = "cpu" if getattr(model, "megascore_attention_backend", "torch") == "torch" else device
     kwargs = dict(
         input_ids=packed.input_ids_cp_sharded.to(device, torch.long),  # [1, T_local]
-        position_ids=packed_position_ids(packed.cu_seqlens_padded, cp_rank, cp_size, p).to(device),
+        position_ids=packed_position_ids(p.cu_seqlens_q_padded, cp_rank, cp_size, p).to(device),
         attention_mask=None,
         packed_seq_params=dataclasses.replace(
             p,
-            cu_seqlens_q=p.cu_seqlens_q.to(device),
-            cu_seqlens_kv=p.cu_seqlens_kv.to(device),
-            cu_seqlens_q_padded=p.cu_seqlens_q_padded.to(device),
-            cu_seqlens_kv_padded=p.cu_seqlens_kv_padded.to(device),
+            cu_seqlens_q=p.cu_seqlens_q.to(where),
+            cu_seqlens_kv=p.cu_seqlens_kv.to(where),
+            cu_seqlens_q_padded=p.cu_seqlens_q_padded.to(where),
+            cu_seqlens_kv_padded=p.cu_seqlens_kv_padded.to(where),
         ),
         output_processor=_head_processor,
     )

@@ -234,7 +234,9 @@ def pack_sequences(
 
     Returns:
         A :class:`PackedSequences`; ids and boundaries on ``token_ids.device``, the
-        index tensors on the CPU.
+        index tensors and the ``packed_seq_params`` boundaries on the CPU
+        (:func:`megascore.engine.packed_inputs.model_inputs` moves them where the
+        attention backend needs them).
 
     Raises:
         ValueError: where the inputs do not fit the layout (names the sequence).
@@ -262,8 +264,9 @@ def pack_sequences(
     packed = packed.unsqueeze(0)  # [1, T_padded]
     # 3. this CP rank's shard, and Megatron's THD boundaries
     shard = cp_shard_indices(cu_seqlens_padded, cp_rank, cp_size)  # [T_padded / cp]
-    cu_seqlens_padded = cu_seqlens_padded.to(device)
+    # the params keep host boundaries: what reads them per layer reads no device value
     params = _thd_params(cu_seqlens_padded, max(padded), total if cp_size == 1 else None)
+    cu_seqlens_padded = cu_seqlens_padded.to(device)
     return PackedSequences(
         input_ids=packed.contiguous(),
         input_ids_cp_sharded=packed[:, shard.to(device)].contiguous() if cp_size > 1 else packed,

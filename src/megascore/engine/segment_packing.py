@@ -117,7 +117,7 @@ def pack_layout(
     if not segments.shared:
         return packed
     p = packed.packed_seq_params
-    padded = packed.cu_seqlens_padded.diff().tolist()
+    padded = p.cu_seqlens_q_padded.diff().tolist()  # host boundaries
     extra = len(padded) - len(segments.lengths)  # the padding's own segment: a root
     parents = [int(x) for x in segments.parents] + [-1] * extra
     offsets = [int(x) for x in segments.offsets] + [0] * extra
@@ -160,7 +160,7 @@ def rope_positions(model, packed: PackedSequences):
     if not tables:
         yield
         return
-    rows = full_positions(packed.cu_seqlens_padded, params).to(packed.input_ids.device)
+    rows = full_positions(params.cu_seqlens_q_padded, params).to(packed.input_ids.device)
 
     def per_row(module, args, output):
         # RotaryEmbedding: [max_seqlen, 1, 1, dim]; YarnRotaryEmbedding: (that, mscale)
