@@ -42,6 +42,17 @@ def test_dockerfile_shape(name):
     assert ignore[-1] != "" and "!client/" in ignore and "!server/" in ignore
 
 
+def test_gpu_image_keeps_float32_gemms_out_of_tf32():
+    """The NGC base sets TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 (TF32 for every float32 GEMM,
+    whatever torch's flags); the image's own ENV, after FROM, sets it back to 0."""
+    text = (DOCKER / "Dockerfile").read_text()
+    after_from = text[text.index("\nFROM ") :]
+    env = after_from[
+        after_from.index("\nENV ") : after_from.index("\n\n", after_from.index("\nENV "))
+    ]
+    assert "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 \\" in env
+
+
 def test_compose_smoke_service_waits_for_a_healthy_server():
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     server, smoke = compose["services"]["server"], compose["services"]["smoke"]
