@@ -128,6 +128,17 @@ async def _parsed(requests):
         index += 1
 
 
+async def _write(context, response) -> None:
+    """Sends one message of a stream. A write grpc core refuses (the client ended the call
+    while the message waited for its flow-control window, e.g. a stream that never read)
+    ends the call as cancelled; a yielded message's refused write would escape in grpc's
+    own code as an ExecuteBatchError traceback."""
+    try:
+        await context.write(response)
+    except grpc.aio.InternalError:
+        raise asyncio.CancelledError from None
+
+
 def _seconds(response, since: float) -> float:
     """A ScoreResponse carries its own latency (``timings.total_ms``); others: since then."""
     timings = getattr(response, "timings", None)
@@ -278,7 +289,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 async with contextlib.aclosing(result):
                     async for response in result:
                         self._observe_message(rpc, counted, response, clock.since)
-                        yield response
+                        await _write(context, response)
                         clock.since = time.monotonic()
 
         kwargs = {
