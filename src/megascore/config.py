@@ -73,6 +73,11 @@ class EngineConfig:
     """Tokens per chunk of the vocab-parallel log-softmax (bounds peak memory)."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective; a hung rank fails the step instead of hanging."""
+    load_timeout_s: float = 1800.0
+    """How long the ranks wait for one another around a model load (the rendezvous, the
+    agreements once a start-up load or ``LoadWeights`` is read and written), whatever
+    ``collective_timeout_s`` is: ranks finish reading a large checkpoint minutes apart. A
+    rank that dies meanwhile is seen at once (its connections close); a hung one after this."""
     seed: int | None = None
     """Overrides the model config's seed for built-in random weights."""
     ignore_mtp_layers: bool = False
@@ -142,6 +147,8 @@ class EngineConfig:
             )
         if self.collective_timeout_s <= 0:
             raise ValueError("collective_timeout_s must be > 0")
+        if self.load_timeout_s <= 0:
+            raise ValueError("load_timeout_s must be > 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
 

@@ -102,11 +102,13 @@ class WeightReload:
                 weights_version=version,
                 before_write=before_write,
             ),
-            lambda problem: self._agree_or_raise(problem, "reload", f"loading {model!r}"),
+            lambda problem: self._agree_or_raise(
+                problem, self.load_group, "reload", f"loading {model!r}"
+            ),
             f"loading {model!r}",
         )
         try:
-            failed = agree_on_status(error is not None, self.groups.status)
+            failed = agree_on_status(error is not None, self.load_group)
         except RuntimeError as e:
             raise self._mark_broken(f"reload status all-reduce failed: {e}") from e
         if failed:

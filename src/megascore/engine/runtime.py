@@ -15,7 +15,7 @@ until rank 0 shuts down::
 Process groups (all explicit):
 
 * the default group: the rendezvous, group creation and checkpoint I/O, no step
-  collective; its timeout is at least ``STARTUP_TIMEOUT_S`` (ranks may start
+  collective; its timeout is at least ``load_timeout_s`` (ranks may start
   minutes apart; :mod:`megascore.engine.startup`).
 * ``command``: every rank, gloo, a very long timeout on the workers: idle workers
   wait in it for rank 0's next message (``megascore.engine.protocol``). Rank 0's
@@ -26,6 +26,9 @@ Process groups (all explicit):
   failure flags and the start-up barrier. It outlasts the step collectives so
   that a rank that failed early still hears from the ranks that first had to
   time out waiting for it.
+* ``load``: every rank, gloo, ``load_timeout_s``: the agreements around a model load
+  (start-up and reload), where ranks finish reading a large checkpoint minutes apart.
+  A rank that dies meanwhile closes its connections and fails the agreement at once.
 * Megatron's TP / CP / EP / PP groups from ``megascore.model.parallel`` (timeout
   ``collective_timeout_s``). Under NCCL the timeout is enforced by NCCL's watchdog,
   which aborts the communicators and ends the process
@@ -98,6 +101,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         pg_collection,
         groups: StepGroups,
         command_group: dist.ProcessGroup,
+        load_group: dist.ProcessGroup,
         data_parallel: DataParallelGroup,
         device: torch.device,
     ):
@@ -107,6 +111,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         self.pg_collection = pg_collection
         self.groups = groups
         self.command_group = command_group
+        self.load_group = load_group
         self.data_parallel = data_parallel
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -182,7 +187,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         try:
             pg_collection = initialize_parallel(engine_cfg)
             _check_result_rank(pg_collection)
-            status, command = _control_groups(engine_cfg, own_groups)
+            status, command, load = _control_groups(engine_cfg, own_groups)
             groups = StepGroups(
                 tp=pg_collection.tp, cp=pg_collection.cp, pp=pg_collection.pp, status=status
             )
@@ -190,7 +195,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             if data_parallel.results is not None:
                 own_groups.append(data_parallel.results)
             start = time.perf_counter()
-            loaded = _build_agreeing(engine_cfg, pg_collection, status, device)
+            loaded = _build_agreeing(engine_cfg, pg_collection, load, device)
         except BaseException:
             teardown_groups(own_groups, owns_default_group)
             raise
@@ -200,7 +205,9 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             loaded.weights_version,
             time.perf_counter() - start,
         )
-        engine = cls(engine_cfg, loaded, pg_collection, groups, command, data_parallel, device)
+        engine = cls(
+            engine_cfg, loaded, pg_collection, groups, command, load, data_parallel, device
+        )
         auto_sp = engine.sequence_parallel and engine_cfg.sequence_parallel is None
         if auto_sp and engine.rank == DRIVER_RANK:
             logger.info(
@@ -331,15 +338,18 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         except WorkerLostError as e:
             raise self._mark_broken(str(e)) from e
 
-    def _agree_or_raise(self, problem: object, step: str, what: str) -> None:
-        """Every rank: agrees on whether any rank has a ``problem`` (None: none here).
+    def _agree_or_raise(
+        self, problem: object, group: dist.ProcessGroup, step: str, what: str
+    ) -> None:
+        """Every rank: agrees over ``group`` on whether any rank has a ``problem`` (None:
+        none here).
 
         Raises:
             CheckpointError: some rank had one ("``what`` failed on ranks [...]").
             WorkerLostError: the ``step`` status all-reduce itself failed.
         """
         try:
-            failed = agree_on_status(problem is not None, self.groups.status)
+            failed = agree_on_status(problem is not None, group)
         except RuntimeError as e:
             raise self._mark_broken(f"{step} status all-reduce failed: {e}") from e
         if failed:
@@ -362,7 +372,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         if self._closed:
             return
         self._closed = True
-        groups = [self.groups.status, self.command_group]
+        groups = [self.groups.status, self.command_group, self.load_group]
         if self.data_parallel.results is not None:
             groups.append(self.data_parallel.results)
         teardown_groups(groups, self._owns_default_group)
@@ -380,28 +390,29 @@ def _check_result_rank(pg_collection) -> None:
 
 def _control_groups(
     engine_cfg: EngineConfig, own_groups: list[dist.ProcessGroup]
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """The gloo groups over every rank for the step status and for the commands (added
-    to ``own_groups``, which the caller tears down on a failure)."""
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
+    """The gloo groups over every rank for the step status, the commands and the load
+    agreements (added to ``own_groups``, which the caller tears down on a failure)."""
     world = list(range(dist.get_world_size()))
     status_timeout = datetime.timedelta(seconds=3 * engine_cfg.collective_timeout_s)
-    own_groups.append(dist.new_group(world, backend="gloo", timeout=status_timeout))
     command_timeout = _COMMAND_TIMEOUT  # gloo timeouts are per process: see above
     if dist.get_rank() == DRIVER_RANK:
         command_timeout = datetime.timedelta(seconds=engine_cfg.collective_timeout_s)
-    own_groups.append(dist.new_group(world, backend="gloo", timeout=command_timeout))
-    return own_groups[-2], own_groups[-1]
+    load_timeout = datetime.timedelta(seconds=engine_cfg.load_timeout_s)
+    for timeout in (status_timeout, command_timeout, load_timeout):
+        own_groups.append(dist.new_group(world, backend="gloo", timeout=timeout))
+    return own_groups[-3], own_groups[-2], own_groups[-1]
 
 
 def _build_agreeing(
-    engine_cfg: EngineConfig, pg_collection, status: dist.ProcessGroup, device: torch.device
+    engine_cfg: EngineConfig, pg_collection, load: dist.ProcessGroup, device: torch.device
 ) -> LoadedModel:
-    """Builds and loads the served model on this rank; every rank agrees over ``status``
+    """Builds and loads the served model on this rank; every rank agrees over ``load``
     that all did (a config or checkpoint error the same everywhere is raised as is)."""
     world_size = dist.get_world_size()
 
     def agree(problem: BaseException | None) -> None:
-        failed = agree_on_status(problem is not None, status)
+        failed = agree_on_status(problem is not None, load)
         if failed and isinstance(problem, LOAD_FAILURES) and len(failed) == world_size:
             raise problem  # a config / checkpoint error, the same everywhere
         if failed:

@@ -1,7 +1,7 @@
 """Setting a replica up and tearing it down, for :mod:`megascore.engine.runtime`.
 
 The default process group (:func:`init_distributed`: its timeout at least
-``STARTUP_TIMEOUT_S``, since ranks may start minutes apart), the rank that drives the
+``load_timeout_s``, since ranks may start minutes apart), the rank that drives the
 replica (``DRIVER_RANK``, rank 0) and its peer on the last pipeline stage (:func:`result_rank`),
 a model load the ranks agree on before anything is written (:func:`load_agreeing`, at
 start-up and on reload: :mod:`megascore.engine.reload`) and the groups' teardown.
@@ -25,7 +25,6 @@ from megascore.model.parallel import destroy_parallel
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 600.0
 DRIVER_RANK = 0
 
 
@@ -49,7 +48,7 @@ def init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     # The default group carries the rendezvous, where ranks may arrive minutes apart
     # (imports, checkpoint reads): a short collective_timeout_s must not fail start-up.
     # Steps use the explicit groups, with the collective timeout.
-    timeout = max(engine_cfg.collective_timeout_s, STARTUP_TIMEOUT_S)
+    timeout = max(engine_cfg.collective_timeout_s, engine_cfg.load_timeout_s)
     init_default_group(
         backend,
         datetime.timedelta(seconds=timeout),

@@ -151,7 +151,7 @@ class WeightPushHandler:
             if self._push_of is not self.loaded:  # a LoadWeights reloaded the model meanwhile
                 problem = "the served model was reloaded (LoadWeights) during the push: push again"
             self._staging_buffers = push.release()  # kept when the ranks do not agree
-            self._agree_or_raise(problem, "weight commit", "weight push")
+            self._agree_or_raise(problem, self.groups.status, "weight commit", "weight push")
             self._staging_buffers = push.apply()
             changed = len(push.staged)
             self.loaded.weights_version = message.version
