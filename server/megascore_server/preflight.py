@@ -1,7 +1,8 @@
 """Checks of a serve configuration made before any rank starts (torch-free, well under 2 s).
 
-A layout that does not fit the world size, a model string that names nothing and
-``--device cuda`` on a host without CUDA would otherwise be found by every rank
+A layout that does not fit the world size, a model string that names nothing,
+``--device cuda`` on a host without CUDA and more ranks on a host than it shows GPUs
+(CUDA's "invalid device ordinal" in a rank) would otherwise be found by every rank
 after it imported torch and Megatron (seconds to a minute). Each check raises
 ``ValueError`` with the fix in the message (``--tp 2 needs --nproc 2 ...``); the
 ranks keep their own checks for what only a built model can tell.
@@ -39,12 +40,27 @@ def check_before_launch(config: ReplicaConfig, world_size: int, *, torchrun: boo
     _check_layout(engine, world_size, torchrun)
     if model is not None:
         _check_model_fits(engine, model)
-    if engine.device == "cuda" and cuda_device_count() == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    if engine.device in ("cuda", "auto"):
+        # torchrun starts LOCAL_WORLD_SIZE of the ranks here; --nproc all of them
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
+        _check_gpus(engine.device, local, cuda_device_count(), torchrun)
+
+
+def _check_gpus(device: str, local_ranks: int, gpus: int, torchrun: bool) -> None:
+    """One GPU per rank: a rank's LOCAL_RANK is its device index."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    if device == "cuda" and gpus == 0:
         raise ValueError(
             f"--device cuda: no CUDA device is visible on this host{hint}; "
             "use --device cpu (or --device auto: CUDA when available)"
+        )
+    if gpus and local_ranks > gpus:
+        flag = "--nproc-per-node" if torchrun else "--nproc"
+        raise ValueError(
+            f"{flag} {local_ranks} starts {local_ranks} ranks on this host but it shows "
+            f"{gpus} CUDA device(s){hint}, one per rank: use {flag} {gpus} or fewer, or "
+            f"--device cpu (--device {device} serves on the GPUs)"
         )
 
 

@@ -138,3 +138,31 @@ def test_device_cuda_without_cuda_is_refused(monkeypatch):
 def test_cuda_device_count_agrees_with_torch():
     torch = pytest.importorskip("torch")
     assert cuda_device_count() == torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_more_ranks_than_gpus_is_refused_naming_both(monkeypatch, device):
+    monkeypatch.setattr("megascore_server.preflight.cuda_device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = ReplicaConfig(engine=EngineConfig(device=device), nproc=4)
+    with pytest.raises(ValueError, match=r"--nproc 4 starts 4 ranks .* shows 2 CUDA device"):
+        check_before_launch(config, 4, torchrun=False)
+    check_before_launch(config, 2, torchrun=False)  # one GPU per rank fits
+
+
+def test_torchrun_counts_the_ranks_of_this_host(monkeypatch):
+    monkeypatch.setattr("megascore_server.preflight.cuda_device_count", lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    config = ReplicaConfig(engine=EngineConfig(device="cuda", tensor_model_parallel_size=8))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    check_before_launch(config, 16, torchrun=True)  # two hosts of 8: fits
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    with pytest.raises(ValueError, match=r"--nproc-per-node 16 .* shows 8 CUDA device.*'0,1,2"):
+        check_before_launch(config, 16, torchrun=True)
+
+
+def test_cpu_serving_ignores_the_gpu_count(monkeypatch):
+    monkeypatch.setattr("megascore_server.preflight.cuda_device_count", lambda: 1)
+    check_before_launch(
+        ReplicaConfig(engine=EngineConfig(device="cpu"), nproc=4), 4, torchrun=False
+    )
