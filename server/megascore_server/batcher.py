@@ -19,8 +19,8 @@ interleave. Scheduling:
   (Megatron replays the routing of a whole forward); a request asking for the
   routing shares steps with any other.
 * A request asking for MoE or MTP metrics never shares a step: its metrics are
-  those of forwards over its own sequences only. Spread over several steps, each
-  metric is the token-weighted mean of the steps' values (weights = their tokens).
+  those of forwards over its own sequences only. Over several steps they are formed
+  once from the steps' added sums (:class:`~megascore_server.pending.PendingRequest`).
 * A request pinned to a weights version (``options.weights_version``) is checked
   against the served version when a step that would take it starts: on another
   version it fails at once with FAILED_PRECONDITION (a swap queued before it has run

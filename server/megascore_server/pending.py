@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from megascore.api import schema
+from megascore.api.metric_sums import MetricSums
 from megascore.api.selection import concat_outputs, keep_masked_positions, select_sequences
 from megascore.api.types import ScoreBatch, ScoreOutput
 from megascore_server.shared_units import Sharing, planning_units
@@ -46,7 +47,10 @@ class PendingRequest:
     """One validated request inside the batcher.
 
     ``solo`` requests (MoE / MTP metrics) never share a step; their metrics are
-    the token-weighted mean over the steps that scored them. Requests that replay a
+    formed once from the sums of the steps that scored them
+    (:class:`megascore.api.metric_sums.MetricSums`: the request's metrics whatever its
+    steps), or, from an engine that reports no sums (``metrics_reduction``
+    "microbatch"), the token-weighted mean of the steps' values. Requests that replay a
     MoE routing (``replays``) share steps only with each other: a step replays the
     routing of all its tokens or of none.
     """
@@ -64,7 +68,10 @@ class PendingRequest:
     """Units not yet dispatched, costliest first."""
     remaining_tokens: int
     parts: list[tuple[np.ndarray, ScoreOutput]] = dataclasses.field(default_factory=list)
-    metric_sums: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    metric_sums: MetricSums | None = None
+    """The steps' metric sums added up (an engine that reports them)."""
+    metric_means: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Otherwise the steps' metrics, weighted by their tokens, added up."""
     metric_tokens: int = 0
     steps_computing_all: int = 0
     """Steps of this request that computed every position (a mixed step, see result())."""
@@ -153,9 +160,12 @@ class PendingRequest:
         part = select_sequences(output, step.lengths, step_idx, self.batch)
         self.parts.append((idx, part))
         self.steps_computing_all += step.logprob_positions != schema.MASKED
-        if self.solo:
+        if self.solo and output.metric_sums is not None:
+            sums = output.metric_sums
+            self.metric_sums = sums if self.metric_sums is None else self.metric_sums + sums
+        elif self.solo:
             for kind in ("moe", "mtp"):
-                sums = self.metric_sums.setdefault(kind, {})
+                sums = self.metric_means.setdefault(kind, {})
                 for name, value in getattr(output, f"{kind}_metrics").items():
                     sums[name] = sums.get(name, 0.0) + float(value) * step.num_tokens
             self.metric_tokens += step.num_tokens
@@ -167,8 +177,10 @@ class PendingRequest:
             # a masked step's output holds its fill outside the mask already (finish_step)
             keep_masked_positions(output.values, self.batch.lengths, self.batch.loss_mask)
         output.weights_version = self.parts[-1][1].weights_version
-        if self.solo and self.metric_tokens:
-            for kind, sums in self.metric_sums.items():
+        if self.metric_sums is not None:
+            output.moe_metrics, output.mtp_metrics = self.metric_sums.values()
+        elif self.solo and self.metric_tokens:
+            for kind, sums in self.metric_means.items():
                 means = {name: value / self.metric_tokens for name, value in sums.items()}
                 setattr(output, f"{kind}_metrics", means)
         return TimedOutput(

@@ -5,20 +5,27 @@ The layouts TP2 / EP2 / PP2 / CP2 are in tests/distributed/test_prefix_sharing.p
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+import time
 import types
 
 import numpy as np
 import pytest
 import torch
 
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
 from megascore.engine.segment_packing import min_shared_prefix
+from megascore_server.batcher import DynamicBatcher
 from megascore_server.config_loader import load_serve_config
+from megascore_server.shared_units import Sharing
 from tests.one_rank import one_rank_world
 from tests.prefix_groups import (
     MIN_SHARED,
+    VOCAB,
     assert_same_metrics,
     assert_same_scores,
     prefix_group_batch,
@@ -31,6 +38,48 @@ METRICS = dataclasses.replace(BATCH, return_moe_metrics=True, return_mtp_metrics
 # except sequence 0's token 5 (that token of its prompt can then not be shared)
 TARGET_IDS = (BATCH.token_ids[:, None] + np.arange(3)) % 512
 TARGET_IDS[5] = (TARGET_IDS[5] + 7) % 512
+STEP_BUDGET = 640  # rows: the batcher cuts GROUPS into steps, the dense engine into more
+
+
+def _groups_batch(seed: int, prompts: int = 4, n: int = 6) -> ScoreBatch:
+    """GRPO groups (a 64-token prompt, n responses of 32 to 96 tokens) with MoE / MTP
+    metrics: 3k tokens, in which the MTP layer accepts about ten."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for _ in range(prompts):
+        prompt = rng.integers(1, VOCAB, 64)
+        seqs += [np.concatenate([prompt, rng.integers(1, VOCAB, rng.integers(32, 97))])
+                 for _ in range(n)]  # fmt: skip
+    return ScoreBatch(
+        token_ids=np.concatenate(seqs),
+        lengths=np.array([len(s) for s in seqs]),
+        return_moe_metrics=True,
+        return_mtp_metrics=True,
+    )
+
+
+GROUPS = _groups_batch(seed=12)
+
+
+def _over_steps(engine, batch: ScoreBatch):
+    """``batch`` as one request through the server's batcher, at :data:`STEP_BUDGET`."""
+
+    async def submit():
+        with concurrent.futures.ThreadPoolExecutor(1) as executor:
+            batcher = DynamicBatcher(
+                engine,
+                executor,
+                max_tokens_per_batch=STEP_BUDGET,
+                max_batch_wait_ms=1,
+                max_queue=1,
+                sharing=Sharing.of(engine),
+            )
+            try:
+                return await batcher.submit("groups", batch, arrival=time.monotonic())
+            finally:
+                await batcher.close()
+
+    return asyncio.run(submit())
 
 
 def _moved_route(routing: np.ndarray) -> np.ndarray:
@@ -74,6 +123,8 @@ def outputs():
                     "targets": engine.score(
                         dataclasses.replace(BATCH, target_ids=TARGET_IDS, return_entropy=True)
                     ),
+                    "one_step": engine.score(GROUPS),
+                    "over_steps": _over_steps(engine, GROUPS),
                 }
             finally:
                 engine.shutdown()
@@ -100,6 +151,19 @@ def test_metrics_computed_shared_are_those_of_the_dense_batch(outputs):
     (shared, shared_seen), (dense, dense_seen) = outputs[True]["metrics"], outputs[False]["metrics"]
     assert shared_seen and not dense_seen  # the metrics step attended to prefix rows
     assert_same_metrics(shared, dense)
+
+
+def test_metrics_over_steps_are_the_requests_whatever_the_steps(outputs):
+    """A metrics request the batcher cuts into steps (fewer when prefixes are shared)
+    reports the metrics of the whole request as one step does: shared = dense within
+    1e-6 relative, the MTP acceptance rate (a ratio of counts) exactly."""
+    dense, shared = outputs[False]["over_steps"], outputs[True]["over_steps"]
+    one_step = outputs[False]["one_step"]
+    assert 1 < shared.num_steps < dense.num_steps  # the two cuts differ
+    for over_steps in (dense, shared):
+        assert_same_metrics(over_steps.output, one_step)
+        rate = over_steps.output.mtp_metrics["mtp_1_acceptance_rate"]
+        assert rate == one_step.mtp_metrics["mtp_1_acceptance_rate"] > 0
 
 
 def test_metrics_per_microbatch_run_dense(outputs):

@@ -10,7 +10,7 @@ from megascore.api import layout
 from megascore.config import EngineConfig
 from megascore.engine.microbatch import build_microbatch
 from megascore.engine.packing import pack_sequences
-from megascore.engine.prefix_tree import dense_layout
+from megascore.engine.prefix_tree import dense_layout, shared_layout
 from megascore.engine.step_output import PredictionIndex
 
 
@@ -92,6 +92,32 @@ def test_microbatch_loss_mask_is_aligned_with_targets():
     np.testing.assert_array_equal(mb.loss_mask.numpy(), [0, 0, 0, 1, 0, 0, 0, 0])
     assert mb.targets[2:4].tolist() == [3, 4]  # the targets of the scored positions
     assert mb.mtp_loss_mask.shape == (1, 8)
+
+
+def test_identical_sequences_share_their_rows_with_both_masks():
+    """Identical sequences are one segment (nothing continues it) whose rows hold the
+    tokens of both: a row is scored where either sequence scores the token it predicts,
+    and the MTP loss mask (a weight, step_metrics) counts the sequences that do."""
+    lengths = np.array([5, 5])
+    segments = shared_layout(np.tile(np.arange(1, 6), 2), lengths, min_shared=2, lead_rows=2)
+    assert segments.rows_shared and not segments.shared
+    # sequence 0 scores tokens 1, 2, 4; sequence 1 tokens 2, 3, 4 (token 0: no prediction)
+    request_mask = np.array([1, 1, 1, 0, 1, 1, 0, 1, 1, 1], np.uint8)
+    mask = layout.effective_loss_mask(lengths, request_mask).astype(np.float32)
+    mb = build_microbatch(
+        segments,
+        None,
+        mask,
+        device=torch.device("cpu"),
+        pad_multiple=1,
+        pad_to=5,
+        cp_rank=0,
+        cp_size=1,
+        has_request_mask=True,
+        lengths=lengths,
+    )
+    np.testing.assert_array_equal(mb.loss_mask.numpy(), [1, 1, 1, 1, 0])  # row r: token r + 1
+    np.testing.assert_array_equal(mb.mtp_loss_mask.numpy(), [[1, 2, 1, 2, 0]])
 
 
 def test_microbatch_padding_is_a_segment_of_its_own():

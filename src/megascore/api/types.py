@@ -21,6 +21,7 @@ from megascore.api.limits import (
     check_options,
     check_token_ids,
 )
+from megascore.api.metric_sums import MetricSums
 
 
 def check_routing(batch: ScoreBatch, limits: Limits) -> None:
@@ -214,12 +215,15 @@ class ScoreOutput:
         values: output name -> array (a map output: name -> dict of ``[B]`` arrays).
         moe_metrics: MoE metric name -> value for this forward.
         mtp_metrics: MTP metric name -> value for this forward.
+        metric_sums: what the metrics were formed from, where they add over steps
+            (``metrics_reduction`` "step"); None otherwise.
         weights_version: version of the weights that produced these numbers.
     """
 
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
     moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    metric_sums: MetricSums | None = None
     weights_version: str = ""
 
     def __getattr__(self, name: str):

@@ -349,4 +349,5 @@ class DataParallelGroup:
             raise WorkerLostError(f"gathering the DP ranks' results failed: {e}") from e
         whole = selection.concat_outputs(parts, np.asarray(batch.lengths))
         whole.moe_metrics, whole.mtp_metrics = output.moe_metrics, output.mtp_metrics
+        whole.metric_sums = output.metric_sums
         return whole

@@ -69,6 +69,7 @@ from megatron.core.transformer.moe.moe_logging import (
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from megascore.api.metric_sums import MetricSums
 from megascore.config import METRICS_REDUCTIONS
 from megascore.engine import step_metrics
 from megascore.engine.packed_inputs import model_inputs, router_token_counts
@@ -316,10 +317,12 @@ def check_metrics_request(cfg, return_moe_metrics: bool, return_mtp_metrics: boo
 
 @dataclasses.dataclass
 class ForwardMetrics:
-    """MoE / MTP metrics of the forwards run inside :func:`scoring_forward` (filled on exit)."""
+    """MoE / MTP metrics of the forwards run inside :func:`scoring_forward` (filled on exit);
+    ``sums`` what ``metrics_reduction="step"`` formed them from (None otherwise)."""
 
     moe: dict[str, float] = dataclasses.field(default_factory=dict)
     mtp: dict[str, float] = dataclasses.field(default_factory=dict)
+    sums: MetricSums | None = None
 
 
 @contextlib.contextmanager
@@ -381,7 +384,8 @@ def scoring_forward(
             )
             with _training_forward(model), collector.recording():
                 yield metrics
-            metrics.moe, metrics.mtp = collector.reduce()
+            metrics.sums = collector.reduce()
+            metrics.moe, metrics.mtp = metrics.sums.values()
             return
         with _training_forward(model):
             yield metrics

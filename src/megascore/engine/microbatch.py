@@ -39,9 +39,10 @@ class Microbatch:
             scored token (the request's loss mask, Megatron's alignment; a shared row
             is scored where any of its sequences scores it).
         mtp_loss_mask: ``[1, T_local]`` the same mask for MTP when the request has one,
-            else None (Megatron's default mask). With shared prefixes it counts, at each
-            row, the sequences whose scored next token that row predicts (an MTP metric
-            weighs a shared row by the sequences it stands for).
+            else None (Megatron's default mask). Where rows are shared (prefixes,
+            identical sequences) it counts, at each row, the sequences whose scored
+            next token that row predicts (an MTP metric weighs a shared row by the
+            sequences it stands for).
         replay_routes: int64 ``[n, L_stage, k]`` MoE routes this stage's routers replay
             (:func:`megascore.engine.routing.local_replay_targets`), or None.
         recorded_routes: set by the forward step when the step records the routing:
@@ -130,7 +131,8 @@ def build_microbatch(
     # mask: token-aligned on the full axis (a row is scored where any of its tokens is),
     # then rolled to the targets' alignment
     row_mask = np.zeros(len(segments.token_ids), dtype=np.float32)
-    if segments.shared:
+    rows_shared = segments.rows_shared
+    if rows_shared:
         np.maximum.at(row_mask, segments.token_rows, target_mask)
     else:
         row_mask[segments.token_rows] = target_mask
@@ -140,7 +142,7 @@ def build_microbatch(
     positions = packed.token_positions[torch.from_numpy(segments.token_rows)]
     last_rows, last_sequences = _last_rows(positions, lengths, packed, pad_to)
     mtp_mask = mask.unsqueeze(0) if has_request_mask else None
-    if segments.shared:
+    if rows_shared:
         mtp_mask = _prediction_counts(target_mask, lengths, positions, pad_to)[shard][None]
     return Microbatch(
         packed=packed,

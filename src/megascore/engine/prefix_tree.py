@@ -70,6 +70,12 @@ class SegmentLayout:
         """Whether any segment continues another one."""
         return bool((self.parents >= 0).any())
 
+    @property
+    def rows_shared(self) -> bool:
+        """Whether a row computes tokens of several sequences: a shared prefix, or
+        identical sequences (which continue nothing: :attr:`shared` can be False)."""
+        return bool(np.unique(self.token_rows).size < self.token_rows.size)
+
 
 def dense_layout(token_ids: np.ndarray, lengths: np.ndarray) -> SegmentLayout:
     """Every sequence its own root segment (nothing shared)."""

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from megascore.api import layout, schema
 from megascore.api.errors import WorkerLostError
+from megascore.api.metric_sums import MetricSums
 from megascore.api.types import ScoreBatch
 from megascore.engine.distributed import collective_device
 from megascore.engine.forward import mtp_metric_names, scoring_forward
@@ -139,6 +140,8 @@ class StepResult:
             None).
         moe_metrics: MoE metric name -> value of this forward (every rank).
         mtp_metrics: MTP metric name -> value of this forward (where the results are).
+        metric_sums: what the metrics were formed from (``metrics_reduction`` "step"),
+            None otherwise.
         routing: int64 ``[T_padded, L, k]`` MoE routes recorded at each position (not
             shifted: position ``p`` holds its own token's route), on the output rank
             when the batch asks to record them; None elsewhere.
@@ -149,6 +152,7 @@ class StepResult:
     loss: float | None
     moe_metrics: dict[str, float]
     mtp_metrics: dict[str, float]
+    metric_sums: MetricSums | None = None
     routing: torch.Tensor | None = None
 
 
@@ -319,6 +323,7 @@ def _local_results(
         loss=None,
         moe_metrics=dict(metrics.moe),
         mtp_metrics=dict(metrics.mtp),
+        metric_sums=metrics.sums,
     )
     if plan.record:  # stage 3: recorded routes to the output rank, [M * pad_to, L, k]
         result.routing = gather_routes(

@@ -28,7 +28,8 @@ over all microbatches and ranks of the step and applies the formula once:
   the ranks that hold different tokens (sequence-parallel TP slices, CP shards, the
   DP ranks when they score different sequences, the PP stages' layers) and counted
   once where ranks hold copies (TP ranks without sequence parallelism, DP ranks that
-  score the same batch, TP ranks of the MTP losses), then, per layer ``l`` with ``T``
+  score the same batch, TP ranks of the MTP losses) into a
+  :class:`megascore.api.metric_sums.MetricSums`, which applies, per layer ``l`` with ``T``
   real tokens, ``c_i`` tokens and ``P_i`` summed scores at expert ``i`` (``E``
   experts, top-``k``):
 
@@ -47,7 +48,9 @@ over all microbatches and ranks of the step and applies the formula once:
   100 x accepted / counted.
 
 The values are therefore the same for any TP / CP / EP / PP layout and microbatch
-count (``tests/unit/test_step_metrics.py``, ``tests/distributed``).
+count (``tests/unit/test_step_metrics.py``, ``tests/distributed``), and the sums of the
+steps of one request add up to the request's (the server's batcher adds them), so its
+metrics do not depend on how it was cut into steps either.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from megascore.api import layout
+from megascore.api.metric_sums import MetricSums
 from megascore.engine.packing import PackedSequences, cp_shard_indices
 
 _ACTIVE: dict[int, StepMetrics] = {}  # id(model) -> its collector during a metrics step
@@ -253,12 +257,9 @@ class StepMetrics:
 
     # ---- reduction ------------------------------------------------------------------------
 
-    def reduce(self) -> tuple[dict[str, float], dict[str, float]]:
-        """The step's metrics, the same on every rank (collective over all of them).
-
-        Returns:
-            ``(moe, mtp)``: metric name -> value.
-        """
+    def reduce(self) -> MetricSums:
+        """The step's metric sums, the same on every rank (collective over all of them);
+        :meth:`MetricSums.values` gives the metrics."""
         pgs = self.model.pg_collection
         tp, cp, dp = pgs.tp, pgs.cp, pgs.dp
         tp_copies = tp.size() > 1 and not self.model.config.sequence_parallel
@@ -277,11 +278,27 @@ class StepMetrics:
         for group in (pgs.tp_dp_cp, pgs.pp):
             if group.size() > 1:
                 dist.all_reduce(flat, group=group)
-        n_tok = self.tokens.numel()
-        tokens = flat[:n_tok].view_as(self.tokens)
-        seq_loss = flat[n_tok : n_tok + seq_loss.numel()].view_as(seq_loss)
-        mtp = flat[n_tok + seq_loss.numel() :].view_as(self.mtp)
-        return self._moe_values(tokens, seq_loss), self._mtp_values(mtp)
+        tokens, seq_loss, mtp = (
+            part.view_as(like).cpu().numpy()
+            for part, like in zip(
+                flat.split([self.tokens.numel(), seq_loss.numel(), self.mtp.numel()]),
+                (self.tokens, seq_loss, self.mtp),
+                strict=True,
+            )
+        )
+        cfg = self.model.config
+        return MetricSums(
+            tokens=tokens,
+            sequences=seq_loss,
+            mtp=mtp,
+            topk=cfg.moe_router_topk,
+            # Megatron's count of MoE layers (the mean it reports divides by it)
+            moe_layers=MoEMetricsTracker._count_moe_layers(
+                cfg.num_layers, cfg.moe_layer_freq, cfg.mtp_num_layers
+            ),
+            moe_names=tuple(self.moe_names),
+            want_mtp=self.want_mtp,
+        )
 
     def _sequence_losses(self, tp_copies: bool) -> torch.Tensor:
         """``[2, layers]``: per layer, the summed per-sequence aux losses of this rank's
@@ -301,35 +318,6 @@ class StepMetrics:
         loss = (counts * scores).sum(-1) * E / (k * n.clamp(min=1).square())  # [layers, S]
         out[0] = loss.sum(-1)
         out[1] = (n > 0).sum(-1)
-        return out
-
-    def _moe_values(self, tokens: torch.Tensor, seq_loss: torch.Tensor) -> dict[str, float]:
-        cfg = self.model.config
-        E, k = self.experts, cfg.moe_router_topk
-        counts, scores = tokens[:, :E], tokens[:, E : 2 * E]
-        n, lse2 = tokens[:, 2 * E], tokens[:, 2 * E + 1]
-        aux = (counts * scores).sum(-1) * E / (k * n.clamp(min=1).square())
-        per_layer = {
-            "load_balancing_loss": aux,
-            "global_load_balancing_loss": aux,
-            "seq_load_balancing_loss": seq_loss[0] / seq_loss[1].clamp(min=1),
-            "z_loss": lse2 / n.clamp(min=1),
-        }
-        # Megatron's count of MoE layers (the mean it reports divides by it)
-        layers = MoEMetricsTracker._count_moe_layers(
-            cfg.num_layers, cfg.moe_layer_freq, cfg.mtp_num_layers
-        )
-        return {name: float(per_layer[name].sum() / layers) for name in self.moe_names}
-
-    def _mtp_values(self, mtp: torch.Tensor) -> dict[str, float]:
-        if not self.want_mtp:
-            return {}
-        loss, correct, total = mtp
-        out = {}
-        for i in range(mtp.shape[1]):
-            counted = total[i].clamp(min=1)
-            out[f"mtp_{i + 1}_loss"] = float(loss[i] / counted)
-            out[f"mtp_{i + 1}_acceptance_rate"] = float(correct[i] / counted * 100.0)
         return out
 
 

@@ -84,4 +84,5 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         values=values,
         moe_metrics=result.moe_metrics if batch.return_moe_metrics else {},
         mtp_metrics=result.mtp_metrics if batch.return_mtp_metrics else {},
+        metric_sums=result.metric_sums,
     )

@@ -9,6 +9,9 @@ For every layout, one engine with ``prefix_sharing=False`` and one with it on
   the shared engine's replay of its own routes is bit-identical to its recording forward;
 * tiny-moe: a step with MoE and MTP metrics (aux, sequence aux and z losses, MTP loss
   and acceptance) computed shared gives the dense step's metrics within 1e-6 relative;
+  so do the metric sums of two shared steps that score half of its sequences each,
+  added (what the server's batcher does with a request over several steps), the
+  acceptance rate exactly;
 * the shared engine's attention did attend to shared prefix rows in every layout, the
   metrics step's too (at EP2 the two ranks are data-parallel: each computes the
   prefixes of its groups).
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from engine_common import CheckLog
 
 from megascore.config import EngineConfig
+from megascore.engine.data_parallel import sub_batch
 from megascore.engine.runtime import DistributedEngine
 from tests.prefix_groups import (
     MIN_SHARED,
@@ -88,6 +92,12 @@ def run_layout(name: str, spec, rank: int) -> None:
         again = engine.score(dataclasses.replace(batch, routing=out.routing)) if moe else None
         before = len(seen)
         with_metrics = engine.score(metrics) if moe else None
+        if moe:  # the same sequences in two steps: their sums add up to the whole step's
+            every = np.arange(metrics.num_sequences)
+            halves = [sub_batch(metrics, every[::2]), sub_batch(metrics, every[1::2])]
+            sums = [engine.score(half).metric_sums for half in halves]
+            moe_metrics, mtp_metrics = (sums[0] + sums[1]).values()
+            with_metrics = (with_metrics, moe_metrics, mtp_metrics)
         return engine.step_cfg.min_shared_prefix, out, again, with_metrics, any(seen[before:])
 
     with spy_prefix_attention() as seen:
@@ -105,7 +115,12 @@ def run_layout(name: str, spec, rank: int) -> None:
         assert np.array_equal(again.top_k_logprobs, out.top_k_logprobs)
         assert np.array_equal(again.routing, out.routing)
         assert metrics_shared, "the metrics step did not attend to prefix rows"
-        assert_same_metrics(with_metrics, dense_metrics)
+        whole, moe_metrics, mtp_metrics = with_metrics
+        assert_same_metrics(whole, dense_metrics)
+        in_two = dataclasses.replace(whole, moe_metrics=moe_metrics, mtp_metrics=mtp_metrics)
+        assert_same_metrics(in_two, dense_metrics)
+        rate = "mtp_1_acceptance_rate"
+        assert mtp_metrics[rate] == dense_metrics.mtp_metrics[rate], (mtp_metrics, rate)
 
 
 def main(out_dir: Path) -> None:
