@@ -13,7 +13,10 @@
 # of it (it sees that interpreter's site directories after its own: the host's torch,
 # CUDA and TransformerEngine stay) and filled offline from the device kit ($KIT, default .whl, made by
 # scripts/device_kit.sh on a machine with PyPI), then megascore itself with
-# `pip install --no-index --no-deps -e .`.
+# `pip install --no-index --no-deps -e .`. The kit's wheels of what the host already has
+# at an accepted version are left out (the host's numpy, transformers stay), and a host
+# torch that megatron-core or megascore does not accept stops the install
+# (scripts/kit_install.py).
 set -uo pipefail
 STARTED=$(date +%s.%N)  # the deadline counts from here
 
@@ -47,7 +50,8 @@ if [[ " $* " != *" --dry-run "* ]] && ! "$PY" -c "$READY" 2>/dev/null; then
     >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/host_site.pth"
   PIP=("$PY" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check
        --no-index --find-links "$KIT" --no-deps)
-  "${PIP[@]}" "$KIT"/*.whl || exit 1
+  PLAN=$("$VENV/bin/python" scripts/kit_install.py "$KIT") || exit 1
+  if [[ -n "$PLAN" ]]; then mapfile -t WHEELS <<<"$PLAN"; "${PIP[@]}" "${WHEELS[@]}" || exit 1; fi
   "${PIP[@]}" -e . || exit 1
   PY="$VENV/bin/python"
   "$PY" -c "$READY" || { echo "gpu_check: dependencies still missing" >&2; exit 1; }
