@@ -34,8 +34,9 @@ from megascore_server.bootstrap import EXIT_DIR_ENV, ensure_dist_env, run_rank
 from megascore_server.config import ReplicaConfig
 from megascore_server.config_loader import load_serve_config, unknown_env
 from megascore_server.connection_limits import raise_open_files_limit
+from megascore_server.cuda_defaults import apply_cuda_defaults
 from megascore_server.launcher import LAUNCHED_ENV, RESOLVED_CONFIG_ENV, LocalLauncher
-from megascore_server.preflight import check_before_launch
+from megascore_server.preflight import check_before_launch, cuda_device_count
 from megascore_server.startup_logs import hide_third_party_notices
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_dist_env()  # this process is rank 0 of a world of 1
     setup_logging(config.server.log_level)
     raise_open_files_limit()  # before any rank or connection: the ranks inherit it
+    apply_cuda_defaults(config.engine, os.environ, cuda_device_count())  # before torch
     if not os.environ.get(LAUNCHED_ENV) and os.environ.get("RANK", "0") == "0":
         for warning in unknown_env(os.environ):
             logger.warning("%s", warning)
