@@ -84,9 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_dist_env()  # this process is rank 0 of a world of 1
     setup_logging(config.server.log_level)
     raise_open_files_limit()  # before any rank or connection: the ranks inherit it
-    apply_cuda_defaults(config.engine, os.environ, cuda_device_count())  # before torch
+    cuda_warnings = apply_cuda_defaults(config.engine, os.environ, cuda_device_count())
     if not os.environ.get(LAUNCHED_ENV) and os.environ.get("RANK", "0") == "0":
-        for warning in unknown_env(os.environ):
+        for warning in unknown_env(os.environ) + cuda_warnings:
             logger.warning("%s", warning)
         config.log_resolved()
     if distributed:

@@ -51,3 +51,22 @@ def test_left_alone_for_a_cpu_replica(monkeypatch, device, gpus):
     apply_cuda_defaults(EngineConfig(device=device), environ, gpus)
     assert environ == {}
     assert _served_env(monkeypatch, ["--device", device, "--port", "0"], gpus) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "gpus", "warned"),
+    [
+        (["--device", "cuda"], 1, True),  # the default dtype, float32
+        (["--device", "auto", "--dtype", "float32"], 8, True),
+        (["--device", "cuda", "--dtype", "bfloat16"], 1, False),
+        (["--device", "auto"], 0, False),  # a CPU host
+    ],
+)
+def test_float32_on_cuda_is_warned_naming_bfloat16(monkeypatch, caplog, argv, gpus, warned):
+    monkeypatch.setenv(ALLOC_CONF_ENV, "expandable_segments:True")
+    with caplog.at_level("WARNING", logger="megascore_server.main"):
+        _served_env(monkeypatch, [*argv, "--port", "0"], gpus)
+    found = [r.message for r in caplog.records if "serving in float32 on CUDA" in r.message]
+    assert bool(found) == warned
+    if warned:
+        assert "--dtype bfloat16 is the faster choice" in found[0]
