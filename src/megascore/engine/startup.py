@@ -42,6 +42,11 @@ def init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
         # leaving the peers in the collective. torchrun sets this too; a bare
         # RANK / WORLD_SIZE start (Kubernetes) does not.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        # bf16 / fp16 GEMMs (the LM head in the model dtype, every torch-backend matmul)
+        # accumulate in float32 like the trainer's TE GEMMs: cuBLAS may otherwise reduce
+        # split-K partial sums in the half type (torch's default allows it).
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -1,8 +1,12 @@
-"""Issue 45: the timeouts around a model load. The agreements after a load run on their
-own gloo group with ``load_timeout_s`` (ranks finish reading a large checkpoint minutes
-apart), the step status group keeps 3 x ``collective_timeout_s`` and the default group
-(the rendezvous) waits at least ``load_timeout_s``. The behaviour on two ranks (a late
-rank waited for, a dead one seen at once): tests/distributed/test_load_timeout.py."""
+"""Issue 45: what the engine sets up at start-up (``megascore.engine.startup``).
+
+The timeouts around a model load: the agreements after a load run on their own gloo
+group with ``load_timeout_s`` (ranks finish reading a large checkpoint minutes apart),
+the step status group keeps 3 x ``collective_timeout_s`` and the default group (the
+rendezvous) waits at least ``load_timeout_s``; the behaviour on two ranks (a late rank
+waited for, a dead one seen at once) is tests/distributed/test_load_timeout.py. On
+CUDA, half-precision GEMMs accumulate in float32.
+"""
 
 from __future__ import annotations
 
@@ -57,3 +61,25 @@ def test_the_rendezvous_waits_for_the_longer_of_both(pgs, monkeypatch, collectiv
 def test_load_timeout_must_be_positive():
     with pytest.raises(ValueError, match="load_timeout_s"):
         EngineConfig(load_timeout_s=0)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_half_gemms_accumulate_in_float32_on_cuda(pgs, monkeypatch, device):
+    """Issue 45: on CUDA the engine turns off cuBLAS's reduced-precision reductions of
+    bf16 / fp16 GEMMs (the LM head), as the trainer's TE GEMMs accumulate in float32."""
+    matmul = torch.backends.cuda.matmul
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # restored after the test
+    before = (
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+    )
+    matmul.allow_bf16_reduced_precision_reduction = True  # torch's default
+    matmul.allow_fp16_reduced_precision_reduction = True
+    try:
+        assert startup.init_distributed(EngineConfig(), torch.device(device)) is False
+        on_cuda = device == "cuda"
+        assert matmul.allow_bf16_reduced_precision_reduction is not on_cuda
+        assert matmul.allow_fp16_reduced_precision_reduction is not on_cuda
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before[0]
+        matmul.allow_fp16_reduced_precision_reduction = before[1]
