@@ -12,28 +12,43 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+TIE_BLOCK_ROWS = 64
+"""Rows per block of the exact pass over tied rows: its temporaries are a few
+``[64, V/tp]`` tensors (~100 MB at a 128k vocabulary), whatever the chunk size."""
 
-def _boundary_ties(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k ids of rows whose k-th and (k+1)-th largest values are equal.
 
-    Takes every column above the k-th value, then the lowest-id columns equal to it.
+def _boundary_ties(
+    values: torch.Tensor, rows: torch.Tensor, kth: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Top-k ids of the ``rows`` of ``values`` whose k-th and (k+1)-th largest are equal.
+
+    Every column above the k-th value, then the lowest-id columns equal to it: one
+    top-k over an int32 key per block of rows, the column's class (2 above the k-th
+    value, 1 equal, 0 below) times V plus ``V - 1 - column`` (lower ids rank higher
+    within a class). Fewer than k columns are above, at least k are at or above, and
+    the keys are distinct, so the k largest keys are that set, with no host sync.
 
     Args:
-        values: float32 ``[R, V]``.
+        values: float32 ``[C, V]``.
+        rows: int64 ``[A]``, the tied rows.
+        kth: ``[A]``, the k-th largest value of each of those rows.
         k: ``1 <= k < V``.
 
     Returns:
-        int64 ``[R, k]`` column ids in ascending order.
+        int64 ``[A, k]`` column ids (in no particular order).
     """
-    num_rows = values.shape[0]
-    # kth: [R, 1], the k-th largest value of each row
-    kth = torch.topk(values, k, dim=-1, sorted=True).values[:, -1:]
-    above = values > kth
-    n_above = above.sum(dim=-1, keepdim=True, dtype=torch.int32)
-    tied = values == kth
-    take_tied = tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= k - n_above)
-    # Exactly k columns per row are selected; nonzero lists them row-major.
-    return (above | take_tied).nonzero()[:, 1].view(num_rows, k)
+    num_cols = values.shape[1]
+    # V - 1 - column: [V]
+    lower_first = torch.arange(num_cols - 1, -1, -1, dtype=torch.int32, device=values.device)
+    blocks = []
+    for start in range(0, rows.numel(), TIE_BLOCK_ROWS):
+        block = values.index_select(0, rows[start : start + TIE_BLOCK_ROWS])  # [b, V]
+        edge = kth[start : start + TIE_BLOCK_ROWS, None]  # [b, 1]
+        key = (block > edge).to(torch.int32).add_(block >= edge)  # class: [b, V]
+        del block
+        key.mul_(num_cols).add_(lower_first)
+        blocks.append(torch.topk(key, k, dim=-1, sorted=False).indices)
+    return torch.cat(blocks)
 
 
 def _local_top_k_lowest_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +59,7 @@ def _local_top_k_lowest_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     independent of how the vocabulary is split across TP ranks. One
     ``topk(k + 1)`` settles every row whose k-th and (k+1)-th values differ (the
     top-k set is then unique); only the rows with a tie at the boundary take the
-    exact, slower pass of :func:`_boundary_ties`.
+    exact pass of :func:`_boundary_ties`, in blocks of ``TIE_BLOCK_ROWS`` rows.
 
     Args:
         values: float32 ``[C, V]``.
@@ -59,10 +74,11 @@ def _local_top_k_lowest_id(values: torch.Tensor, k: int) -> tuple[torch.Tensor, 
         return ids, torch.gather(values, -1, ids)
     top = torch.topk(values, k + 1, dim=-1, sorted=True)
     ids = top.indices[:, :k]
-    # rows where the k-th and (k+1)-th values are equal: which of them belong is ambiguous
+    # rows where the k-th and (k+1)-th values are equal: which of them belong is ambiguous;
+    # the chunk's one host sync (the count sizes the exact pass over those rows only)
     ambiguous = (top.values[:, k - 1] == top.values[:, k]).nonzero().squeeze(1)
     if ambiguous.numel():
-        ids[ambiguous] = _boundary_ties(values[ambiguous], k)
+        ids[ambiguous] = _boundary_ties(values, ambiguous, top.values[ambiguous, k - 1], k)
     ids = ids.sort(dim=-1).values
     return ids, torch.gather(values, -1, ids)
 
