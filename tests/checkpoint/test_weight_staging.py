@@ -169,3 +169,27 @@ def test_mtp_layers_are_pushed_or_the_push_is_partial(family, build, pgs, hf_dir
     assert not torch.equal(
         after["decoder.final_layernorm.weight"], before["decoder.final_layernorm.weight"]
     )
+
+
+def test_device_parameters_keep_no_staging_copy_after_the_commit(build, pgs, hf_dirs):
+    """Issue 45: a GPU replica's staged shards (pinned host memory on CUDA) are copied in
+    and freed at the commit, not kept as a host copy of the shard for the next push; the
+    device parameters are ``meta`` tensors here (a copy into them is a no-op)."""
+    import gc
+    import weakref
+
+    served, config = _loaded(build, hf_dirs["llama"])
+    state = _params(served)
+    staging = WeightStaging(served, config, pgs, WEIGHT_NAMES_MEGATRON)
+    staging.params = {
+        name: torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        for name, p in staging.params.items()
+    }
+    for name, tensor in state.items():
+        staging.add(name, tensor, LAYOUT_COMMON)
+    assert staging.problem(partial=False) is None
+    staged = [weakref.ref(t) for t in staging.staged.values()]
+    assert len(staged) == len(staging.params) and all(not r().is_pinned() for r in staged)
+    assert staging.apply() == {}  # nothing kept for the next push
+    gc.collect()
+    assert all(ref() is None for ref in staged)  # the staging memory is freed

@@ -28,14 +28,15 @@ rank listed at WEIGHTS_BEGIN (:func:`weight_targets`, joined by :func:`gather_ta
 each pipeline stage and EP rank knows only its own layers and experts).
 
 Nothing touches the served parameters before the commit: the shards wait in
-:class:`WeightStaging` (host memory, the parameters' dtype) while forward steps
-keep running on the old weights. On WEIGHTS_COMMIT every rank checks that it can
-commit (every parameter staged unless the push is partial; no half-sent fused
-group; no staging error), the ranks agree (``step.agree_on_status``), and only
-then does each put its shards in, between two engine steps: a CPU parameter takes
-its staged tensor as is, a GPU one has it copied in. (``LoadWeights`` writes the
-parameters in place instead, after the ranks agree on the checks: no second copy of
-the weights, but no serving while it writes; a push keeps serving, so it stages.)
+:class:`WeightStaging` (host memory, pinned for CUDA parameters, the parameters'
+dtype) while forward steps keep running on the old weights. On WEIGHTS_COMMIT every
+rank checks that it can commit (every parameter staged unless the push is partial; no
+half-sent fused group; no staging error), the ranks agree (``step.agree_on_status``),
+and only then does each put its shards in, between two engine steps: a CPU parameter
+takes its staged tensor as is, a GPU one has it copied in and the staging is freed.
+(``LoadWeights`` writes the parameters in place instead, after the ranks agree on the
+checks: no second copy of the weights, but no serving while it writes; a push keeps
+serving, so it stages.)
 """
 
 from __future__ import annotations
@@ -401,25 +402,36 @@ class WeightStaging:
         return None
 
     def _buffer(self, param: str) -> torch.Tensor:
-        """A host tensor to stage parameter ``param`` into: its buffer, else a new one."""
+        """A host tensor to stage parameter ``param`` into: its buffer, else a new one
+        (page-locked for a CUDA parameter, so the commit's copy is a DMA transfer)."""
         target = self.params[param]
         buffer = self.buffers.pop(param, None)
         if buffer is not None and (buffer.shape, buffer.dtype) == (target.shape, target.dtype):
             return buffer
-        return torch.empty(target.shape, dtype=target.dtype)
+        pinned = target.device.type == "cuda"
+        return torch.empty(target.shape, dtype=target.dtype, pin_memory=pinned)
 
     def apply(self) -> dict[str, torch.Tensor]:
         """Puts the staged shards into the model.
 
         A CPU parameter takes its staged tensor as its data (no copy: the swap between two
-        steps is quick); others are copied into (to the device).
+        steps is quick); a device parameter has it copied in, asynchronously from pinned
+        memory, all copies waited for at once, then the staging tensors are freed
+        (pinned pages included): a GPU replica keeps no host copy of its shard.
 
         Returns:
             The host tensors the next push may stage into (``buffers``): the replaced
-            values of CPU parameters (those that had their own memory), the staging
-            tensors of the others, and the buffers this push did not use.
+            values of CPU parameters (those that had their own memory) and the buffers
+            this push did not use.
         """
-        freed = {}
+        freed, devices = self._put_staged()
+        _release_pinned(devices)  # no staged tensor is referenced any more
+        return {**self.buffers, **freed}  # with those a partial push did not use
+
+    def _put_staged(self) -> tuple[dict[str, torch.Tensor], set[torch.device]]:
+        """Swaps or copies every staged shard in and forgets them; returns the replaced
+        CPU values (buffers for the next push) and the devices copied to."""
+        freed, devices = {}, set()
         with torch.no_grad():
             for name, value in self.staged.items():
                 param = self.params[name]
@@ -428,13 +440,24 @@ class WeightStaging:
                     if old.untyped_storage().nbytes() == old.numel() * old.element_size():
                         freed[name] = old  # its own memory, not part of a larger buffer
                 else:
-                    param.copy_(value)
-                    freed[name] = value
-        return {**self.buffers, **freed}  # with those a partial push did not use
+                    param.copy_(value, non_blocking=value.is_pinned())
+                    devices.add(param.device)
+        self.staged = {}
+        return freed, devices
 
     def release(self) -> dict[str, torch.Tensor]:
         """An aborted push: the host tensors it held, for the next push to stage into."""
         return {**self.buffers, **self.staged}
+
+
+def _release_pinned(devices: set[torch.device]) -> None:
+    """Waits for the commit's copies to ``devices``, then hands the freed pinned staging
+    memory back to the system (torch's host allocator would otherwise keep it cached)."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    for device in cuda:
+        torch.cuda.synchronize(device)
+    if cuda:
+        torch._C._host_emptyCache()
 
 
 def _needs_table(layout: int) -> int:

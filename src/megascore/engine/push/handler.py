@@ -152,8 +152,9 @@ class WeightPushHandler:
                 problem = "the served model was reloaded (LoadWeights) during the push: push again"
             self._staging_buffers = push.release()  # kept when the ranks do not agree
             self._agree_or_raise(problem, self.groups.status, "weight commit", "weight push")
-            self._staging_buffers = push.apply()
             changed = len(push.staged)
+            self._staging_buffers = {}  # apply frees the staged tensors it does not hand back
+            self._staging_buffers = push.apply()
             self.loaded.weights_version = message.version
             logger.info(
                 "rank %d: %d pushed parameters swapped in (%.1f MB of tensor parts sent, "
