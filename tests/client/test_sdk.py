@@ -278,7 +278,8 @@ def test_channel_settings():
     assert options["grpc.per_rpc_retry_buffer_size"] > 256 * 1024 * 1024
     config = settings.service_config()
     retry = config["methodConfig"][0]["retryPolicy"]
-    assert retry["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED"] and retry["maxAttempts"] == 3
+    assert retry["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED"]
+    assert retry["maxAttempts"] == 3
     retried = {n.get("method", "*") for n in config["methodConfig"][0]["name"]}
     assert retried == {"Score", "GetModelInfo", "*"}  # "*": all of Health; not ScoreStream
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
