@@ -8,9 +8,13 @@ builds with ``use_transformer_engine=True`` and no down-projection fusion):
 * GQA attention: ``input_layernorm`` is not a module (``TransformerLayerSubmodules``
   default ``IdentityOp``); ``linear_qkv`` is ``TELayerNormColumnParallelLinear`` (the
   input norm fused: ``linear_qkv.layer_norm_weight``);
-* MLA attention: ``input_layernorm`` stays a norm (``TENorm``); with ``qk_layernorm``
-  ``linear_q_up_proj`` / ``linear_kv_up_proj`` are ``TELayerNormColumnParallelLinear``
-  and ``q_layernorm`` / ``kv_layernorm`` ``IdentityOp`` (``mla_qk_norm_config`` fuses them);
+* MLA attention: ``input_layernorm`` stays a norm (``TENorm``); ``linear_q_proj`` is
+  ``TEColumnParallelLinear``, with ``qk_layernorm`` ``linear_q_up_proj`` /
+  ``linear_kv_up_proj`` are ``TELayerNormColumnParallelLinear`` and ``q_layernorm`` /
+  ``kv_layernorm`` ``IdentityOp``. The module resolves them through Megatron's own
+  ``QKNormConfigResolver`` (``mla_qk_norm_config.py``), here with :class:`LNColumnParallel`
+  as TE's fused layer, so megascore's :class:`PlainQueryMLASelfAttention` (``q_lora_rank``
+  None) is checked against what Megatron would build around it;
 * ``pre_mlp_layernorm`` is a norm only in MoE layers (``backend.layer_norm() if
   num_experts else IdentityOp``); a dense MLP's ``linear_fc1`` is the fused
   ``TELayerNormColumnParallelLinear`` (``get_mlp_module_spec_for_backend``:
@@ -27,15 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 from megatron.core.transformer.mlp import MLPSubmodules
 
 from megascore.model.build import make_layer_specs, make_transformer_config
-from megascore.model.mla import LocalMLASelfAttention
+from megascore.model.mla import PlainQueryMLASelfAttention
 
 
 class LNColumnParallel(ColumnParallelLinear):
@@ -62,20 +69,14 @@ class LNColumnParallel(ColumnParallelLinear):
         return super().forward(x, *args, **kwargs)
 
 
-class TEShapedMLA(LocalMLASelfAttention):
-    """MLA resolved as on TE (``QKNormConfigResolver._resolve_mla_qk_layernorm`` with TE's
-    fused norm+linear): the q / kv norms inside the up-projections."""
+class TEResolver(QKNormConfigResolver):
+    """Megatron's MLA norm resolver with TE's layers: :class:`LNColumnParallel` as the
+    fused norm+linear (``TELayerNormColumnParallelLinear``)."""
 
-    def _resolve_qk_norm_config(self, submodules):
-        if not self.config.qk_layernorm or self.config.q_lora_rank is None:
-            return super()._resolve_qk_norm_config(submodules)
-        return dict(
-            linear_q_proj=IdentityOp,
-            linear_q_up_proj=LNColumnParallel,
-            linear_kv_up_proj=LNColumnParallel,
-            q_layernorm=IdentityOp,
-            kv_layernorm=IdentityOp,
-        )
+    def __init__(self, config, submodules):
+        super().__init__(config, submodules)
+        self.linear_impl = ColumnParallelLinear
+        self.fused_norm_linear_impl = LNColumnParallel
 
 
 def _replace(obj, **changes):
@@ -86,8 +87,12 @@ def _te_layer(spec):
     sub = spec.submodules
     attn = sub.self_attention
     moe = not isinstance(sub.mlp.keywords["submodules"], MLPSubmodules)
-    if attn.module is LocalMLASelfAttention:
-        attn = _replace(attn, module=TEShapedMLA)
+    if attn.module is PlainQueryMLASelfAttention:
+        if attn.submodules.kv_layernorm is not IdentityOp:  # qk_layernorm: TE fuses the norms
+            fused = dict(linear_q_up_proj=LNColumnParallel, linear_kv_up_proj=LNColumnParallel)
+            norms = dict(q_layernorm=IdentityOp, kv_layernorm=IdentityOp)
+            mla = _replace(attn.submodules, **fused, **norms)
+            attn = _replace(attn, submodules=mla)
     else:
         attn = _replace(attn, submodules=_replace(attn.submodules, linear_qkv=LNColumnParallel))
         sub = _replace(sub, input_layernorm=IdentityOp)
@@ -130,23 +135,26 @@ def cpu_gpt_model(
 
     config = make_transformer_config(model_cfg, engine_cfg, torch.device("cpu"))
     block, mtp = make_layer_specs(config, "torch")
+    resolver = QKNormConfigResolver
     if te_names:
         block, mtp = _te_specs(block, mtp)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=block,
-        vocab_size=model_cfg.vocab_size,
-        max_sequence_length=model_cfg.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
-        position_embedding_type=model_cfg.position_embedding_type,
-        rotary_percent=model_cfg.rotary_percent,
-        rotary_base=model_cfg.rotary_base,
-        mtp_block_spec=mtp,
-        pg_collection=pg_collection,
-    )
+        resolver = TEResolver
+    with mock.patch.object(multi_latent_attention, "QKNormConfigResolver", resolver):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=model_cfg.vocab_size,
+            max_sequence_length=model_cfg.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
+            position_embedding_type=model_cfg.position_embedding_type,
+            rotary_percent=model_cfg.rotary_percent,
+            rotary_base=model_cfg.rotary_base,
+            mtp_block_spec=mtp,
+            pg_collection=pg_collection,
+        )
     model.requires_grad_(False)
     model.eval()
     model.megascore_attention_backend = "te"

@@ -5,7 +5,8 @@ or fuses the norms elsewhere (``megascore.checkpoint.megatron_names``). TE canno
 here: ``tests.checkpoint.te_spec`` builds a CPU model with TE's parameter names, derived
 from Megatron-Core 0.19's ``get_gpt_layer_with_transformer_engine_submodules`` (see there).
 
-For a dense, a MoE (+ MTP) and an MLA (DeepSeek-V3: dense first layer, MoE, MTP) model:
+For a dense, a MoE (+ MTP) and two MLA (DeepSeek-V3: dense first layer, MoE, MTP; with and
+without a query down-projection, ``q_lora_rank`` None as in Moonlight) models:
 a float32 checkpoint saved by the torch backend carries TE's keys, loads into the
 TE-named model in bfloat16 (every fused norm holds the local norm's values) and back;
 the TE-named model loaded from it computes the same logits as the torch model; and a
@@ -14,6 +15,7 @@ checkpoint in the local spec's own keys (megascore before the map) still loads.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -25,7 +27,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megascore.checkpoint import hf_config_to_model_config, megatron_ckpt
 from megascore.checkpoint.megatron_ckpt import load_checkpoint, save_checkpoint
 from megascore.config import EngineConfig
-from megascore.model.build import build_model
+from megascore.model import build, mla
+from megascore.model.build import build_model, make_layer_specs, make_transformer_config
 from megascore.model.config import builtin_model
 from testkit.checkpoints import hf_config, megatron_logprobs, token_batch
 from tests.checkpoint.te_spec import te_shaped_model
@@ -41,6 +44,7 @@ MODELS = {
     "dense": lambda: builtin_model("tiny"),
     "moe": lambda: builtin_model("tiny-moe"),
     "mla": lambda: hf_config_to_model_config(hf_config("deepseek_v3").to_dict()),
+    "mla-q-full": lambda: hf_config_to_model_config(hf_config("deepseek_v3-qfull").to_dict()),
 }
 
 
@@ -117,3 +121,39 @@ def test_checkpoint_with_local_keys_still_loads(case, pgs, monkeypatch):
     load_checkpoint(other, cfg, tmp_path / "old")
     want = _params(local)
     assert all(torch.equal(v, want[k]) for k, v in _params(other).items()), name
+
+
+def test_te_spec_keeps_the_plain_query_projection_without_q_lora(pgs, monkeypatch):
+    """MLA without a query down-projection: Megatron's resolver on TE's layers fuses a norm
+    into ``linear_q_proj`` (no checkpoint holds its weight, transformers has no such norm);
+    megascore's MLA keeps the spec's plain projection, the kv norm in ``linear_kv_up_proj``."""
+    cfg = MODELS["mla-q-full"]()
+    te = te_shaped_model(cfg, EngineConfig(device="cpu"), pgs)
+    names = set(_params(te))
+    assert any(n.endswith("linear_q_proj.weight") for n in names)
+    assert any(n.endswith("linear_kv_up_proj.layer_norm_weight") for n in names)
+    assert not any("linear_q_proj.layer_norm" in n or "kv_layernorm" in n for n in names)
+    megatrons = mla.MLASelfAttention._resolve_qk_norm_config
+    monkeypatch.setattr(mla.PlainQueryMLASelfAttention, "_resolve_qk_norm_config", megatrons)
+    stock = te_shaped_model(cfg, EngineConfig(device="cpu"), pgs)
+    assert any(n.endswith("linear_q_proj.layer_norm_weight") for n in _params(stock))
+
+
+def test_both_backends_build_mla_with_the_plain_query_projection(monkeypatch):
+    """The TE branch of ``make_layer_specs`` swaps in the same MLA module as the torch one
+    (TE's spec cannot be built here: the local spec stands in for it)."""
+    real = build.get_gpt_decoder_block_spec
+    flags = []
+
+    def local_spec(config, use_transformer_engine, **kwargs):
+        flags.append(use_transformer_engine)
+        return real(config, use_transformer_engine=False, **kwargs)
+
+    monkeypatch.setattr(build, "get_gpt_decoder_block_spec", local_spec)
+    cfg = dataclasses.replace(MODELS["mla-q-full"](), mtp_num_layers=None)
+    config = make_transformer_config(cfg, EngineConfig(device="cpu"), torch.device("cpu"))
+    for backend in ("te", "torch"):
+        block, _ = make_layer_specs(config, backend)
+        modules = {s.submodules.self_attention.module for s in block.layer_specs}
+        assert modules == {mla.PlainQueryMLASelfAttention}, backend
+    assert flags == [True, False]

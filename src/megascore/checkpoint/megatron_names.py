@@ -18,9 +18,9 @@ the same norms in different modules, so their ``sharded_state_dict()`` keys diff
 so a checkpoint saved by either backend carries TE's keys (also what Megatron-LM writes
 when it trains with TE) and loads into either. A layer is told apart by its own keys: MoE
 when it has ``mlp.router.weight``, MLA when it has ``self_attention.linear_*_up_proj``.
-Not mappable: MLA without a query down-projection (``q_lora_rank`` None) on TE adds a
-norm inside ``linear_q_proj`` that the local spec does not have (the every-parameter
-check names it).
+MLA without a query down-projection (``q_lora_rank`` None) has a plain ``linear_q_proj``
+on both backends (``megascore.model.mla``); a checkpoint from a trainer whose TE model
+fused a norm into it holds ``linear_q_proj.layer_norm_weight``, which the load refuses.
 """
 
 from __future__ import annotations

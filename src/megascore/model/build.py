@@ -43,7 +43,7 @@ from megascore.config import EngineConfig
 from megascore.model import cpu_compat
 from megascore.model.attention import TorchCoreAttention
 from megascore.model.config import ModelConfig
-from megascore.model.mla import local_mla_layer_spec
+from megascore.model.mla import mla_layer_spec
 from megascore.model.mtp import padding_aware_mtp_spec
 from megascore.model.parallel import pipeline_layer_split, resolve_device
 from megascore.model.weights import initialize_weights
@@ -343,11 +343,10 @@ def make_layer_specs(
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization=config.normalization
     )
+    layers = [mla_layer_spec(s) for s in block.layer_specs]  # both backends (model/mla.py)
+    block = dataclasses.replace(block, layer_specs=layers)
     if not use_te:
-        layers = [
-            local_mla_layer_spec(_with_core_attention(s, TorchCoreAttention))
-            for s in block.layer_specs
-        ]
+        layers = [_with_core_attention(s, TorchCoreAttention) for s in layers]
         block = _replace_norms(dataclasses.replace(block, layer_specs=layers), TorchNorm)
     mtp = None
     if config.mtp_num_layers:
