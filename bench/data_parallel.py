@@ -9,7 +9,7 @@ the one-rank server uses one core, the EP=2 server two; the ideal ratio is 2):
 * ``--nproc 1``: one rank scores every step;
 * ``--nproc 2 --ep 2``: two ranks; each holds half of the experts, and each step's
   sequences are split between the two data-parallel ranks (balanced by tokens,
-  ``megascore.engine.data_parallel``), the tokens routed to the other rank's experts
+  ``megascore.engine.schedule.data_parallel``), the tokens routed to the other rank's experts
   travel through Megatron's token dispatcher (allgather on the CPU).
 
 Workload: the rollout length mix of ``bench/common.py`` (log-normal, median 400,

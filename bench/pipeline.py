@@ -47,8 +47,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from megascore.api.types import ScoreBatch
     from megascore.config import EngineConfig
-    from megascore.engine import pipeline
     from megascore.engine.runtime import DistributedEngine
+    from megascore.engine.schedule import pipeline
     from megascore.model.config import builtin_model
 
     busy = {"s": 0.0}

@@ -117,7 +117,7 @@ def tokens(groups: list[Group]) -> int:
 
 def _layouts(groups: list[Group]):
     """Each group's sequence lengths and the prefix tree the shared server cuts it into."""
-    from megascore.engine.prefix_tree import shared_layout
+    from megascore.engine.layout.prefix_tree import shared_layout
 
     for g in groups:
         lengths = np.array([len(s) for s in g.sequences])

@@ -158,7 +158,7 @@ def top_k(ctx) -> tuple[str, str]:
     (value descending, then id ascending): ids equal, time and peak memory."""
     import torch
 
-    from megascore.engine.vocab_top_k import chunk_top_k
+    from megascore.engine.outputs.vocab_top_k import chunk_top_k
 
     rows = 1024 if ctx.device == "cuda" else 16
     gen = torch.Generator().manual_seed(0)

@@ -67,7 +67,7 @@ def _timed(engine, batch) -> tuple[float, np.ndarray]:
 
 def computed_rows(batch, min_shared: int = 16) -> int:
     """Rows the shared step computes (its segments)."""
-    from megascore.engine.prefix_tree import shared_layout
+    from megascore.engine.layout.prefix_tree import shared_layout
 
     layout = shared_layout(batch.token_ids, batch.lengths, min_shared=min_shared)
     return int(layout.lengths.sum())

@@ -2,7 +2,7 @@
 full logits of its output head.
 
 The engine runs every forward through Megatron's schedule
-(:mod:`megascore.engine.pipeline`); tests that check the model itself (parity across
+(:mod:`megascore.engine.schedule.pipeline`); tests that check the model itself (parity across
 layouts, checkpoints, dtypes, metrics) call the same pieces directly on one stage.
 """
 
@@ -13,10 +13,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megascore.engine.distributed import gather_cp_shards
-from megascore.engine.forward import forward_microbatch, scoring_forward
-from megascore.engine.output_head import OutputHead
-from megascore.engine.packing import PackedSequences, pack_sequences
+from megascore.engine.layout.packing import PackedSequences, pack_sequences
+from megascore.engine.outputs.output_head import OutputHead
+from megascore.engine.ranks.distributed import gather_cp_shards
+from megascore.engine.schedule.forward import forward_microbatch, scoring_forward
 
 
 @dataclasses.dataclass

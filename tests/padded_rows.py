@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megascore.engine.packing import PackedSequences, pack_sequences
+from megascore.engine.layout.packing import PackedSequences, pack_sequences
 
 
 def flatten_rows(rows: torch.Tensor, lengths) -> torch.Tensor:

@@ -16,7 +16,7 @@ signals every worker at once and needs torch imported in this process):
   even a SIGKILL of the launcher.
 * Rank 0's TCPStore binds a port of the kernel's choice and rank 0 writes it to a
   file the other ranks wait for (``MASTER_PORT_FILE_ENV``,
-  :mod:`megascore.engine.rendezvous`). A port picked here could not be held while
+  :mod:`megascore.engine.ranks.rendezvous`). A port picked here could not be held while
   rank 0 imports torch (seconds), and another process could take it meanwhile: the
   other ranks would then knock on that process's port.
 """

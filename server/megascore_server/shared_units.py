@@ -1,12 +1,12 @@
 """Planning units: the sequences of a request that share a prompt go to one step together.
 
 With prefix sharing on, a step computes every prefix its sequences share once
-(``megascore.engine.prefix_tree``), so what a step costs is the rows its segments
+(``megascore.engine.layout.prefix_tree``), so what a step costs is the rows its segments
 occupy, not its sequences' dense lengths. The batcher therefore plans in *units*: a
 unit is a set of a request's sequences that share a prefix of at least the engine's
 ``min_shared_prefix`` tokens (at the same temperature), costed as the rows the engine
 computes for it alone in a step: its segments as the engine's prefix tree cuts them
-(``megascore.engine.prefix_tree``: each shared prefix and nested extension once, each
+(``megascore.engine.layout.prefix_tree``: each shared prefix and nested extension once, each
 continuation with its lead row), each padded to the per-sequence pad multiple, e.g.
 ``pad(P) + sum_i pad(L_i - P + 1)`` for one prompt of ``P`` tokens. Sequences of other
 requests in the step may share more, never less. Every other sequence is a unit of its
@@ -140,7 +140,7 @@ class _Planner:
 
     def _segments(self, lengths, links, lo: int, hi: int, start: int, out: list) -> None:
         """Segment lengths of the sorted sequences ``[lo, hi)`` sharing ``[0, start)``,
-        as ``megascore.engine.prefix_tree`` cuts them (a child's lead rows counted)."""
+        as ``megascore.engine.layout.prefix_tree`` cuts them (a child's lead rows counted)."""
         lead = min(self.lead, start)
         while lo < hi and lengths[lo] == start:
             lo += 1  # it ends with its parent (a prefix sorts first): no segment

@@ -13,7 +13,7 @@ ROUTER_DTYPES = ("auto", "model", "fp32", "fp64")
 METRICS_REDUCTIONS = ("step", "microbatch")
 MASTER_PORT_FILE_ENV = "MEGASCORE_MASTER_PORT_FILE"
 """Set instead of MASTER_PORT by a launcher: rank 0's store binds a free port and writes
-it to this file, the other ranks read it there (``megascore.engine.rendezvous``)."""
+it to this file, the other ranks read it there (``megascore.engine.ranks.rendezvous``)."""
 
 
 @dataclasses.dataclass

@@ -18,8 +18,8 @@ import torch
 from megascore.api.errors import CheckpointError
 from megascore.api.types import LAYOUT_COMMON, WEIGHT_NAMES_MEGATRON, ScoreBatch
 from megascore.config import EngineConfig
-from megascore.engine.push.apply import WeightStaging
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.weights.push.apply import WeightStaging
 from tests.one_rank import one_rank_world
 
 BATCH = ScoreBatch(

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from megascore.config import EngineConfig
-from megascore.engine import served_model
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.weights import served_model
 from megascore.v1 import scoring_pb2 as pb
 from tests.one_rank import one_rank_world
 from tests.service.harness import serving

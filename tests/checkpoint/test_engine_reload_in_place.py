@@ -16,8 +16,8 @@ from megascore.api.errors import CheckpointError, WorkerLostError
 from megascore.api.types import WEIGHT_NAMES_MEGATRON
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.config import EngineConfig
-from megascore.engine import served_model
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.weights import served_model
 from testkit.checkpoints import engine_logprobs, token_batch
 from tests.one_rank import one_rank_world
 

@@ -20,7 +20,7 @@ from megascore.checkpoint.hf_weights import load_hf_weights, plan_hf_load
 from megascore.checkpoint.recipes import ParallelRanks, Src, VocabRows
 from megascore.checkpoint.safetensors_io import SafetensorsDir
 from megascore.config import EngineConfig
-from megascore.engine.served_model import load_served_model, reload_served_model
+from megascore.engine.weights.served_model import load_served_model, reload_served_model
 from megascore.model.config import builtin_model
 from megascore.model.weights import canonical_name
 from testkit.checkpoints import FAMILIES, megatron_logprobs, token_batch

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from megascore.checkpoint.megatron_ckpt import save_checkpoint
 from megascore.config import EngineConfig
-from megascore.engine.served_model import load_served_model
+from megascore.engine.weights.served_model import load_served_model
 from testkit.checkpoints import megatron_logprobs, token_batch
 
 TOL = 1e-4

@@ -1,4 +1,4 @@
-"""Weight-push staging on one rank (``megascore.engine.push.apply``) for every family.
+"""Weight-push staging on one rank (``megascore.engine.weights.push.apply``) for every family.
 
 The push targets are exactly what ``transformers`` itself has: the names and shapes of
 ``model.state_dict()`` of each supported family (llama, qwen2 with QKV bias and tied
@@ -25,7 +25,7 @@ from megascore.api.types import (
     WEIGHT_NAMES_MEGATRON,
 )
 from megascore.checkpoint import resolve_model
-from megascore.engine.push.apply import WeightStaging, gather_targets, weight_targets
+from megascore.engine.weights.push.apply import WeightStaging, gather_targets, weight_targets
 from testkit.checkpoints import FAMILIES, MTP_FAMILIES, make_hf_model
 
 

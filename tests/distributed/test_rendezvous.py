@@ -1,4 +1,4 @@
-"""The launcher's rendezvous (``megascore.engine.rendezvous``): rank 0 binds a port of the
+"""The launcher's rendezvous (``megascore.engine.ranks.rendezvous``): rank 0 binds a port of the
 kernel's choice and publishes it in a file; the other ranks read it and join.
 """
 
@@ -13,13 +13,13 @@ import textwrap
 import pytest
 
 from megascore.config import MASTER_PORT_FILE_ENV
-from megascore.engine.rendezvous import init_default_group
+from megascore.engine.ranks.rendezvous import init_default_group
 
 _RANK = textwrap.dedent(
     """
     import datetime, os, sys
     import torch, torch.distributed as dist
-    from megascore.engine.rendezvous import init_default_group
+    from megascore.engine.ranks.rendezvous import init_default_group
     init_default_group("gloo", datetime.timedelta(seconds=60), None)
     total = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(total)

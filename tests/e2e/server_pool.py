@@ -67,7 +67,7 @@ class ServerPool:
         # MASTER_PORT=0 (what ``ensure_dist_env`` sets when it is unset, here also over one
         # the test run inherited): a single-process server's TCPStore binds a port of its
         # own choice, never one another server took first. Under --nproc the launcher drops
-        # MASTER_PORT: rank 0 binds port 0 and publishes it (megascore.engine.rendezvous).
+        # MASTER_PORT: rank 0 binds port 0 and publishes it (megascore.engine.ranks.rendezvous).
         self.servers[name] = ServeProcess(
             self.log_dir / f"{name}.log", *args, env={"MASTER_PORT": "0"}
         )

@@ -1,7 +1,7 @@
 """EP ranks share a step, through ``megascore serve --model tiny-moe --nproc 2 --ep 2``.
 
 The two ranks are data-parallel: each scores its part of every step and rank 0 joins
-them (``megascore.engine.data_parallel``). Against a ``--nproc 1`` server on the same
+them (``megascore.engine.schedule.data_parallel``). Against a ``--nproc 1`` server on the same
 built-in weights, through the SDK (<= 1e-5):
 
 * logprobs, top-k, NLL and the MoE / MTP metrics of one request;

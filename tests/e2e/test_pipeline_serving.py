@@ -34,7 +34,7 @@ import time
 
 import pytest
 
-from megascore.engine.microbatch_plan import split_microbatches
+from megascore.engine.layout.microbatch_plan import split_microbatches
 from megascore_client import ScoringClient, ScoringError
 from testkit.reference import (
     ATOL,

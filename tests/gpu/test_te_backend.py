@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
-from megascore.engine.packing import pack_sequences
+from megascore.engine.layout.packing import pack_sequences
 from megascore.model.build import HAVE_TE, build_model
 from megascore.model.config import builtin_model
 from megascore.model.parallel import destroy_parallel, initialize_parallel

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from megascore.engine.served_model import count_parameters
+from megascore.engine.weights.served_model import count_parameters
 
 
 def test_stage_sum_runs_on_the_default_group(pgs, monkeypatch):

@@ -7,8 +7,12 @@ import pytest
 
 from megascore.api import layout
 from megascore.api.types import ScoreBatch
-from megascore.engine.data_parallel import balanced_parts, split_step, sub_batch
-from megascore.engine.microbatch_plan import plan_microbatches, shared_units, split_microbatches
+from megascore.engine.layout.microbatch_plan import (
+    plan_microbatches,
+    shared_units,
+    split_microbatches,
+)
+from megascore.engine.schedule.data_parallel import balanced_parts, split_step, sub_batch
 from tests.prefix_groups import MIN_SHARED, prefix_group_batch
 
 

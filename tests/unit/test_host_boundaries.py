@@ -1,7 +1,7 @@
 """The torch backend's decoder layers read no device value on the host (issue 45).
 
 The packed boundaries stay on the host for the torch backend
-(:func:`megascore.engine.packed_inputs.model_inputs`): Megatron's THD RoPE (a loop over
+(:func:`megascore.engine.schedule.packed_inputs.model_inputs`): Megatron's THD RoPE (a loop over
 the sequences with ``.item()``), the core attention's plan and the MTP roll read them in
 every layer, and on a GPU each such read of a device tensor is a host sync (~2B+5 per
 layer). Proven on the CPU with the ``meta`` device as the model's device: reading a meta
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from megascore.config import EngineConfig
-from megascore.engine.forward import forward_microbatch
-from megascore.engine.packed_inputs import model_inputs
-from megascore.engine.packing import pack_sequences
-from megascore.engine.prefix_tree import shared_layout
-from megascore.engine.segment_packing import pack_layout
+from megascore.engine.layout.packing import pack_sequences
+from megascore.engine.layout.prefix_tree import shared_layout
+from megascore.engine.layout.segment_packing import pack_layout
+from megascore.engine.schedule.forward import forward_microbatch
+from megascore.engine.schedule.packed_inputs import model_inputs
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
-from megascore.engine.logprobs import Float32Logits, score_tokens
-from megascore.engine.step import StepConfig, StepGroups, run_step
-from megascore.engine.step_output import finish_step
+from megascore.engine.outputs.logprobs import Float32Logits, score_tokens
+from megascore.engine.schedule.step import StepConfig, StepGroups, run_step
+from megascore.engine.schedule.step_output import finish_step
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from tests.packed_forward import forward_packed

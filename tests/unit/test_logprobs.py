@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megascore.engine.logprobs import score_tokens
+from megascore.engine.outputs.logprobs import score_tokens
 
 
 def _logprobs(logits, targets, **kwargs) -> torch.Tensor:

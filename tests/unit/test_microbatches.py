@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megascore.engine.microbatch_plan import split_microbatches
+from megascore.engine.layout.microbatch_plan import split_microbatches
 from megascore.model.parallel import pipeline_layer_split
 
 
@@ -79,8 +79,8 @@ def test_padded_microbatches_score_as_one(pgs, name):
 
     from megascore.api.types import ScoreBatch
     from megascore.config import EngineConfig
-    from megascore.engine.step import StepConfig, StepGroups, run_step
-    from megascore.engine.step_output import finish_step
+    from megascore.engine.schedule.step import StepConfig, StepGroups, run_step
+    from megascore.engine.schedule.step_output import finish_step
     from megascore.model.build import build_model
     from megascore.model.config import builtin_model
 

@@ -18,9 +18,9 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from megascore.config import EngineConfig
-from megascore.engine.forward import moe_metric_names, mtp_metric_names
-from megascore.engine.packed_inputs import packed_labels_and_mask, packed_position_ids
-from megascore.engine.packing import cp_shard_indices
+from megascore.engine.layout.packing import cp_shard_indices
+from megascore.engine.schedule.forward import moe_metric_names, mtp_metric_names
+from megascore.engine.schedule.packed_inputs import packed_labels_and_mask, packed_position_ids
 from megascore.model.build import build_model, resolve_attention_backend
 from megascore.model.config import ModelConfig, builtin_model
 from tests.packed_forward import forward_packed

@@ -22,11 +22,11 @@ from torch.utils._pytree import tree_leaves
 
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
-from megascore.engine.logprobs import score_tokens
-from megascore.engine.output_head import OutputHead
-from megascore.engine.packed_inputs import packed_labels_and_mask, packed_position_ids
-from megascore.engine.step import StepConfig, StepGroups, run_step
-from megascore.engine.step_output import finish_step
+from megascore.engine.outputs.logprobs import score_tokens
+from megascore.engine.outputs.output_head import OutputHead
+from megascore.engine.schedule.packed_inputs import packed_labels_and_mask, packed_position_ids
+from megascore.engine.schedule.step import StepConfig, StepGroups, run_step
+from megascore.engine.schedule.step_output import finish_step
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig, builtin_model
 from tests.packed_forward import forward_packed

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megascore.engine.packing import (
+from megascore.engine.layout.packing import (
     cp_shard_indices,
     pack_sequences,
     roll_within_segments,

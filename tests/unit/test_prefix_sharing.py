@@ -17,8 +17,8 @@ import torch
 
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
+from megascore.engine.layout.segment_packing import min_shared_prefix
 from megascore.engine.runtime import DistributedEngine
-from megascore.engine.segment_packing import min_shared_prefix
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.config_loader import load_serve_config
 from megascore_server.shared_units import Sharing

@@ -1,7 +1,7 @@
 """Shared prefixes vs the dense forward on one rank for multi-latent attention.
 
 MLA applies RoPE inside its attention module with a table of its own
-(:func:`megascore.engine.segment_packing.rope_positions` hands it over with one row per
+(:func:`megascore.engine.layout.segment_packing.rope_positions` hands it over with one row per
 packed position). Two tiny DeepSeek-V3 ``hf:`` checkpoints (``testkit.checkpoints``
 configs): ``deepseek_v3`` (query LoRA, YaRN RoPE) and ``deepseek_v3-qfull`` (one query
 projection, plain RoPE); both MoE with a sigmoid router and one MTP layer. The layouts

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megascore.api import layout
-from megascore.engine.microbatch_plan import plan_microbatches
-from megascore.engine.prefix_tree import dense_layout, shared_groups, shared_layout
-from megascore.engine.segment_packing import pack_layout, prefix_rows
+from megascore.engine.layout.microbatch_plan import plan_microbatches
+from megascore.engine.layout.prefix_tree import dense_layout, shared_groups, shared_layout
+from megascore.engine.layout.segment_packing import pack_layout, prefix_rows
 from tests.prefix_groups import MIN_SHARED, prefix_group_sequences
 
 

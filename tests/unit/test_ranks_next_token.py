@@ -20,7 +20,7 @@ import torch
 from megascore.api import layout, schema
 from megascore.api.selection import concat_outputs, select_sequences
 from megascore.config import EngineConfig
-from megascore.engine.logprobs import score_tokens
+from megascore.engine.outputs.logprobs import score_tokens
 from megascore.engine.runtime import DistributedEngine
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client.inputs import make_batch

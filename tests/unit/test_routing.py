@@ -1,4 +1,4 @@
-"""MoE routing out and in on one rank: record, replay, checks (megascore.engine.routing).
+"""MoE routing out and in on one rank: record, replay, checks (megascore.engine.outputs.routing).
 
 The engine runs in-process on a world of one gloo rank (the layouts TP2 with SP, CP2
 and EP2 are in tests/distributed/test_routing.py).

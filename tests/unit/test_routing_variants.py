@@ -17,9 +17,9 @@ import torch
 from megascore.api.limits import RoutingShape
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
-from megascore.engine.routing import routing_shape
-from megascore.engine.step import StepConfig, StepGroups, run_step
-from megascore.engine.step_output import finish_step
+from megascore.engine.outputs.routing import routing_shape
+from megascore.engine.schedule.step import StepConfig, StepGroups, run_step
+from megascore.engine.schedule.step_output import finish_step
 from megascore.model.build import build_model
 from megascore.model.config import ModelConfig
 

@@ -19,8 +19,8 @@ from megascore.api import schema
 from megascore.api.selection import concat_outputs, select_sequences
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
-from megascore.engine.step import StepConfig, StepGroups, run_step
-from megascore.engine.step_output import finish_step
+from megascore.engine.schedule.step import StepConfig, StepGroups, run_step
+from megascore.engine.schedule.step_output import finish_step
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from megascore_client.inputs import make_batch

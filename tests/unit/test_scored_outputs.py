@@ -17,8 +17,8 @@ from megascore.api.errors import InvalidRequestError
 from megascore.api.limits import Limits
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
-from megascore.engine.step import StepConfig, StepGroups, run_step
-from megascore.engine.step_output import finish_step
+from megascore.engine.schedule.step import StepConfig, StepGroups, run_step
+from megascore.engine.schedule.step_output import finish_step
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from tests.mismatch_reference import numpy_mismatch_stats

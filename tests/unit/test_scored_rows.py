@@ -11,8 +11,8 @@ import pytest
 
 from megascore.api import layout, schema
 from megascore.config import EngineConfig
-from megascore.engine import pipeline
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.schedule import pipeline
 from tests.one_rank import one_rank_world
 from tests.prefix_groups import prefix_group_batch
 

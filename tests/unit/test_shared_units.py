@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megascore.api.layout import padded_lengths
-from megascore.engine.prefix_tree import shared_layout
+from megascore.engine.layout.prefix_tree import shared_layout
 from megascore_server.batch_assembly import fill_step
 from megascore_server.shared_units import planning_units
 from tests.service.test_batch_assembly import make_batch

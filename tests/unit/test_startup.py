@@ -1,4 +1,4 @@
-"""Issue 45: what the engine sets up at start-up (``megascore.engine.startup``).
+"""Issue 45: what the engine sets up at start-up (``megascore.engine.ranks.startup``).
 
 The timeouts around a model load: the agreements after a load run on their own gloo
 group with ``load_timeout_s`` (ranks finish reading a large checkpoint minutes apart),
@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
-from megascore.engine import runtime, startup
+from megascore.engine import runtime
+from megascore.engine.ranks import startup
 
 
 def test_each_control_group_gets_its_timeout(pgs, monkeypatch):

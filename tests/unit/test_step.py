@@ -8,10 +8,10 @@ import torch
 
 from megascore.api import layout
 from megascore.config import EngineConfig
-from megascore.engine.microbatch import build_microbatch
-from megascore.engine.packing import pack_sequences
-from megascore.engine.prefix_tree import dense_layout, shared_layout
-from megascore.engine.step_output import PredictionIndex
+from megascore.engine.layout.microbatch import build_microbatch
+from megascore.engine.layout.packing import pack_sequences
+from megascore.engine.layout.prefix_tree import dense_layout, shared_layout
+from megascore.engine.schedule.step_output import PredictionIndex
 
 
 def test_prediction_index_shifts_right_within_each_sequence():

@@ -19,7 +19,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megascore.config import EngineConfig
-from megascore.engine.forward import forward_microbatch, scoring_forward
+from megascore.engine.schedule.forward import forward_microbatch, scoring_forward
 from megascore.model.build import build_model
 from megascore.model.config import builtin_model
 from megascore_server.config_loader import load_serve_config

@@ -13,9 +13,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megascore.api import layout
-from megascore.engine.packing import cp_shard_indices
-from megascore.engine.prefix_tree import shared_layout
-from megascore.engine.segment_packing import full_positions, pack_layout, prefix_rows
+from megascore.engine.layout.packing import cp_shard_indices
+from megascore.engine.layout.prefix_tree import shared_layout
+from megascore.engine.layout.segment_packing import full_positions, pack_layout, prefix_rows
 from megascore.model import attention
 from megascore.model.attention import TorchCoreAttention, _build_plan
 

@@ -1,5 +1,5 @@
 """Issue 45: the exact pass over rows tied at the k-th value
-(``megascore.engine.vocab_top_k._boundary_ties``) on bfloat16-rounded logits, where most
+(``megascore.engine.outputs.vocab_top_k._boundary_ties``) on bfloat16-rounded logits, where most
 rows tie: the lowest-id choice of a stable descending sort, temporaries of at most
 ``TIE_BLOCK_ROWS`` rows at a time and no host read inside the pass.
 
@@ -13,7 +13,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megascore.engine.vocab_top_k import TIE_BLOCK_ROWS, _boundary_ties, _local_top_k_lowest_id
+from megascore.engine.outputs.vocab_top_k import (
+    TIE_BLOCK_ROWS,
+    _boundary_ties,
+    _local_top_k_lowest_id,
+)
 
 
 def _tied_logits(rows: int, cols: int, seed: int) -> torch.Tensor:

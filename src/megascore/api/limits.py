@@ -17,7 +17,8 @@ from megascore.api.errors import InvalidRequestError, WrongVersionError, quoted
 
 @dataclasses.dataclass(frozen=True)
 class RoutingShape:
-    """What a MoE routing array of the served model looks like (``megascore.engine.routing``).
+    """What a MoE routing array of the served model looks like
+    (``megascore.engine.outputs.routing``).
 
     A routing holds, for every token, for every MoE layer of the decoder in order, the
     ``topk`` expert ids the router chose: integer ``[T, num_moe_layers, topk]``.

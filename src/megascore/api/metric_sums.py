@@ -1,6 +1,6 @@
 """The sums a step's MoE / MTP metrics are formed from (``metrics_reduction="step"``).
 
-:mod:`megascore.engine.step_metrics` collects them over a step's tokens and reduces
+:mod:`megascore.engine.outputs.step_metrics` collects them over a step's tokens and reduces
 them over the ranks (float64). Each is a sum over the step's tokens or sequences, so
 the sums of steps that score different sequences of one request add up to the
 request's: :meth:`MetricSums.values` applied to that total gives the metrics of the

@@ -9,11 +9,11 @@ Every layer reads these declarations instead of naming fields one by one:
   ``megascore_server.validation``, and by the engine, ``ScoreBatch.check``).
 * :data:`INPUTS`: arrays a request may carry besides ids and lengths (per token or per
   sequence): dtype, the value a merged step gives requests that did not send one, how
-  the broadcast protocol sends it (``megascore.engine.protocol``).
+  the broadcast protocol sends it (``megascore.engine.ranks.protocol``).
 * :data:`OUTPUTS`: per-token and per-sequence results: dtype, trailing shape,
   the value of entry 0 of a sequence (no prediction there), the ``ScoreResponse``
   field, the SDK attribute, when a request wants it, and how the engine computes it.
-  The step's PP broadcast and packed -> flat mapping (``megascore.engine.step``),
+  The step's PP broadcast and packed -> flat mapping (``megascore.engine.schedule.step``),
   selection / concatenation (:mod:`megascore.api.layout`), the response
   (``megascore_server.convert``) and the client's decode / merge
   (``megascore_client.splitting``) loop over it.
@@ -230,7 +230,7 @@ class Output:
         needs: the outputs a ``finish`` reads (computed by the head when it is wanted,
             even when they are not returned; e.g. the logprobs of the losses).
         head: computed on the last pipeline stage from each chunk of the output
-            head's logits (``megascore.engine.logprobs.ChunkScores``):
+            head's logits (``megascore.engine.outputs.logprobs.ChunkScores``):
             ``chunk -> [C, *dims]`` tensor; it is then CP-gathered, sent to the output
             rank and mapped from packed to flat like the logprobs. A per-sequence
             output's head reads only the rows at the last position of each sequence

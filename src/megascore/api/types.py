@@ -118,7 +118,7 @@ class ScoreBatch:
       contributes (it has no prediction).
     * temperature: float32 ``[B]`` per-sequence softmax temperature (> 0; None: ones).
     * routing: integer ``[T, num_moe_layers, topk]`` expert ids to replay instead of
-      routing (:class:`RoutingShape`, ``megascore.engine.routing``).
+      routing (:class:`RoutingShape`, ``megascore.engine.outputs.routing``).
     * target_ids: int64 ``[T, K]`` caller-chosen ids whose logprobs to return at every
       position (row 0 of each sequence ignored).
     * rollout_logprobs: float64 ``[T]`` the rollout engine's logprobs of the tokens

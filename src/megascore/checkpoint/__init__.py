@@ -7,7 +7,7 @@ Torch-free to import; the weight readers import torch / Megatron when used.
   ``(ModelConfig, load_weights, CheckpointMetadata)`` without reading weights.
 * :func:`read_model_config` reads only the architecture (the config file), and
   :func:`check_same_architecture` is the one architecture comparison (hot reload;
-  the engine's reload path is :mod:`megascore.engine.served_model`).
+  the engine's reload path is :mod:`megascore.engine.weights.served_model`).
 * ``megascore.checkpoint.megatron_ckpt.save_checkpoint`` writes a checkpoint
   that loads into any TP / CP / EP layout (also the way to convert HF -> Megatron).
 """

@@ -52,7 +52,7 @@ from megascore.checkpoint.checks import (
     model_tensor_names,
 )
 from megascore.checkpoint.megatron_names import te_keys
-from megascore.engine.distributed import collective_device
+from megascore.engine.ranks.distributed import collective_device
 from megascore.model.config import ModelConfig
 from megascore.model.weights import unwrap_model
 

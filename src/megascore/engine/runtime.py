@@ -16,9 +16,9 @@ Process groups (all explicit):
 
 * the default group: the rendezvous, group creation and checkpoint I/O, no step
   collective; its timeout is at least ``load_timeout_s`` (ranks may start
-  minutes apart; :mod:`megascore.engine.startup`).
+  minutes apart; :mod:`megascore.engine.ranks.startup`).
 * ``command``: every rank, gloo, a very long timeout on the workers: idle workers
-  wait in it for rank 0's next message (``megascore.engine.protocol``). Rank 0's
+  wait in it for rank 0's next message (``megascore.engine.ranks.protocol``). Rank 0's
   side times out after ``collective_timeout_s``: gloo's broadcast root blocks until
   every receiver took the message, so a hung worker fails the send instead of
   hanging rank 0 (and every request) forever.
@@ -35,20 +35,21 @@ Process groups (all explicit):
   (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, set here when unset): a rank left in a
   collective by a peer that raised (out of memory) or died fails within the timeout.
   Under PP, rank 0 is on the first stage; its peer on the last stage
-  (:func:`~megascore.engine.startup.result_rank`) sends the step's results back over
-  rank 0's PP group (:mod:`megascore.engine.step`).
+  (:func:`~megascore.engine.ranks.startup.result_rank`) sends the step's results back over
+  rank 0's PP group (:mod:`megascore.engine.schedule.step`).
 
 Failure: when any rank fails a step, every rank learns it through the status
-all-reduce (:func:`megascore.engine.step.run_step`, which first waits for the
+all-reduce (:func:`megascore.engine.schedule.step.run_step`, which first waits for the
 step's CUDA work so that asynchronous CUDA errors count); the engine is then
 *broken*: rank 0 raises :class:`~megascore.api.errors.WorkerLostError` for that and
 every later call, and the workers leave their loop with the same error (exit
 non-zero so that the launcher tears the replica down).
 
-Weights: :mod:`megascore.engine.reload` loads a checkpoint (``load_weights``),
-:mod:`megascore.engine.push.handler` takes pushed tensors; the workers' side of every
+Weights: :mod:`megascore.engine.weights.reload` loads a checkpoint (``load_weights``),
+:mod:`megascore.engine.weights.push.handler` takes pushed tensors; the workers' side of every
 command is :mod:`megascore.engine.worker_loop`. Those parts are mixed into
-:class:`DistributedEngine`; the set-up and teardown helpers are :mod:`megascore.engine.startup`.
+:class:`DistributedEngine`; the set-up and teardown helpers are
+:mod:`megascore.engine.ranks.startup`.
 """
 
 from __future__ import annotations
@@ -66,23 +67,28 @@ from megascore.api.losses import loss_names
 from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 from megascore.checkpoint import parse_model_string
 from megascore.config import EngineConfig
-from megascore.engine import protocol
-from megascore.engine.data_parallel import DataParallelGroup
-from megascore.engine.forward import moe_metric_names, mtp_metric_names
-from megascore.engine.push.apply import WeightStaging
-from megascore.engine.push.handler import WeightPushHandler
-from megascore.engine.reload import WeightReload
-from megascore.engine.routing import routing_shape
-from megascore.engine.segment_packing import min_shared_prefix
-from megascore.engine.served_model import LoadedModel, load_served_model
-from megascore.engine.startup import (
+from megascore.engine.layout.segment_packing import min_shared_prefix
+from megascore.engine.outputs.routing import routing_shape
+from megascore.engine.ranks import protocol
+from megascore.engine.ranks.startup import (
     DRIVER_RANK,
     init_distributed,
     load_agreeing,
     result_rank,
     teardown_groups,
 )
-from megascore.engine.step import StepConfig, StepGroups, agree_on_status, metrics_lead_rows
+from megascore.engine.schedule.data_parallel import DataParallelGroup
+from megascore.engine.schedule.forward import moe_metric_names, mtp_metric_names
+from megascore.engine.schedule.step import (
+    StepConfig,
+    StepGroups,
+    agree_on_status,
+    metrics_lead_rows,
+)
+from megascore.engine.weights.push.apply import WeightStaging
+from megascore.engine.weights.push.handler import WeightPushHandler
+from megascore.engine.weights.reload import WeightReload
+from megascore.engine.weights.served_model import LoadedModel, load_served_model
 from megascore.engine.worker_loop import WorkerLoop
 from megascore.model.parallel import initialize_parallel, select_device
 
@@ -235,7 +241,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
     @property
     def metrics_lead_rows(self) -> int:
         """Rows a continuation repeats of its prefix in a step with MoE / MTP metrics
-        (:func:`~megascore.engine.step.metrics_lead_rows`; 0: such steps run dense), for
+        (:func:`~megascore.engine.schedule.step.metrics_lead_rows`; 0: such steps run dense), for
         the batcher's plan of such requests."""
         if not self.min_shared_prefix or self.step_cfg.metrics_reduction != "step":
             return 0

@@ -1,9 +1,9 @@
 """The workers' side of a replica: ranks != 0 execute rank 0's commands until SHUTDOWN.
 
-Each message comes from :func:`megascore.engine.protocol.recv_command`: a FORWARD runs the
+Each message comes from :func:`megascore.engine.ranks.protocol.recv_command`: a FORWARD runs the
 step (:meth:`~megascore.engine.runtime.DistributedEngine._run_step`), RELOAD and the
-WEIGHTS_* messages load or push weights (:mod:`megascore.engine.reload`,
-:mod:`megascore.engine.push.handler`; a refused one keeps the old weights), SHUTDOWN tears
+WEIGHTS_* messages load or push weights (:mod:`megascore.engine.weights.reload`,
+:mod:`megascore.engine.weights.push.handler`; a refused one keeps the old weights), SHUTDOWN tears
 the rank down.
 """
 
@@ -13,8 +13,8 @@ import logging
 
 from megascore.api.errors import CheckpointError
 from megascore.api.losses import loss_names
-from megascore.engine import protocol
-from megascore.engine.startup import DRIVER_RANK
+from megascore.engine.ranks import protocol
+from megascore.engine.ranks.startup import DRIVER_RANK
 
 logger = logging.getLogger(__name__)
 

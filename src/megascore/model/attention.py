@@ -15,11 +15,11 @@ constructor and forward arguments and supports what the local module does not:
   query chunk attends to the keys that precede it. The layout is Megatron's
   load-balanced one: each (padded) sequence is cut into ``2 * cp`` chunks and CP
   rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` in that order;
-* shared prefixes (:class:`megascore.engine.segment_packing.SharedPrefixParams`, any CP size:
+* shared prefixes (:class:`megascore.engine.layout.segment_packing.SharedPrefixParams`, any CP size:
   the prefix rows are looked up in the gathered keys): a segment that continues a
   prefix attends causally to its own rows like any segment (batched with the other
   continuations of its length), and the rows of all the continuations of one parent
-  attend to their common prefix rows (:func:`megascore.engine.segment_packing.prefix_rows`)
+  attend to their common prefix rows (:func:`megascore.engine.layout.segment_packing.prefix_rows`)
   in one more call without a mask (every prefix row precedes them); the two partial
   softmaxes are merged by their log-sum-exps into the one softmax over prefix and own
   keys. Both calls go through :func:`attention_with_lse`, on the CPU and on CUDA alike;
@@ -48,8 +48,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megascore.engine.packing import cp_shard_indices
-from megascore.engine.segment_packing import SharedPrefixParams, prefix_rows
+from megascore.engine.layout.packing import cp_shard_indices
+from megascore.engine.layout.segment_packing import SharedPrefixParams, prefix_rows
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def _build_plan(
         cp_size: size of the CP group.
         device: where the index tensors live.
         prefixes: per segment, the packed rows it attends to before its own
-            (:func:`megascore.engine.segment_packing.prefix_rows`, rows of the full packed
+            (:func:`megascore.engine.layout.segment_packing.prefix_rows`, rows of the full packed
             axis), or None.
         parents: per segment, its parent (-1: a root), with ``prefixes``.
 

@@ -131,10 +131,10 @@ def _moe_fields(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> dict:
         moe_router_dtype=engine_cfg.router_dtype_for(model_cfg.moe_router_dtype),
         moe_expert_capacity_factor=None,
         # each EP rank sends its tokens to the experts' ranks and back (the data-parallel
-        # ranks score different sequences: megascore.engine.data_parallel); the CPU
+        # ranks score different sequences: megascore.engine.schedule.data_parallel); the CPU
         # overrides select "allgather" (alltoall creates CUDA streams)
         moe_token_dispatcher_type="alltoall",
-        # Every router gets a RouterReplay (megascore.engine.routing); idle unless a
+        # Every router gets a RouterReplay (megascore.engine.outputs.routing); idle unless a
         # request records or replays routes.
         moe_enable_routing_replay=True,
     )

@@ -56,7 +56,7 @@ def _record(out: Path, case: str, fn) -> None:
 def _phase(work: Path, out: Path, tag: str, engine_cfg, families: list[str]) -> None:
     from megascore.checkpoint import resolve_model
     from megascore.checkpoint.megatron_ckpt import save_checkpoint
-    from megascore.engine.served_model import load_served_model, reload_served_model
+    from megascore.engine.weights.served_model import load_served_model, reload_served_model
     from megascore.model.build import build_model
     from megascore.model.parallel import destroy_parallel, initialize_parallel
 
@@ -108,7 +108,7 @@ def _pushed_vs_loaded(family: str, cfg, engine_cfg, pgs, loaded) -> np.ndarray:
     import torch
 
     from megascore.api.types import WEIGHT_NAMES_HF
-    from megascore.engine.push.apply import (
+    from megascore.engine.weights.push.apply import (
         WeightStaging,
         gather_needs,
         gather_targets,

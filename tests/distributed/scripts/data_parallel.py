@@ -33,8 +33,8 @@ import numpy as np
 import torch.distributed as dist
 from engine_common import CheckLog, edge_case_batch, layout_config, save_output
 
-from megascore.engine import data_parallel
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.schedule import data_parallel
 
 
 def cases(routing_dir: Path) -> dict:

@@ -6,7 +6,7 @@ For each layout rank 0 scores the edge-case batch and writes
 ``OUT_DIR/<layout>.npz/.json``; the test compares them with the TP=1 reference
 layout (and the world-size-1 launch). Layouts with world 4 and TP x CP < 4 have
 data-parallel ranks: each scores its own part of the batch
-(``megascore.engine.data_parallel``), and rank 0 joins the parts.
+(``megascore.engine.schedule.data_parallel``), and rank 0 joins the parts.
 
 Then the failure paths: a worker that reports a failed step, and a worker that
 hangs past the status timeout. Check outcomes: ``OUT_DIR/layouts_rank{r}.json``.
@@ -36,10 +36,10 @@ from engine_common import (
 from megascore.api import schema
 from megascore.api.errors import InvalidRequestError, WorkerLostError
 from megascore.config import EngineConfig
-from megascore.engine import pipeline as pipeline_module
-from megascore.engine import step as step_module
-from megascore.engine.logprobs import score_tokens
+from megascore.engine.outputs.logprobs import score_tokens
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.schedule import pipeline as pipeline_module
+from megascore.engine.schedule import step as step_module
 
 # name -> (model, tp, cp, ep, sequence_parallel, pad_to_multiple_of). sequence_parallel None
 # is the engine's default: on for a MoE model with TP > 1 (Megatron's training-mode MoE

@@ -37,10 +37,10 @@ from engine_common import (
 from megascore.api import schema
 from megascore.api.errors import WorkerLostError
 from megascore.config import EngineConfig
-from megascore.engine import pipeline as pipeline_module
-from megascore.engine import step as step_module
-from megascore.engine.microbatch_plan import split_microbatches
+from megascore.engine.layout.microbatch_plan import split_microbatches
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.schedule import pipeline as pipeline_module
+from megascore.engine.schedule import step as step_module
 
 MICROBATCHES = 3  # the step splits PP_LENGTHS into this many microbatches
 # name -> (model, tp, cp, ep, pp[, pad_to_multiple_of]). "moe_pp2_tp2" turns sequence

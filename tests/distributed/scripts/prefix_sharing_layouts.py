@@ -31,8 +31,8 @@ import torch.distributed as dist
 from engine_common import CheckLog
 
 from megascore.config import EngineConfig
-from megascore.engine.data_parallel import sub_batch
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.schedule.data_parallel import sub_batch
 from tests.prefix_groups import (
     MIN_SHARED,
     assert_same_metrics,

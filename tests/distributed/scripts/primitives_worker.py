@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megascore.api.types import ScoreBatch
-from megascore.engine.distributed import gather_cp_shards
-from megascore.engine.packing import pack_sequences
-from megascore.engine.protocol import (
+from megascore.engine.layout.packing import pack_sequences
+from megascore.engine.ranks.distributed import gather_cp_shards
+from megascore.engine.ranks.protocol import (
     Command,
     WeightsMessage,
     recv_command,
@@ -28,7 +28,7 @@ from megascore.engine.protocol import (
     send_command,
     send_weights,
 )
-from megascore.engine.push.transfer import recv_parts, send_parts
+from megascore.engine.weights.push.transfer import recv_parts, send_parts
 
 CPU = torch.device("cpu")
 LOSS_REGISTRY = ("nll", "kl", "entropy")

@@ -27,7 +27,7 @@ from engine_common import CheckLog
 
 from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
-from megascore.engine.microbatch_plan import split_microbatches
+from megascore.engine.layout.microbatch_plan import split_microbatches
 from megascore.engine.runtime import DistributedEngine
 
 # name -> (tp, cp, ep, pp, sequence_parallel); None: the engine's default (on for MoE at

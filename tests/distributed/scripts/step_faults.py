@@ -30,8 +30,8 @@ from engine_common import (
 )
 
 from megascore.config import EngineConfig
-from megascore.engine import step as step_module
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.schedule import step as step_module
 
 TIMEOUT_S = 4.0
 

@@ -5,7 +5,7 @@
 packed <-> flat index that packing built (:class:`PredictionIndex`, from
 ``token_positions``) and the recorded routes to each token; every other output (the
 losses, their token counts, the routing, the mismatch statistics) is its table entry's
-``finish``. The step itself is :func:`megascore.engine.step.run_step`.
+``finish``. The step itself is :func:`megascore.engine.schedule.step.run_step`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from megascore.api import layout, schema, selection
 from megascore.api.types import ScoreBatch, ScoreOutput
-from megascore.engine.step import StepResult
+from megascore.engine.schedule.step import StepResult
 
 
 @dataclasses.dataclass(frozen=True)

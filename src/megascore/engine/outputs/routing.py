@@ -16,13 +16,13 @@ router_replay``): with ``TransformerConfig.moe_enable_routing_replay`` every
   own scores at them (probabilities are therefore the model's, only the choice is
   replayed).
 
-This module maps both onto the packed layout of :mod:`megascore.engine.packing`:
+This module maps both onto the packed layout of :mod:`megascore.engine.layout.packing`:
 
-* a step runs in microbatches (:mod:`megascore.engine.pipeline`); a router sees,
-  per microbatch, this rank's CP shard (:func:`megascore.engine.packing.cp_shard_indices`)
+* a step runs in microbatches (:mod:`megascore.engine.schedule.pipeline`); a router sees,
+  per microbatch, this rank's CP shard (:func:`megascore.engine.layout.packing.cp_shard_indices`)
   and, with sequence parallelism, only the TP rank's contiguous ``1 / tp`` slice of
   it; with EP the routing is computed before the token dispatch, on the rank's own
-  tokens (its data-parallel part of the step, :mod:`megascore.engine.data_parallel`;
+  tokens (its data-parallel part of the step, :mod:`megascore.engine.schedule.data_parallel`;
   each DP rank records / replays its part's routes); with PP a
   stage holds the routers of its own layers (:func:`stage_moe_layers`, from
   Megatron's layer offsets and MoE layer pattern);
@@ -63,8 +63,8 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megascore.api.limits import RoutingShape
-from megascore.engine.distributed import collective_device, gather_cp_shards
-from megascore.engine.packing import PackedSequences
+from megascore.engine.layout.packing import PackedSequences
+from megascore.engine.ranks.distributed import collective_device, gather_cp_shards
 
 logger = logging.getLogger(__name__)
 

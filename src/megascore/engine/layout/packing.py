@@ -235,7 +235,7 @@ def pack_sequences(
     Returns:
         A :class:`PackedSequences`; ids and boundaries on ``token_ids.device``, the
         index tensors and the ``packed_seq_params`` boundaries on the CPU
-        (:func:`megascore.engine.packed_inputs.model_inputs` moves them where the
+        (:func:`megascore.engine.schedule.packed_inputs.model_inputs` moves them where the
         attention backend needs them).
 
     Raises:

@@ -11,7 +11,7 @@ top-k again).
 
 The logits come from a :class:`ChunkedLogits` source that produces one chunk of
 rows at a time: the engine passes the model's output head
-(:class:`megascore.engine.output_head.OutputHead`, final hidden states times the
+(:class:`megascore.engine.outputs.output_head.OutputHead`, final hidden states times the
 output weight), so not even this rank's ``[T, V_local]`` slice exists and peak
 memory is ``O(chunk_tokens * V_local)`` whatever the number of tokens. A plain
 ``[T, V_local]`` tensor is accepted too (logits that already exist).
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megascore.api import schema
-from megascore.engine.scratch import Scratch
-from megascore.engine.vocab_top_k import chunk_top_k
+from megascore.engine.outputs.scratch import Scratch
+from megascore.engine.outputs.vocab_top_k import chunk_top_k
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class Float32Logits:
     weight both upcast, the weight once per step (``V/tp x H`` float32 on the device).
 
     Args:
-        head: the model's :class:`megascore.engine.output_head.OutputHead` of this step.
+        head: the model's :class:`megascore.engine.outputs.output_head.OutputHead` of this step.
     """
 
     def __init__(self, head):
@@ -349,7 +349,8 @@ def score_tokens(
             (:func:`megascore.api.schema.head_inputs`: ``target_ids`` int64 ``[T, K]``,
             whose logprobs ``target_logprobs`` returns); each chunk's outputs read its rows
             (``ChunkScores.inputs``). None: none.
-        scratch: where the vocabulary-wide temporaries live (:mod:`megascore.engine.scratch`;
+        scratch: where the vocabulary-wide temporaries live
+            (:mod:`megascore.engine.outputs.scratch`;
             the engine passes the head's, reused from step to step); None: new ones.
 
     Returns:

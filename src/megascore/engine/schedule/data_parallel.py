@@ -2,7 +2,7 @@
 
 The ranks outside TP x CP x PP are data-parallel (``DP = world / (TP x CP x PP)``;
 expert parallelism is carved out of DP x CP, so under EP the extra ranks are DP
-ranks). Every rank receives the whole batch (``megascore.engine.protocol``); then
+ranks). Every rank receives the whole batch (``megascore.engine.ranks.protocol``); then
 
 1. every rank computes the same split (:func:`split_step`, no communication): the step
    is cut into microbatches as a lone replica would cut it, and each microbatch's
@@ -16,17 +16,17 @@ ranks). Every rank receives the whole batch (``megascore.engine.protocol``); the
    any sequence only those), because the expert layers' token dispatch is a
    collective over the EP group whose calls must pair up and whose shapes must agree
    (Megatron's allgather dispatcher);
-2. each DP rank's TP x CP x PP group runs :func:`megascore.engine.step.run_step` on its
+2. each DP rank's TP x CP x PP group runs :func:`megascore.engine.schedule.step.run_step` on its
    part (every rank of the replica agrees on the outcome, as before);
 3. the output rank of every DP group (its first pipeline stage's TP 0 / CP 0 rank)
    turns its part into a :class:`~megascore.api.types.ScoreOutput`
-   (:func:`megascore.engine.step_output.finish_step`) and sends it, typed (shapes derived
+   (:func:`megascore.engine.schedule.step_output.finish_step`) and sends it, typed (shapes derived
    from the batch on both sides, nothing pickled), to global rank 0 over a gloo group of
    the output ranks; rank 0 joins the parts in the caller's order
    (:func:`megascore.api.selection.concat_outputs`).
 
 Metrics stay those of one rank scoring the whole batch. Step-level metrics (the default,
-:mod:`megascore.engine.step_metrics`) sum every DP rank's statistics
+:mod:`megascore.engine.outputs.step_metrics`) sum every DP rank's statistics
 (``StepConfig.data_parallel_split``). Megatron's per-microbatch metrics
 (``metrics_reduction="microbatch"``): microbatch ``i`` of every DP rank together is the
 lone rank's microbatch ``i``, and
@@ -39,7 +39,7 @@ lone rank's microbatch ``i``, and
   group, so the value is the one of the whole batch (``global_load_balancing_loss``
   already reduces over TP x DP x CP);
 * ``z_loss`` and the MTP losses are token-weighted means over the DP ranks
-  (``megascore.engine.forward``), acceptance rates sum their counts over DP;
+  (``megascore.engine.schedule.forward``), acceptance rates sum their counts over DP;
 * pad tokens (including whole all-padding microbatches) are masked out of all of them.
 
 Every DP rank's metrics are then equal; rank 0 reports its own.
@@ -60,7 +60,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megascore.api import layout, schema, selection
 from megascore.api.errors import WorkerLostError
 from megascore.api.types import ScoreBatch, ScoreOutput
-from megascore.engine.microbatch_plan import (
+from megascore.engine.layout.microbatch_plan import (
     MicrobatchPlan,
     MicrobatchSegments,
     SharedUnits,
@@ -68,7 +68,7 @@ from megascore.engine.microbatch_plan import (
     shared_units,
     split_microbatches,
 )
-from megascore.engine.step import (
+from megascore.engine.schedule.step import (
     StepConfig,
     StepGroups,
     lead_rows,
@@ -76,7 +76,7 @@ from megascore.engine.step import (
     shared_prefix,
     token_keys,
 )
-from megascore.engine.step_output import finish_step
+from megascore.engine.schedule.step_output import finish_step
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,9 @@ class StepSplit:
 
     Attributes:
         parts: per DP rank, int64 indices of its sequences (ascending: caller's order).
-        plans: per DP rank, its :class:`~megascore.engine.microbatch_plan.MicrobatchPlan` (ranges
-            into its part; every plan has as many ranges and the same ``pad_to``).
+        plans: per DP rank, its
+            :class:`~megascore.engine.layout.microbatch_plan.MicrobatchPlan` (ranges into its
+            part; every plan has as many ranges and the same ``pad_to``).
     """
 
     parts: list[np.ndarray]
@@ -117,7 +118,7 @@ def split_step(
     """Splits a step's sequences across ``size`` DP ranks (module docstring, 1).
 
     The step is cut into microbatches as one rank would cut it
-    (:func:`~megascore.engine.microbatch_plan.split_microbatches` of its sequences, or of its
+    (:func:`~megascore.engine.layout.microbatch_plan.split_microbatches` of its sequences, or of its
     groups sharing a prefix); each microbatch's sequences (groups) are then shared out
     (:func:`balanced_parts`), so microbatch ``i`` of every DP rank together is the lone
     rank's microbatch ``i``, and a group's prefix is computed once, by one DP rank.
@@ -128,7 +129,8 @@ def split_step(
         pad_multiple: per-sequence pad multiple.
         microbatches: microbatches wanted (fewer when the step is small).
         shared: the step's groups sharing a prefix
-            (:func:`~megascore.engine.microbatch_plan.shared_units`), or None for a dense step.
+            (:func:`~megascore.engine.layout.microbatch_plan.shared_units`), or None for a
+            dense step.
 
     Returns:
         The :class:`StepSplit` (dense: every part ascending, the caller's order; shared:

@@ -49,11 +49,11 @@ Payloads, in order, after the header:
 * WEIGHTS_BEGIN / WEIGHTS_ABORT: nothing.
 * WEIGHTS_TENSOR: int64 ``[ndim]`` shape (when ndim > 0); uint8 ``[name_bytes]``
   name. The tensor's bytes are not broadcast: rank 0 then sends each rank only the
-  parts of it that rank reads (``megascore.engine.push.transfer``, point to point;
-  which parts, ``megascore.engine.push.apply``).
+  parts of it that rank reads (``megascore.engine.weights.push.transfer``, point to point;
+  which parts, ``megascore.engine.weights.push.apply``).
 * WEIGHTS_COMMIT: uint8 ``[version_bytes]`` (nothing when empty).
 
-The WEIGHTS_* messages are one weight push (``megascore.engine.push.apply``):
+The WEIGHTS_* messages are one weight push (``megascore.engine.weights.push.apply``):
 BEGIN, any number of TENSOR, then COMMIT or ABORT; forward steps may come in
 between (they run on the old weights).
 
@@ -156,7 +156,7 @@ class WeightsMessage(NamedTuple):
     """One WEIGHTS_* message (rank 0 sends it with :func:`send_weights`).
 
     Attributes:
-        names: WEIGHTS_BEGIN: name format code (``megascore.engine.push.apply``).
+        names: WEIGHTS_BEGIN: name format code (``megascore.engine.weights.push.apply``).
         name: WEIGHTS_TENSOR: tensor name.
         tensor: WEIGHTS_TENSOR: on rank 0 the full tensor (host, one of
             ``WEIGHT_DTYPES``); on a worker a ``meta`` tensor of its shape and dtype

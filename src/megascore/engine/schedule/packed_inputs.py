@@ -1,13 +1,14 @@
 """A packed microbatch as the model's arguments, on this rank's CP shard.
 
 :func:`model_inputs` builds the keyword arguments of ``model(...)`` for a
-:class:`~megascore.engine.packing.PackedSequences`: its ids, the position of every token in
+:class:`~megascore.engine.layout.packing.PackedSequences`: its ids, the position of every token in
 its sequence (:func:`packed_position_ids`), the packing's ``PackedSeqParams`` and the
-``output_processor`` hook that hands over the :class:`~megascore.engine.output_head.OutputHead`
+``output_processor`` hook that hands over the
+:class:`~megascore.engine.outputs.output_head.OutputHead`
 instead of computing logits; for a metrics forward Megatron's MoE ``padding_mask``
 (:func:`packed_padding_mask`) and the MTP ``labels`` / ``loss_mask``
 (:func:`packed_labels_and_mask`). :func:`router_token_counts` counts the real tokens each
-router sees (the weights of the ranks' z-loss, :mod:`megascore.engine.forward`).
+router sees (the weights of the ranks' z-loss, :mod:`megascore.engine.schedule.forward`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import dataclasses
 import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-from megascore.engine import step_metrics
-from megascore.engine.output_head import OutputHead, head_scratch
-from megascore.engine.packing import PackedSequences, cp_shard_indices, roll_within_segments
-from megascore.engine.segment_packing import full_positions
+from megascore.engine.layout.packing import PackedSequences, cp_shard_indices, roll_within_segments
+from megascore.engine.layout.segment_packing import full_positions
+from megascore.engine.outputs import step_metrics
+from megascore.engine.outputs.output_head import OutputHead, head_scratch
 
 
 def packed_position_ids(
@@ -34,7 +35,7 @@ def packed_position_ids(
         cp_size: CP group size.
         params: the packing's ``PackedSeqParams``: positions of segments that continue
             a shared prefix continue from it
-            (:class:`megascore.engine.segment_packing.SharedPrefixParams`).
+            (:class:`megascore.engine.layout.segment_packing.SharedPrefixParams`).
 
     Returns:
         int64 ``[1, T / cp_size]`` (positions restart at 0 for every sequence).
@@ -111,7 +112,7 @@ def router_token_counts(model, packed: PackedSequences):
     """Real tokens the router of each MoE-capable layer sees on this rank.
 
     Decoder layers see this rank's share of the real tokens (its CP shard; with sequence
-    parallelism its TP slice of that: :func:`megascore.engine.step_metrics.router_rows`);
+    parallelism its TP slice of that: :func:`megascore.engine.outputs.step_metrics.router_rows`);
     MTP layer k sees the positions whose token k ahead is real (``position + k < length``).
 
     Returns:

@@ -4,7 +4,7 @@ The default process group (:func:`init_distributed`: its timeout at least
 ``load_timeout_s``, since ranks may start minutes apart), the rank that drives the
 replica (``DRIVER_RANK``, rank 0) and its peer on the last pipeline stage (:func:`result_rank`),
 a model load the ranks agree on before anything is written (:func:`load_agreeing`, at
-start-up and on reload: :mod:`megascore.engine.reload`) and the groups' teardown.
+start-up and on reload: :mod:`megascore.engine.weights.reload`) and the groups' teardown.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from megascore.api.errors import LOAD_FAILURES, WorkerLostError
 from megascore.config import EngineConfig
-from megascore.engine.rendezvous import init_default_group
-from megascore.engine.served_model import LoadedModel
+from megascore.engine.ranks.rendezvous import init_default_group
 from megascore.model.parallel import destroy_parallel
 
 logger = logging.getLogger(__name__)
@@ -64,11 +63,11 @@ def init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
     return True
 
 
-def load_agreeing(
-    load: Callable[[Callable[[], None]], LoadedModel],
+def load_agreeing[Loaded](
+    load: Callable[[Callable[[], None]], Loaded],
     agree: Callable[[BaseException | None], None],
     what: str,
-) -> tuple[LoadedModel | None, BaseException | None]:
+) -> tuple[Loaded | None, BaseException | None]:
     """Every rank: ``load(before_write)`` (start-up or reload), the ranks agreeing once
     every check passed, before anything is written.
 

@@ -3,8 +3,8 @@
 :class:`OutputHead` holds the final hidden states (after the final layernorm) and the
 model's output layer, which computes the vocab-parallel logits ``[C, V / tp]`` of any chunk
 of rows on demand (the model hands it over from its ``output_processor`` hook:
-:mod:`megascore.engine.packed_inputs`). The full ``[T_local, V / tp]`` logits are never
-materialised; :func:`megascore.engine.logprobs.score_tokens` asks for one chunk at a time.
+:mod:`megascore.engine.schedule.packed_inputs`). The full ``[T_local, V / tp]`` logits are never
+materialised; :func:`megascore.engine.outputs.logprobs.score_tokens` asks for one chunk at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
-from megascore.engine.scratch import Scratch
+from megascore.engine.outputs.scratch import Scratch
 from megascore.model.batch_invariant import is_batch_invariant, pad_rows
 
 
@@ -107,7 +107,7 @@ def _plain_matmul(layer: torch.nn.Module) -> bool:
 
 
 def head_scratch(output_layer: torch.nn.Module) -> Scratch:
-    """The head's reused buffers (:mod:`megascore.engine.scratch`), kept on the model's
+    """The head's reused buffers (:mod:`megascore.engine.outputs.scratch`), kept on the model's
     output layer: they live as long as the model."""
     scratch = output_layer.__dict__.get("_megascore_scratch")
     if scratch is None:

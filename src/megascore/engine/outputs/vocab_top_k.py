@@ -4,7 +4,7 @@ A two-stage selection: each rank takes its shard's top-k (ties at the k-th value
 to the lowest id, so the choice does not depend on how the vocabulary is split), the
 TP group all-gathers the ``k`` candidates of every rank, and a stable sort keeps the
 k largest (equal values in ascending id order). Used by
-:class:`megascore.engine.logprobs.ChunkScores`.
+:class:`megascore.engine.outputs.logprobs.ChunkScores`.
 """
 
 from __future__ import annotations

@@ -2,19 +2,19 @@
 
 Every rank of a TP x CP x PP group runs :func:`run_step` with the same
 :class:`~megascore.api.types.ScoreBatch` (broadcast by rank 0; with data-parallel ranks, the
-DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parallel`):
+DP rank's part of it and its microbatch plan, :mod:`megascore.engine.schedule.data_parallel`):
 
 1. split the batch into microbatches
-   (:func:`megascore.engine.microbatch_plan.split_microbatches`)
+   (:func:`megascore.engine.layout.microbatch_plan.split_microbatches`)
    and pack each from the flat ids for this rank's CP rank (NeMo-RL layout), with
    next-token targets rolled inside each padded segment on the *full* packed axis
    and then CP-sharded like the inputs;
 2. run them through Megatron's forward-only schedule
-   (:func:`megascore.engine.pipeline.run_schedule`), the MoE routers recording or
-   replaying routes when the batch asks (:mod:`megascore.engine.routing`; recorded
+   (:func:`megascore.engine.schedule.pipeline.run_schedule`), the MoE routers recording or
+   replaying routes when the batch asks (:mod:`megascore.engine.outputs.routing`; recorded
    routes are gathered to the output rank after the schedule): on the last pipeline stage
    each microbatch's output head (final hidden states + output layer) gives the
-   logprobs / top-k over the TP group (:func:`megascore.engine.logprobs.score_tokens`),
+   logprobs / top-k over the TP group (:func:`megascore.engine.outputs.logprobs.score_tokens`),
    chunk by chunk: the head computes the vocab-parallel logits of ``chunk_tokens``
    rows at a time, so ``[T_local, V/tp]`` never exists;
 3. on the last stage, the CP group that holds the *result rank* (the output rank's
@@ -29,7 +29,7 @@ DP rank's part of it and its microbatch plan, :mod:`megascore.engine.data_parall
 
 The output rank then turns the gathered packed results into a
 :class:`~megascore.api.types.ScoreOutput` with
-:func:`~megascore.engine.step_output.finish_step` (local work only),
+:func:`~megascore.engine.schedule.step_output.finish_step` (local work only),
 through the packed <-> flat index that packing built (``token_positions``).
 """
 
@@ -46,17 +46,21 @@ from megascore.api import layout, schema
 from megascore.api.errors import WorkerLostError
 from megascore.api.metric_sums import MetricSums
 from megascore.api.types import ScoreBatch
-from megascore.engine.distributed import collective_device
-from megascore.engine.forward import mtp_metric_names, scoring_forward
-from megascore.engine.microbatch import Microbatch, build_microbatch
-from megascore.engine.microbatch_plan import MicrobatchPlan, MicrobatchSegments, plan_microbatches
-from megascore.engine.pipeline import ScoreSpec, run_schedule
-from megascore.engine.routing import (
+from megascore.engine.layout.microbatch import Microbatch, build_microbatch
+from megascore.engine.layout.microbatch_plan import (
+    MicrobatchPlan,
+    MicrobatchSegments,
+    plan_microbatches,
+)
+from megascore.engine.outputs.routing import (
     gather_routes,
     local_replay_targets,
     routing_replay,
     stage_moe_layers,
 )
+from megascore.engine.ranks.distributed import collective_device
+from megascore.engine.schedule.forward import mtp_metric_names, scoring_forward
+from megascore.engine.schedule.pipeline import ScoreSpec, run_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +104,11 @@ class StepConfig:
             computed (the output rank itself at PP = 1).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
         metrics_reduction: "step" or "microbatch"
-            (:func:`megascore.engine.forward.scoring_forward`).
+            (:func:`megascore.engine.schedule.forward.scoring_forward`).
         data_parallel_split: the DP ranks score different sequences of the step (their
             step-level metric statistics are summed); False: copies of one batch.
         min_shared_prefix: shortest prefix the step's sequences share that is computed
-            once (:mod:`megascore.engine.prefix_tree`); None: every sequence computed whole.
+            once (:mod:`megascore.engine.layout.prefix_tree`); None: every sequence computed whole.
     """
 
     pad_multiple: int
@@ -174,14 +178,14 @@ def shared_prefix(model, batch: ScoreBatch, cfg: StepConfig) -> int | None:
     """The step's shortest shared prefix, or None for a dense step: sharing off, or MoE /
     MTP metrics read from Megatron's per-microbatch trackers (``metrics_reduction``
     "microbatch": they see the packed rows). Step metrics weigh each shared row by the
-    sequences it stands for (:mod:`megascore.engine.step_metrics`)."""
+    sequences it stands for (:mod:`megascore.engine.outputs.step_metrics`)."""
     per_microbatch = any(_metrics_forward(model, batch)) and cfg.metrics_reduction != "step"
     return None if per_microbatch else cfg.min_shared_prefix
 
 
 def lead_rows(model, batch: ScoreBatch) -> int:
     """Rows a continuation computes again of its prefix: 1, or :func:`metrics_lead_rows`
-    in a step that records MoE / MTP metrics (:mod:`megascore.engine.prefix_tree`)."""
+    in a step that records MoE / MTP metrics (:mod:`megascore.engine.layout.prefix_tree`)."""
     return metrics_lead_rows(model.config) if any(_metrics_forward(model, batch)) else 1
 
 
@@ -431,7 +435,7 @@ def run_step(
     Args:
         model: the (eval-mode) Megatron model of this rank.
         batch: the batch of this rank's TP x CP x PP group (with data-parallel ranks,
-            this rank's part of the step: :mod:`megascore.engine.data_parallel`).
+            this rank's part of the step: :mod:`megascore.engine.schedule.data_parallel`).
         groups: process groups of the step.
         cfg: per-replica step constants.
         cuts: the microbatches to run (None: :meth:`MicrobatchPlan.split` of the batch).

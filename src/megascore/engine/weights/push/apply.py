@@ -7,7 +7,7 @@ point to point): at TP = 2 a rank gets half of a column- or row-parallel tensor 
 the whole of a replicated one; an EP rank only its experts' tensors; a pipeline stage
 only its layers'. Which parts: each rank lists them at WEIGHTS_BEGIN
 (:attr:`WeightStaging.needs`, from a dry run of its recipes that records what they
-read; parts and readers in :mod:`megascore.engine.push.parts`) and
+read; parts and readers in :mod:`megascore.engine.weights.push.parts`) and
 :func:`gather_needs` gives rank 0 every rank's list.
 
 Each rank then stages its shards with the recipes the checkpoint loaders use, and
@@ -57,8 +57,8 @@ from megascore.api.types import (
 )
 from megascore.checkpoint.hf_names import ParamMapper
 from megascore.checkpoint.recipes import ParallelRanks, Recipe
-from megascore.engine.push import transfer
-from megascore.engine.push.parts import (
+from megascore.engine.weights.push import transfer
+from megascore.engine.weights.push.parts import (
     Parts,
     Recorder,
     all_gather_json,
@@ -236,7 +236,7 @@ class WeightStaging:
 
     Attributes:
         needs: expert layout -> pushed tensor name -> the parts of it this rank reads
-            (:func:`~megascore.engine.push.parts.part_key`; ``()`` the whole
+            (:func:`~megascore.engine.weights.push.parts.part_key`; ``()`` the whole
             tensor). Names this rank does not read are absent. Megatron names: one
             table, under ``LAYOUT_COMMON``.
         peers: on the sending rank, every other rank's ``needs`` by global rank

@@ -1,7 +1,7 @@
 """Weight pushes on the engine's side: rank 0's calls broadcast each WEIGHTS_* message
-(:mod:`megascore.engine.protocol`) and every rank handles it (the workers from their loop,
+(:mod:`megascore.engine.ranks.protocol`) and every rank handles it (the workers from their loop,
 :mod:`megascore.engine.worker_loop`): BEGIN lists the push's targets, each TENSOR's parts are
-staged as shards (:mod:`megascore.engine.push.apply`), COMMIT swaps them in once every rank
+staged as shards (:mod:`megascore.engine.weights.push.apply`), COMMIT swaps them in once every rank
 agrees, ABORT drops them.
 """
 
@@ -16,14 +16,14 @@ import torch
 
 from megascore.api.errors import WorkerLostError
 from megascore.api.types import WeightTarget
-from megascore.engine import protocol
-from megascore.engine.push.apply import (
+from megascore.engine.ranks import protocol
+from megascore.engine.ranks.startup import DRIVER_RANK
+from megascore.engine.weights.push.apply import (
     WeightStaging,
     gather_needs,
     gather_targets,
     weight_targets,
 )
-from megascore.engine.startup import DRIVER_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -101,32 +101,34 @@ class WeightPushHandler:
         except (RuntimeError, OSError) as e:
             raise self._mark_broken(f"broadcasting {command.name} failed: {e}") from e
 
+    def _begin(self, message) -> dict[str, WeightTarget]:
+        """Every rank: opens a push (staging) and returns every rank's targets."""
+        loaded, local = self.loaded, None
+        self._push_of = loaded
+        try:
+            self._push = WeightStaging(
+                loaded.model,
+                loaded.config,
+                self.pg_collection,
+                message.names,
+                buffers=self._staging_buffers,
+            )
+            local = weight_targets(loaded.model, loaded.config, self.pg_collection, message.names)
+        except Exception:  # noqa: BLE001 - every rank learns it through the gather
+            logger.exception("rank %d: listing the push's tensors failed", self.rank)
+            self._push = None
+        try:
+            targets = gather_targets(local, self.groups.status, loaded.config, message.names)
+            gather_needs(self._push, self.groups.status)
+        except RuntimeError as e:
+            raise self._mark_broken(f"weight push begin all-gather failed: {e}") from e
+        return targets
+
     def _on_weights(self, command, message) -> dict[str, WeightTarget] | None:
         """Every rank: one WEIGHTS_* message (BEGIN and COMMIT are collective); BEGIN
         returns every rank's targets."""
         if command == protocol.Command.WEIGHTS_BEGIN:
-            loaded, local = self.loaded, None
-            self._push_of = loaded
-            try:
-                self._push = WeightStaging(
-                    loaded.model,
-                    loaded.config,
-                    self.pg_collection,
-                    message.names,
-                    buffers=self._staging_buffers,
-                )
-                local = weight_targets(
-                    loaded.model, loaded.config, self.pg_collection, message.names
-                )
-            except Exception:  # noqa: BLE001 - every rank learns it through the gather
-                logger.exception("rank %d: listing the push's tensors failed", self.rank)
-                self._push = None
-            try:
-                targets = gather_targets(local, self.groups.status, loaded.config, message.names)
-                gather_needs(self._push, self.groups.status)
-            except RuntimeError as e:
-                raise self._mark_broken(f"weight push begin all-gather failed: {e}") from e
-            return targets
+            return self._begin(message)
         elif command == protocol.Command.WEIGHTS_ABORT:
             if self._push is not None:
                 self._staging_buffers = self._push.release()

@@ -1,6 +1,7 @@
 """One microbatch of a step, packed for this rank (built alike on every pipeline stage).
 
-:func:`build_microbatch` packs the microbatch's segments (:mod:`megascore.engine.microbatch_plan`)
+:func:`build_microbatch` packs the microbatch's segments
+(:mod:`megascore.engine.layout.microbatch_plan`)
 for this rank's CP rank (THD, the per-sequence pad multiple), padded to the step's common
 length so that the stages exchange activations of a fixed shape. The padding is a segment of
 its own (``pack_sequences(pad_segment=True)``), not an extension of the last sequence: no
@@ -17,9 +18,9 @@ import numpy as np
 import torch
 
 from megascore.api import layout
-from megascore.engine.packing import PackedSequences, roll_within_segments
-from megascore.engine.prefix_tree import SegmentLayout
-from megascore.engine.segment_packing import pack_layout
+from megascore.engine.layout.packing import PackedSequences, roll_within_segments
+from megascore.engine.layout.prefix_tree import SegmentLayout
+from megascore.engine.layout.segment_packing import pack_layout
 
 
 @dataclasses.dataclass
@@ -27,7 +28,8 @@ class Microbatch:
     """One microbatch of a step, packed for this rank (built alike on every stage).
 
     Attributes:
-        packed: the microbatch's segments (:class:`~megascore.engine.prefix_tree.SegmentLayout`:
+        packed: the microbatch's segments
+            (:class:`~megascore.engine.layout.prefix_tree.SegmentLayout`:
             its sequences, or their shared prefixes and continuations), packed and
             padded to the step's common length.
         token_positions: int64 ``[T_mb]`` (CPU) packed row of every token of the
@@ -44,7 +46,7 @@ class Microbatch:
             next token that row predicts (an MTP metric weighs a shared row by the
             sequences it stands for).
         replay_routes: int64 ``[n, L_stage, k]`` MoE routes this stage's routers replay
-            (:func:`megascore.engine.routing.local_replay_targets`), or None.
+            (:func:`megascore.engine.outputs.routing.local_replay_targets`), or None.
         recorded_routes: set by the forward step when the step records the routing:
             int64 ``[n, L_stage, k]`` (None on a stage without MoE layers).
         head_inputs: each head input of the table (:func:`megascore.api.schema.head_inputs`)

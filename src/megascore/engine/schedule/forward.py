@@ -1,17 +1,18 @@
 """One packed GPTModel forward: the LM head's input plus the MoE / MTP metrics.
 
 The pieces are what Megatron's schedule calls per microbatch
-(:mod:`megascore.engine.pipeline`): :func:`~megascore.engine.packed_inputs.model_inputs`
+(:mod:`megascore.engine.schedule.pipeline`):
+:func:`~megascore.engine.schedule.packed_inputs.model_inputs`
 builds the model's arguments, :func:`scoring_forward` is the mode a whole step runs in
 (and reads the metrics after it).
 
-:func:`forward_microbatch` feeds a :class:`~megascore.engine.packing.PackedSequences` (THD,
+:func:`forward_microbatch` feeds a :class:`~megascore.engine.layout.packing.PackedSequences` (THD,
 this rank's CP shard) through the model and returns an
-:class:`~megascore.engine.output_head.OutputHead`: the final hidden states (after the
+:class:`~megascore.engine.outputs.output_head.OutputHead`: the final hidden states (after the
 final layernorm) and the model's output layer, which computes the vocab-parallel logits
 ``[C, V / tp]`` of any chunk of rows on demand. The full ``[T_local, V / tp]`` logits
 are never materialised (they are the classic OOM of prompt-logprob servers: 64k tokens x
-128k vocabulary in fp32 is 32 GB); :func:`megascore.engine.logprobs.score_tokens` asks
+128k vocabulary in fp32 is 32 GB); :func:`megascore.engine.outputs.logprobs.score_tokens` asks
 for one chunk of ``chunk_tokens`` rows at a time. The head comes from an ``output_processor`` hook
 of ``GPTModel.forward``: Megatron calls it with the final hidden states after
 the MTP block, in place of its own output-layer / loss step, so GPTModel never
@@ -27,9 +28,9 @@ modes (dropout is off, MoE is dropless). Two definitions (``metrics_reduction``,
 docs/engine.md):
 
 * ``"step"`` (default): the statistics the routers and MTP layers see over the whole
-  step, reduced once (:mod:`megascore.engine.step_metrics`): the same for any layout
+  step, reduced once (:mod:`megascore.engine.outputs.step_metrics`): the same for any layout
   and microbatch count; with DP > 1 each DP rank scores its own part of the step
-  (:mod:`megascore.engine.data_parallel`) and the statistics are summed over them;
+  (:mod:`megascore.engine.schedule.data_parallel`) and the statistics are summed over them;
 * ``"microbatch"``: Megatron's trackers, read exactly as Megatron's ``training.py``
   reads them (``MoEMetricsTracker.report`` with ``force_initialize``;
   ``MTPLossLoggingHelper.track_mtp_metrics``): the mean over the step's microbatches.
@@ -71,10 +72,10 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from megascore.api.metric_sums import MetricSums
 from megascore.config import METRICS_REDUCTIONS
-from megascore.engine import step_metrics
-from megascore.engine.packed_inputs import model_inputs, router_token_counts
-from megascore.engine.packing import PackedSequences
-from megascore.engine.segment_packing import rope_positions
+from megascore.engine.layout.packing import PackedSequences
+from megascore.engine.layout.segment_packing import rope_positions
+from megascore.engine.outputs import step_metrics
+from megascore.engine.schedule.packed_inputs import model_inputs, router_token_counts
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def forward_microbatch(
 ):
     """``model(**model_inputs(...))`` for one packed microbatch, in the step's mode
     (:func:`scoring_forward`): under ``metrics_reduction="step"`` the step's collector
-    (:mod:`megascore.engine.step_metrics`) sees it, reading each token of ``tokens``
+    (:mod:`megascore.engine.outputs.step_metrics`) sees it, reading each token of ``tokens``
     (where the sequences' tokens are; None: each segment a sequence); else a metrics
     forward's z-loss and MTP losses are token-weighted over the ranks (:func:`_token_weight_z_loss`,
     :func:`_token_weight_mtp_loss`). Returns what the model returns (the
@@ -341,7 +342,7 @@ def scoring_forward(
     pass with grad enabled over the step's forwards (one per microbatch), then either
 
     * ``metrics_reduction="step"``: the statistics the routers and MTP layers saw over
-      the whole step, reduced once (:mod:`megascore.engine.step_metrics`), or
+      the whole step, reduced once (:mod:`megascore.engine.outputs.step_metrics`), or
     * ``"microbatch"``: Megatron's trackers, read as Megatron's ``training.py`` reads
       them (loss scale ``1 / num_microbatches``: the mean over microbatches);
 

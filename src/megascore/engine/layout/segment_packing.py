@@ -1,6 +1,7 @@
-"""Packing of a :class:`~megascore.engine.prefix_tree.SegmentLayout`: segments continuing a prefix.
+"""Packing of a :class:`~megascore.engine.layout.prefix_tree.SegmentLayout`: segments
+continuing a prefix.
 
-The segments are packed like sequences (:func:`megascore.engine.packing.pack_sequences`:
+The segments are packed like sequences (:func:`megascore.engine.layout.packing.pack_sequences`:
 THD, every segment padded on its own). A layout with shared prefixes gets a
 :class:`SharedPrefixParams` instead of the plain ``PackedSeqParams``: the same
 boundaries plus each segment's parent, real length and first position. Three
@@ -33,8 +34,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
 from megascore.config import EngineConfig
-from megascore.engine.packing import PackedSequences, pack_sequences
-from megascore.engine.prefix_tree import SegmentLayout
+from megascore.engine.layout.packing import PackedSequences, pack_sequences
+from megascore.engine.layout.prefix_tree import SegmentLayout
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,10 @@ def pack_layout(
         cp_rank: this rank in the CP group.
         cp_size: CP group size.
         pad_segment: the padding up to ``pad_to`` is a segment of its own
-            (:func:`~megascore.engine.packing.pack_sequences`); it continues nothing.
+            (:func:`~megascore.engine.layout.packing.pack_sequences`); it continues nothing.
 
     Returns:
-        The :class:`~megascore.engine.packing.PackedSequences` of the segments: its
+        The :class:`~megascore.engine.layout.packing.PackedSequences` of the segments: its
         ``token_positions`` are the packed rows of the segments' tokens (``[N]``).
     """
     packed = pack_sequences(

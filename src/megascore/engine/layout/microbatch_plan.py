@@ -6,8 +6,8 @@ other microbatch up to it), so a step may use fewer microbatches than configured
 prefix sharing the groups of sequences that share a prefix (:func:`shared_units`) are
 the units that are cut, a group never cut apart (:func:`plan_microbatches`). A
 data-parallel rank's share comes as a :class:`MicrobatchPlan`
-(:mod:`megascore.engine.data_parallel`). Each microbatch is then packed by
-:func:`megascore.engine.microbatch.build_microbatch`.
+(:mod:`megascore.engine.schedule.data_parallel`). Each microbatch is then packed by
+:func:`megascore.engine.layout.microbatch.build_microbatch`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from megascore.api import layout
-from megascore.engine.prefix_tree import (
+from megascore.engine.layout.prefix_tree import (
     SegmentLayout,
     concat_layouts,
     dense_layout,
@@ -65,7 +65,7 @@ class MicrobatchPlan:
         ranges: ``[first, end)`` sequence ranges in batch order, one per microbatch. An
             empty one (``first == end``) is a microbatch of ``pad_to`` pad tokens: a
             data-parallel rank without sequences in it still joins its peers' expert
-            collectives (:mod:`megascore.engine.data_parallel`).
+            collectives (:mod:`megascore.engine.schedule.data_parallel`).
         pad_to: packed length of every microbatch.
         segments: None: every sequence computed whole; else each range's microbatch as
             its groups sharing a prefix are computed (:func:`shared_units`, laid out by
@@ -89,7 +89,7 @@ class MicrobatchSegments:
 
     Attributes:
         sequences: int64 ``[B_mb]`` the step's sequences in the microbatch's order.
-        segments: their :class:`~megascore.engine.prefix_tree.SegmentLayout`.
+        segments: their :class:`~megascore.engine.layout.prefix_tree.SegmentLayout`.
     """
 
     sequences: np.ndarray
@@ -102,8 +102,9 @@ class SharedUnits:
     (and data-parallel parts) are cut from, a group never cut apart.
 
     Attributes:
-        groups: sequence indices per group (:func:`~megascore.engine.prefix_tree.shared_groups`).
-        layouts: each group's :class:`~megascore.engine.prefix_tree.SegmentLayout`.
+        groups: sequence indices per group
+            (:func:`~megascore.engine.layout.prefix_tree.shared_groups`).
+        layouts: each group's :class:`~megascore.engine.layout.prefix_tree.SegmentLayout`.
         costs: int64 ``[G]`` packed rows of each group's segments, padded.
     """
 
@@ -189,8 +190,8 @@ def plan_microbatches(
         token_keys: int64 ``[T, w]`` what must match for tokens to be shared (None: ids).
         labels: ``[B]`` sequences of different labels share nothing (None: all equal).
         lead_rows: the parent's last tokens a continuation computes again
-            (:func:`~megascore.engine.prefix_tree.shared_layout`).
-        cuts: the step's given microbatches (:mod:`megascore.engine.data_parallel`,
+            (:func:`~megascore.engine.layout.prefix_tree.shared_layout`).
+        cuts: the step's given microbatches (:mod:`megascore.engine.schedule.data_parallel`,
             whose ``segments`` replace ``min_shared``); None: cut here.
 
     Returns:

@@ -3,8 +3,9 @@
 ``EngineConfig.model`` and ``load_weights`` take the model strings of
 :func:`megascore.checkpoint.parse_model_string` (built-in ``tiny``, ``builtin:tiny@7``
 for weight seed 7, ``hf:DIR``, ``megatron:DIR``), loaded by
-:func:`megascore.engine.served_model.load_served_model` at start-up (a checkpoint's
-model drawing no random weights) and :func:`~megascore.engine.served_model.reload_served_model`
+:func:`megascore.engine.weights.served_model.load_served_model` at start-up (a checkpoint's
+model drawing no random weights) and
+:func:`~megascore.engine.weights.served_model.reload_served_model`
 on reload. ``load_weights`` first reads the new model's architecture from its config
 alone on rank 0 and refuses another one (or a bad path) before any weight file is
 opened; then it runs on every rank (RELOAD): each checks the checkpoint against its
@@ -20,10 +21,10 @@ import logging
 
 from megascore.api.errors import InvalidRequestError
 from megascore.checkpoint import check_same_architecture, parse_model_string, read_model_config
-from megascore.engine import protocol
-from megascore.engine.served_model import reload_served_model
-from megascore.engine.startup import DRIVER_RANK, load_agreeing
-from megascore.engine.step import agree_on_status
+from megascore.engine.ranks import protocol
+from megascore.engine.ranks.startup import DRIVER_RANK, load_agreeing
+from megascore.engine.schedule.step import agree_on_status
+from megascore.engine.weights.served_model import reload_served_model
 
 logger = logging.getLogger(__name__)
 

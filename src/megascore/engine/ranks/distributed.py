@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megascore.engine.packing import cp_shard_indices
+from megascore.engine.layout.packing import cp_shard_indices
 
 
 def collective_device(group: dist.ProcessGroup) -> torch.device:
@@ -36,7 +36,7 @@ def gather_cp_shards(
 ) -> torch.Tensor:
     """Reassembles CP-sharded per-token values into the full packed order.
 
-    The inverse of the sharding of :func:`megascore.engine.packing.pack_sequences`: rank
+    The inverse of the sharding of :func:`megascore.engine.layout.packing.pack_sequences`: rank
     ``r`` of ``cp_group`` holds the tokens at ``cp_shard_indices(cu, r, cp_size)``.
 
     Args:

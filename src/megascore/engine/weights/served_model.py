@@ -31,7 +31,7 @@ from megascore.checkpoint import (
     resolve_model,
 )
 from megascore.config import EngineConfig
-from megascore.engine.distributed import collective_device
+from megascore.engine.ranks.distributed import collective_device
 from megascore.model.batch_invariant import make_batch_invariant
 from megascore.model.build import build_model, draw_weights
 from megascore.model.config import ModelConfig

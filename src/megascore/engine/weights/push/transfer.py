@@ -1,6 +1,6 @@
 """A pushed tensor's parts, point to point: after a WEIGHTS_TENSOR header
-(:mod:`megascore.engine.protocol`) rank 0 sends each rank only the parts of the tensor
-that rank reads (which parts: :mod:`megascore.engine.push.apply`), one flat message per
+(:mod:`megascore.engine.ranks.protocol`) rank 0 sends each rank only the parts of the tensor
+that rank reads (which parts: :mod:`megascore.engine.weights.push.apply`), one flat message per
 rank; nothing is broadcast.
 """
 

@@ -6,9 +6,9 @@ without interleaving under pipeline parallelism (stages overlap on different
 microbatches), the plain loop at PP = 1. The pieces follow NeMo-RL's logprob
 path (``forward_step_arbitrary_loss`` / its loss post-processors):
 
-* :func:`~megascore.engine.microbatch_plan.split_microbatches`: contiguous runs of
+* :func:`~megascore.engine.layout.microbatch_plan.split_microbatches`: contiguous runs of
   sequences, balanced by padded tokens; every microbatch is packed
-  (:func:`~megascore.engine.microbatch.build_microbatch`: THD, the per-sequence pad
+  (:func:`~megascore.engine.layout.microbatch.build_microbatch`: THD, the per-sequence pad
   multiple) and padded to one common length, so the stages exchange activations of a
   fixed shape. The padding is a segment of its own (``pack_sequences(pad_segment=True)``),
   not an extension of the last sequence: no real token attends to it, and a
@@ -20,15 +20,15 @@ path (``forward_step_arbitrary_loss`` / its loss post-processors):
 * :func:`forward_step`: called by the schedule with the data iterator and the
   model; runs the model on the next microbatch (around it, the MoE routers take the
   microbatch's routes to replay or give back the ones they chose,
-  :mod:`megascore.engine.routing`) and returns the output with a loss closure. On
+  :mod:`megascore.engine.outputs.routing`) and returns the output with a loss closure. On
   the last stage the output is the model's
-  :class:`~megascore.engine.output_head.OutputHead`, and the closure computes the
+  :class:`~megascore.engine.outputs.output_head.OutputHead`, and the closure computes the
   logprobs / top-k chunk by chunk over the TP group, gathers the CP shards and
   returns a loss normalised by the step's global valid token count
   (``cp_normalize`` under CP, then undoing Megatron's ``x cp / num_microbatches``
   scaling, as NeMo-RL does) with the per-token results.
 
-The results stay on the last stage; :mod:`megascore.engine.step` moves them to
+The results stay on the last stage; :mod:`megascore.engine.schedule.step` moves them to
 the output rank.
 """
 
@@ -43,12 +43,12 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megascore.api import schema
-from megascore.engine.distributed import gather_cp_shards
-from megascore.engine.forward import forward_microbatch
-from megascore.engine.logprobs import Float32Logits, score_tokens
-from megascore.engine.microbatch import Microbatch
-from megascore.engine.routing import recorded_routes, set_replay_targets
-from megascore.engine.step_metrics import TokenRows
+from megascore.engine.layout.microbatch import Microbatch
+from megascore.engine.outputs.logprobs import Float32Logits, score_tokens
+from megascore.engine.outputs.routing import recorded_routes, set_replay_targets
+from megascore.engine.outputs.step_metrics import TokenRows
+from megascore.engine.ranks.distributed import gather_cp_shards
+from megascore.engine.schedule.forward import forward_microbatch
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class ScoreSpec:
         num_microbatches: microbatches of the step.
         gather: this rank's CP group gathers the per-token results (the output side).
         metrics_forward: the forwards record MoE / MTP metrics
-            (:func:`megascore.engine.packed_inputs.model_inputs`).
+            (:func:`megascore.engine.schedule.packed_inputs.model_inputs`).
         lm_head_dtype: "model" (logits in the model dtype, as Megatron) or "float32".
         record_routes: keep each microbatch's MoE routes (``Microbatch.recorded_routes``).
         scored_rows_only: compute the output head and log-softmax only at the rows that
@@ -199,7 +199,7 @@ def forward_step(data_iterator, model, *, spec: ScoreSpec):
 
     Returns:
         ``(output, loss closure)``: the hidden states for the next stage, or on the
-        last stage the :class:`~megascore.engine.output_head.OutputHead` that the closure
+        last stage the :class:`~megascore.engine.outputs.output_head.OutputHead` that the closure
         scores.
     """
     mb = next(data_iterator)
@@ -225,7 +225,7 @@ def run_schedule(model, microbatches: list[Microbatch], spec: ScoreSpec) -> list
 
     Args:
         model: this rank's GPTModel, in the mode of the step
-            (:func:`megascore.engine.forward.scoring_forward`).
+            (:func:`megascore.engine.schedule.forward.scoring_forward`).
         microbatches: the step's microbatches, in order.
         spec: what the last stage computes.
 

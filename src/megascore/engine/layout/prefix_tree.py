@@ -20,7 +20,7 @@ exact match):
   that runs ``k`` MTP layers gives each child ``1 + k`` lead rows (the parent's
   last ``1 + k`` tokens): MTP depth ``d`` at position ``p`` reads the tokens up to
   ``p + d + 1``, so the rows whose MTP values depend on the child's tokens are
-  computed in the child (:mod:`megascore.engine.step_metrics`);
+  computed in the child (:mod:`megascore.engine.outputs.step_metrics`);
 * a segment's rows sit at positions ``offset ..`` of their sequences (RoPE and
   position ids continue from the prefix) and attend to the keys of the positions
   before their first row (the parent's, its ancestors'), and their own causal past

@@ -6,7 +6,7 @@ allocates. Allocated afresh, on the CPU each is handed back to the OS when freed
 page-faulted and zeroed by the kernel again for the next chunk: measured for a
 ``[1024, 256] x [256, 32000]`` logits matmul, writing into a reused buffer took 0.64x
 the time of a new output (docs/engine.md, "Memory: the head's buffers"). The buffers
-live as long as the output layer (:func:`megascore.engine.output_head.head_scratch`); one
+live as long as the output layer (:func:`megascore.engine.outputs.output_head.head_scratch`); one
 engine thread uses them, one step at a time.
 """
 

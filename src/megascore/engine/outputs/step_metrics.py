@@ -3,7 +3,7 @@
 Megatron computes each aux loss per microbatch (and per rank group) and reports the
 mean over the microbatches, so its values move with the microbatch count, which the
 server chose, not the user (``metrics_reduction="microbatch"``,
-:func:`megascore.engine.forward.scoring_forward`). The default,
+:func:`megascore.engine.schedule.forward.scoring_forward`). The default,
 ``metrics_reduction="step"``, collects the *sufficient statistics* of every formula
 over all microbatches and ranks of the step and applies the formula once:
 
@@ -17,11 +17,11 @@ over all microbatches and ranks of the step and applies the formula once:
   computes it, so a row of a shared prefix counts once per sequence it stands for; MTP
   layer ``d`` sees the positions whose token ``d`` ahead is real (Megatron's rolled
   padding mask), read in the segment that holds the tokens up to ``p + d + 1``
-  (:mod:`megascore.engine.prefix_tree`: with ``k`` MTP layers continuations repeat
+  (:mod:`megascore.engine.layout.prefix_tree`: with ``k`` MTP layers continuations repeat
   ``1 + k`` rows of their prefix);
 * per microbatch, the change of Megatron's MTP tracker gives each MTP layer's summed
   token losses (its masked mean times its token count), accepted and counted tokens;
-  the loss mask is a weight (:mod:`megascore.engine.microbatch`: the sequences whose
+  the loss mask is a weight (:mod:`megascore.engine.layout.microbatch`: the sequences whose
   scored token a row predicts) and the acceptance counts weigh by it
   (:func:`_weighted_acceptance_counts`; a 0 / 1 mask gives Megatron's counts);
 * at the end of the step (:meth:`StepMetrics.reduce`) the statistics are summed over
@@ -68,7 +68,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from megascore.api import layout
 from megascore.api.metric_sums import MetricSums
-from megascore.engine.packing import PackedSequences, cp_shard_indices
+from megascore.engine.layout.packing import PackedSequences, cp_shard_indices
 
 _ACTIVE: dict[int, StepMetrics] = {}  # id(model) -> its collector during a metrics step
 _MTP_KEYS = ("loss_values", "correct_values", "total_values")
@@ -135,7 +135,8 @@ class StepMetrics:
 
     Args:
         model: this rank's GPTModel (one stage).
-        moe_names: MoE metrics to report (:func:`megascore.engine.forward.moe_metric_names`).
+        moe_names: MoE metrics to report
+            (:func:`megascore.engine.schedule.forward.moe_metric_names`).
         mtp: report the MTP metrics.
         data_parallel_split: the DP ranks score different sequences of the step (their
             statistics are summed); False: every DP rank scores the same batch (counted
