@@ -40,21 +40,27 @@ class ResourceSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            now = time.monotonic() - self.start
-            for name, pids_of in self.roles.items():
-                try:
-                    pids = tuple(sorted(pids_of()))
-                except Exception:  # a role whose process is between incarnations
-                    pids = ()
-                values = [v for v in (usage(p) for p in pids) if v is not None]
-                if pids and len(values) == len(pids):
-                    sums = tuple(sum(v[i] for v in values) for i in range(3))
-                    self.samples[name].append((now, pids, *sums))
+            self._sample()
             self._stop.wait(self.interval_s)
 
+    def _sample(self) -> None:
+        now = time.monotonic() - self.start
+        for name, pids_of in self.roles.items():
+            try:
+                pids = tuple(sorted(pids_of()))
+            except Exception:  # a role whose process is between incarnations
+                pids = ()
+            values = [v for v in (usage(p) for p in pids) if v is not None]
+            if pids and len(values) == len(pids):
+                sums = tuple(sum(v[i] for v in values) for i in range(3))
+                self.samples[name].append((now, pids, *sums))
+
     def stop(self) -> dict[str, list[tuple]]:
+        """Stops sampling after one last sample of every role (a replica restarted less
+        than an interval before the end is still seen: a loaded machine restarts slowly)."""
         self._stop.set()
         self._thread.join(30)
+        self._sample()
         return self.samples
 
 
