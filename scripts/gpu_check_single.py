@@ -209,7 +209,7 @@ def attention_lse(ctx) -> tuple[str, str]:
     """``attention_with_lse`` with a bias (query i sees keys 0 .. offset + i) and GQA."""
     import torch
 
-    from megascore.model.attention import attention_with_lse
+    from megascore.model.sdpa import attention_with_lse
     from testkit.reference import softmax_attention
 
     gen = torch.Generator().manual_seed(0)

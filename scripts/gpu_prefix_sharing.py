@@ -2,7 +2,7 @@
 
 Two in-process engines on one device, the ``torch`` attention backend: dense
 (``prefix_sharing=False``) and shared (``prefix_sharing=True``, the continuations'
-attention through ``megascore.model.attention.attention_with_lse``). A GRPO batch (4
+attention through ``megascore.model.sdpa.attention_with_lse``). A GRPO batch (4
 prompts x n = 8, prompts of 512 tokens, responses of 256) is scored by both:
 
 * parity: float32, max |shared - dense| logprob <= 1e-4; bfloat16 (two kernels round

@@ -4,19 +4,22 @@ context-parallel layout simulated in one process (each "rank" sees the gathered 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megascore.api import layout
 from megascore.engine.layout.packing import cp_shard_indices
 from megascore.engine.layout.prefix_tree import shared_layout
 from megascore.engine.layout.segment_packing import full_positions, pack_layout, prefix_rows
-from megascore.model import attention
+from megascore.model import attention, sdpa
 from megascore.model.attention import TorchCoreAttention, _build_plan
 
 HEADS, GROUPS, DIM = 4, 2, 8
@@ -87,20 +90,79 @@ def test_equal_lengths_share_one_batched_call():
     assert sorted(b.q_index.shape[0] for b in plan.buckets) == [2, 3]
 
 
+def _zigzag(cp_size: int, q, k, v, seg_lens, device: str = "cpu") -> list[torch.Tensor]:
+    """Every CP rank's attention output (the full packed q / k / v cut into the zig-zag
+    shards; each rank sees the gathered K/V), in rank order. ``device="cuda"``: on fake
+    CUDA tensors (``FakeTensorMode``: shapes, dtypes and devices, no kernel)."""
+    cu = torch.tensor([0, *seg_lens]).cumsum(0)
+    shards = [cp_shard_indices(cu, r, cp_size) for r in range(cp_size)]
+    plans = [_build_plan(seg_lens, r, cp_size, torch.device("cpu")) for r in range(cp_size)]
+    k_gathered = torch.cat([k[idx] for idx in shards])  # rank-major, as all_gather gives
+    v_gathered = torch.cat([v[idx] for idx in shards])
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if device == "cuda" else nullcontext()
+    with mode:
+        k_gathered, v_gathered = k_gathered.to(device), v_gathered.to(device)
+        return [
+            _module(cp_size, rank)._attend(q[idx].to(device), k_gathered, v_gathered, plan)
+            for rank, (idx, plan) in enumerate(zip(shards, plans, strict=True))
+        ]
+
+
 @pytest.mark.parametrize("cp_size", [2, 3])
 def test_zigzag_context_parallel_matches_reference(cp_size):
     seg_lens = [4 * cp_size, 2 * cp_size, 6 * cp_size]
-    cu = torch.tensor([0, *seg_lens]).cumsum(0)
-    q, k, v = _qkv(int(cu[-1]), seed=1)
+    q, k, v = _qkv(sum(seg_lens), seed=1)
     expected = _reference(q, k, v, seg_lens)
-    shards = [cp_shard_indices(cu, r, cp_size) for r in range(cp_size)]
-    k_gathered = torch.cat([k[idx] for idx in shards])  # rank-major, as all_gather gives
-    v_gathered = torch.cat([v[idx] for idx in shards])
-    for rank, idx in enumerate(shards):
-        module = _module(cp_size, rank)
-        plan = _build_plan(seg_lens, rank, cp_size, q.device)
-        out = module._attend(q[idx], k_gathered, v_gathered, plan)
+    cu = torch.tensor([0, *seg_lens]).cumsum(0)
+    outs = _zigzag(cp_size, q, k, v, seg_lens)
+    for rank, out in enumerate(outs):
+        idx = cp_shard_indices(cu, rank, cp_size)
         torch.testing.assert_close(out.double(), expected[idx], atol=1e-5, rtol=0)
+
+
+def _spy_sdpa(monkeypatch) -> list[tuple[bool, int, bool]]:
+    """``(masked, K/V heads, enable_gqa)`` of every SDPA call from now on."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, enable_gqa=False, **kwargs):
+        calls.append((attn_mask is not None, k.shape[1], enable_gqa))
+        return real(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+CP2_SEGMENTS = [8, 4, 12]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_gqa_calls_expand_the_kv_heads_on_cuda_only(monkeypatch, dtype):
+    """CP 2's chunks under a mask (and, in float32, the causal ones): on CUDA, where flash
+    attention takes no mask / float32 and the memory-efficient kernel no GQA, the K/V heads
+    are expanded to the query heads; the CPU keeps ``enable_gqa``. CUDA is faked with
+    ``FakeTensorMode`` (shapes and devices, no kernel)."""
+    calls = _spy_sdpa(monkeypatch)
+    qkv = [t.to(dtype) for t in _qkv(sum(CP2_SEGMENTS))]
+    _zigzag(2, *qkv, CP2_SEGMENTS)
+    assert set(calls) == {(True, GROUPS, True), (False, GROUPS, True)}
+    calls.clear()
+    _zigzag(2, *qkv, CP2_SEGMENTS, device="cuda")
+    causal = (False, GROUPS, True) if dtype == torch.bfloat16 else (False, HEADS, False)
+    assert set(calls) == {(True, HEADS, False), causal}
+
+
+def test_expanded_kv_heads_give_the_cpus_numbers(monkeypatch):
+    """The CUDA form of the masked CP 2 calls (K/V heads expanded, no ``enable_gqa``), run
+    on the CPU, equals the CPU's own within float32 rounding on every rank."""
+    q, k, v = _qkv(sum(CP2_SEGMENTS), seed=4)
+    before = _zigzag(2, q, k, v, CP2_SEGMENTS)
+    calls = _spy_sdpa(monkeypatch)
+    monkeypatch.setattr(sdpa, "cuda_expands_groups", lambda q, k, mask: mask is not None)
+    after = _zigzag(2, q, k, v, CP2_SEGMENTS)
+    assert (True, HEADS, False) in calls and (True, GROUPS, True) not in calls
+    for a, b in zip(after, before, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_plain_sbhd_input_is_causal_per_batch_row():

@@ -10,7 +10,9 @@ constructor and forward arguments and supports what the local module does not:
   so memory is linear in the number of tokens plus one ``L x L`` score block per
   segment length (never a ``T x T`` mask over the pack);
 * plain causal ``[s, b, heads, dim]`` input (``packed_seq_params`` None);
-* GQA (``num_query_groups < num_attention_heads``) through SDPA's ``enable_gqa``;
+* GQA (``num_query_groups < num_attention_heads``) through SDPA's ``enable_gqa`` (on
+  CUDA a masked or float32 call expands the K/V heads instead, so that the
+  memory-efficient kernel takes it: :mod:`megascore.model.sdpa`);
 * context parallelism: K and V are all-gathered in the CP group and every local
   query chunk attends to the keys that precede it. The layout is Megatron's
   load-balanced one: each (padded) sequence is cut into ``2 * cp`` chunks and CP
@@ -22,8 +24,9 @@ constructor and forward arguments and supports what the local module does not:
   attend to their common prefix rows (:func:`megascore.engine.layout.segment_packing.prefix_rows`)
   in one more call without a mask (every prefix row precedes them); the two partial
   softmaxes are merged by their log-sum-exps into the one softmax over prefix and own
-  keys. Both calls go through :func:`attention_with_lse`, on the CPU and on CUDA alike;
-  segments without a prefix keep the plain SDPA call.
+  keys. Both calls go through :func:`megascore.model.sdpa.attention_with_lse`, on the CPU
+  and on CUDA alike; segments without a prefix keep the plain SDPA call
+  (:func:`megascore.model.sdpa.chunk_attention`).
 
 A call reads rows that follow each other (one segment at CP 1, a parent's children side
 by side, its prefix) as a view of the packed tensor and writes its output in place; other
@@ -40,7 +43,6 @@ import logging
 import math
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -50,6 +52,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megascore.engine.layout.packing import cp_shard_indices
 from megascore.engine.layout.segment_packing import SharedPrefixParams, prefix_rows
+from megascore.model.sdpa import attention_with_lse, chunk_attention, merge
 
 logger = logging.getLogger(__name__)
 
@@ -219,59 +222,6 @@ def _put(x: torch.Tensor, index: torch.Tensor, rows: slice | None, value: torch.
         x[rows] = value.reshape(-1, *value.shape[index.dim() :])
 
 
-def attention_with_lse(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention and the log-sum-exp of each query's scores, on any device: the
-    shared-prefix path's one kernel call (torch's flash attention on the CPU, its
-    memory-efficient attention on CUDA, which takes float32 as well).
-
-    Args:
-        q: ``[n, heads, q_len, dim]``.
-        k: ``[n, groups, k_len, dim]`` (GQA: ``heads`` a multiple of ``groups``).
-        v: ``[n, groups, k_len, v_dim]``.
-        causal: query ``i`` sees keys ``0 .. i``.
-        mask: bool ``[q_len, k_len]`` (True: attend) or None.
-        scale: the softmax scale.
-
-    Returns:
-        ``(out [n, heads, q_len, v_dim], lse float32 [n, heads, q_len])``.
-    """
-    q_len, k_len = q.shape[2], k.shape[2]
-    cuda = q.device.type == "cuda"
-    bias = None
-    if mask is not None:  # additive; on CUDA its rows padded to 16 keys (aligned)
-        padded = -(-k_len // 16) * 16 if cuda else k_len
-        bias = q.new_zeros(q_len, padded)[:, :k_len].masked_fill_(~mask, float("-inf"))
-    if not cuda:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
-        )
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    if bias is not None:
-        bias = bias.expand(q.shape[0], q.shape[1], q_len, k_len)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias, True, 0.0, causal, scale=scale
-    )
-    return out, lse[..., :q_len].float()
-
-
-def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
-    """Two softmax attentions of the same queries over disjoint keys, as one over both:
-    ``out`` ``[n, heads, v_dim]``, ``lse`` float32 ``[n, heads]``."""
-    top = torch.maximum(lse_a, lse_b)
-    wa, wb = (lse_a - top).exp()[..., None], (lse_b - top).exp()[..., None]
-    return (out_a.float() * wa + out_b.float() * wb) / (wa + wb)
-
-
 class TorchCoreAttention(MegatronModule):
     """Causal core attention with PyTorch SDPA; drop-in for Megatron's ``DotProductAttention``.
 
@@ -371,7 +321,7 @@ class TorchCoreAttention(MegatronModule):
             )
             own_out = _take(out, call.q_index, call.q_rows)
             own_lse = _take(lse, call.q_index, call.q_rows)
-            merged = _merge(own_out, own_lse, ob[0].permute(1, 0, 2), lb[0].permute(1, 0))
+            merged = merge(own_out, own_lse, ob[0].permute(1, 0, 2), lb[0].permute(1, 0))
             _put(out, call.q_index, call.q_rows, merged.to(out.dtype))
         return out
 
@@ -397,15 +347,14 @@ class TorchCoreAttention(MegatronModule):
             )
             _put(lse, bucket.q_index, bucket.q_rows, lb.permute(0, 2, 1))  # [n, q_len, heads]
         else:
-            ob = F.scaled_dot_product_attention(
+            ob = chunk_attention(
                 qb,
                 kb,
                 vb,
-                attn_mask=mask,
-                dropout_p=self.dropout_p if self.training else 0.0,
-                is_causal=causal,
+                causal=causal,
+                mask=mask,
                 scale=self.softmax_scale,
-                enable_gqa=k.shape[1] != q.shape[1],
+                dropout_p=self.dropout_p if self.training else 0.0,
             )
         # [n, q_len, heads, dim]
         _put(out, bucket.q_index, bucket.q_rows, ob.permute(0, 2, 1, 3).to(out.dtype))
