@@ -1,4 +1,4 @@
-"""The segment tree of shared prefixes (engine.prefix_tree) and the step's microbatch plan."""
+"""The segment tree of shared prefixes (engine.layout.prefix_tree) and the microbatch plan."""
 
 from __future__ import annotations
 

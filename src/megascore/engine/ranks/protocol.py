@@ -161,7 +161,7 @@ class WeightsMessage(NamedTuple):
         tensor: WEIGHTS_TENSOR: on rank 0 the full tensor (host, one of
             ``WEIGHT_DTYPES``); on a worker a ``meta`` tensor of its shape and dtype
             (the worker's parts follow, :func:`recv_parts`).
-        layout: WEIGHTS_TENSOR: layout code of the name (``engine.push.apply``).
+        layout: WEIGHTS_TENSOR: layout code of the name (``engine.weights.push.apply``).
         version: WEIGHTS_COMMIT: the new weights version.
         partial: WEIGHTS_COMMIT: only the tensors sent are replaced.
     """
