@@ -25,6 +25,7 @@ from megascore_server.connection_limits import connection_cap
 from megascore_server.gate import CallGate
 from megascore_server.health import SCORER_SERVICE, ScorerHealth
 from megascore_server.lifecycle import ServerHandles, resolve_limits
+from megascore_server.memory_trim import MemoryTrim
 from megascore_server.metrics import ServerMetrics
 from megascore_server.service import ScoringService
 from megascore_server.servicer import ScorerServicer
@@ -44,12 +45,12 @@ def _bind_address(host: str, port: int) -> str:
 
 
 def _grpc_server(
-    config: GrpcServerConfig, metrics: ServerMetrics, token: str | None
+    config: GrpcServerConfig, metrics: ServerMetrics, token: str | None, memory: MemoryTrim
 ) -> grpc.aio.Server:
     """The gRPC server with its interceptors, message and connection limits (no service
     added)."""
     # First: it also answers (and counts) the calls the next ones refuse.
-    interceptors = [StatusInterceptor(metrics)]
+    interceptors = [StatusInterceptor(metrics, memory)]
     if token is not None:
         interceptors.append(BearerTokenInterceptor(token))
     return grpc.aio.server(
@@ -120,7 +121,8 @@ def build_server(
     servicer = ScorerServicer(service, max_stream_inflight=config.max_stream_inflight)
     token = read_token(config.auth_token_file) if config.auth_token_file else None
     credentials = server_credentials(config)  # unreadable files fail before anything starts
-    server = _grpc_server(config, metrics, token)
+    memory = MemoryTrim()  # both fronts' large requests
+    server = _grpc_server(config, metrics, token, memory)
     # The engine thread: builds the engine (load_engine), then runs every step.
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megascore-engine")
     handles = ServerHandles(
@@ -143,7 +145,7 @@ def build_server(
     if config.http_port:
         from megascore_server.http.server import HttpFront  # the ASGI stack, only when on
 
-        handles.http = HttpFront(service, config, metrics, token)
+        handles.http = HttpFront(service, config, metrics, token, memory)
     warn_if_exposed(config)
     if config.metrics_port:
         handles.metrics_port = metrics.start_http(config.host, config.metrics_port)

@@ -37,7 +37,8 @@ class ScorerServicer(pb_grpc.ScorerServicer):
     Args:
         service: the data plane (every RPC answers UNAVAILABLE until an engine is
             attached to it and its gate lets calls in).
-        max_stream_inflight: ScoreStream messages submitted ahead of their responses.
+        max_stream_inflight: ScoreStream messages submitted ahead of their responses
+            being written.
     """
 
     def __init__(self, service: ScoringService, *, max_stream_inflight: int = 32):
@@ -121,11 +122,11 @@ class ScorerServicer(pb_grpc.ScorerServicer):
                 continue
             label, task = item
             request_label.set(label)
-            try:
-                response = await task
-            finally:
-                slots.release()
-            yield response
+            yield await task
+            # Pulled again once the interceptor wrote the answer: only now is its slot
+            # free, so a stream that does not read holds at most max_stream_inflight
+            # answers, computed or waiting for the client's flow-control window.
+            slots.release()
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         """The model, its current weights version and the server's limits."""

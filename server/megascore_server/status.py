@@ -35,6 +35,7 @@ from megascore.api.errors import InvalidRequestError, clip
 from megascore_server.error_table import INTERNAL_MESSAGE, mapping_for
 
 if TYPE_CHECKING:
+    from megascore_server.memory_trim import MemoryTrim
     from megascore_server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -102,14 +103,17 @@ class _Undecodable:
         )
 
 
-def _tolerant(deserialize):
-    """``deserialize`` returning :class:`_Undecodable` instead of raising."""
+def _tolerant(deserialize, memory: MemoryTrim | None):
+    """``deserialize`` returning :class:`_Undecodable` instead of raising; ``memory`` is
+    told each message's size."""
     if deserialize is None:
         return None
     descriptor = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
     message_type = getattr(descriptor, "full_name", "the request message")
 
     def parse(data: bytes):
+        if memory is not None:
+            memory.saw(len(data))
         try:
             return deserialize(data)
         except Exception as exc:  # DecodeError, or anything else the parser raises
@@ -178,10 +182,12 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     Args:
         metrics: counts each Scorer call (and each ScoreStream message) by status code.
+        memory: told the size of each request message (large ones are trimmed after).
     """
 
-    def __init__(self, metrics: ServerMetrics | None = None):
+    def __init__(self, metrics: ServerMetrics | None = None, memory: MemoryTrim | None = None):
         self._metrics = metrics
+        self._memory = memory
         self._decode_log = _RateLimited(DECODE_LOG_EVERY_S)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -293,7 +299,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                         clock.since = time.monotonic()
 
         kwargs = {
-            "request_deserializer": _tolerant(handler.request_deserializer),
+            "request_deserializer": _tolerant(handler.request_deserializer, self._memory),
             "response_serializer": handler.response_serializer,
         }
         if handler.response_streaming:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
 from megascore_server.http import calls
+from megascore_server.http.bodies import BodyParser
 from megascore_server.http.completions import FIELDS as COMPLETION_FIELDS
 from megascore_server.http.completions import CompletionRequest, complete
 from megascore_server.http.errors import HttpError, error_response, json_response
@@ -73,7 +74,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(
-    service: ScoringService, metrics: ServerMetrics, *, token: str | None, max_body_bytes: int
+    service: ScoringService,
+    metrics: ServerMetrics,
+    *,
+    token: str | None,
+    max_body_bytes: int,
+    bodies: BodyParser,
 ) -> Guard:
     """The HTTP front's ASGI app: the routes behind the :class:`Guard`.
 
@@ -82,6 +88,7 @@ def build_app(
         metrics: the server's metrics (``front="http"``).
         token: the bearer token every route but the probes needs (None: no auth).
         max_body_bytes: the largest body accepted (413 above).
+        bodies: parses the routes' bodies (its owner closes it).
     """
     app = FastAPI(title="megascore", summary="Megatron-exact sequence scoring (docs/http.md)")
 
@@ -93,9 +100,9 @@ def build_app(
         return calls.run(request, route, service, metrics, work, fields=fields, gated=gated)
 
     _add_error_handlers(app, metrics, route_of)
-    _add_scoring_routes(app, service, run)
+    _add_scoring_routes(app, service, run, bodies)
     _add_model_routes(app, service, run)
-    _add_tokenizer_routes(app, service, run)
+    _add_tokenizer_routes(app, service, run, bodies)
     return Guard(app, metrics, token=token, max_body_bytes=max_body_bytes, route_of=route_of)
 
 
@@ -118,11 +125,18 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics, route_of) -> None:
         return counted(request, error_response(error))
 
 
-def _add_scoring_routes(app: FastAPI, service: ScoringService, run) -> None:
+def _body_of(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` of a route that parses its own body (:mod:`.bodies`) as ``model``."""
+    schema = {"content": {"application/json": {"schema": model.model_json_schema()}}}
+    return {"requestBody": {**schema, "required": True}}
+
+
+def _add_scoring_routes(app: FastAPI, service: ScoringService, run, bodies: BodyParser) -> None:
     """vLLM's ``/v1/completions`` and SGLang's ``/generate``."""
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", openapi_extra=_body_of(CompletionRequest))
+    async def completions(request: Request):
+        body = await bodies.parse(CompletionRequest, request, "prompt")
         request_id = new_request_id("cmpl")
         return await run(
             request,
@@ -131,8 +145,9 @@ def _add_scoring_routes(app: FastAPI, service: ScoringService, run) -> None:
             COMPLETION_FIELDS,
         )
 
-    @app.post("/generate")
-    async def sglang_generate(body: GenerateRequest, request: Request):
+    @app.post("/generate", openapi_extra=_body_of(GenerateRequest))
+    async def sglang_generate(request: Request):
+        body = await bodies.parse(GenerateRequest, request, "input_ids")
         request_id = new_request_id("gen")
         return await run(
             request,
@@ -173,7 +188,7 @@ def _add_model_routes(app: FastAPI, service: ScoringService, run) -> None:
         app.add_api_route(path, health, methods=["GET"])
 
 
-def _add_tokenizer_routes(app: FastAPI, service: ScoringService, run) -> None:
+def _add_tokenizer_routes(app: FastAPI, service: ScoringService, run, bodies: BodyParser) -> None:
     """``/tokenizer_info``, ``/tokenize`` and ``/detokenize`` (the server's tokenizer)."""
 
     @app.get("/tokenizer_info")
@@ -184,8 +199,10 @@ def _add_tokenizer_routes(app: FastAPI, service: ScoringService, run) -> None:
 
         return await run(request, "/tokenizer_info", work, gated=False)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request):
+    @app.post("/tokenize", openapi_extra=_body_of(TokenizeRequest))
+    async def tokenize(request: Request):
+        body = await bodies.parse(TokenizeRequest, request)
+
         async def work(arrival, deadline):
             (ids,) = service.tokenize([body.prompt], body.add_special_tokens)
             limits = service.limits
@@ -195,8 +212,10 @@ def _add_tokenizer_routes(app: FastAPI, service: ScoringService, run) -> None:
 
         return await run(request, "/tokenize", work, gated=False)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request):
+    @app.post("/detokenize", openapi_extra=_body_of(DetokenizeRequest))
+    async def detokenize(request: Request):
+        body = await bodies.parse(DetokenizeRequest, request)
+
         async def work(arrival, deadline):
             ids = _ids(body.tokens)
             (text,), _ = service.detokenize(ids, np.array([ids.size], np.int64))

@@ -15,12 +15,18 @@ import time
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from megascore.api.errors import InvalidRequestError
 from megascore_server.http import extras
 from megascore_server.http.errors import json_response
-from megascore_server.http.prompts import build_batch, temperature_of, token_lists, unscored
+from megascore_server.http.prompts import (
+    Prompts,
+    build_batch,
+    temperature_of,
+    token_lists,
+    unscored,
+)
 from megascore_server.http.tokens import TokenStrings
 from megascore_server.service import Scored, ScoringService
 
@@ -36,7 +42,7 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Prompts
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     max_tokens: StrictInt | None = None

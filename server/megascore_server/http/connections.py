@@ -7,8 +7,9 @@ connections as long as the process has descriptors. :func:`guarded_protocol` add
 * **a header timeout**: a connection must deliver a whole request head within
   ``header_timeout_s`` of opening, or of the end of its previous response; else it is
   closed (an idle connection that never sends, slowloris headers trickled a byte at a
-  time). A request whose head has arrived is not timed here (its body is bounded by the
-  body limit, its answer by ``X-Request-Timeout``);
+  time), at a time drawn from 1 to 1.25 times the timeout (:data:`TIMEOUT_SPREAD`). A
+  request whose head has arrived is not timed here (its body is bounded by the body
+  limit, its answer by ``X-Request-Timeout``);
 * **a connection cap**: beyond ``max_connections`` open connections a new one is
   answered 503 with ``Retry-After`` in OpenAI's error shape and closed at once, so its
   descriptor is freed before it can send anything.
@@ -17,12 +18,18 @@ connections as long as the process has descriptors. :func:`guarded_protocol` add
 from __future__ import annotations
 
 import asyncio
+import random
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from megascore.api.errors import UnavailableError
 from megascore_server.http.errors import error_response
+
+TIMEOUT_SPREAD = 0.25
+"""A connection's header timeout is drawn from ``[1, 1 + this] * header_timeout_s``:
+connections opened together (a flood, or a reconnecting client pool) are closed over a
+stretch of time, not in one event-loop iteration, and their reopening is spread too."""
 
 
 def _busy_answer(max_connections: int) -> bytes:
@@ -65,7 +72,8 @@ def guarded_protocol(*, max_connections: int, header_timeout_s: float) -> type[H
         def _arm(self) -> None:
             self._disarm()
             if not self.transport.is_closing():
-                self._header_timer = self.loop.call_later(header_timeout_s, self._expire)
+                spread = header_timeout_s * TIMEOUT_SPREAD * random.random()
+                self._header_timer = self.loop.call_later(header_timeout_s + spread, self._expire)
 
         def _disarm(self) -> None:
             if self._header_timer is not None:

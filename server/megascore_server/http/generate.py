@@ -21,7 +21,13 @@ from megascore.api.errors import InvalidRequestError
 from megascore_server.http import extras
 from megascore_server.http.completions import FLOOR, NO_GENERATION
 from megascore_server.http.errors import json_response
-from megascore_server.http.prompts import build_batch, temperature_of, token_lists, unscored
+from megascore_server.http.prompts import (
+    IdPrompts,
+    build_batch,
+    temperature_of,
+    token_lists,
+    unscored,
+)
 from megascore_server.http.tokens import TokenStrings
 from megascore_server.service import Scored, ScoringService
 
@@ -33,7 +39,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     text: StrictStr | list[StrictStr] | None = None
-    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    input_ids: IdPrompts | None = None
     sampling_params: dict[str, Any] | None = None
     return_logprob: StrictBool = False
     logprob_start_len: StrictInt = -1

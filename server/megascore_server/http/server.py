@@ -24,7 +24,9 @@ import uvicorn
 from megascore_server.config import GrpcServerConfig
 from megascore_server.connection_limits import connection_cap
 from megascore_server.http.app import build_app
+from megascore_server.http.bodies import BodyParser
 from megascore_server.http.connections import guarded_protocol
+from megascore_server.memory_trim import MemoryTrim
 from megascore_server.metrics import ServerMetrics
 from megascore_server.service import ScoringService
 
@@ -42,6 +44,14 @@ class _Server(uvicorn.Server):
         return None
 
 
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues for the HTTP front before it accepts them."""
+ACCEPT_BUDGET = 32
+"""Connections accepted in one event-loop iteration. asyncio accepts up to its server's
+``backlog`` at once, each with its transport and protocol made in that iteration: 2,048
+(uvicorn's default) reconnecting clients held both fronts ~0.1-0.2 s at a time."""
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -51,7 +61,7 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise RuntimeError(f"cannot bind the HTTP port {host}:{port}: {exc.strerror}") from exc
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -64,6 +74,7 @@ class HttpFront:
         config: host, ``http_port``, TLS files, message limit.
         metrics: the server's metrics.
         token: the bearer token (None: no auth).
+        memory: trims what large bodies leave behind (shared with the gRPC front).
     """
 
     def __init__(
@@ -72,8 +83,16 @@ class HttpFront:
         config: GrpcServerConfig,
         metrics: ServerMetrics,
         token: str | None,
+        memory: MemoryTrim,
     ):
-        app = build_app(service, metrics, token=token, max_body_bytes=config.max_message_bytes)
+        self._bodies = BodyParser(memory)
+        app = build_app(
+            service,
+            metrics,
+            token=token,
+            max_body_bytes=config.max_message_bytes,
+            bodies=self._bodies,
+        )
         tls = {}
         if config.tls_enabled:
             tls = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
@@ -86,6 +105,7 @@ class HttpFront:
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=1,
+                backlog=ACCEPT_BUDGET,
                 http=guarded_protocol(
                     max_connections=connection_cap(config.max_connections),
                     header_timeout_s=config.header_timeout_s,
@@ -105,6 +125,9 @@ class HttpFront:
             await asyncio.sleep(0.01)
         if self._task.done():
             self._task.result()  # raises why it could not start
+        # asyncio's listen(backlog) made the kernel's queue ACCEPT_BUDGET long: back to
+        # LISTEN_BACKLOG (the accept loop keeps its budget), so a burst is queued, not dropped.
+        self._sock.listen(LISTEN_BACKLOG)
         logger.info("HTTP front on %s://%s", self.scheme, self._sock.getsockname()[:2])
 
     async def stop(self) -> None:
@@ -116,3 +139,4 @@ class HttpFront:
         with contextlib.suppress(Exception):
             await self._task
         self._sock.close()
+        self._bodies.close()

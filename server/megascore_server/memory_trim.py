@@ -1,0 +1,56 @@
+"""Giving back the memory a burst of large requests leaves in rank 0's process.
+
+A burst of large requests on either front (4 MiB gRPC messages or HTTP bodies from 20
+clients) left the server 100-300 MB larger for good, for two reasons: reference cycles
+(the traceback of a refused request, its frames holding the request's buffers) that
+only the cyclic collector frees, which an idle server does not run; and glibc, which
+keeps freed pages for the next allocation (its mmap threshold grows with the buffers it
+has seen, so 4 MiB messages come from its heaps, not from mmap). Once large requests
+stop coming (:data:`TRIM_AFTER_S` after the last), :class:`MemoryTrim` runs a full
+collection (ms: start-up's objects are frozen out of it when the engine is attached,
+``megascore_server.lifecycle``) and then ``malloc_trim(0)`` in a thread (ctypes
+releases the GIL; it returns only pages nothing uses). Where libc has no
+``malloc_trim`` (musl, macOS) only the collection runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import gc
+
+LARGE_BYTES = 256 << 10
+"""A request message or body of this size or more is large."""
+TRIM_AFTER_S = 1.0
+"""The trim runs this long after the last large request."""
+
+_libc_name = ctypes.util.find_library("c")
+_malloc_trim = getattr(ctypes.CDLL(_libc_name), "malloc_trim", None) if _libc_name else None
+
+
+def trim() -> None:
+    """Returns the free pages of every malloc arena of this process to the system."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+class MemoryTrim:
+    """Trims once a burst of large requests is over (one per server, both fronts)."""
+
+    def __init__(self):
+        self._timer: asyncio.TimerHandle | None = None
+
+    def saw(self, num_bytes: int) -> None:
+        """Notes a request of ``num_bytes``; call it on the server's event loop."""
+        if num_bytes < LARGE_BYTES:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(TRIM_AFTER_S, self._trim, loop)
+
+    def _trim(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        gc.collect()  # cycles (a refused request's traceback) that hold large buffers
+        loop.run_in_executor(None, trim)
