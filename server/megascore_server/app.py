@@ -25,7 +25,7 @@ from megascore_server.connection_limits import connection_cap
 from megascore_server.gate import CallGate
 from megascore_server.health import SCORER_SERVICE, ScorerHealth
 from megascore_server.lifecycle import ServerHandles, resolve_limits
-from megascore_server.memory_trim import MemoryTrim
+from megascore_server.memory_trim import MemoryTrim, limit_malloc_arenas
 from megascore_server.metrics import ServerMetrics
 from megascore_server.service import ScoringService
 from megascore_server.servicer import ScorerServicer
@@ -109,6 +109,7 @@ def build_server(
         RuntimeError: the address cannot be bound.
     """
     config = server_config
+    limit_malloc_arenas()  # before the server's threads start
     metrics = ServerMetrics()
     health_servicer = ScorerHealth()
     gate = CallGate(health_servicer)

@@ -19,14 +19,29 @@ import asyncio
 import ctypes
 import ctypes.util
 import gc
+import os
 
 LARGE_BYTES = 256 << 10
 """A request message or body of this size or more is large."""
 TRIM_AFTER_S = 1.0
 """The trim runs this long after the last large request."""
+MALLOC_ARENAS = 2
+"""glibc arenas of rank 0's process (:func:`limit_malloc_arenas`)."""
+_M_ARENA_MAX = -8  # mallopt's parameter (malloc.h)
 
-_libc_name = ctypes.util.find_library("c")
-_malloc_trim = getattr(ctypes.CDLL(_libc_name), "malloc_trim", None) if _libc_name else None
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+_malloc_trim = getattr(_libc, "malloc_trim", None)
+_mallopt = getattr(_libc, "mallopt", None)
+
+
+def limit_malloc_arenas() -> None:
+    """Caps glibc's malloc arenas at :data:`MALLOC_ARENAS` for the threads that start
+    from now on (unless ``MALLOC_ARENA_MAX`` is set). glibc gives each new thread that
+    allocates at once with another its own 64 MiB arena (up to 8 per core): the request
+    buffers of grpc's and the front's threads were spread over many of them, and a burst
+    of 4 MiB bodies left the server +12.6 % larger after the trim (+2.2 % with 2)."""
+    if _mallopt is not None and "MALLOC_ARENA_MAX" not in os.environ:
+        _mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
 
 
 def trim() -> None:
