@@ -1,14 +1,14 @@
 """Issue 43, item 4 (CI-short): ``scripts/flood.py`` at small sizes.
 
 The script starts its own ``megascore serve --model tiny --http-port P`` with a 1 s
-header timeout, measures 2 gRPC + 2 HTTP good clients alone, then under each attack
-(idle connections, slowloris, unread ScoreStreams, churn), 2 s each. It must pass: no
-failed good call, RSS and fds back within 5 % after each attack, no 5xx (but 503) /
-INTERNAL answered to an attack, no traceback, exit 0 on SIGTERM. The p99 bar is 10x
-here, not 3x: a 2 s phase on 2 shared cores has a p99 of a few slow calls (the full
-run's 30 s phases: docs/reliability.md). The header timeout must have closed slowloris
-and idle HTTP connections. The bodies attack is not here: its RSS is not back within
-5 % yet (docs/reliability.md "Floods and slow clients"). About 45 s here.
+header timeout and a 1 MiB body limit, measures 2 gRPC + 2 HTTP good clients alone,
+then under each attack (idle connections, slowloris, unread ScoreStreams, churn, 20
+clients sending bodies at and over the limit), 2 s each. It must pass: no failed good
+call, RSS and fds back within 5 % after each attack, no 5xx (but 503) / INTERNAL
+answered to an attack, no traceback, exit 0 on SIGTERM. The p99 bar is 5x here, not 3x
+(why: at ``--max-p99-ratio`` below; the full run's 30 s phases: docs/reliability.md).
+The header timeout must have closed slowloris and idle HTTP connections; the bodies
+must have been answered 400 / 413 / INVALID_ARGUMENT / RESOURCE_EXHAUSTED. About 40 s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ SIZES = {
     "--measure-s": 2,
     "--settle-s": 10,
     "--header-timeout-s": 1,
-    "--max-p99-ratio": 10,
+    # 5x, not the full run's 3x: a 2 s phase has ~400 good calls, so its p99 is its 4th
+    # slowest call, and one scheduler hiccup on 2 shared cores doubles it. Measured on
+    # this code with a full-suite run beside it: 0.81-2.90x (the bodies phase highest);
+    # before the fixes the full run's misses were 5x (unread), 8.8x (idle), 142x (bodies).
+    "--max-p99-ratio": 5,
     "--idle-http": 300,
     "--idle-grpc": 30,
     "--slowloris": 30,
@@ -34,7 +38,8 @@ SIZES = {
     "--trickle-s": 0.3,
     "--unread": 4,
     "--churn-rate": 300,
-    "--attacks": "idle,slowloris,unread,churn",
+    "--body-clients": 20,
+    "--max-body-bytes": 1 << 20,
 }
 
 
@@ -56,7 +61,7 @@ def test_floods_and_slow_clients_leave_good_clients_served_and_resources_back(tm
     assert out.strip().splitlines()[-1] == "flood: PASS", out[-6000:]
     summary = json.loads(summary_file.read_text())
     rows = {row["attack"]: row for row in summary["rows"]}
-    assert list(rows) == ["none", "idle", "slowloris", "unread", "churn"]
+    assert list(rows) == ["none", "idle", "slowloris", "unread", "churn", "bodies"]
     assert summary["problems"] == [] and summary["server_exit_code"] == 0
     for row in rows.values():
         assert row["calls"] > 0 and row["failures"] == 0, row
@@ -68,3 +73,7 @@ def test_floods_and_slow_clients_leave_good_clients_served_and_resources_back(tm
     assert counts["idle"]["grpc idle opened"] >= SIZES["--idle-grpc"]
     assert counts["churn"]["churn opened and dropped"] >= SIZES["--churn-rate"]
     assert counts["unread"]["unread stream writes"] > 0
+    for answer in ("http at limit 400", "http over 413", "http over chunked 413"):
+        assert counts["bodies"][answer] > 0, counts["bodies"]
+    assert counts["bodies"]["grpc at limit INVALID_ARGUMENT"] > 0, counts["bodies"]
+    assert counts["bodies"]["grpc over RESOURCE_EXHAUSTED"] > 0, counts["bodies"]
