@@ -51,7 +51,6 @@ from megascore_server.ports import pick_port  # noqa: E402
 from megascore_server.serve_process import CPU_ONE_THREAD, ServeProcess  # noqa: E402
 
 PHASES = ("none", *ATTACKS)
-TRACEBACK = "Traceback (most recent call last)"
 BATCH = 4
 """Sequences per good call (of 32 tokens)."""
 
@@ -305,11 +304,8 @@ def main(argv=None) -> int:
         rows = run_phases(args, target, http_target, pid)
         problems += judge(rows, args)
         if server is not None:
-            if TRACEBACK in server.output(tail=10**8):
-                problems.append(f"traceback in the server log {server.log_path}")
-            exit_code = server.terminate(timeout=120)
-            if exit_code != 0:
-                problems.append(f"server exited {exit_code} on SIGTERM")
+            exit_code, ended = server.end_cleanly()
+            problems += ended
     finally:
         if server is not None:
             server.close()

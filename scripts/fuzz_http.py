@@ -82,7 +82,6 @@ ROUTES = (*SCORING, "/tokenize", "/detokenize")
 GET_ROUTES = ("/v1/models", "/health", "/health_generate", "/ping", "/tokenizer_info")
 TINY_TIMEOUT_S = 1.0
 """An ``X-Request-Timeout`` below it may be answered 504."""
-TRACEBACK = "Traceback (most recent call last)"
 FLOOR = -9999.0
 """The lowest logprob an answer carries (JSON has no -inf)."""
 PROBE_IDS = [7, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84]
@@ -934,11 +933,8 @@ def main(argv=None) -> int:
         if target is not None and (why := grpc_agrees(target, before)):
             problems.append(why)
         if server is not None:
-            if TRACEBACK in server.log_path.read_text(errors="replace"):
-                problems.append(f"traceback in the server log {server.log_path}")
-            exit_code = server.terminate(timeout=120)
-            if exit_code != 0:
-                problems.append(f"server exited {exit_code} on SIGTERM")
+            exit_code, ended = server.end_cleanly()
+            problems += ended
     finally:
         if server is not None:
             server.close()

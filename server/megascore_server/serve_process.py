@@ -300,6 +300,17 @@ class ServeProcess:
             self.proc.send_signal(signal.SIGTERM)
         return self.wait(timeout)
 
+    def end_cleanly(self, timeout: float = 120.0) -> tuple[int, list[str]]:
+        """SIGTERM (:meth:`terminate`); returns the exit code and what a clean end must
+        not show: a traceback anywhere in the log, a non-zero exit."""
+        problems = []
+        if "Traceback (most recent call last)" in self.output(tail=10**9):
+            problems.append(f"traceback in the server log {self.log_path}")
+        code = self.terminate(timeout)
+        if code != 0:
+            problems.append(f"server exited {code} on SIGTERM")
+        return code, problems
+
     def stop(self, grace: float = 30.0) -> int:
         """SIGTERM, then :meth:`close` (SIGKILL to what is left) after ``grace`` s; exit code."""
         try:
