@@ -13,16 +13,15 @@ step) on the built-in tiny model:
 Under ``torchrun`` (PP=2 on 2 ranks, ``-m megascore_server.main``): the same numbers,
 and a SIGTERM drains both stages.
 
-The other layouts, one ``--nproc 4`` server each (:class:`ServerPool`: started ahead,
-stopped with SIGTERM after their test, exit 0, no process left), 3 microbatches per
-step, the sample cases (top-k, a loss mask, temperatures; several split into 2-3
-microbatches):
-
-* PP=2 x CP=2 on ``tiny`` and PP=4 on ``tiny-deep`` (5 layers: 2 + 1 + 1 + 1) equal
-  the engine built in this process at PP=1 (logprobs, top-k, losses <= 1e-5);
-* PP=2 x EP=2 on ``tiny-moe`` (MTP on the last stage), MoE and MTP metrics requested,
-  equals a ``--nproc 1`` server with the same ``--pipeline-microbatches`` (metrics are
-  Megatron's mean over microbatches): logprobs, top-k, losses and every metric <= 1e-5.
+PP=2 x EP=2 on ``tiny-moe`` (MTP on the last stage; a ``--nproc 4`` server started
+ahead by :class:`ServerPool`, stopped with SIGTERM after its test, exit 0, no process
+left), 3 microbatches per step, the sample cases (top-k, a loss mask, temperatures;
+several split into 2-3 microbatches), MoE and MTP metrics requested, equals a
+``--nproc 1`` server with the same ``--pipeline-microbatches``: logprobs, top-k, losses
+and every metric <= 1e-5. PP=2 x CP=2 and PP=4 (``tiny-deep``, an uneven split) are
+checked against one stage in the 4-rank torchrun launch of
+``tests/distributed/test_engine_pipeline.py``, with PP=2 x TP=2 and PP=2 x EP=2; a
+server of their own here repeated those numbers through the same serving path.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from testkit.reference import (
     engine_outputs,
 )
 from tests.e2e.serve import assert_not_serving
-from tests.e2e.server_pool import ServerPool, ServerSpec, module_plan
+from tests.e2e.server_pool import ServerPool, ServerSpec
 
 PP2_TP2 = (
     "--model",
@@ -64,17 +63,8 @@ PP2_TP2 = (
 )
 MICROBATCHES = 3
 STEP = ("--pipeline-microbatches", str(MICROBATCHES))
-# layout -> (model, pp, cp, ep, one-rank reference: an in-process engine model or a server)
-LAYOUTS = {
-    "pp2_ep2": ("tiny-moe", 2, 1, 2, "moe_ref"),
-    "pp2_cp2": ("tiny", 2, 2, 1, "tiny"),
-    "pp4": ("tiny-deep", 4, 1, 1, "tiny-deep"),
-}
 SERVERS = {
-    **{
-        name: ServerSpec(model, 4, ("--pp", str(pp), "--cp", str(cp), "--ep", str(ep), *STEP))
-        for name, (model, pp, cp, ep, _) in LAYOUTS.items()
-    },
+    "pp2_ep2": ServerSpec("tiny-moe", 4, ("--pp", "2", "--ep", "2", *STEP)),
     "moe_ref": ServerSpec("tiny-moe", 1, STEP),
 }
 METRICS = ("moe", "mtp")
@@ -146,30 +136,21 @@ def test_pp2_under_torchrun_drains_both_stages(serve, cases, engine_reference):
     assert not server.leftovers(), "processes left behind"
 
 
-def metrics_of(reference: str, case) -> dict:
+def metrics_of(case) -> dict:
     """The MoE layout asks for its metrics, except on a batch of length-1 sequences only: it
     has no MTP position, and Megatron's aux losses of the MTP layer's router are then 0 / 0
     (NaN, also at one rank)."""
-    wanted = reference == "moe_ref" and max(map(len, case.sequences)) > 1
-    return {"metrics": METRICS} if wanted else {}
+    return {"metrics": METRICS} if max(map(len, case.sequences)) > 1 else {}
 
 
 @pytest.fixture(scope="module")
-def pool(request, tmp_path_factory):
-    plan = module_plan(request)
-    if "pp2_ep2" in plan:  # its reference starts with it (4 + 1 ranks)
-        plan.insert(plan.index("pp2_ep2") + 1, "moe_ref")
-    servers = ServerPool(tmp_path_factory.mktemp("serve-pipeline"), SERVERS, plan)
+def pool(tmp_path_factory):
+    """The PP=2 x EP=2 server and its one-rank reference, started together (4 + 1 ranks)."""
+    servers = ServerPool(tmp_path_factory.mktemp("serve-pipeline"), SERVERS, list(SERVERS))
     try:
         yield servers
     finally:
         servers.close()
-
-
-@pytest.fixture
-def server(pool, config):
-    yield pool.get(config)
-    pool.done(config)
 
 
 def test_sample_cases_split_into_microbatches(cases):
@@ -184,36 +165,25 @@ def test_sample_cases_split_into_microbatches(cases):
 
 
 @pytest.mark.timeout(900)  # waits for the start-up of four ranks (and the reference)
-@pytest.mark.parametrize("config", LAYOUTS)
-def test_pipeline_layout_matches_one_rank(server, config, pool, cases, engine_reference):
-    model, pp, cp, ep, reference = LAYOUTS[config]
+def test_pp2_ep2_matches_one_rank_with_metrics(pool, cases):
+    server = pool.get("pp2_ep2")
     with ScoringClient(server.target, timeout=120, retries=None) as client:
         parallel = client.model_info().parallel
-        results = [case.score(client, **metrics_of(reference, case)) for case in cases]
-    assert parallel.world_size == 4 and parallel.pipeline_model_parallel_size == pp
-    assert parallel.context_parallel_size == cp and parallel.expert_model_parallel_size == ep
-
-    if reference == "moe_ref":
-        with ScoringClient(pool.get(reference).target, timeout=120, retries=None) as client:
-            refs = [case.score(client, **metrics_of(reference, case)) for case in cases]
-        pool.done(reference)
-        for case, got, ref in zip(cases, results, refs, strict=True):
-            assert got.weights_version == ref.weights_version == "builtin:tiny-moe@1234"
-            assert_results_equal(got, ref, atol=ATOL)
-            if not metrics_of(reference, case):
-                continue
-            assert set(ref.moe_metrics) == set(got.moe_metrics) == MOE_METRICS, got.moe_metrics
-            assert set(ref.mtp_metrics) == set(got.mtp_metrics) == MTP_METRICS, got.mtp_metrics
-            assert ref.moe_metrics["load_balancing_loss"] > 0, ref.moe_metrics
-            for name, value in {**ref.moe_metrics, **ref.mtp_metrics}.items():
-                got_value = {**got.moe_metrics, **got.mtp_metrics}[name]
-                assert abs(got_value - value) <= ATOL, (case, name, got_value, value)
-        return
-    outs = (
-        engine_reference
-        if reference == "tiny"
-        else engine_outputs([case.batch() for case in cases], model=reference)
-    )
-    for case, got, out in zip(cases, results, outs, strict=True):
-        assert got.weights_version == f"builtin:{model}@1234"
-        assert_matches_engine(got, case, out)
+        results = [case.score(client, **metrics_of(case)) for case in cases]
+    pool.done("pp2_ep2")
+    assert parallel.world_size == 4 and parallel.pipeline_model_parallel_size == 2
+    assert parallel.expert_model_parallel_size == 2
+    with ScoringClient(pool.get("moe_ref").target, timeout=120, retries=None) as client:
+        refs = [case.score(client, **metrics_of(case)) for case in cases]
+    pool.done("moe_ref")
+    for case, got, ref in zip(cases, results, refs, strict=True):
+        assert got.weights_version == ref.weights_version == "builtin:tiny-moe@1234"
+        assert_results_equal(got, ref, atol=ATOL)
+        if not metrics_of(case):
+            continue
+        assert set(ref.moe_metrics) == set(got.moe_metrics) == MOE_METRICS, got.moe_metrics
+        assert set(ref.mtp_metrics) == set(got.mtp_metrics) == MTP_METRICS, got.mtp_metrics
+        assert ref.moe_metrics["load_balancing_loss"] > 0, ref.moe_metrics
+        for name, value in {**ref.moe_metrics, **ref.mtp_metrics}.items():
+            got_value = {**got.moe_metrics, **got.mtp_metrics}[name]
+            assert abs(got_value - value) <= ATOL, (case, name, got_value, value)
