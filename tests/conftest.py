@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.one_rank import one_rank_world
+from tests.one_rank import one_rank_parallel
 
 pytest_plugins = ("tests.e2e.fixtures",)
 
@@ -17,12 +17,7 @@ pytest_plugins = ("tests.e2e.fixtures",)
 @pytest.fixture(scope="module")
 def pgs():
     """Megatron parallel state of a one-rank gloo world (TP = CP = EP = 1), per module."""
-    from megascore.config import EngineConfig
-    from megascore.model.parallel import destroy_parallel, initialize_parallel
-
-    with one_rank_world():
-        yield initialize_parallel(EngineConfig())
-        destroy_parallel()
+    yield from one_rank_parallel()
 
 
 def pytest_addoption(parser):

@@ -19,3 +19,14 @@ def one_rank_world(backend: str = "gloo"):
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def one_rank_parallel():
+    """Megatron's parallel state of a one-rank gloo world (TP = CP = EP = 1), yielded,
+    then destroyed: the body of the ``pgs`` fixtures."""
+    from megascore.config import EngineConfig
+    from megascore.model.parallel import destroy_parallel, initialize_parallel
+
+    with one_rank_world():
+        yield initialize_parallel(EngineConfig())
+        destroy_parallel()

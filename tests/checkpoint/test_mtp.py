@@ -30,6 +30,7 @@ from safetensors import safe_open
 from megascore.api.types import ScoreBatch
 from testkit.checkpoints import MTP_FAMILIES, VOCAB
 from testkit.reference import engine_outputs
+from tests.one_rank import one_rank_parallel
 
 TOL = 1e-5
 LENGTHS = (1, 2, 3, 9, 20, 33)
@@ -144,6 +145,13 @@ def _batch(seqs) -> ScoreBatch:
         lengths=np.array([len(s) for s in seqs], dtype=np.int64),
         return_mtp_metrics=True,
     )
+
+
+@pytest.fixture
+def pgs():
+    """Per test here, not per module: this module's other tests build engines of their
+    own (``DistributedEngine.create`` sets Megatron's parallel state up), in any order."""
+    yield from one_rank_parallel()
 
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)
