@@ -16,6 +16,11 @@ def notices(monkeypatch):
     monkeypatch.setattr(startup_logs, "_NOTICES", None)
     for name in startup_logs._TORCH_OWN_HANDLER_LOGGERS:
         monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    # the loggers as a new process has them: what ran before in this one (a model build,
+    # a server, another library's log set-up) may have set a level or disabled one
+    for name in ("megatron.core", "megatron.core.models.gpt", "megascore.engine", "torch"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+        monkeypatch.setattr(logging.getLogger(name), "disabled", False)
     shown_warnings: list[str] = []
     monkeypatch.setattr(warnings, "showwarning", lambda m, *a, **k: shown_warnings.append(str(m)))
     monkeypatch.setattr(startup_logs, "shown_warnings", shown_warnings, raising=False)
