@@ -21,6 +21,10 @@
   each time the push fails naming that replica, and every other replica keeps its
   old version, answering with bit-identical logprobs; the survivors then take the
   next push.
+
+The tests run in any order: each starts with both ``tiny`` replicas serving
+``builtin:tiny@1234`` (loaded again by the fixture), and the killed third replica is a
+fourth server of its own.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ SEQS = [[1, 5, 9, 200, 31], [7, 7, 300, 2]]
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Two ``tiny`` replicas and a third on ``tiny-moe``, started at once."""
+    """Two ``tiny`` replicas, a third on ``tiny-moe`` and a fourth (the one killed), started
+    at once."""
     log_dir = tmp_path_factory.mktemp("replicas")
-    models = ("tiny", "tiny", "tiny-moe")
+    models = ("tiny", "tiny", "tiny-moe", "tiny-moe")
     procs = [ServeProcess(log_dir / f"r{i}.log", "--model", m) for i, m in enumerate(models)]
     try:
         for server in procs:
@@ -60,7 +65,11 @@ def servers(tmp_path_factory):
 
 @pytest.fixture
 def replicas(servers):
-    """The two ``tiny`` replicas."""
+    """The two ``tiny`` replicas, serving ``builtin:tiny@1234`` again (whatever another
+    test of the module pushed or loaded)."""
+    for server in servers[:2]:
+        with ScoringClient(server.target, timeout=120) as client:
+            client.load_weights("builtin:tiny@1234")
     return servers[:2]
 
 
@@ -69,6 +78,13 @@ def odd(servers):
     """The third replica (``tiny-moe``), checked alive."""
     assert servers[2].running(), servers[2].output()
     return servers[2]
+
+
+@pytest.fixture
+def victim(servers):
+    """The fourth replica (``tiny-moe``), the one a test kills."""
+    assert servers[3].running(), servers[3].output()
+    return servers[3]
 
 
 def round_robin(servers) -> ScoringClient:
@@ -252,7 +268,7 @@ def wait_for_push_in_progress(server, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_replica_killed_mid_push_fails_it_and_the_others_keep_scoring(replicas, odd):
+def test_a_replica_killed_mid_push_fails_it_and_the_others_keep_scoring(replicas, victim):
     before = scored_by_each(replicas)
     rng = np.random.default_rng(7)
     streamed = []
@@ -264,21 +280,21 @@ def test_a_replica_killed_mid_push_fails_it_and_the_others_keep_scoring(replicas
             yield name, (rng.standard_normal(shape) * 0.05).astype(np.float32)
             streamed.append(name)
             if len(streamed) == 1:
-                wait_for_push_in_progress(odd)
-                os.kill(odd.pid, signal.SIGKILL)
-                odd.proc.wait(30)
+                wait_for_push_in_progress(victim)
+                os.kill(victim.pid, signal.SIGKILL)
+                victim.proc.wait(30)
         yield NORM, np.full(HIDDEN, 0.5, np.float32)
 
-    targets = [s.target for s in (*replicas, odd)]
+    targets = [s.target for s in (*replicas, victim)]
     with ScoringClient(replicas[0].target, timeout=60) as client:
         with pytest.raises(ScoringError) as info:
             client.push_weights(
                 tensors(), names="megatron", partial=True, chunk_bytes=4096, replicas=targets
             )
     assert info.value.code is grpc.StatusCode.UNAVAILABLE, info.value
-    assert f"replica {odd.target} failed" in info.value.details
+    assert f"replica {victim.target} failed" in info.value.details
     assert "no replica switched" in info.value.details
-    assert odd.proc.returncode == -signal.SIGKILL
+    assert victim.proc.returncode == -signal.SIGKILL
     assert_unchanged(before, scored_by_each(replicas))
     with round_robin(replicas) as client:  # both keep scoring, and take the next push
         assert {client.score(SEQS).weights_version for _ in range(4)} == {before[0].weights_version}
