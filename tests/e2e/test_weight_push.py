@@ -114,6 +114,8 @@ def test_pushes_after_training_steps_match_the_trainer(servers, name):
     trainer = make_hf_model(family, 0)  # what the server started from
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=3e-3)
     with ScoringClient(servers[name].target, timeout=120) as client:
+        # the checkpoint it started from, again: the module's other tests push, in any order
+        client.load_weights(f"hf:{servers[name].log_path.parent / family}")
         before = client.score(SEQS)
         assert max_error(before, reference(trainer)) <= ATOL
         versions = [before.weights_version]
