@@ -9,9 +9,10 @@ stored after the decoder) is saved and served at TP=1; one MoE family, qwen3_moe
 at TP=2, EP=2, CP=2 and PP=2. Logprobs and top-k returned through :class:`ScoringClient`
 equal transformers' forward on the same weights (max |delta| <= 1e-4, fp32); the served
 ``mtp_1_loss`` and ``mtp_1_acceptance_rate`` equal the plain-PyTorch MTP reference of
-``tests/checkpoint/test_mtp.py`` (<= 1e-5), and qwen3_moe's MoE metrics agree across its
-layouts (<= 1e-5). Every family at TP=2 and the MoE ones at EP=2 are checked in one
-torchrun launch each, cheaper than a server per case: logprobs against transformers in
+``tests/checkpoint/test_mtp.py`` (<= 1e-5), and qwen3_moe's MoE metrics at every layout
+equal those of a one-rank engine built in the test process (<= 1e-5). Every family at
+TP=2 and the MoE ones at EP=2 are checked in one torchrun launch each, cheaper than a
+server per case: logprobs against transformers in
 ``tests/checkpoint/test_parallel_load.py``, MoE and MTP metrics against one rank at
 TP=2 + SP, EP=2 and CP=2 in ``tests/checkpoint/test_family_metrics.py``.
 
@@ -39,6 +40,7 @@ import grpc
 import numpy as np
 import pytest
 
+from megascore.api.types import ScoreBatch
 from megascore.checkpoint import resolve_model
 from megascore_client import ScoringClient, ScoringError
 from testkit.checkpoints import (
@@ -48,6 +50,7 @@ from testkit.checkpoints import (
     make_hf_model,
     save_hf_model,
 )
+from testkit.reference import engine_outputs
 from tests.checkpoint.test_mtp import MTPReference
 from tests.e2e.server_pool import LAYOUTS, ServerSpec, module_pool
 from tests.e2e.test_checkpoint_serving import PARITY_SEQS, TOP_K, hf_reference, max_error
@@ -148,12 +151,20 @@ def assert_rl_outputs_match_transformers(client, refs, config: str) -> None:
     assert max(worst.values()) <= RL_TOL, f"{config}: max relative |delta| {worst}"
 
 
-METRICS: dict[str, dict[str, dict[str, float]]] = {}
-"""family -> layout -> the served MoE metrics (filled by the parity tests)."""
+@pytest.fixture(scope="module")
+def one_rank_moe_metrics(checkpoints) -> dict[str, float]:
+    """RL_FAMILY's MoE metrics of PARITY_SEQS from a one-rank engine built in this process."""
+    batch = ScoreBatch(
+        token_ids=np.concatenate(PARITY_SEQS).astype(np.int64),
+        lengths=np.array([len(s) for s in PARITY_SEQS], dtype=np.int64),
+        return_moe_metrics=True,
+    )
+    directory = checkpoints[RL_FAMILY].directory
+    return engine_outputs([batch], model=f"hf:{directory}")[0].moe_metrics
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_family_scores_match_transformers(server, config, checkpoints):
+def test_family_scores_match_transformers(server, config, checkpoints, request):
     family, layout = config.split("-")
     ckpt = checkpoints[family]
     refs = hf_reference(ckpt.model, PARITY_SEQS)
@@ -172,25 +183,16 @@ def test_family_scores_match_transformers(server, config, checkpoints):
     assert_matches_transformers(result, refs, config)
     if family in MOE_FAMILIES:
         assert result.moe_metrics and all(np.isfinite(v) for v in result.moe_metrics.values())
-        METRICS.setdefault(family, {})[layout] = dict(result.moe_metrics)
+    if family == RL_FAMILY:  # its layouts: the metrics of one rank
+        want = request.getfixturevalue("one_rank_moe_metrics")
+        assert set(result.moe_metrics) == set(want), (config, result.moe_metrics)
+        for name, value in want.items():
+            assert abs(result.moe_metrics[name] - value) <= LAYOUT_TOL, (config, name, value)
     if family in MTP_FAMILIES:
         loss, rate = MTPReference(ckpt.directory).metrics(PARITY_SEQS)
         got = result.mtp_metrics
         assert abs(got["mtp_1_loss"] - loss) <= MTP_TOL * max(1.0, loss), (config, got, loss)
         assert abs(got["mtp_1_acceptance_rate"] - rate) <= 1e-4, (config, got, rate)
-
-
-@pytest.mark.parametrize("family", [RL_FAMILY])
-def test_moe_metrics_equal_across_layouts(family):
-    layouts = METRICS.get(family, {})
-    expected = {c.split("-")[1] for c in CONFIGS if c.split("-")[0] == family}
-    if set(layouts) != expected:
-        pytest.fail(f"{family}: parity tests recorded layouts {sorted(layouts)} only")
-    base = layouts["tp1"]
-    for layout, values in layouts.items():
-        assert set(values) == set(base)
-        for name, value in values.items():
-            assert abs(value - base[name]) <= LAYOUT_TOL, (family, layout, name, value, base)
 
 
 @pytest.mark.parametrize("config", SAVED_CONFIGS)
