@@ -10,6 +10,8 @@ from megascore.config import EngineConfig
 from megascore_server import main as main_module
 from megascore_server.cuda_defaults import ALLOC_CONF, ALLOC_CONF_ENV, apply_cuda_defaults
 
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 
 def _served_env(monkeypatch, argv: list[str], gpus: int) -> str | None:
     """The allocator variable the rank sees, ``megascore serve argv`` on a host of ``gpus``."""
@@ -24,8 +26,12 @@ def _served_env(monkeypatch, argv: list[str], gpus: int) -> str | None:
         return 0
 
     monkeypatch.setattr(main_module, "run_rank", run_rank)
-    for name in ("RANK", "WORLD_SIZE", "_MEGASCORE_LAUNCHED", "_MEGASCORE_RESOLVED_CONFIG"):
-        monkeypatch.delenv(name, raising=False)
+    # unset, and put back as they were after the test: main() sets the rendezvous
+    # variables of a single process (a later test in this process would take it for a
+    # torchrun rank: test_preflight did, after this module)
+    for name in (*RENDEZVOUS, "_MEGASCORE_LAUNCHED", "_MEGASCORE_RESOLVED_CONFIG"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     assert main_module.main(argv) == 0
     return seen[0]
 
