@@ -100,8 +100,17 @@ def test_http_connections_beyond_the_cap_get_503_and_are_closed(server):
     assert closed_after(fresh)[1].startswith(b"HTTP/1.1 200 ")
 
 
-def test_grpc_handshake_timeout_and_connection_cap(server):
+def test_grpc_handshake_timeout(server):
     assert TIMEOUT_S * 0.8 < closed_after(connect(server.port))[0] < TIMEOUT_S + 3
+
+
+GRPC_CAP = tuple(int(x) for x in grpc.__version__.split(".")[:2]) >= (1, 63)
+"""``grpc.max_allowed_incoming_connections`` is enforced from grpcio 1.63 on (1.59 and
+1.62 keep every connection: measured in the floors venv; docs/deploy.md)."""
+
+
+@pytest.mark.skipif(not GRPC_CAP, reason=f"grpcio {grpc.__version__} has no connection cap")
+def test_grpc_connection_cap(server):
     held = [connect(server.port, H2_START) for _ in range(3)]
     time.sleep(0.3)
     assert closed_after(connect(server.port, H2_START))[0] < TIMEOUT_S
