@@ -18,7 +18,7 @@ def notices(monkeypatch):
         monkeypatch.setattr(logging.getLogger(name), "filters", [])
     # the loggers as a new process has them: what ran before in this one (a model build,
     # a server, another library's log set-up) may have set a level or disabled one
-    for name in ("megatron.core", "megatron.core.models.gpt", "megascore.engine", "torch"):
+    for name in ("megatron.core", "megatron.core.models.gpt", "megascore.engine"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
         monkeypatch.setattr(logging.getLogger(name), "disabled", False)
     shown_warnings: list[str] = []
