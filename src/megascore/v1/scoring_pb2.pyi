@@ -92,7 +92,7 @@ class SequenceGroups(_message.Message):
     def __init__(self, sizes: _Optional[_Union[Array, _Mapping]] = ..., prompt_lengths: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing", "target_ids", "rollout_logprobs", "groups")
+    __slots__ = ("request_id", "token_ids", "lengths", "loss_mask", "options", "routing", "target_ids", "rollout_logprobs", "groups", "score_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class ScoreRequest(_message.Message):
     TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: Array
     lengths: Array
@@ -111,7 +112,8 @@ class ScoreRequest(_message.Message):
     target_ids: Array
     rollout_logprobs: Array
     groups: SequenceGroups
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., options: _Optional[_Union[ScoreOptions, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., target_ids: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ..., groups: _Optional[_Union[SequenceGroups, _Mapping]] = ...) -> None: ...
+    score_from: Array
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Array, _Mapping]] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., loss_mask: _Optional[_Union[Array, _Mapping]] = ..., options: _Optional[_Union[ScoreOptions, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., target_ids: _Optional[_Union[Array, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Array, _Mapping]] = ..., groups: _Optional[_Union[SequenceGroups, _Mapping]] = ..., score_from: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "total_ms", "num_steps")
@@ -126,7 +128,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings", "routing", "routing_num_moe_layers", "routing_topk", "entropy", "target_logprobs", "num_target_ids", "mismatch", "importance_weights", "token_ranks", "next_token_ids", "next_token_logprobs", "next_top_k")
+    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings", "routing", "routing_num_moe_layers", "routing_topk", "entropy", "target_logprobs", "num_target_ids", "mismatch", "importance_weights", "token_ranks", "next_token_ids", "next_token_logprobs", "next_top_k", "cached_tokens")
     class SequenceLossesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +181,7 @@ class ScoreResponse(_message.Message):
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lengths: Array
     token_logprobs: Array
@@ -203,7 +206,8 @@ class ScoreResponse(_message.Message):
     next_token_ids: Array
     next_token_logprobs: Array
     next_top_k: int
-    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., routing_num_moe_layers: _Optional[int] = ..., routing_topk: _Optional[int] = ..., entropy: _Optional[_Union[Array, _Mapping]] = ..., target_logprobs: _Optional[_Union[Array, _Mapping]] = ..., num_target_ids: _Optional[int] = ..., mismatch: _Optional[_Mapping[str, Array]] = ..., importance_weights: _Optional[_Union[Array, _Mapping]] = ..., token_ranks: _Optional[_Union[Array, _Mapping]] = ..., next_token_ids: _Optional[_Union[Array, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., next_top_k: _Optional[int] = ...) -> None: ...
+    cached_tokens: Array
+    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., routing_num_moe_layers: _Optional[int] = ..., routing_topk: _Optional[int] = ..., entropy: _Optional[_Union[Array, _Mapping]] = ..., target_logprobs: _Optional[_Union[Array, _Mapping]] = ..., num_target_ids: _Optional[int] = ..., mismatch: _Optional[_Mapping[str, Array]] = ..., importance_weights: _Optional[_Union[Array, _Mapping]] = ..., token_ranks: _Optional[_Union[Array, _Mapping]] = ..., next_token_ids: _Optional[_Union[Array, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., next_top_k: _Optional[int] = ..., cached_tokens: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("texts", "add_special_tokens")
