@@ -23,6 +23,7 @@ from megascore_client.push.plan import PushCall, push_steps, run_steps_async
 from megascore_client.push.replicas import push_to_replicas
 from megascore_client.push.requests import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
+from megascore_client.routing import Resend
 from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import AsyncScoreStream
 from megascore_client.text import AsyncTextMethods
@@ -47,6 +48,7 @@ class AsyncScoringClient(AsyncTextMethods, ClientBase):
 
     def _open(self) -> None:
         self.transport = AsyncTransport(self.settings)
+        self.replica_transports = [AsyncTransport(s) for s in self.replica_settings]
         self._limit_lock = asyncio.Lock()
 
     async def __aenter__(self) -> AsyncScoringClient:
@@ -60,6 +62,8 @@ class AsyncScoringClient(AsyncTextMethods, ClientBase):
         they, later calls and requests waiting for the server raise ScoringError
         CANCELLED "the client is closed")."""
         await self.transport.close(grace)
+        for transport in self.replica_transports:
+            await transport.close(grace)
 
     async def _unary(self, method, request, deadline, *, wait: bool = False):
         """One unary call; with ``wait``, re-sent on UNAVAILABLE per ``wait_for_server_s``."""
@@ -102,9 +106,7 @@ class AsyncScoringClient(AsyncTextMethods, ClientBase):
         async def one(part: Part) -> ScoreResult:
             with part.located():
                 async with semaphore:
-                    response = await self._unary(
-                        self.transport.stub.Score, part.request, self._deadline(timeout), wait=True
-                    )
+                    response = await self._score_part(part, self._deadline(timeout))
                 return decode_part(response, part)
 
         if len(parts) == 1:
@@ -115,6 +117,31 @@ class AsyncScoringClient(AsyncTextMethods, ClientBase):
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def _score_part(self, part: Part, deadline):
+        """Sends the Score request of ``part`` to its replica (``ClientBase._route``),
+        re-sent per :meth:`ClientBase._before_resend` until answered (or raises)."""
+        state, error, route = Resend(), None, None
+        while True:
+            if error is not None:
+                delay = self._before_resend(error, route, state, deadline, part.request)
+                if delay and await self.transport.sleep(delay):
+                    raise closed_error()
+            route = self._route(part, state.avoid)
+            try:
+                response = await route.transport.call(
+                    route.transport.stub.Score, part.request, deadline, route.metadata
+                )
+            except ScoringError as exc:
+                self._release(route, exc)
+                error = exc
+            except BaseException:
+                self._release(route)
+                raise
+            else:
+                self._release(route)
+                self._tell_wait(state.schedule, None)
+                return response
 
     async def _score_layout(self, layout: PaddedLayout, kwargs: dict):
         scored = None

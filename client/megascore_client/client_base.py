@@ -4,6 +4,7 @@ limits, the re-send schedule, the trainer layouts, the push requests) and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ import grpc
 
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, TlsConfig
 from megascore_client.errors import ScoringError, closed_error
+from megascore_client.push.replicas import replica_targets
 from megascore_client.push.requests import (
     PUSH_TIMEOUT_S,
     chunk_size,
@@ -19,6 +21,15 @@ from megascore_client.push.requests import (
     weights_version_argument,
 )
 from megascore_client.results import HealthStatus, ModelInfo, ScoreResult
+from megascore_client.routing import (
+    PREFIX_KEY_HEADER,
+    PREFIX_KEY_TOKENS,
+    ReplicaRouter,
+    Resend,
+    backoff_s,
+    failover_code,
+    prefix_key,
+)
 from megascore_client.splitting import Part, merge, prepare
 from megascore_client.trainer_layouts import (
     group_sequences,
@@ -29,7 +40,7 @@ from megascore_client.waiting import ServerWait, check_wait, pinned_version
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClientBase", "finish_score"]
+__all__ = ["ClientBase", "Route", "finish_score"]
 
 UNRESOLVED = object()
 LOAD_WEIGHTS_TIMEOUT_S = 600.0
@@ -38,6 +49,21 @@ LoadProgress = Callable[[float], None]
 """``progress(elapsed_s)``, called about once a second while a ``load_weights`` runs."""
 WaitCallback = Callable[[float, ScoringError | None], None]
 """``on_wait(waited_s, error)``: a request waits for the server (see ``on_wait``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where one Score attempt goes.
+
+    Attributes:
+        transport: the replica's transport (the client's own without prefix routing).
+        metadata: the call's extra metadata (its prefix key, :data:`PREFIX_KEY_HEADER`).
+        index: the replica's index in ``ClientBase.router`` (None without it).
+    """
+
+    transport: object
+    metadata: tuple
+    index: int | None = None
 
 
 def _adapter_arguments(
@@ -72,6 +98,7 @@ class ClientBase:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         retries=True,
         load_balancing: str | None = None,
+        prefix_key_tokens: int = PREFIX_KEY_TOKENS,
         keepalive_time_s: float | None = 300.0,
         max_request_tokens: int | str | None = "auto",
         max_concurrency: int = 4,
@@ -98,7 +125,17 @@ class ClientBase:
                 (default policy: 5 attempts, backoff 0.2 s x2 up to 5 s), an int number
                 of retries (0-4), or None to disable.
             load_balancing: None (gRPC default, pick_first), "pick_first" or
-                "round_robin" (set in the service config).
+                "round_robin" (set in the service config), or "prefix": prefix
+                affinity (:mod:`megascore_client.routing`): one channel per replica of
+                the target (each address of ``ipv4:a,b``; the addresses a ``dns:///``
+                name resolves to when the client opens), each Score request to the
+                replica its first sequence's first tokens hash to (rendezvous hashing),
+                to the next one in its order when that one is overloaded by this
+                client's calls or fails UNAVAILABLE; other calls (streams, model info,
+                health, loads) go round robin.
+            prefix_key_tokens: how many leading tokens of a request's first sequence
+                make its prefix key (sent with every Score call as the
+                ``x-megascore-prefix-key`` metadata; the routing key under "prefix").
             keepalive_time_s: HTTP/2 keepalive ping interval while calls are active
                 (None = off). gRPC servers by default punish pings more frequent than
                 every 300 s on a call that sends no data (GOAWAY "too_many_pings"), so
@@ -132,15 +169,27 @@ class ClientBase:
             raise ValueError("max_request_tokens must be > 0, None or 'auto'")
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
+        if int(prefix_key_tokens) < 1:
+            raise ValueError("prefix_key_tokens must be >= 1")
+        prefix = load_balancing == "prefix"
         self.settings = ChannelSettings.build(
             target,
             tls=tls,
             retries=retries,
             token=token,
             max_message_bytes=max_message_bytes,
-            load_balancing=load_balancing,
+            load_balancing="round_robin" if prefix else load_balancing,
             keepalive_time_s=keepalive_time_s,
         )
+        self.prefix_key_tokens = int(prefix_key_tokens)
+        self.router: ReplicaRouter | None = None
+        self.replica_settings: list[ChannelSettings] = []
+        if prefix:  # one channel per replica; the SDK retries over them (none of gRPC's)
+            self.router = ReplicaRouter(replica_targets(target))
+            self.replica_settings = [
+                dataclasses.replace(self.settings, target=t, load_balancing=None, retries=None)
+                for t in self.router.replicas
+            ]
         self.timeout = timeout
         self.wait_for_server_s = check_wait(wait_for_server_s, timeout)
         self.max_concurrency = max_concurrency
@@ -152,8 +201,56 @@ class ClientBase:
         self._open()
 
     def _open(self) -> None:
-        """Opens the transport (each client kind its own)."""
+        """Opens the transport and, with prefix routing, the replicas' transports
+        (``replica_transports``; each client kind its own)."""
         raise NotImplementedError
+
+    def _route(self, part: Part, avoid=frozenset()) -> Route:
+        """Where the Score request of ``part`` goes (``avoid``: replicas it failed on);
+        counted in flight on its replica until :meth:`_release`."""
+        key = prefix_key(part.batch.token_ids, part.batch.lengths, self.prefix_key_tokens)
+        metadata = ((PREFIX_KEY_HEADER, key),)
+        if self.router is None:
+            return Route(self.transport, metadata)
+        index = self.router.pick(key, avoid)
+        return Route(self.replica_transports[index], metadata, index)
+
+    def _release(self, route: Route, error: ScoringError | None = None) -> None:
+        """The attempt on ``route`` ended (``error``: how it failed)."""
+        if route.index is not None:
+            self.router.release(route.index, error)
+
+    def _before_resend(self, error: ScoringError, route: Route, state: Resend, deadline, request):
+        """The delay before re-sending a Score request whose attempt on ``route`` failed
+        with ``error``; raises ``error`` (or the schedule's final one) when it is not
+        re-sent.
+
+        With prefix routing, a failover code (UNAVAILABLE, CANCELLED by the server)
+        re-sends at once to a replica not yet tried (0 s), then after the retry policy's
+        backoff, up to its ``max_attempts``; a pinned request refused by a replica avoids
+        it. Then (and always without routing) the ``wait_for_server_s`` / pin schedule
+        (:meth:`_resend_delay`), after which each re-send gets its attempts again."""
+        policy = self.settings.retries
+        refused = error.code is grpc.StatusCode.FAILED_PRECONDITION  # a pin, if pinned
+        if route.index is not None and (failover_code(error) or refused):
+            state.avoid.add(route.index)
+        if (
+            route.index is not None
+            and failover_code(error)
+            and not self.transport.closed
+            and policy is not None
+            and state.attempts < policy.max_attempts
+        ):
+            state.attempts += 1
+            if self.router.untried(state.avoid):
+                return 0.0
+            state.backoffs += 1
+            return backoff_s(policy, state.backoffs)
+        state.schedule, delay = self._resend_delay(error, True, deadline, state.schedule, request)
+        if error.retryable:  # waiting for the server: each re-send starts afresh
+            state.attempts, state.backoffs = 1, 0
+            state.avoid.clear()
+        return delay
 
     @property
     def target(self) -> str:

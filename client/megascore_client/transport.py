@@ -46,9 +46,9 @@ class SyncTransport:
     def closed(self) -> bool:
         return self._closed.is_set()
 
-    def start(self, method, request, deadline: float | None):
+    def start(self, method, request, deadline: float | None, metadata: tuple = ()):
         """Starts a unary call (``method`` of :attr:`stub` or :attr:`health_check`) and
-        returns its future.
+        returns its future (``metadata``: sent after :attr:`metadata`).
 
         Raises:
             ScoringError: CANCELLED ("the client is closed") on a closed transport.
@@ -56,7 +56,9 @@ class SyncTransport:
         with self._start_lock:
             if self._closed.is_set():
                 raise closed_error()
-            return method.future(request, timeout=time_left(deadline), metadata=self.metadata)
+            return method.future(
+                request, timeout=time_left(deadline), metadata=self.metadata + metadata
+            )
 
     def result(self, future):
         """Waits for a call started by :meth:`start`; its error as a ``ScoringError``
@@ -71,9 +73,9 @@ class SyncTransport:
             future.cancel()
             raise
 
-    def call(self, method, request, deadline: float | None):
+    def call(self, method, request, deadline: float | None, metadata: tuple = ()):
         """One unary call, to its answer (errors as for :meth:`start` and :meth:`result`)."""
-        return self.result(self.start(method, request, deadline))
+        return self.result(self.start(method, request, deadline, metadata))
 
     def open_stream(self, request_iterator, timeout: float | None):
         """Opens a ScoreStream call fed by ``request_iterator`` (refused when closed)."""
@@ -124,8 +126,8 @@ class AsyncTransport:
         task = asyncio.current_task()
         return self._closed.is_set() and (task is None or task.cancelling() == 0)
 
-    async def call(self, method, request, deadline: float | None):
-        """One unary call, to its answer.
+    async def call(self, method, request, deadline: float | None, metadata: tuple = ()):
+        """One unary call, to its answer (``metadata``: sent after :attr:`metadata`).
 
         Raises:
             ScoringError: the call failed; CANCELLED ("the client is closed") when the
@@ -134,7 +136,9 @@ class AsyncTransport:
         """
         self.check_open()
         try:
-            return await method(request, timeout=time_left(deadline), metadata=self.metadata)
+            return await method(
+                request, timeout=time_left(deadline), metadata=self.metadata + metadata
+            )
         except grpc.RpcError as exc:
             error = ScoringError.from_rpc_error(exc)
             if error.code is grpc.StatusCode.DEADLINE_EXCEEDED and not self.closed:
