@@ -26,6 +26,7 @@ from megascore_client.push.requests import (
     finish,
 )
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
+from megascore_client.routing import Resend
 from megascore_client.splitting import Part, decode_part
 from megascore_client.stream import ScoreStream
 from megascore_client.text import TextMethods
@@ -54,6 +55,7 @@ class ScoringClient(TextMethods, ClientBase):
 
     def _open(self) -> None:
         self.transport = SyncTransport(self.settings)
+        self.replica_transports = [SyncTransport(s) for s in self.replica_settings]
         self._lock = threading.Lock()
 
     def __enter__(self) -> ScoringClient:
@@ -66,12 +68,12 @@ class ScoringClient(TextMethods, ClientBase):
         """Closes the channel; calls in flight are cancelled (CANCELLED), later calls
         and requests waiting for the server raise CANCELLED."""
         self.transport.close()
+        for transport in self.replica_transports:
+            transport.close()
 
-    def _unary(self, method, request, deadline, *, wait: bool = False, error=None):
-        """Sends ``request`` (after ``error``, the failure of an attempt already made,
-        per the re-send schedule); with ``wait``, re-sent on UNAVAILABLE per
-        ``wait_for_server_s``."""
-        schedule = None
+    def _unary(self, method, request, deadline, *, wait: bool = False):
+        """One unary call; with ``wait``, re-sent on UNAVAILABLE per ``wait_for_server_s``."""
+        schedule = error = None
         while True:
             if error is not None:
                 schedule, delay = self._resend_delay(error, wait, deadline, schedule, request)
@@ -209,19 +211,24 @@ class ScoringClient(TextMethods, ClientBase):
         return finish_score(self._send(parts, timeout), rid, start)
 
     def _send(self, parts: list[Part], timeout: float | None) -> list[ScoreResult]:
-        score = self.transport.stub.Score
         results: list[ScoreResult | None] = [None] * len(parts)
         inflight: collections.deque = collections.deque()
 
         def collect():
-            index, future, deadline = inflight.popleft()
+            index, future, deadline, route = inflight.popleft()
             part = parts[index]
             with part.located():
                 try:
-                    response = self.transport.result(future)
+                    response = route.transport.result(future)
                 except ScoringError as exc:
-                    # UNAVAILABLE + wait_for_server_s: re-sent here, the others stay in flight
-                    response = self._unary(score, part.request, deadline, wait=True, error=exc)
+                    self._release(route, exc)
+                    # re-sent here (another replica, wait_for_server_s), the others in flight
+                    response = self._score_again(part, deadline, route, exc)
+                except BaseException:
+                    self._release(route)
+                    raise
+                else:
+                    self._release(route)
                 results[index] = decode_part(response, part)
 
         try:
@@ -229,14 +236,46 @@ class ScoringClient(TextMethods, ClientBase):
                 if len(inflight) >= self.max_concurrency:
                     collect()
                 deadline = self._deadline(timeout)
-                future = self.transport.start(score, part.request, deadline)
-                inflight.append((index, future, deadline))
+                route = self._route(part)
+                try:
+                    future = route.transport.start(
+                        route.transport.stub.Score, part.request, deadline, route.metadata
+                    )
+                except BaseException:
+                    self._release(route)
+                    raise
+                inflight.append((index, future, deadline, route))
             while inflight:
                 collect()
         finally:
-            for _, future, _ in inflight:
+            for _, future, _, route in inflight:
                 future.cancel()
+                self._release(route)
         return results
+
+    def _score_again(self, part: Part, deadline, route, error: ScoringError):
+        """Re-sends the Score request of ``part`` after ``error`` on ``route``, per
+        :meth:`ClientBase._before_resend`, until answered (or raises)."""
+        state = Resend()
+        while True:
+            delay = self._before_resend(error, route, state, deadline, part.request)
+            if delay and self.transport.sleep(delay):
+                raise closed_error()
+            route = self._route(part, state.avoid)
+            try:
+                response = route.transport.call(
+                    route.transport.stub.Score, part.request, deadline, route.metadata
+                )
+            except ScoringError as exc:
+                self._release(route, exc)
+                error = exc
+            except BaseException:
+                self._release(route)
+                raise
+            else:
+                self._release(route)
+                self._tell_wait(state.schedule, None)
+                return response
 
     def _score_layout(self, layout: PaddedLayout, kwargs: dict):
         arguments = layout.score_arguments(kwargs)
