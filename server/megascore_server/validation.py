@@ -112,6 +112,39 @@ def check_scalar_input(name: str, value: float, field: str) -> float:
     return float(value)
 
 
+def check_score_from(values, lengths: np.ndarray) -> np.ndarray:
+    """Checks ``score_from``: one integer in ``[0, length]`` per sequence (the engine's
+    :meth:`ScoreBatch.check` runs the same rule, without naming the sequence); returns
+    it as int64.
+
+    Raises:
+        InvalidRequestError: naming ``score_from`` and the first sequence that breaks it.
+    """
+    given = np.asarray(values)
+    if given.shape != lengths.shape:
+        raise InvalidRequestError(
+            f"score_from: has {given.size} values, expected {lengths.size} (one per sequence)"
+        )
+    if given.dtype.kind not in "iu":
+        whole = np.zeros(given.shape, bool)
+        if given.dtype.kind == "f":
+            whole = np.isfinite(given) & (np.floor(given) == given)
+        if not whole.all():
+            seq = int(np.flatnonzero(~whole)[0])
+            raise InvalidRequestError(
+                f"score_from: sequence {seq}: {float(given[seq])!r} is not an integer; "
+                "it must be an integer in [0, the sequence length]"
+            )
+    bad = np.flatnonzero((given < 0) | (given > lengths))
+    if bad.size:
+        seq = int(bad[0])
+        raise InvalidRequestError(
+            f"score_from: sequence {seq}: {int(given[seq])} is outside [0, {int(lengths[seq])}] "
+            "(0 to the sequence length)"
+        )
+    return given.astype(np.int64)
+
+
 def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:
     """Checks ``ScoreOptions`` (:func:`~megascore.api.limits.check_options`, the table's
     checks); returns the matching :class:`ScoreBatch` keyword arguments.
@@ -180,6 +213,9 @@ def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
             target_ids = target_ids.reshape(ids.size, -1)
     if request.HasField("rollout_logprobs"):
         rollout = decode_array(request.rollout_logprobs, "rollout_logprobs", _FLOAT_DTYPES)
+    score_from = None
+    if request.HasField("score_from"):
+        score_from = decode_array(request.score_from, "score_from", _INT_DTYPES)
     batch = ScoreBatch(
         token_ids=ids,
         lengths=lengths,
@@ -189,6 +225,7 @@ def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
         target_ids=target_ids,
         rollout_logprobs=rollout,
         mismatch_ratio_cap=None if rollout is None else np.full(lengths.size, cap, np.float32),
+        score_from=score_from,
         **options,
     )
     return check_request(batch, limits)
@@ -196,8 +233,8 @@ def validate_request(request: pb.ScoreRequest, limits: Limits) -> ScoreBatch:
 
 def check_request(batch: ScoreBatch, limits: Limits) -> ScoreBatch:
     """The domain checks of one request, whichever front decoded it: lengths and the
-    request's size, ids, loss mask, options, routing, target ids and rollout
-    logprobs; returns the batch with its arrays in the engine's dtypes.
+    request's size, ids, loss mask, options, routing, target ids, rollout logprobs and
+    ``score_from``; returns the batch with its arrays in the engine's dtypes.
 
     Raises:
         InvalidRequestError: naming the field and the sequence (and position).
@@ -225,9 +262,13 @@ def check_request(batch: ScoreBatch, limits: Limits) -> ScoreBatch:
     check_options(batch, limits)
     check_routing(batch, limits)  # names the field and the sequence
     check_scored_inputs(batch, limits)
+    score_from = batch.score_from
+    if score_from is not None:
+        score_from = check_score_from(score_from, lengths)
     routing, target_ids, rollout = batch.routing, batch.target_ids, batch.rollout_logprobs
     return dataclasses.replace(
         batch,
+        score_from=score_from,
         token_ids=ids.astype(np.int64, copy=False),
         lengths=lengths,
         loss_mask=mask,

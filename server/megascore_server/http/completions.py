@@ -5,7 +5,9 @@ Decodes the body into the service's batch and encodes its answer as vLLM does:
 actual token and the top k, ``text_offset``), ``prompt_logprobs`` (per position the
 top k and the actual token, ``{"<id>": {"logprob", "rank", "decoded_token"}}``),
 ``max_tokens`` 0 or 1 (1: the greedy next token after the prompt, so the arrays have
-``len(prompt) + 1`` entries, as lm-eval slices them), ``usage``; megascore's own
+``len(prompt) + 1`` entries, as lm-eval slices them), ``usage`` (with
+``prompt_tokens_details.cached_tokens``: the prompt tokens read from the engine's prefix
+cache, summed over the prompts, as vLLM); megascore's own
 options and outputs under the ``megascore`` key (:mod:`megascore_server.http.extras`).
 """
 
@@ -33,7 +35,12 @@ from megascore_server.service import Scored, ScoringService
 NO_GENERATION = "megascore scores sequences; it does not generate"
 FLOOR = -9999.0
 """Logprobs below it are sent as it (vLLM: JSON has no -inf)."""
-FIELDS = {"token_ids": "prompt", "lengths": "prompt", "options.top_k": "logprobs"}
+FIELDS = {
+    "token_ids": "prompt",
+    "lengths": "prompt",
+    "options.top_k": "logprobs",
+    "score_from": "megascore.score_from",
+}
 """Domain field -> this dialect's, for an error's ``param``."""
 
 
@@ -108,10 +115,18 @@ async def complete(
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": max_tokens * len(ids),
                 "total_tokens": prompt_tokens + max_tokens * len(ids),
+                "prompt_tokens_details": {"cached_tokens": cached_tokens(scored)},
             },
             "megascore": extras.summary(scored),
         }
     )
+
+
+def cached_tokens(scored: Scored) -> int:
+    """The request's prompt tokens read from the engine's prefix cache (the sum over its
+    prompts; OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""
+    cached = scored.output.values.get("cached_tokens")
+    return 0 if cached is None else int(np.sum(cached))
 
 
 class _Encoder:

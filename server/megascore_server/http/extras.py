@@ -5,7 +5,8 @@ Request: ``"megascore": {<option>: value, <input>: per-prompt values}`` — ever
 ``"logprob_positions": "masked"``) and every input of :data:`megascore.api.schema.INPUTS`:
 a per-token input as one list per prompt (``"loss_mask": [[0, 1, 1], [0, 1]]``,
 ``"target_ids": [[[3, 4], [5, 6]], ...]``), a per-sequence one as one value for every
-prompt or one per prompt (``"mismatch_ratio_cap": 3.0``).
+prompt or one per prompt (``"mismatch_ratio_cap": 3.0``, ``"score_from": [0, 5]``; sequence i
+is prompt i).
 
 Answer: each choice's ``"megascore"`` holds every output of
 :data:`megascore.api.schema.OUTPUTS` the request asked for, by its SDK name (per token: one
@@ -68,6 +69,10 @@ def _per_sequence(spec: schema.Input, value, num: int, field: str) -> np.ndarray
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
     ):
         raise InvalidRequestError(f"{field}: must be a number, or one number per prompt")
+    if np.dtype(spec.dtype).kind in "iu":  # an integer input: never truncate a fraction
+        for i, v in enumerate(values):
+            if isinstance(v, float) and not v.is_integer():
+                raise InvalidRequestError(f"{field}: sequence {i}: {v!r} is not an integer")
     try:
         with np.errstate(over="ignore"):
             out = np.asarray(values, dtype=spec.dtype)

@@ -6,8 +6,15 @@ SGLang), ``top_logprobs_num``, ``token_ids_logprob``, ``return_text_in_logprobs`
 ``meta_info`` holds ``input_token_logprobs`` ``[[logprob | None, id, text | None], ...]``
 (None at position 0, which has no prediction), ``input_top_logprobs``,
 ``input_token_ids_logprobs``, the ``output_*`` ones for a generated token,
-``prompt_tokens``, ``id`` and megascore's ``weights_version``; megascore's own options
-and outputs under the ``megascore`` key (:mod:`megascore_server.http.extras`).
+``prompt_tokens``, ``cached_tokens`` (the input tokens read from the engine's prefix
+cache), ``id`` and megascore's ``weights_version``; megascore's own options and outputs
+under the ``megascore`` key (:mod:`megascore_server.http.extras`).
+
+``logprob_start_len`` goes to the engine as ``score_from`` (it computes nothing of the
+output head before it, and may take those positions from its prefix cache), unless the
+body has a ``megascore`` key: its outputs cover every position, as they always have, and
+it may set ``score_from`` itself (the input positions before it are then answered as
+position 0 is, with None).
 """
 
 from __future__ import annotations
@@ -31,7 +38,12 @@ from megascore_server.http.prompts import (
 from megascore_server.http.tokens import TokenStrings
 from megascore_server.service import Scored, ScoringService
 
-FIELDS = {"token_ids": "input_ids", "lengths": "input_ids", "target_ids": "token_ids_logprob"}
+FIELDS = {
+    "token_ids": "input_ids",
+    "lengths": "input_ids",
+    "target_ids": "token_ids_logprob",
+    "score_from": "megascore.score_from",
+}
 
 
 class GenerateRequest(BaseModel):
@@ -99,6 +111,9 @@ async def generate(
         except OverflowError:
             raise InvalidRequestError("token_ids_logprob: ids must fit in int64") from None
         targets = np.broadcast_to(wanted, (sum(len(p) for p in ids), k))
+    score_from = None
+    if body.return_logprob and body.megascore is None:  # the engine skips what is not shown
+        score_from = np.array([_first(body, len(p)) for p in ids], np.int64)
     batch = build_batch(
         ids,
         "input_ids",
@@ -107,6 +122,7 @@ async def generate(
         temperature=temperature_of(params.get("temperature"), "sampling_params.temperature"),
         return_next_token=max_new == 1,
         target_ids=None if targets is None else np.ascontiguousarray(targets),
+        score_from=score_from,
         need_logprobs=body.return_logprob,
     )
     scored = await service.score(
@@ -116,6 +132,11 @@ async def generate(
     encoder = _Encoder(body, scored, strings, max_new)
     answers = [encoder.answer(i, prompt, rids[i]) for i, prompt in enumerate(ids)]
     return json_response(answers if batched else answers[0])
+
+
+def _first(body: GenerateRequest, length: int) -> int:
+    """The first input position answered: ``logprob_start_len``, the last one when < 0."""
+    return length - 1 if body.logprob_start_len < 0 else body.logprob_start_len
 
 
 class _Encoder:
@@ -146,12 +167,13 @@ class _Encoder:
     def answer(self, i: int, prompt: list[int], rid: str) -> dict:
         body, start = self.body, int(self.offsets[i])
         output = [self.next_ids[i][0]] if self.max_new else []
+        cached = self.scored.output.values.get("cached_tokens")
         meta = {
             "id": rid,
             "finish_reason": {"type": "length", "length": self.max_new},
             "prompt_tokens": len(prompt),
             "completion_tokens": len(output),
-            "cached_tokens": 0,
+            "cached_tokens": 0 if cached is None else int(cached[i]),
             "weights_version": self.scored.output.weights_version,
         }
         if body.return_logprob:
@@ -163,8 +185,7 @@ class _Encoder:
 
     def _logprobs(self, i: int, prompt: list[int], start: int, output: list[int]) -> dict:
         body = self.body
-        first = len(prompt) - 1 if body.logprob_start_len < 0 else body.logprob_start_len
-        positions = range(first, len(prompt))
+        positions = range(_first(body, len(prompt)), len(prompt))
         # Position 0 has no prediction; "masked" leaves the positions outside the mask.
         live = {t: t > 0 and not self.skip[start + t] for t in positions}
         meta = {

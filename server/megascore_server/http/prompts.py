@@ -110,11 +110,16 @@ def build_batch(ids: list, field: str, megascore, **options) -> ScoreBatch:
 
 
 def unscored(batch: ScoreBatch) -> np.ndarray | None:
-    """bool ``[T]``: the positions ``logprob_positions: "masked"`` left unscored (outside
-    the loss mask; the dialects answer them as they answer position 0), or None."""
-    if batch.logprob_positions != schema.MASKED:
-        return None
-    return effective_loss_mask(batch.lengths, batch.loss_mask) == 0
+    """bool ``[T]``: the positions left unscored, which the dialects answer as they answer
+    position 0: outside the loss mask under ``logprob_positions: "masked"``, and before
+    each sequence's ``score_from``; None when there are none."""
+    outside = None
+    if batch.logprob_positions == schema.MASKED:
+        outside = effective_loss_mask(batch.lengths, batch.loss_mask) == 0
+    if batch.score_from is not None and np.any(batch.score_from):
+        before = batch.before_score_from()
+        outside = before if outside is None else outside | before
+    return outside
 
 
 def temperature_of(value, field: str) -> float | None:
