@@ -120,6 +120,7 @@ class ScoringClient(TextMethods, ClientBase):
         logprob_positions: str = "all",
         return_token_ranks: bool = False,
         return_next_token: bool = False,
+        score_from=None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -174,6 +175,14 @@ class ScoringClient(TextMethods, ClientBase):
                 sequence: the ``max(1, top_k)`` most likely next tokens and their
                 logprobs (``ScoreResult.next_token_ids`` / ``next_token_logprobs``,
                 ``[B, max(1, top_k)]``; column 0 is the greedy next token).
+            score_from: the first entry of each sequence whose outputs are returned
+                (SGLang's ``logprob_start_len``): one int for every sequence or one per
+                sequence, each in ``[0, length]`` (default: 0). The per-token outputs
+                before it hold their fill (0.0, top-k ids -1), those from it on equal
+                the outputs without it; the losses, ``num_tokens`` and the mismatch
+                statistics count only the entries from it on. The server computes no
+                output head before it and may read those tokens from its prefix cache
+                (``ScoreResult.cached_tokens``).
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -205,6 +214,7 @@ class ScoringClient(TextMethods, ClientBase):
             logprob_positions=logprob_positions,
             return_token_ranks=return_token_ranks,
             return_next_token=return_next_token,
+            score_from=score_from,
             request_id=request_id,
         )
         parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())

@@ -67,6 +67,8 @@ class Batch:
         routing: int32 ``[T, num_moe_layers, topk]`` MoE routing to replay, or None.
         target_ids: int64 ``[T, K]`` ids whose logprobs to return at each token, or None.
         rollout_logprobs: float64 ``[T]`` the rollout engine's logprobs, or None.
+        score_from: int64 ``[B]`` the first entry of each sequence whose outputs are
+            returned, or None (0 for every sequence).
     """
 
     token_ids: np.ndarray
@@ -75,6 +77,7 @@ class Batch:
     routing: np.ndarray | None = None
     target_ids: np.ndarray | None = None
     rollout_logprobs: np.ndarray | None = None
+    score_from: np.ndarray | None = None
 
     @property
     def num_target_ids(self) -> int:
@@ -95,17 +98,30 @@ class Batch:
         return int(self.token_ids.shape[0])
 
     def per_token(self) -> dict[str, np.ndarray]:
-        """The arrays with one row per token it carries (every array but ``lengths``),
-        by ``ScoreRequest`` field name: ``token_ids`` and the inputs given."""
+        """The arrays with one row per token it carries, by ``ScoreRequest`` field name:
+        ``token_ids`` and the per-token inputs given."""
         arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {name: a for name, a in arrays.items() if name != "lengths" and a is not None}
+        return {
+            name: a for name, a in arrays.items() if name not in PER_SEQUENCE and a is not None
+        }
+
+    def per_sequence(self) -> dict[str, np.ndarray]:
+        """The arrays with one value per sequence it carries besides ``lengths`` (the
+        per-sequence inputs given), by ``ScoreRequest`` field name."""
+        arrays = {name: getattr(self, name) for name in PER_SEQUENCE if name != "lengths"}
+        return {name: a for name, a in arrays.items() if a is not None}
 
     def slice(self, start: int, stop: int) -> Batch:
         """Sequences ``[start, stop)`` as a new batch (array views, no copy)."""
         offsets = self.offsets
         lo, hi = int(offsets[start]), int(offsets[stop])
         rows = {name: values[lo:hi] for name, values in self.per_token().items()}
+        rows.update({name: v[start:stop] for name, v in self.per_sequence().items()})
         return Batch(lengths=self.lengths[start:stop], **rows)
+
+
+PER_SEQUENCE = ("lengths", "score_from")
+"""The :class:`Batch` arrays with one value per sequence (the others: one row per token)."""
 
 
 def _rows(obj, lengths, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -207,6 +223,34 @@ def _per_sequence(values, seq_lengths: np.ndarray, what: str, ndim: int) -> np.n
     return np.concatenate(rows)
 
 
+def _score_from(value, seq_lengths: np.ndarray) -> np.ndarray:
+    """Checks ``score_from`` (one int for every sequence, or one per sequence): each an
+    integer in ``[0, length]``; int64 ``[B]``."""
+    values = as_numpy(value)
+    if values.ndim == 0:
+        values = np.full(seq_lengths.shape, values)
+    if values.shape != seq_lengths.shape:
+        raise InvalidInputError(
+            f"score_from: {values.size} values for {seq_lengths.size} sequences "
+            "(give one int, or one per sequence)"
+        )
+    if values.dtype.kind not in "iu":
+        whole = np.zeros(values.shape, bool)
+        if values.dtype.kind == "f":
+            whole = np.isfinite(values) & (np.floor(values) == values)
+        if not whole.all():
+            i = int(np.argmin(whole))
+            raise InvalidInputError(f"score_from: sequence {i}: {values[i]!s} is not an integer")
+    bad = np.flatnonzero((values < 0) | (values > seq_lengths))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidInputError(
+            f"score_from: sequence {i}: {int(values[i])} is outside [0, {int(seq_lengths[i])}] "
+            "(0 to the sequence length)"
+        )
+    return values.astype(np.int64)
+
+
 def make_batch(
     sequences,
     loss_mask=None,
@@ -214,6 +258,7 @@ def make_batch(
     routing=None,
     target_ids=None,
     rollout_logprobs=None,
+    score_from=None,
 ) -> Batch:
     """Validates and flattens ``score`` arguments into a :class:`Batch`.
 
@@ -227,13 +272,15 @@ def make_batch(
             array per sequence (the server checks the ids).
         rollout_logprobs: optional rollout-engine logprobs, one float ``[L_i]`` array per
             sequence (entry 0 ignored; the server checks they are finite).
+        score_from: optional first entry whose outputs are returned: one int for every
+            sequence, or one per sequence, each in ``[0, length]``.
 
     Returns:
         The batch in wire layout.
 
     Raises:
         InvalidInputError: empty batch or sequence, non-integer or negative ids, a
-            mask whose shape or values do not match.
+            mask whose shape or values do not match, a ``score_from`` out of range.
     """
     ids, seq_lengths = _rows(sequences, lengths, "sequences")
     _check_nonempty(seq_lengths, "sequences")
@@ -282,4 +329,5 @@ def make_batch(
         routing=routes,
         target_ids=targets,
         rollout_logprobs=rollout,
+        score_from=None if score_from is None else _score_from(score_from, seq_lengths),
     )

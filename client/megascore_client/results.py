@@ -67,7 +67,11 @@ class ScoreResult:
             (row 0 all 0.0); None when k = 0.
         loss: loss name -> float64 ``[B]``, one value per sequence.
         num_tokens: int64 ``[B]``: tokens that contributed to the losses (masked
-            positions 1..L-1).
+            positions 1..L-1, from ``score_from`` on).
+        cached_tokens: int64 ``[B]``: per sequence, how many of its leading tokens the
+            server's engine read from its prefix cache instead of computing them (0 when
+            none; docs/engine.md, "Prefix cache"). None from a server older than the
+            field.
         moe_metrics: MoE router metrics of the forward. For a split batch, the
             token-weighted mean over its requests.
         mtp_metrics: multi-token-prediction metrics, merged like ``moe_metrics``.
@@ -109,6 +113,7 @@ class ScoreResult:
     top_k_logprobs: list[np.ndarray] | None = None
     loss: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     num_tokens: np.ndarray | None = None
+    cached_tokens: np.ndarray | None = None
     moe_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     routing: list[np.ndarray] | None = None

@@ -5,7 +5,8 @@ A call's batch is cut, in order, into consecutive runs of sequences whose reques
 ``ModelInfo.max_message_bytes`` when known and smaller; the server uses one limit
 for what it receives and sends) and, when known, the server's
 ``max_request_tokens``. Sizes are estimated per token and per sequence: a request
-carries ``lengths`` (8 bytes a sequence) and, per token, each array it sends (ids,
+carries ``lengths`` (8 bytes a sequence), ``score_from`` when given (8 more; each part
+carries its own sequences' values) and, per token, each array it sends (ids,
 mask, routing to replay, ...: itemsize x values per token); a response the ``lengths``
 echo and every output of :data:`megascore.api.schema.OUTPUTS` the request asks for
 (:func:`response_bytes`: itemsize x values per token, e.g. ``top_k`` ids and logprobs,
@@ -204,9 +205,10 @@ def plan(
     req_tok = sum(
         values.itemsize * math.prod(values.shape[1:]) for values in batch.per_token().values()
     )
+    req_seq = lengths.itemsize + sum(v.itemsize for v in batch.per_sequence().values())
     resp_tok, resp_seq, guessed = response_bytes(options, batch)
     zero = np.zeros(1, dtype=np.int64)
-    request_cost = np.cumsum(lengths * req_tok + batch.lengths.itemsize)
+    request_cost = np.cumsum(lengths * req_tok + req_seq)
     response_cost = np.cumsum(lengths * resp_tok + resp_seq)
     prefixes = [  # (prefix sums, limit, what, whether a size over the limit is an error)
         (np.concatenate([zero, request_cost]), budget, "request bytes", True),
@@ -272,6 +274,8 @@ def build_parts(
             rows = wire_rows(sub.lengths, *found)
         for name, values in arrays.items():
             getattr(request, name).CopyFrom(encode_array(values[rows]))
+        for name, values in sub.per_sequence().items():  # one per sequence, groups or not
+            getattr(request, name).CopyFrom(encode_array(values))
         parts.append(Part(request=request, batch=sub, options=options, start=start))
     return parts
 
@@ -282,6 +286,7 @@ BATCH_ARGUMENTS = (
     "routing",
     "target_ids",
     "rollout_logprobs",
+    "score_from",
     "request_id",
 )
 """``score`` arguments that describe the batch; the others are :class:`ScoreOptions`."""
