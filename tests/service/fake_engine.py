@@ -4,7 +4,7 @@ Every per-token value is a deterministic function of the token, the previous
 token of the *same* sequence and that sequence's temperature, so a request's
 results do not depend on which other requests shared its engine step: tests
 compute the expected response from the request alone (:func:`compute`) and
-compare. Batch-level MoE / MTP metrics are token means over the step, so their
+compare (``score_from`` and ``cached_tokens`` as the real engine's table says). Batch-level MoE / MTP metrics are token means over the step, so their
 token-weighted mean over several steps equals the mean over the request. A fake
 MoE engine (``routing=RoutingShape(...)``) routes token ``x`` of every layer ``l`` to
 experts ``(x + l + j) % E``, j < k, and adds ``0.001 * sum(route)`` to the logprob of
@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from megascore.api import selection
 from megascore.api.errors import CheckpointError, InvalidRequestError, WorkerLostError
 from megascore.api.limits import Limits, RoutingShape, check_pinned_version
 from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
@@ -79,7 +80,8 @@ def compute(
         ).astype(np.float32)
         values["top_k_ids"][starts] = -1
         values["top_k_logprobs"][starts] = 0.0
-    mask = np.ones(ids.size) if batch.loss_mask is None else batch.loss_mask.astype(np.float64)
+    scored = batch.scored_mask()  # the loss mask from each sequence's score_from on
+    mask = np.ones(ids.size) if scored is None else scored.astype(np.float64)
     mask[starts] = 0.0
     weighted = mask * logprobs.astype(np.float64)
     nll = -np.add.reduceat(weighted, starts)
@@ -89,6 +91,9 @@ def compute(
     if "mean_nll" in batch.losses:
         out.losses["mean_nll"] = nll / np.maximum(count, 1)
     values["num_loss_tokens"] = count
+    values["cached_tokens"] = batch.cached_tokens()
+    if batch.score_from is not None:  # the per-token outputs before it hold their fill
+        selection.fill_positions(values, batch.before_score_from())
     if batch.return_moe_metrics:
         out.moe_metrics = {
             "load_balancing_loss": float(ids.mean() / VOCAB),

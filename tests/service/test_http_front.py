@@ -430,8 +430,8 @@ def valid_extra(name: str, lengths: list[int]):
                 return next(iter(opt.names))
             return {bool: True, int: 2, str: "v7", tuple: ["nll"]}[type(opt.default)]
     spec = next(s for s in schema.INPUTS if s.name == name)
-    if spec.per == schema.SEQUENCE:
-        return [1.5] * len(lengths)
+    if spec.per == schema.SEQUENCE:  # an integer input (score_from) refuses a fraction
+        return [1 if np.dtype(spec.dtype).kind in "iu" else 1.5] * len(lengths)
     shape = (1,) * spec.ndim
     return [np.ones((n, *shape), dtype=spec.dtype).tolist() for n in lengths]
 

@@ -160,12 +160,13 @@ def test_the_client_sizes_a_response_from_the_table(monkeypatch):
     def size(**options):
         return response_bytes(ScoreOptions(**options), batch)
 
-    # logprobs f32 + target logprobs f32 [K=2]; lengths echo + num_loss_tokens (int64)
-    assert size(losses=()) == (4 + 4 * 2, 8 + 8, False)
+    # logprobs f32 + target logprobs f32 [K=2]; lengths echo + num_loss_tokens +
+    # cached_tokens (int64)
+    assert size(losses=()) == (4 + 4 * 2, 8 + 8 + 8, False)
     # + top-k ids i64 and logprobs f32 [k]; routing i32, its shape guessed; 2 losses f64
     assert size(top_k=3, return_routing=True, losses=("nll", "mean_nll")) == (
         4 + 8 + 3 * (8 + 4) + 4 * ROUTING_VALUES_GUESS,
-        8 + 8 + 2 * 8,
+        8 + 8 + 8 + 2 * 8,
         True,
     )
     monkeypatch.setattr(schema, "OUTPUTS", (*schema.OUTPUTS, BEST))
