@@ -91,8 +91,9 @@ def _add_connection_args(parser: argparse.ArgumentParser, command: str) -> None:
     )
     group.add_argument(
         "--load-balancing",
-        choices=("pick_first", "round_robin"),
-        help="gRPC load-balancing policy over the target's addresses (default: pick_first)",
+        choices=("pick_first", "round_robin", "prefix"),
+        help="load balancing over the target's addresses: gRPC's pick_first (default) or "
+        "round_robin, or prefix (each Score request to the replica its first tokens hash to)",
     )
 
 
