@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from megascore.api.wire import encode_array
+from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import AsyncScoringClient, InvalidInputError, ScoringClient, ScoringError
 from megascore_client.inputs import make_batch
@@ -261,3 +261,26 @@ def test_a_routing_response_that_breaks_the_contract_is_internal():
         with pytest.raises(ScoringError) as info:
             decode_part(response, part)
         assert info.value.code is grpc.StatusCode.INTERNAL and expected in info.value.details
+
+
+@pytest.mark.parametrize("groups", [False, True])
+def test_score_from_travels_with_its_sequences_in_every_part(groups):
+    """Each part carries its own sequences' ``score_from`` (one per sequence, prompts
+    sent once or not), and a part's request counts its bytes."""
+    prompt = list(range(1, 40))
+    seqs = [prompt + [100 + i] * (i + 1) for i in range(30)]
+    starts = np.arange(30) % 7 + 1
+    batch = make_batch(seqs, score_from=starts)
+    options = ScoreOptions(losses=("nll",))
+    parts = build_parts(
+        batch, options, "r", max_message_bytes=LIMIT, max_request_tokens=300, groups=groups
+    )
+    assert len(parts) > 1
+    got = np.concatenate([decode_array(p.request.score_from, "s") for p in parts])
+    np.testing.assert_array_equal(got, starts)
+    for part in parts:
+        assert part.request.HasField("groups") is groups
+        assert decode_array(part.request.score_from, "s").size == part.lengths.size
+    assert not build_parts(make_batch(seqs), options, "r", max_message_bytes=LIMIT)[
+        0
+    ].request.HasField("score_from")

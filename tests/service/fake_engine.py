@@ -4,7 +4,8 @@ Every per-token value is a deterministic function of the token, the previous
 token of the *same* sequence and that sequence's temperature, so a request's
 results do not depend on which other requests shared its engine step: tests
 compute the expected response from the request alone (:func:`compute`) and
-compare (``score_from`` and ``cached_tokens`` as the real engine's table says). Batch-level MoE / MTP metrics are token means over the step, so their
+compare (``score_from`` and ``cached_tokens`` as the real engine's table says).
+Batch-level MoE / MTP metrics are token means over the step, so their
 token-weighted mean over several steps equals the mean over the request. A fake
 MoE engine (``routing=RoutingShape(...)``) routes token ``x`` of every layer ``l`` to
 experts ``(x + l + j) % E``, j < k, and adds ``0.001 * sum(route)`` to the logprob of

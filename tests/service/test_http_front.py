@@ -460,6 +460,103 @@ def test_every_table_entry_is_reachable_through_the_megascore_key(name):
         extras.read({name: {"not": "a value"}}, lengths)
 
 
+# ---------------------------------------------------------------------------- score_from, cache
+
+
+def test_cached_tokens_are_in_the_usage_and_the_meta_info(server, monkeypatch):
+    """``usage.prompt_tokens_details.cached_tokens`` is the sum of the engine's
+    ``cached_tokens`` over the prompts, ``meta_info.cached_tokens`` each prompt's (0 from
+    an engine without a prefix cache; here a fake cache that held all but the last token)."""
+    from tests.service import fake_engine
+
+    status, _, plain = call(server, "POST", "/v1/completions", completion(logprobs=0))
+    assert status == 200 and plain["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    status, _, items = call(server, "POST", "/generate", {"input_ids": PROMPTS})
+    assert status == 200 and [item["meta_info"]["cached_tokens"] for item in items] == [0, 0]
+
+    def cached(batch, *args):
+        out = compute(batch, *args)
+        out.values["cached_tokens"] = batch.lengths - 1
+        return out
+
+    monkeypatch.setattr(fake_engine, "compute", cached)
+    status, _, body = call(server, "POST", "/v1/completions", completion(logprobs=0))
+    assert status == 200, body
+    total = sum(map(len, PROMPTS))
+    assert body["usage"] == {
+        "prompt_tokens": total,
+        "completion_tokens": 0,
+        "total_tokens": total,
+        "prompt_tokens_details": {"cached_tokens": total - len(PROMPTS)},
+    }
+    assert body["choices"] == plain["choices"]  # nothing else moves
+    status, _, items = call(server, "POST", "/generate", {"input_ids": PROMPTS})
+    assert status == 200, items
+    assert [item["meta_info"]["cached_tokens"] for item in items] == [len(p) - 1 for p in PROMPTS]
+
+
+def test_logprob_start_len_goes_to_the_engine_as_score_from(server):
+    """/generate sends ``logprob_start_len`` (-1: the last token) as ``score_from``, and
+    answers as the same body did when it sliced the full answer: the body with a
+    ``megascore`` key (which keeps every position) answers the same."""
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    for start, want in ((2, [2, 2]), (0, [0, 0]), (-1, [4, 2])):
+        body = {
+            "input_ids": prompts,
+            "return_logprob": True,
+            "logprob_start_len": start,
+            "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 0},
+        }
+        status, _, got = call(server, "POST", "/generate", body)
+        assert status == 200, got
+        batch, _ = server.engine.steps[-1]
+        assert batch.score_from.tolist() == want
+        status, _, full = call(server, "POST", "/generate", {**body, "megascore": {}})
+        assert status == 200, full
+        assert server.engine.steps[-1][0].score_from is None
+        for item, whole in zip(got, full, strict=True):
+            meta, whole_meta = dict(item["meta_info"]), dict(whole["meta_info"])
+            for key in ("megascore", "id"):  # the extras asked for; each call's own id
+                meta.pop(key, None), whole_meta.pop(key, None)
+            assert meta == whole_meta and item["output_ids"] == whole["output_ids"]
+        entries = got[0]["meta_info"]["input_token_logprobs"]
+        assert [e[1] for e in entries] == prompts[0][want[0] :]
+
+
+def test_megascore_score_from_answers_the_positions_before_it_as_none(server):
+    extra = {"score_from": [2, 0], "losses": ["nll"]}
+    status, _, body = call(
+        server, "POST", "/v1/completions", completion(logprobs=0, megascore=extra)
+    )
+    assert status == 200, body
+    lps = [choice["logprobs"]["token_logprobs"] for choice in body["choices"]]
+    assert lps[0][:2] == [None, None] and lps[1][0] is None
+    assert np.allclose(lps[0][2:], expected_logprobs(PROMPTS[0])[2:], rtol=0, atol=1e-6)
+    assert np.allclose(lps[1][1:], expected_logprobs(PROMPTS[1])[1:], rtol=0, atol=1e-6)
+    nll = [choice["megascore"]["loss"]["nll"] for choice in body["choices"]]
+    assert np.isclose(nll[0], -sum(lps[0][2:]), atol=1e-5)
+    assert np.isclose(nll[1], -sum(lps[1][1:]), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        ([0, 1.5], ("megascore.score_from", "sequence 1", "not an integer")),
+        ([0, -1], ("score_from", "sequence 1", "outside [0, 3]")),
+        (5, ("score_from", "sequence 0", "outside [0, 4]")),
+        ([1, 2, 3], ("megascore.score_from", "one number per prompt")),
+    ],
+)
+def test_a_bad_score_from_is_a_400_naming_the_sequence(server, value, words):
+    extra = {"score_from": value}
+    answer = call(server, "POST", "/v1/completions", completion(logprobs=0, megascore=extra))
+    assert_error(answer, 400, *words, param="megascore.score_from")
+    body = {"input_ids": PROMPTS, "return_logprob": True, "megascore": extra}
+    assert_error(call(server, "POST", "/generate", body), 400, *words)
+    assert call(server, "POST", "/v1/completions", completion(logprobs=0))[0] == 200
+
+
 # ---------------------------------------------------------------------------- fuzz finds
 # Each body below once answered 500 or a wrong 200 (scripts/fuzz_http.py, 2026-12-05).
 
