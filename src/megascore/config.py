@@ -98,6 +98,19 @@ class EngineConfig:
     The TE backend runs dense."""
     min_shared_prefix: int = 16
     """Shortest shared prefix (in tokens) computed once when ``prefix_sharing`` is on."""
+    prefix_cache: bool | None = None
+    """Keep the keys and values of scored prefixes between calls (docs/engine.md "Prefix
+    cache"). Unset: on where it runs by default (the CPU, batch-invariant); True: on, on
+    GPU too; False: nothing is kept between calls (a call's shared prefixes still use the
+    cache's mechanism, within the call)."""
+    prefix_cache_gib: float | None = None
+    """Byte budget of the prefix cache in GiB (its keys and values on the rank that holds
+    the most, plus the outputs rank 0 keeps with them); 0 turns the cache and its key-block
+    attention off (within-step sharing then runs as without the cache). Unset: 1/8 of the
+    machine's memory, at most 4 GiB."""
+    attention_block: int = 64
+    """Positions per block of the key-block attention and of the prefix cache (a cache hit
+    covers whole blocks; a multiple of the per-sequence pad multiple)."""
 
     def __post_init__(self):
         for name in (
@@ -110,6 +123,7 @@ class EngineConfig:
             "max_target_ids",
             "logprob_chunk_tokens",
             "min_shared_prefix",
+            "attention_block",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -145,6 +159,8 @@ class EngineConfig:
             raise ValueError(
                 f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}"
             )
+        if self.prefix_cache_gib is not None and self.prefix_cache_gib < 0:
+            raise ValueError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
         if self.collective_timeout_s <= 0:
             raise ValueError("collective_timeout_s must be > 0")
         if self.load_timeout_s <= 0:

@@ -167,6 +167,15 @@ def _between(low: float, high: float, rule: str) -> Callable[[Any], str | None]:
     return check
 
 
+def _whole_numbers(values) -> str | None:
+    """A check that every value is an integer >= 0."""
+    v = np.asarray(values)
+    whole = np.issubdtype(v.dtype, np.integer) or (
+        np.issubdtype(v.dtype, np.floating) and bool((np.floor(v) == v).all())
+    )
+    return None if whole and bool((v >= 0).all()) else "must be an integer >= 0"
+
+
 def check_input(name: str, values) -> str | None:
     """The one check of input ``name``'s values (a scalar or an array; what the client,
     the wire gate and ``ScoreBatch.check`` all run): what is wrong, or None."""
@@ -195,6 +204,10 @@ INPUTS: tuple[Input, ...] = (
         fill=mismatch.DEFAULT_RATIO_CAP,
         check=_between(np.nextafter(1.0, 2.0), FLOAT32_MAX, "must be finite and > 1"),
     ),
+    # outputs from this entry on: the per-token outputs before it hold their fill, the
+    # losses count from it (ScoreBatch.scored_mask); the engine computes no head row
+    # before it and may take the rows before it from the prefix cache
+    Input("score_from", SEQUENCE, "int64", fill=0, check=_whole_numbers),
 )
 
 
@@ -319,7 +332,7 @@ OUTPUTS: tuple[Output, ...] = (
         wanted=lambda o: bool(o.losses),
         keys=lambda o: tuple(o.losses),
         finish=lambda batch, values: losses.compute_losses(
-            batch.losses, values["logprobs"], batch.lengths, batch.loss_mask
+            batch.losses, values["logprobs"], batch.lengths, batch.scored_mask()
         ),
         needs=("logprobs",),
     ),
@@ -331,7 +344,17 @@ OUTPUTS: tuple[Output, ...] = (
         "num_tokens",
         wanted=lambda o: True,
         optional=True,
-        finish=lambda batch, values: layout.count_loss_tokens(batch.lengths, batch.loss_mask),
+        finish=lambda batch, values: layout.count_loss_tokens(batch.lengths, batch.scored_mask()),
+    ),
+    Output(
+        "cached_tokens",
+        SEQUENCE,
+        "int64",
+        "cached_tokens",
+        "cached_tokens",
+        wanted=lambda o: True,
+        optional=True,
+        finish=lambda batch, values: batch.cached_tokens(),
     ),
     Output(
         "entropy",
@@ -365,7 +388,7 @@ OUTPUTS: tuple[Output, ...] = (
             values["logprobs"],
             batch.rollout_logprobs,
             batch.lengths,
-            batch.loss_mask,
+            batch.scored_mask(),
             batch.mismatch_ratio_cap,
         ),
         needs=("logprobs",),

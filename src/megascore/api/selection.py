@@ -20,7 +20,13 @@ def keep_masked_positions(values: dict, lengths: np.ndarray, loss_mask: np.ndarr
     (:func:`megascore.api.schema.positional`) holds its fill outside the loss mask (entry 0
     of each sequence included). Replaces the arrays of ``values`` (never writes into
     them: they may be views of a step's output)."""
-    outside = effective_loss_mask(lengths, loss_mask) == 0
+    fill_positions(values, effective_loss_mask(lengths, loss_mask) == 0)
+
+
+def fill_positions(values: dict, outside: np.ndarray) -> None:
+    """Every per-token output of the output head (:func:`megascore.api.schema.positional`)
+    holds its fill where ``outside`` (bool ``[T]``) is set; replaces the arrays of
+    ``values``."""
     for out in schema.OUTPUTS:
         value = values.get(out.name)
         if value is not None and schema.positional(out):

@@ -126,13 +126,24 @@ class ScoreBatch:
     * mismatch_ratio_cap: float32 ``[B]`` the importance-ratio cap of each sequence
       (:mod:`megascore.api.mismatch`; None: the default cap).
 
+    * score_from: int64 ``[B]`` the first entry of each sequence whose outputs are
+      returned (None: 0): :meth:`scored_mask`.
+
     Attributes:
         token_ids: int64 ``[T]``, all sequences concatenated.
         lengths: int64 ``[B]``, every entry >= 1, ``lengths.sum() == T``.
+        cache_hits: int64 ``[B]`` leading tokens of each sequence whose keys and values
+            the step reads from the prefix cache (a multiple of its block), or None:
+            the step's cache plan (``megascore.engine.cache``), set by rank 0 and
+            broadcast with the batch; never on the wire.
+        cache_slots: int64 ``[T]`` the cache slot of the block of every token (-1:
+            none): read below ``cache_hits``, written at and after it.
     """
 
     token_ids: np.ndarray
     lengths: np.ndarray
+    cache_hits: np.ndarray | None = None
+    cache_slots: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +165,29 @@ class ScoreBatch:
     def offsets(self) -> np.ndarray:
         """int64 ``[B+1]`` start of each sequence in ``token_ids`` (:func:`layout.offsets`)."""
         return layout.offsets(self.lengths)
+
+    def scored_mask(self) -> np.ndarray | None:
+        """uint8 ``[T]`` the loss mask with every entry before ``score_from`` zeroed (the
+        losses, their token counts and the mismatch statistics count from it); None when
+        the batch has neither (all ones)."""
+        if self.score_from is None or not np.any(self.score_from):
+            return self.loss_mask
+        mask = np.ones(self.num_tokens, np.uint8) if self.loss_mask is None else self.loss_mask
+        return np.where(self.before_score_from(), 0, mask).astype(np.uint8)
+
+    def before_score_from(self) -> np.ndarray:
+        """bool ``[T]``: the entries before their sequence's ``score_from``."""
+        if self.score_from is None:
+            return np.zeros(self.num_tokens, bool)
+        starts = np.repeat(self.offsets()[:-1], self.lengths)
+        first = np.repeat(np.asarray(self.score_from, np.int64), self.lengths)
+        return np.arange(self.num_tokens) - starts < first
+
+    def cached_tokens(self) -> np.ndarray:
+        """int64 ``[B]`` tokens of each sequence read from the prefix cache."""
+        if self.cache_hits is None:
+            return np.zeros(self.num_sequences, np.int64)
+        return np.asarray(self.cache_hits, np.int64)
 
     def temperatures(self) -> np.ndarray:
         """float32 ``[B]`` temperatures (ones when unset)."""
@@ -192,6 +226,12 @@ class ScoreBatch:
                 rule = schema.check_input(spec.name, values)
                 if rule is not None:  # the table's one check of it
                     raise InvalidRequestError(f"{spec.name}: every value {rule}")
+        if self.score_from is not None and (np.asarray(self.score_from) > lengths).any():
+            seq = int(np.flatnonzero(np.asarray(self.score_from) > lengths)[0])
+            raise InvalidRequestError(
+                f"score_from: sequence {seq}: {int(self.score_from[seq])} is beyond its "
+                f"length {int(lengths[seq])}"
+            )
         check_options(self, limits)
         check_routing(self, limits)
         check_scored_inputs(self, limits)

@@ -54,6 +54,7 @@ command is :mod:`megascore.engine.worker_loop`. Those parts are mixed into
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import time
@@ -67,6 +68,10 @@ from megascore.api.losses import loss_names
 from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 from megascore.checkpoint import parse_model_string
 from megascore.config import EngineConfig
+from megascore.engine.cache import setup as cache_setup
+from megascore.engine.cache.index import PrefixIndex
+from megascore.engine.cache.planner import PrefixCache
+from megascore.engine.cache.store import PrefixStore
 from megascore.engine.layout.segment_packing import min_shared_prefix
 from megascore.engine.outputs.routing import routing_shape
 from megascore.engine.ranks import protocol
@@ -158,6 +163,8 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
                 if names
             ),
         )
+        self._cache_sharing: int | None = None  # the prefix cache's within-step sharing
+        self._cache = self._start_prefix_cache()
         self._step = 0
         self._push: WeightStaging | None = None  # the open weight push's staged shards
         # host tensors the next push stages into (WeightStaging.buffers), from the last one
@@ -166,6 +173,59 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         self._broken: str | None = None
         self._closed = False
         self._owns_default_group = False
+
+    def _start_prefix_cache(self) -> PrefixCache | None:
+        """Every rank: the prefix cache's store (and on rank 0 its index), when the replica
+        runs it (:func:`megascore.engine.cache.setup.key_block`); within-step sharing then
+        goes through it and the step's own sharing is off. A collective over the status
+        group (the largest rank's bytes per block)."""
+        block = cache_setup.key_block(
+            self.engine_cfg,
+            self.device,
+            {
+                "cp": self.engine_cfg.context_parallel_size,
+                "dp": self.data_parallel.size,
+                "pad_multiple": self.step_cfg.pad_multiple,
+                "backend": getattr(self.loaded.model, "megascore_attention_backend", "torch"),
+            },
+        )
+        if not block:
+            return None
+        tp = self.engine_cfg.tensor_model_parallel_size
+        local = cache_setup.slot_bytes(self.loaded.model, block, tp)
+        slot = max(1, cache_setup.largest_slot(local, self.groups.status))
+        budget = cache_setup.budget_bytes(self.engine_cfg)
+        num_slots = budget // slot
+        sharing = self._cache_sharing = self.step_cfg.min_shared_prefix
+        self.step_cfg = dataclasses.replace(
+            self.step_cfg, min_shared_prefix=None, prefix_store=PrefixStore(num_slots, block)
+        )
+        if self.rank != DRIVER_RANK:
+            return None
+        logger.info(
+            "prefix cache: %d blocks of %d positions (%.1f MiB each on the largest rank, "
+            "budget %.2f GiB)%s",
+            num_slots,
+            block,
+            slot / 2**20,
+            budget / 2**30,
+            "" if self.engine_cfg.prefix_cache is not False else ", kept within a call only",
+        )
+        index = PrefixIndex(num_slots, slot, budget)
+        return PrefixCache(index, block, self.engine_cfg.prefix_cache is not False, sharing)
+
+    def _forget_prefixes(self) -> None:
+        """The served weights changed: nothing cached holds (rank 0's index is emptied);
+        a reloaded model's attention layers get the key block again."""
+        store = self.step_cfg.prefix_store
+        if store is not None:
+            cache_setup.configure(self.loaded.model, store.block)
+        if self._cache is not None:
+            self._cache.forget()
+
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        """Rank 0: the prefix cache's counters (None without a cache)."""
+        return None if self._cache is None else self._cache.stats()
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -234,16 +294,17 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
 
     @property
     def min_shared_prefix(self) -> int:
-        """The shortest prefix a step shares (0: its steps run dense); the server's
-        batcher plans a request's sequences that share one together."""
-        return self.step_cfg.min_shared_prefix or 0
+        """The shortest prefix a step shares (0: its steps run dense), by the step itself
+        or through the prefix cache; the server's batcher plans a request's sequences
+        that share one together."""
+        return self.step_cfg.min_shared_prefix or self._cache_sharing or 0
 
     @property
     def metrics_lead_rows(self) -> int:
         """Rows a continuation repeats of its prefix in a step with MoE / MTP metrics
-        (:func:`~megascore.engine.schedule.step.metrics_lead_rows`; 0: such steps run dense), for
-        the batcher's plan of such requests."""
-        if not self.min_shared_prefix or self.step_cfg.metrics_reduction != "step":
+        (:func:`~megascore.engine.schedule.step.metrics_lead_rows`; 0: such steps run dense,
+        as they do with the prefix cache), for the batcher's plan of such requests."""
+        if not self.step_cfg.min_shared_prefix or self.step_cfg.metrics_reduction != "step":
             return 0
         return metrics_lead_rows(self.loaded.model.config)
 
@@ -301,6 +362,15 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             raise WorkerLostError(f"replica is broken: {self._broken}")
         check_pinned_version(batch.weights_version, self.loaded.weights_version)
         self.check(batch)
+        if self._cache is not None and self._cache.applies(batch):
+            out = self._cache.score(batch, self._send_and_run)
+        else:
+            out = self._send_and_run(batch)
+        out.weights_version = self.loaded.weights_version
+        return out
+
+    def _send_and_run(self, batch: ScoreBatch) -> ScoreOutput:
+        """Rank 0: one step of ``batch`` on every rank."""
         self._step += 1
         try:
             protocol.send_batch(
@@ -308,9 +378,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             )
         except (RuntimeError, OSError) as e:
             raise self._mark_broken(f"broadcasting step {self._step} failed: {e}") from e
-        out = self._run_step(batch)
-        out.weights_version = self.loaded.weights_version
-        return out
+        return self._run_step(batch)
 
     def shutdown(self) -> None:
         """Tears down the replica's state on this rank.

@@ -52,7 +52,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megascore.engine.layout.packing import cp_shard_indices
 from megascore.engine.layout.segment_packing import SharedPrefixParams, prefix_rows
-from megascore.model.sdpa import attention_with_lse, chunk_attention, merge
+from megascore.model.sdpa import attention_with_lse, chunk_attention, merge, merge_ordered
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +100,32 @@ class _PrefixCall:
 
 
 @dataclasses.dataclass(frozen=True)
+class _BlockCall:
+    """Key-block attention (:func:`_build_blocked_plan`): ``n`` query blocks of ``q_len``
+    rows against ``k_len`` keys each, without a mask (every key precedes every query) or
+    causally over the block's own rows (``causal``, ``k_len == q_len``).
+
+    Attributes:
+        q_index: ``[n, q_len]`` local rows of the queries.
+        k_index: ``[n, k_len]`` rows of the keys on the key axis (packed, then cached).
+        causal: the block's own rows (written first); else the keys before the block,
+            merged into them by their log-sum-exps.
+        q_rows, k_rows: the same rows as a slice when they are consecutive.
+    """
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    causal: bool
+    q_rows: slice | None = None
+    k_rows: slice | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class _Plan:
     key: tuple
-    buckets: tuple[_Bucket, ...]
+    buckets: tuple[_Bucket, ...] = ()
     prefix_calls: tuple[_PrefixCall, ...] = ()
+    block_calls: tuple[_BlockCall, ...] = ()
 
 
 def _build_plan(
@@ -143,7 +165,7 @@ def _build_plan(
 
     # (q_len, offset, k_len, continues) -> [(local query start, key rows in the full axis)]
     groups: dict[tuple[int, int, int, bool], list[tuple[int, torch.Tensor]]] = {}
-    queries_of: dict[int, tuple] = {}  # parent -> (its prefix rows, its children's local rows)
+    queries_of: dict[tuple, tuple] = {}  # prefix -> (its rows, the local rows that read it)
     local_start = 0
     for b, length in enumerate(seg_lens):
         if length == 0:
@@ -162,8 +184,10 @@ def _build_plan(
             groups.setdefault((chunk, chunk_id * chunk, len(keys), continues), []).append(
                 (start, keys)
             )
-            if continues:  # a parent's children share their prefix rows
-                queries_of.setdefault(parents[b], (prefixes[b], []))[1].append(
+            if continues:  # a parent's children share their prefix rows; a root reads
+                # its own cached rows
+                owner = ("child", parents[b]) if parents[b] >= 0 else ("root", b)
+                queries_of.setdefault(owner, (prefixes[b], []))[1].append(
                     torch.arange(start, start + chunk)
                 )
         local_start += len(chunk_ids) * chunk
@@ -181,6 +205,64 @@ def _build_plan(
     ]
     key = (tuple(seg_lens), cp_rank, cp_size, str(device))
     return _Plan(key=key, buckets=tuple(buckets), prefix_calls=tuple(prefix_calls))
+
+
+def _build_blocked_plan(
+    seg_lens: list[int],
+    block: int,
+    device: torch.device,
+    prefixes: list[torch.Tensor] | None = None,
+    offsets: tuple[int, ...] | None = None,
+) -> _Plan:
+    """The key-block plan of one CP rank's segments (the module docstring, "Key blocks").
+
+    Every segment's rows are cut into query blocks of ``block`` positions aligned at the
+    start of its sequence (its offset is a multiple of ``block``). A block attends
+    causally to its own rows (one call for all the blocks of one length), then to every
+    key before it (the segment's prefix rows and its own earlier rows: one call per
+    query length and key count), merged by the two log-sum-exps. Each query's numbers
+    then depend only on its block's position and the keys, not on how the sequence was
+    split into a prefix, a cached part and a continuation.
+
+    Args:
+        seg_lens: padded length of every segment, in packing order.
+        block: the query / key block (rows).
+        device: where the index tensors live.
+        prefixes: per segment, the rows on the key axis of the positions before its
+            first one (:func:`megascore.engine.layout.segment_packing.prefix_rows`), or None.
+        offsets: per segment, the position of its first row (a multiple of ``block``).
+
+    Returns:
+        The plan's ``block_calls``: the causal calls first, then the prefix calls.
+    """
+    causal: dict[int, list[torch.Tensor]] = {}  # q_len -> [query rows]
+    before: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    start = 0
+    for s, length in enumerate(seg_lens):
+        offset = offsets[s] if offsets is not None else 0
+        if offset % block:
+            raise ValueError(f"segment {s}: offset {offset} is not a multiple of {block}")
+        prefix = prefixes[s] if prefixes is not None else torch.empty(0, dtype=torch.long)
+        own = torch.arange(start, start + length)
+        keys = torch.cat([prefix, own])  # key axis rows of positions 0 .. offset + length
+        for first in range(0, length, block):
+            rows = own[first : first + block]
+            causal.setdefault(len(rows), []).append(rows)
+            if offset + first:
+                before.setdefault((len(rows), offset + first), []).append(
+                    (rows, keys[: offset + first])
+                )
+        start += length
+    calls = [
+        _BlockCall(causal=True, **_indices(torch.stack(rows), torch.stack(rows), device))
+        for _, rows in sorted(causal.items())
+    ]
+    for _, entries in sorted(before.items()):
+        q_index = torch.stack([rows for rows, _ in entries])
+        k_index = torch.stack([keys for _, keys in entries])
+        calls.append(_BlockCall(causal=False, **_indices(q_index, k_index, device)))
+    key = (tuple(seg_lens), block, str(device))
+    return _Plan(key=key, block_calls=tuple(calls))
 
 
 def _indices(q_index: torch.Tensor, k_index: torch.Tensor, device) -> dict:
@@ -273,19 +355,30 @@ class TorchCoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self.key_block = 0
+        """Query / key block of the key-block attention (0: one call per segment); set by
+        the engine (``megascore.engine.weights.served_model``) in batch-invariant mode."""
+        self.cache_index = -1
+        """This module's layer in the prefix cache (``megascore.engine.cache.store``)."""
 
     def _plan(self, seg_lens: list[int], params: PackedSeqParams | None, device) -> _Plan:
         cp_size = self.cp_group.size() if self.cp_group is not None else 1
         cp_rank = self.cp_group.rank() if cp_size > 1 else 0
-        key = (tuple(seg_lens), cp_rank, cp_size, str(device))
+        blocked = self.key_block if cp_size == 1 else 0
+        key = (tuple(seg_lens), cp_rank, cp_size, str(device), blocked)
         # the plan is shared by every layer of one forward: cache it on the params object
         cached = getattr(params, _PLAN_ATTR, None) if params is not None else None
         if cached is not None and cached.key == key:
             return cached
-        prefixes, parents = None, None
+        prefixes, parents, offsets = None, None, None
         if isinstance(params, SharedPrefixParams):
             prefixes, parents = prefix_rows(params), params.segment_parents
-        plan = _build_plan(seg_lens, cp_rank, cp_size, device, prefixes, parents)
+            offsets = params.segment_offsets
+        if blocked:
+            plan = _build_blocked_plan(seg_lens, blocked, device, prefixes, offsets)
+        else:
+            plan = _build_plan(seg_lens, cp_rank, cp_size, device, prefixes, parents)
+        plan = dataclasses.replace(plan, key=key)
         if params is not None:
             setattr(params, _PLAN_ATTR, plan)
         return plan
@@ -304,7 +397,12 @@ class TorchCoreAttention(MegatronModule):
         rows by their log-sum-exps. q/k: [t(_k), heads/groups, dim], v: [t_k, groups,
         v_dim] -> [t, heads, v_dim]."""
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # [t, heads, v_dim]
-        lse = q.new_zeros(q.shape[:-1], dtype=torch.float32) if plan.prefix_calls else None
+        merges = plan.prefix_calls or plan.block_calls
+        lse = q.new_zeros(q.shape[:-1], dtype=torch.float32) if merges else None
+        if plan.block_calls:
+            for call in plan.block_calls:
+                self._run_block_call(q, k, v, call, out, lse)
+            return out
         if plan.prefix_calls and self.training and self.dropout_p:
             raise ValueError("shared prefixes need attention dropout 0")
         for bucket in plan.buckets:
@@ -324,6 +422,27 @@ class TorchCoreAttention(MegatronModule):
             merged = merge(own_out, own_lse, ob[0].permute(1, 0, 2), lb[0].permute(1, 0))
             _put(out, call.q_index, call.q_rows, merged.to(out.dtype))
         return out
+
+    def _run_block_call(self, q, k, v, call: _BlockCall, out: torch.Tensor, lse) -> None:
+        """One key-block call: a causal one writes its rows' output and log-sum-exp, a
+        call over the keys before the blocks merges into them (always in that order)."""
+        ob, lb = attention_with_lse(  # [n, heads, q_len, v_dim], [n, heads, q_len]
+            _take(q, call.q_index, call.q_rows).permute(0, 2, 1, 3),
+            _take(k, call.k_index, call.k_rows).permute(0, 2, 1, 3),
+            _take(v, call.k_index, call.k_rows).permute(0, 2, 1, 3),
+            causal=call.causal,
+            mask=None,
+            scale=self.softmax_scale,
+        )
+        ob, lb = ob.permute(0, 2, 1, 3), lb.permute(0, 2, 1)  # [n, q_len, heads, ...]
+        if call.causal:
+            _put(out, call.q_index, call.q_rows, ob.to(out.dtype))
+            _put(lse, call.q_index, call.q_rows, lb)
+            return
+        own_out = _take(out, call.q_index, call.q_rows)
+        own_lse = _take(lse, call.q_index, call.q_rows)
+        merged = merge_ordered(ob, lb, own_out, own_lse)
+        _put(out, call.q_index, call.q_rows, merged.to(out.dtype))
 
     def _run_bucket(self, q, k, v, bucket: _Bucket, out: torch.Tensor, lse) -> None:
         """One bucket's SDPA call into ``out`` (and its log-sum-exps into ``lse`` for
@@ -399,7 +518,11 @@ class TorchCoreAttention(MegatronModule):
                     f"{query.shape[0]} x cp {cp_size}"
                 )
             plan = self._plan(seg_lens, packed_seq_params, query.device)
-            out = self._attend(query, self._gather_cp(key), self._gather_cp(value), plan)
+            key, value = self._gather_cp(key), self._gather_cp(value)
+            cache = getattr(packed_seq_params, "prefix_cache", None)
+            if cache is not None:  # this layer's rows to cache; the cached rows read
+                key, value = cache.extend(self.cache_index, key, value)
+            out = self._attend(query, key, value, plan)
             return out.reshape(out.shape[0], -1)  # [t, heads * dim]
 
         # plain [s, b, h, d]: every batch row is one sequence of s * cp tokens

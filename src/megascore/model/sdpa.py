@@ -127,3 +127,13 @@ def merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
     top = torch.maximum(lse_a, lse_b)
     wa, wb = (lse_a - top).exp()[..., None], (lse_b - top).exp()[..., None]
     return (out_a.float() * wa + out_b.float() * wb) / (wa + wb)
+
+
+def merge_ordered(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """:func:`merge` whose every row's bits depend on that row alone: the two weights are
+    one softmax over the pair (a per-row kernel), not an elementwise ``exp`` over the
+    tensor (whose vectorised loop leaves each thread's last elements to a scalar ``exp``,
+    so a row's bits would depend on the tensor's size: ``megascore.model.batch_invariant``).
+    ``out`` ``[..., v_dim]``, ``lse`` float32 ``[...]``; ``a`` is always the keys before."""
+    weights = torch.softmax(torch.stack([lse_a, lse_b], -1), -1)  # [..., 2]
+    return out_a.float() * weights[..., :1] + out_b.float() * weights[..., 1:]

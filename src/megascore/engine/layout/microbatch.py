@@ -90,6 +90,7 @@ def build_microbatch(
     has_request_mask: bool,
     lengths: np.ndarray | None = None,
     head_inputs: dict[str, np.ndarray] | None = None,
+    cache=None,
 ) -> Microbatch:
     """Packs one microbatch for this rank's CP rank.
 
@@ -106,6 +107,8 @@ def build_microbatch(
         lengths: int64 ``[B_mb]`` the microbatch's sequence lengths (with ``head_inputs``
             or shared segments).
         head_inputs: token-aligned ``[T_mb, ...]`` head inputs by name (none: None).
+        cache: the microbatch's cached rows and cache view
+            (:func:`megascore.engine.cache.store.microbatch_cache`), or None.
 
     Returns:
         The :class:`Microbatch`. Without sequences (``lengths`` empty) it is the padding
@@ -119,6 +122,7 @@ def build_microbatch(
         cp_rank=cp_rank,
         cp_size=cp_size,
         pad_segment=True,
+        cache=cache,
     )
     cu_padded = packed.cu_seqlens_padded.to("cpu", torch.int64)
     shard = packed.shard_indices

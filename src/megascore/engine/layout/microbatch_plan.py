@@ -172,6 +172,7 @@ def plan_microbatches(
     labels: np.ndarray | None = None,
     lead_rows: int = 1,
     cuts: MicrobatchPlan | None = None,
+    offsets: np.ndarray | None = None,
 ) -> tuple[list[MicrobatchSegments], int]:
     """Splits a step into microbatches, computing shared prefixes once when asked.
 
@@ -193,6 +194,8 @@ def plan_microbatches(
             (:func:`~megascore.engine.layout.prefix_tree.shared_layout`).
         cuts: the step's given microbatches (:mod:`megascore.engine.schedule.data_parallel`,
             whose ``segments`` replace ``min_shared``); None: cut here.
+        offsets: int64 ``[B]`` the position of each sequence's first token (dense only:
+            the tokens before it are read from the prefix cache); None: zeros.
 
     Returns:
         ``(plans, pad_to)``: the microbatches in order and their common packed length.
@@ -218,5 +221,6 @@ def plan_microbatches(
     for a, b in cuts.ranges:
         seqs = np.arange(a, b, dtype=np.int64)
         tokens = token_ids[layout.token_index(lengths, seqs)]
-        plans.append(MicrobatchSegments(seqs, dense_layout(tokens, lengths[seqs])))
+        starts = None if offsets is None else np.asarray(offsets, np.int64)[seqs]
+        plans.append(MicrobatchSegments(seqs, dense_layout(tokens, lengths[seqs], starts)))
     return plans, cuts.pad_to

@@ -67,8 +67,8 @@ class SegmentLayout:
 
     @property
     def shared(self) -> bool:
-        """Whether any segment continues another one."""
-        return bool((self.parents >= 0).any())
+        """Whether any segment continues another one or a cached prefix."""
+        return bool((self.parents >= 0).any() or (self.offsets > 0).any())
 
     @property
     def rows_shared(self) -> bool:
@@ -77,8 +77,14 @@ class SegmentLayout:
         return bool(np.unique(self.token_rows).size < self.token_rows.size)
 
 
-def dense_layout(token_ids: np.ndarray, lengths: np.ndarray) -> SegmentLayout:
-    """Every sequence its own root segment (nothing shared)."""
+def dense_layout(
+    token_ids: np.ndarray, lengths: np.ndarray, offsets: np.ndarray | None = None
+) -> SegmentLayout:
+    """Every sequence its own root segment (nothing shared).
+
+    ``offsets`` (int64 ``[B]``, None: zeros): the position of each sequence's first token;
+    the positions before it are a cached prefix (``megascore.engine.cache``), which the
+    segment's rows attend to first."""
     lengths = np.asarray(lengths, dtype=np.int64)
     count = len(lengths)
     rows = np.arange(int(lengths.sum()), dtype=np.int64)
@@ -86,7 +92,7 @@ def dense_layout(token_ids: np.ndarray, lengths: np.ndarray) -> SegmentLayout:
         token_ids=np.asarray(token_ids, dtype=np.int64),
         lengths=lengths,
         parents=np.full(count, -1, dtype=np.int64),
-        offsets=np.zeros(count, dtype=np.int64),
+        offsets=np.zeros(count, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64),
         sequences=np.arange(count, dtype=np.int64),
         row_source=rows,
         token_rows=rows,

@@ -48,11 +48,18 @@ class SharedPrefixParams(PackedSeqParams):
         segment_parents: parent of each segment (-1: a root), parents first.
         segment_lengths: real tokens of each segment (its padded length is in the bounds).
         segment_offsets: position of each segment's first row in its sequences.
+        cached_rows: per root segment with an offset, the rows of its cached prefix on
+            the attention's key axis (after the packed rows: ``megascore.engine.cache``);
+            empty where none.
+        prefix_cache: the step's :class:`megascore.engine.cache.store.CacheView` (what
+            every attention layer writes to and reads from the cache), or None.
     """
 
     segment_parents: tuple[int, ...] = ()
     segment_lengths: tuple[int, ...] = ()
     segment_offsets: tuple[int, ...] = ()
+    cached_rows: tuple[torch.Tensor, ...] = ()
+    prefix_cache: object | None = None
 
 
 def prefix_rows(params: SharedPrefixParams) -> list[torch.Tensor]:
@@ -60,7 +67,8 @@ def prefix_rows(params: SharedPrefixParams) -> list[torch.Tensor]:
 
     A child sees the rows of the positions before its first one: its parent's prefix
     rows, then the parent's own rows (its lead rows repeat the parent's last ones), so
-    segment ``s`` gets ``segment_offsets[s]`` rows.
+    segment ``s`` gets ``segment_offsets[s]`` rows. A root with an offset sees its cached
+    rows (``cached_rows``).
 
     Returns:
         int64 CPU tensors, one per segment (empty for a root).
@@ -70,7 +78,10 @@ def prefix_rows(params: SharedPrefixParams) -> list[torch.Tensor]:
     rows: list[torch.Tensor] = []
     for s, parent in enumerate(params.segment_parents):
         if parent < 0:
-            rows.append(torch.empty(0, dtype=torch.long))
+            cached = params.cached_rows[s] if s < len(params.cached_rows) else None
+            rows.append(torch.empty(0, dtype=torch.long) if cached is None else cached)
+            if len(rows[s]) != offsets[s]:
+                raise ValueError(f"segment {s}: {len(rows[s])} cached rows, offset {offsets[s]}")
             continue
         own = torch.arange(params.segment_lengths[parent]) + starts[parent]
         rows.append(torch.cat([rows[parent], own])[: offsets[s]])
@@ -88,6 +99,7 @@ def pack_layout(
     cp_rank: int,
     cp_size: int,
     pad_segment: bool = False,
+    cache=None,
 ) -> PackedSequences:
     """Packs a microbatch's segments.
 
@@ -101,6 +113,8 @@ def pack_layout(
         cp_size: CP group size.
         pad_segment: the padding up to ``pad_to`` is a segment of its own
             (:func:`~megascore.engine.layout.packing.pack_sequences`); it continues nothing.
+        cache: ``(cached_rows, view)`` of a step that reads or writes the prefix cache
+            (:func:`megascore.engine.cache.store.microbatch_cache`), or None.
 
     Returns:
         The :class:`~megascore.engine.layout.packing.PackedSequences` of the segments: its
@@ -115,7 +129,7 @@ def pack_layout(
         cp_size=cp_size,
         pad_segment=pad_segment,
     )
-    if not segments.shared:
+    if not segments.shared and cache is None:
         return packed
     p = packed.packed_seq_params
     padded = p.cu_seqlens_q_padded.diff().tolist()  # host boundaries
@@ -128,6 +142,8 @@ def pack_layout(
         segment_parents=tuple(parents),
         segment_lengths=tuple(int(x) for x in segments.lengths) + (0,) * extra,
         segment_offsets=tuple(offsets),
+        cached_rows=() if cache is None else tuple(cache[0]),
+        prefix_cache=None if cache is None else cache[1],
     )
     params.max_seqlen_q = params.max_seqlen_kv = longest  # RoPE table length
     return packed._replace(packed_seq_params=params)

@@ -42,7 +42,10 @@ Payloads, in order, after the header:
 
 * FORWARD: int64 ``[T + B]`` (token ids, then lengths); then every input the flags
   announce, in ``INPUTS`` order: ``[T, *dims]`` or ``[B]`` values of its dtype, flat
-  (today: uint8 loss mask, float32 temperatures, int32 routing to replay).
+  (today: uint8 loss mask, float32 temperatures, int32 routing to replay); then, when
+  flag ``CACHE_FLAG`` is set, the prefix-cache plan: int64 ``[B + 1]`` (each sequence's
+  cached tokens, then the number of slots ``S``) and int64 ``[S]`` (the slot of every
+  block of every sequence, ``megascore.engine.cache.store``).
 * RELOAD: uint8 ``[path_bytes + version_bytes]``, the two UTF-8 strings
   (nothing when both are empty).
 * SHUTDOWN: nothing.
@@ -106,6 +109,8 @@ FORWARD_SLOTS = (_H_TOP_K, 8, 9, 10, 11, 12, 13, 14, 15)
 """Header slots a FORWARD gives to the integer options, then to the inputs' dimensions."""
 INPUT_FLAG_BASE = 16
 """Flag bit of ``INPUTS[0]`` being sent (the boolean options take the bits below)."""
+CACHE_FLAG = 1 << 48
+"""FORWARD flag: the batch carries a prefix-cache plan (``cache_hits``, ``cache_slots``)."""
 WEIGHTS_FLAG_PARTIAL = 1 << 0
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -273,6 +278,11 @@ def send_batch(
         if value is not None:
             flags |= 1 << (INPUT_FLAG_BASE + i)
             payloads.append(np.ascontiguousarray(value, dtype=spec.dtype).reshape(-1))
+    if batch.cache_hits is not None:  # [B] hits, then the slots of every block
+        flags |= CACHE_FLAG
+        count = [len(batch.cache_slots)]
+        payloads.append(np.concatenate([batch.cache_hits, count]).astype(np.int64))
+        payloads.append(np.asarray(batch.cache_slots, dtype=np.int64))
     slots[_H_FLAGS] = flags
     # ids_and_lengths: [T + B], token ids then lengths, one collective for both.
     ids_and_lengths = np.concatenate(
@@ -492,6 +502,23 @@ def recv_command(
             )
             _bcast(buffer, src, group)
             fields[spec.name] = buffer.cpu().numpy().reshape(shape)
+    if flags & CACHE_FLAG:
+        fields["cache_hits"], fields["cache_slots"] = _recv_cache_plan(
+            fields["lengths"], src, group, device
+        )
     batch = ScoreBatch(**fields)
     logger.debug("step %d: received FORWARD T=%d B=%d", extra.step, num_tokens, num_sequences)
     return Received(command, batch, extra)
+
+
+def _recv_cache_plan(lengths: np.ndarray, src, group, device) -> tuple[np.ndarray, np.ndarray]:
+    """A FORWARD's cache plan: int64 ``[B + 1]`` hits and the number of slots, then the
+    slots of every block."""
+    head = torch.empty(len(lengths) + 1, dtype=torch.int64, device=device)
+    _bcast(head, src, group)
+    hits = head.cpu().numpy()
+    if hits[-1] < 0:
+        raise ProtocolError(f"negative cache slot count {hits[-1]}")
+    slots = torch.empty(int(hits[-1]), dtype=torch.int64, device=device)
+    _bcast(slots, src, group)
+    return hits[:-1].copy(), slots.cpu().numpy()

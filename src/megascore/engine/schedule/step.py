@@ -46,6 +46,7 @@ from megascore.api import layout, schema
 from megascore.api.errors import WorkerLostError
 from megascore.api.metric_sums import MetricSums
 from megascore.api.types import ScoreBatch
+from megascore.engine.cache.store import PrefixStore, microbatch_cache
 from megascore.engine.layout.microbatch import Microbatch, build_microbatch
 from megascore.engine.layout.microbatch_plan import (
     MicrobatchPlan,
@@ -109,6 +110,8 @@ class StepConfig:
             step-level metric statistics are summed); False: copies of one batch.
         min_shared_prefix: shortest prefix the step's sequences share that is computed
             once (:mod:`megascore.engine.layout.prefix_tree`); None: every sequence computed whole.
+        prefix_store: this rank's shard of the prefix cache (:mod:`megascore.engine.cache`),
+            which a batch with a cache plan reads and writes; None: no cache.
     """
 
     pad_multiple: int
@@ -122,6 +125,7 @@ class StepConfig:
     metrics_reduction: str = "step"
     data_parallel_split: bool = False
     min_shared_prefix: int | None = None
+    prefix_store: PrefixStore | None = None
 
 
 @dataclasses.dataclass
@@ -228,18 +232,21 @@ def _plan(
     lengths = np.asarray(batch.lengths, dtype=np.int64)
     cp_size = dist.get_world_size(groups.cp)
     want_moe, want_mtp = _metrics_forward(model, batch)
+    cached = batch.cache_hits is not None
     layouts, pad_to = plan_microbatches(
         batch.token_ids,
         lengths,
         pad_multiple=cfg.pad_multiple,
         count=cfg.microbatches,
-        min_shared=shared_prefix(model, batch, cfg),
+        min_shared=None if cached else shared_prefix(model, batch, cfg),
         token_keys=token_keys(batch),
         labels=batch.temperatures(),
         lead_rows=lead_rows(model, batch),
         cuts=cuts,
+        offsets=batch.cache_hits,
     )
-    target_mask = layout.effective_loss_mask(lengths, batch.loss_mask).astype(np.float32)
+    slots = _sequence_slots(batch, cfg.prefix_store) if cached else None
+    target_mask = layout.effective_loss_mask(lengths, batch.scored_mask()).astype(np.float32)
     temps = None if batch.temperature is None else np.asarray(batch.temperature)
     tokens = [layout.token_index(lengths, mb.sequences) for mb in layouts]
     head_inputs = {name: np.asarray(v) for name, v in schema.head_inputs(batch).items()}
@@ -256,6 +263,17 @@ def _plan(
             has_request_mask=batch.loss_mask is not None,
             lengths=lengths[mb.sequences],
             head_inputs={name: values[tok] for name, values in head_inputs.items()},
+            cache=None
+            if slots is None
+            else microbatch_cache(
+                mb.segments.offsets,
+                mb.segments.lengths,
+                [slots[b] for b in mb.sequences[mb.segments.sequences]],
+                pad_to,
+                layout.offsets(layout.padded_lengths(mb.segments.lengths, cfg.pad_multiple))[:-1],
+                cfg.prefix_store,
+                cfg.device,
+            ),
         )
         for mb, tok in zip(layouts, tokens, strict=True)
     ]
@@ -280,6 +298,19 @@ def _plan(
         or not any(out.wanted(batch) for out in outputs if not schema.at_last_row(out)),
     )
     return _Plan(microbatches, layouts, tokens, pad_to, spec, record, want_moe, want_mtp)
+
+
+def _sequence_slots(batch: ScoreBatch, store: PrefixStore | None) -> list[np.ndarray]:
+    """Per sequence, the cache slot of each block of it (``ScoreBatch.cache_slots``: the
+    blocks of ``cache_hits + length`` positions, sequence after sequence)."""
+    if store is None:
+        raise ValueError("the batch carries a cache plan, this replica has no prefix cache")
+    full = np.asarray(batch.cache_hits, np.int64) + np.asarray(batch.lengths, np.int64)
+    counts = -(-full // store.block)
+    bounds = layout.offsets(counts)
+    if int(bounds[-1]) != len(batch.cache_slots):
+        raise ValueError(f"cache plan: {len(batch.cache_slots)} slots for {int(bounds[-1])} blocks")
+    return [np.asarray(batch.cache_slots[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def _set_replay(model, batch: ScoreBatch, plan: _Plan, groups: StepGroups, cfg: StepConfig):

@@ -73,16 +73,24 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         values[name] = packed.numpy() if flat else index.to_flat(packed, out.fill)
     if batch.return_routing and batch.routing is None:  # recorded: each token's routes
         values["routing"] = result.routing.numpy()[result.token_positions.numpy()].astype(np.int32)
-    for out in schema.OUTPUTS:
-        if out.finish is not None and out.wanted(batch):
-            values[out.name] = out.finish(batch, values)
-    if batch.logprob_positions == schema.MASKED:  # e.g. importance weights from the fill
-        selection.keep_masked_positions(values, batch.lengths, batch.loss_mask)
-    if not batch.return_logprobs:
-        values.pop("logprobs", None)
     return ScoreOutput(
-        values=values,
+        values=finish_values(batch, values),
         moe_metrics=result.moe_metrics if batch.return_moe_metrics else {},
         mtp_metrics=result.mtp_metrics if batch.return_mtp_metrics else {},
         metric_sums=result.metric_sums,
     )
+
+
+def finish_values(batch: ScoreBatch, values: dict) -> dict:
+    """The outputs of the table computed from the head's (``values``, flat, in place):
+    every wanted ``finish``, then the fills of ``logprob_positions`` / ``score_from``."""
+    for out in schema.OUTPUTS:
+        if out.finish is not None and out.wanted(batch):
+            values[out.name] = out.finish(batch, values)
+    if batch.logprob_positions == schema.MASKED:  # e.g. importance weights from the fill
+        selection.keep_masked_positions(values, batch.lengths, batch.scored_mask())
+    elif batch.score_from is not None:
+        selection.fill_positions(values, batch.before_score_from())
+    if not batch.return_logprobs:
+        values.pop("logprobs", None)
+    return values

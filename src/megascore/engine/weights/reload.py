@@ -118,4 +118,5 @@ class WeightReload:
                 f"overwritten: {error if error is not None else 'see the log of those ranks'}"
             )
         self.loaded = new
+        self._forget_prefixes()
         logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)

@@ -158,6 +158,7 @@ class WeightPushHandler:
             self._staging_buffers = {}  # apply frees the staged tensors it does not hand back
             self._staging_buffers = push.apply()
             self.loaded.weights_version = message.version
+            self._forget_prefixes()
             logger.info(
                 "rank %d: %d pushed parameters swapped in (%.1f MB of tensor parts sent, "
                 "%.1f MB received); now serving %s",

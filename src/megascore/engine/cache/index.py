@@ -1,0 +1,198 @@
+"""Rank 0's index of the prefix cache: which blocks are cached, in which slot, with which
+outputs; what to evict (numpy, torch-free).
+
+A block is keyed by a hash chain over the token ids (:func:`chain_keys`): block ``j``'s
+key hashes block ``j - 1``'s key and the block's own tokens, so a key names the whole
+prefix up to the block's end, and a sequence's cached prefix is its longest run of keys
+present from block 0 on.
+
+Memory: every block holds one slot on every rank (its keys and values) and, on rank 0,
+the outputs stored with it (:class:`BlockOutputs`); the two together stay within the
+byte budget.
+
+Eviction is a segmented LRU (:class:`PrefixIndex`): a new block enters the *probation*
+segment; a block that is read (a hit) moves to the *protected* segment, which holds at
+most ``protected_share`` of the slots (its least recently used block falls back to
+probation). A block is evicted from the probation segment first, least recently used
+first, and with it every block that continues it (they are unreachable without it).
+One client's stream of new, never repeated prefixes therefore cycles through probation
+and cannot push out prefixes that were hit; a turn's history stays for the next turn as
+long as probation holds the newer prefixes that arrive meanwhile. Blocks a step reads are
+pinned while it is planned (never evicted to make room for that step's new blocks); the
+step runs before the next is planned, so a running step's blocks are never evicted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import numpy as np
+
+
+def chain_keys(token_ids: np.ndarray, block: int, count: int) -> list[bytes]:
+    """Keys of the first ``count`` full blocks of one sequence's ``token_ids``."""
+    ids = np.ascontiguousarray(token_ids, dtype=np.int64)
+    keys, key = [], b""
+    for j in range(count):
+        key = hashlib.blake2b(key + ids[j * block : (j + 1) * block].tobytes(), digest_size=16).digest()
+        keys.append(key)
+    return keys
+
+
+@dataclasses.dataclass
+class BlockOutputs:
+    """The per-token outputs of one cached block, from the step that computed it.
+
+    Attributes:
+        values: output name -> ``[block, ...]``: the entries ``j * block + 1 ..
+            (j + 1) * block`` of block ``j``'s sequence (the predictions its rows make).
+        next_token: the token at ``(j + 1) * block`` that the last entry predicts (it
+            follows the block; -1: the sequence ended there and the entry holds a fill).
+    """
+
+    values: dict[str, np.ndarray]
+    next_token: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.values.values())
+
+
+@dataclasses.dataclass
+class Block:
+    """One cached block."""
+
+    key: bytes
+    parent: bytes | None
+    slot: int
+    outputs: dict[bytes, BlockOutputs] = dataclasses.field(default_factory=dict)
+    children: set[bytes] = dataclasses.field(default_factory=set)
+
+
+MAX_OUTPUT_SETS = 2
+"""Output sets (by signature: temperature, top-k, ...) one block keeps, newest first."""
+
+
+class PrefixIndex:
+    """The blocks, their slots and the segmented LRU (module docstring).
+
+    Args:
+        num_slots: slots on every rank.
+        slot_bytes: bytes of one slot on the rank that holds the most per slot.
+        budget_bytes: what the slots in use plus the stored outputs may take.
+        protected_share: the share of the slots the protected segment may hold.
+    """
+
+    def __init__(
+        self, num_slots: int, slot_bytes: int, budget_bytes: int, protected_share: float = 0.5
+    ):
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.budget_bytes = budget_bytes
+        self.protected_cap = int(num_slots * protected_share)
+        self.blocks: dict[bytes, Block] = {}
+        self._probation: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._protected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.output_bytes = 0
+        self.evictions = 0
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the cached blocks take: their slots (on the largest rank) and outputs."""
+        return len(self.blocks) * self.slot_bytes + self.output_bytes
+
+    def hits(self, keys: list[bytes]) -> int:
+        """How many of ``keys`` (a sequence's chain) are cached from the first on."""
+        n = 0
+        while n < len(keys) and keys[n] in self.blocks:
+            n += 1
+        return n
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Marks a read chain most recently used (the first block last: a block is never
+        older than the blocks that continue it) and protects it."""
+        for key in reversed(keys):
+            self._probation.pop(key, None)
+            self._protected.pop(key, None)
+            self._protected[key] = None
+        while len(self._protected) > self.protected_cap:
+            key, _ = self._protected.popitem(last=False)
+            self._probation[key] = None
+
+    def allocate(self, pinned: set[bytes]) -> int | None:
+        """A free slot, evicting the least recently used unpinned blocks as needed (and
+        while the budget is exceeded); None when everything left is pinned."""
+        while not self._free or self.stored_bytes + self.slot_bytes > self.budget_bytes:
+            if not self._evict_one(pinned):
+                return None
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        """Gives back a slot :meth:`allocate` handed out that holds no block."""
+        self._free.append(slot)
+
+    def insert(self, key: bytes, parent: bytes | None, slot: int) -> Block:
+        """A new block in ``slot`` (probation, most recently used)."""
+        block = Block(key=key, parent=parent, slot=slot)
+        self.blocks[key] = block
+        if parent is not None:
+            self.blocks[parent].children.add(key)
+        self._probation[key] = None
+        return block
+
+    def add_outputs(self, key: bytes, signature: bytes, outputs: BlockOutputs, pinned) -> None:
+        """Stores a block's outputs under ``signature`` (within the budget: evicts others
+        first; drops them when that is not possible)."""
+        block = self.blocks[key]
+        old = block.outputs.pop(signature, None)
+        if old is not None:
+            self.output_bytes -= old.nbytes
+        while self.stored_bytes + outputs.nbytes > self.budget_bytes:
+            if not self._evict_one(pinned | {key}):
+                return
+        if len(block.outputs) >= MAX_OUTPUT_SETS:
+            oldest = next(iter(block.outputs))
+            self.output_bytes -= block.outputs.pop(oldest).nbytes
+        block.outputs[signature] = outputs
+        self.output_bytes += outputs.nbytes
+
+    def clear(self) -> None:
+        """Forgets every block (new weights: nothing cached holds)."""
+        self.blocks.clear()
+        self._probation.clear()
+        self._protected.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self.output_bytes = 0
+
+    def _evict_one(self, pinned: set[bytes]) -> bool:
+        for segment in (self._probation, self._protected):
+            for key in segment:
+                if key not in pinned and not self._pins_below(key, pinned):
+                    self._evict(key)
+                    return True
+        return False
+
+    def _pins_below(self, key: bytes, pinned: set[bytes]) -> bool:
+        """Whether a block that continues ``key`` is pinned (evicting ``key`` evicts it)."""
+        stack = list(self.blocks[key].children)
+        while stack:
+            child = stack.pop()
+            if child in pinned:
+                return True
+            stack.extend(self.blocks[child].children)
+        return False
+
+    def _evict(self, key: bytes) -> None:
+        block = self.blocks.pop(key)
+        for child in list(block.children):
+            self._evict(child)
+        if block.parent is not None and block.parent in self.blocks:
+            self.blocks[block.parent].children.discard(key)
+        self._probation.pop(key, None)
+        self._protected.pop(key, None)
+        self.output_bytes -= sum(o.nbytes for o in block.outputs.values())
+        self._free.append(block.slot)
+        self.evictions += 1

@@ -1,0 +1,354 @@
+"""Rank 0's side of the prefix cache: each step's plan, the step on the uncached tails,
+the outputs joined back (numpy, torch-free).
+
+:meth:`PrefixCache.score` runs a batch as steps of the replica:
+
+1. **Shared prefixes first.** Sequences of the batch that share a prefix the cache does
+   not hold yet (aligned to the block, at least ``min_shared`` new tokens, one more
+   token after it that they also share) get it computed once, in a step of its own
+   whose sequences are those prefixes (recursively: prefixes they share in turn are
+   computed before them). Within-step sharing is this same mechanism.
+2. **The plan.** Per sequence, the longest run of cached blocks from its start, cut so
+   that the sequence's last row is computed, and, where its outputs are asked for
+   (``score_from``), to blocks that hold outputs stored under the same options
+   (:func:`_signature`) and, for the last one, the same next token. New full blocks get
+   slots. The batch sent to the ranks is the *tails*: every sequence from its first
+   uncached token on, with ``cache_hits`` / ``cache_slots`` saying what each reads and
+   writes (:mod:`megascore.engine.cache.store`).
+3. **The outputs.** Each per-token output of the head is the stored entries of the
+   cached blocks, then the tail's; the per-sequence outputs (losses, counts, mismatch
+   statistics) are computed on the whole sequences
+   (:func:`megascore.engine.schedule.step_output.finish_values`). The new blocks enter
+   the index with their outputs only once the step succeeded.
+
+A cached block's keys and values are the bits the dense forward computes at those
+positions (key-block attention, batch-invariant matmuls: docs/engine.md "Prefix
+cache"), so a tail attends to exactly what it would have computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+
+import numpy as np
+
+from megascore.api import layout, schema
+from megascore.api.types import ScoreBatch, ScoreOutput
+from megascore.engine.cache.index import BlockOutputs, PrefixIndex, chain_keys
+from megascore.engine.schedule.step_output import finish_values
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """One sequence's plan.
+
+    Attributes:
+        keys: chain keys of its full blocks.
+        hit: blocks read from the cache.
+        slots: slot of every block (``ceil(length / block)``; -1: not written).
+        new: slots handed out for it that hold no block yet.
+        signature: what its stored outputs are keyed by (per block).
+    """
+
+    keys: list[bytes]
+    hit: int
+    slots: list[int]
+    new: list[int]
+    signature: list[bytes]
+
+
+def head_token_outputs(batch: ScoreBatch) -> list[schema.Output]:
+    """The per-token outputs the head computes for ``batch``."""
+    return [o for o in schema.head_outputs(batch) if o.per == schema.TOKEN]
+
+
+def _signature(batch: ScoreBatch, b: int, start: int, block: int, count: int) -> list[bytes]:
+    """Per block of sequence ``b``, what its stored outputs depend on besides its tokens:
+    the temperature, top-k, the outputs computed, the positions mode and, read at the
+    block's entries, the head inputs and (masked positions) the loss mask."""
+    common = repr(
+        (
+            float(batch.temperatures()[b]),
+            batch.top_k,
+            tuple(o.name for o in head_token_outputs(batch)),
+            batch.logprob_positions,
+        )
+    ).encode()
+    per_token = [np.asarray(v) for v in schema.head_inputs(batch).values()]
+    if batch.logprob_positions == schema.MASKED and batch.loss_mask is not None:
+        per_token.append(np.asarray(batch.loss_mask))
+    out = []
+    for j in range(count):
+        entries = slice(start + j * block + 1, start + (j + 1) * block + 1)
+        digest = hashlib.blake2b(common, digest_size=16)
+        for values in per_token:
+            digest.update(np.ascontiguousarray(values[entries]).tobytes())
+        out.append(digest.digest())
+    return out
+
+
+class PrefixCache:
+    """Rank 0: the index (:class:`~megascore.engine.cache.index.PrefixIndex`) and the plan
+    of every step (module docstring).
+
+    Args:
+        index: the index.
+        block: positions per block (the key-block attention's block).
+        keep: keep blocks between calls; False (``--no-prefix-cache``): a call's blocks
+            serve its own shared prefixes only and are forgotten after it.
+        min_shared: shortest new shared prefix computed once (None: no within-step
+            sharing).
+    """
+
+    def __init__(self, index: PrefixIndex, block: int, keep: bool, min_shared: int | None):
+        self.index = index
+        self.block = block
+        self.keep = keep
+        self.min_shared = min_shared
+        self.hit_tokens = 0
+        self.lookup_tokens = 0
+
+    @staticmethod
+    def applies(batch: ScoreBatch) -> bool:
+        """Whether a batch may read and write the cache: not when it asks for MoE / MTP
+        metrics (formed over every token of the forward) or records or replays routes."""
+        return not (
+            batch.return_moe_metrics
+            or batch.return_mtp_metrics
+            or batch.return_routing
+            or batch.routing is not None
+        )
+
+    def forget(self) -> None:
+        """Empties the index (the weights changed)."""
+        self.index.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the metrics endpoint."""
+        return {
+            "hit_tokens": self.hit_tokens,
+            "lookup_tokens": self.lookup_tokens,
+            "stored_bytes": self.index.stored_bytes,
+            "blocks": len(self.index.blocks),
+            "evictions": self.index.evictions,
+        }
+
+    def score(self, batch: ScoreBatch, run: Callable[[ScoreBatch], ScoreOutput]) -> ScoreOutput:
+        """Scores ``batch`` through ``run`` (one step on every rank) with the cache."""
+        try:
+            if self.min_shared is not None:
+                self._share(batch, run)
+            return self._score(batch, run, count=True)
+        finally:
+            if not self.keep:
+                self.index.clear()
+
+    # ---- the steps ---------------------------------------------------------------------------
+
+    def _share(self, batch: ScoreBatch, run) -> None:
+        """Step 1 of the module docstring: the batch's new shared prefixes, computed once."""
+        shared = self._shared_prefixes(batch)
+        if shared is None:
+            return
+        self._share(shared, run)
+        self._score(shared, run, count=False)
+
+    def _shared_prefixes(self, batch: ScoreBatch) -> ScoreBatch | None:
+        """A batch of the prefixes the batch's sequences share and the cache lacks: each
+        ``a + 1`` tokens of one of them, ``a`` a multiple of the block (``a`` tokens are
+        cached; the last one is the token the prefix's last row predicts)."""
+        lengths = np.asarray(batch.lengths, np.int64)
+        bounds = layout.offsets(lengths)
+        ids = np.asarray(batch.token_ids, np.int64)
+        seqs = [ids[bounds[b] : bounds[b + 1]] for b in range(len(lengths))]
+        temps = batch.temperatures()
+        order = sorted(range(len(seqs)), key=lambda b: (float(temps[b]), seqs[b].tobytes()))
+        picked: dict[bytes, tuple[int, int]] = {}  # key of the prefix -> (sequence, a)
+        for x, y in zip(order[:-1], order[1:], strict=True):
+            if temps[x] != temps[y]:
+                continue
+            n = min(len(seqs[x]), len(seqs[y]))
+            differ = np.flatnonzero(seqs[x][:n] != seqs[y][:n])
+            lcp = int(differ[0]) if differ.size else n
+            a = (lcp - 1) // self.block * self.block
+            if a < self.block:
+                continue
+            keys = chain_keys(seqs[x], self.block, a // self.block)
+            new = a - self.index.hits(keys) * self.block
+            if new >= max(self.min_shared, 1) and keys[-1] not in picked:
+                picked[keys[-1]] = (x, a)
+        if not picked:
+            return None
+        members = sorted(picked.values())
+        return _prefix_batch(batch, members)
+
+    def _score(self, batch: ScoreBatch, run, *, count: bool) -> ScoreOutput:
+        """Steps 2-3 of the module docstring for one batch."""
+        plans = self._plan(batch)
+        hits = np.asarray([p.hit * self.block for p in plans], np.int64)
+        try:
+            tail_output = run(_tail_batch(batch, plans, hits, self.block))
+        except BaseException:
+            for p in plans:
+                for slot in p.new:
+                    self.index.release(slot)
+            raise
+        values = self._join(batch, plans, hits, tail_output)
+        self._commit(batch, plans, values)
+        if count:
+            self.hit_tokens += int(hits.sum())
+            self.lookup_tokens += batch.num_tokens
+        tail_output.values = finish_values(dataclasses.replace(batch, cache_hits=hits), values)
+        return tail_output
+
+    def _plan(self, batch: ScoreBatch) -> list[_Sequence]:
+        """Step 2 of the module docstring."""
+        block = self.block
+        lengths = np.asarray(batch.lengths, np.int64)
+        bounds = layout.offsets(lengths)
+        ids = np.asarray(batch.token_ids, np.int64)
+        score_from = (
+            np.zeros(len(lengths), np.int64) if batch.score_from is None else batch.score_from
+        )
+        wants_tokens = bool(head_token_outputs(batch))
+        plans, pinned, taken = [], set(), {}
+        for b, length in enumerate(lengths):
+            start, length = int(bounds[b]), int(length)
+            keys = chain_keys(ids[start : start + length], block, length // block)
+            signature = _signature(batch, b, start, block, len(keys))
+            first_needed = max(1, int(score_from[b])) if wants_tokens else length
+            hit = min(self.index.hits(keys), (length - 1) // block)
+            while hit and not self._outputs_ready(keys, signature, hit, first_needed, ids, start):
+                hit -= 1
+            pinned.update(keys[:hit])
+            plans.append(_Sequence(keys, hit, [], [], signature))
+        for b, p in enumerate(plans):  # slots: read below the hit, written from it
+            p.slots = [self.index.blocks[k].slot for k in p.keys[: p.hit]]
+            for key in p.keys[p.hit :]:
+                if key in self.index.blocks:
+                    slot = self.index.blocks[key].slot
+                elif key in taken:
+                    slot = taken[key]
+                else:
+                    slot = self.index.allocate(pinned)
+                    slot = -1 if slot is None else slot
+                    if slot >= 0:
+                        taken[key] = slot
+                        p.new.append(slot)
+                p.slots.append(slot)
+                if slot >= 0:
+                    pinned.add(key)
+            p.slots += [-1] * (-(-int(lengths[b]) // block) - len(p.slots))
+        return plans
+
+    def _outputs_ready(self, keys, signature, hit, first_needed, ids, start) -> bool:
+        """Whether the first ``hit`` blocks hold every entry the sequence asks for: each
+        block whose entries reach ``first_needed`` has outputs under its signature, the
+        last one for the same next token."""
+        for j in range(hit):
+            if (j + 1) * self.block < first_needed:
+                continue  # its entries are all before score_from
+            stored = self.index.blocks[keys[j]].outputs.get(signature[j])
+            if stored is None:
+                return False
+            if j == hit - 1 and stored.next_token != ids[start + (j + 1) * self.block]:
+                return False
+        return True
+
+    def _join(self, batch, plans, hits, tail_output) -> dict:
+        """Step 3: the per-token head outputs of the whole sequences (stored entries of
+        the cached blocks, then the tail's), with the per-sequence head outputs."""
+        block = self.block
+        lengths = np.asarray(batch.lengths, np.int64)
+        full_bounds = layout.offsets(lengths)
+        tail_bounds = layout.offsets(lengths - hits)
+        values = {}
+        for out in head_token_outputs(batch):
+            tail = tail_output.values[out.name]
+            full = np.full((batch.num_tokens, *tail.shape[1:]), out.fill, dtype=tail.dtype)
+            for b, p in enumerate(plans):
+                a, h = int(full_bounds[b]), int(hits[b])
+                full[a + h + 1 : int(full_bounds[b + 1])] = tail[
+                    int(tail_bounds[b]) + 1 : int(tail_bounds[b + 1])
+                ]
+                for j in range(p.hit):
+                    stored = self.index.blocks[p.keys[j]].outputs.get(p.signature[j])
+                    if stored is not None and out.name in stored.values:
+                        full[a + j * block + 1 : a + (j + 1) * block + 1] = stored.values[out.name]
+            values[out.name] = full
+        for out in schema.head_outputs(batch):
+            if schema.at_last_row(out):
+                values[out.name] = tail_output.values[out.name]
+        return values
+
+    def _commit(self, batch, plans, values) -> None:
+        """The step succeeded: its new blocks enter the index with their outputs; the
+        blocks it read become the most recently used."""
+        block = self.block
+        lengths = np.asarray(batch.lengths, np.int64)
+        bounds = layout.offsets(lengths)
+        ids = np.asarray(batch.token_ids, np.int64)
+        score_from = (
+            np.zeros(len(lengths), np.int64) if batch.score_from is None else batch.score_from
+        )
+        outputs = head_token_outputs(batch)
+        pinned = {k for p in plans for k in p.keys}
+        for b, p in enumerate(plans):
+            start, length = int(bounds[b]), int(lengths[b])
+            self.index.touch(p.keys[: p.hit])
+            for j in range(p.hit, len(p.keys)):
+                key, slot = p.keys[j], p.slots[j]
+                if slot < 0:
+                    continue
+                if key not in self.index.blocks:
+                    self.index.insert(key, p.keys[j - 1] if j else None, slot)
+                computed = j * block + 1 >= max(1, int(score_from[b]))
+                if outputs and computed:
+                    end = (j + 1) * block
+                    entries = slice(start + j * block + 1, start + end + 1)
+                    stored = {o.name: np.array(values[o.name][entries]) for o in outputs}
+                    next_token = int(ids[start + end]) if end < length else -1
+                    self.index.add_outputs(
+                        key, p.signature[j], BlockOutputs(stored, next_token), pinned
+                    )
+
+
+
+def _tail_batch(batch: ScoreBatch, plans: list[_Sequence], hits: np.ndarray, block: int):
+    """The batch the ranks compute: every sequence from its first uncached token on, with
+    the cache plan (``cache_hits``, ``cache_slots``)."""
+    lengths = np.asarray(batch.lengths, np.int64)
+    keep = np.concatenate(
+        [np.arange(a + h, a + n) for a, h, n in zip(layout.offsets(lengths)[:-1], hits, lengths)]
+    ).astype(np.int64)
+    fields = {"token_ids": np.asarray(batch.token_ids)[keep], "lengths": lengths - hits}
+    for spec in schema.INPUTS:
+        values = getattr(batch, spec.name)
+        if values is not None and spec.per == schema.TOKEN:
+            fields[spec.name] = np.asarray(values)[keep]
+    if batch.score_from is not None:
+        fields["score_from"] = np.maximum(np.asarray(batch.score_from) - hits, 0)
+    fields["return_logprobs"] = True  # the losses and the stored outputs read them
+    fields["losses"] = ()
+    slots = np.asarray([s for p in plans for s in p.slots], np.int64)
+    return dataclasses.replace(batch, cache_hits=hits, cache_slots=slots, **fields)
+
+
+def _prefix_batch(batch: ScoreBatch, members: list[tuple[int, int]]) -> ScoreBatch:
+    """A batch of ``a + 1`` tokens of each ``(sequence, a)``, with that sequence's inputs
+    and options (its outputs are stored with the prefix's blocks)."""
+    bounds = layout.offsets(np.asarray(batch.lengths, np.int64))
+    keep = np.concatenate([np.arange(bounds[b], bounds[b] + a + 1) for b, a in members])
+    seqs = np.asarray([b for b, _ in members], np.int64)
+    fields = {
+        "token_ids": np.asarray(batch.token_ids)[keep],
+        "lengths": np.asarray([a + 1 for _, a in members], np.int64),
+    }
+    for spec in schema.INPUTS:
+        values = getattr(batch, spec.name)
+        if values is not None:
+            index = keep if spec.per == schema.TOKEN else seqs
+            fields[spec.name] = np.asarray(values)[index]
+    return dataclasses.replace(batch, cache_hits=None, cache_slots=None, **fields)

@@ -1,0 +1,99 @@
+"""Whether a replica runs the prefix cache, and its size (every rank, at start-up and after a
+reload).
+
+The cache needs the key-block attention (:mod:`megascore.model.attention`: a block's keys
+and values are the same bits however its sequence is split), so the two go together:
+:func:`key_block` is the block both use, or 0 for neither. :func:`configure` marks every
+attention layer of a built model with it and with its layer index in the store;
+:func:`slot_bytes` is what one block takes on this rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from megascore.config import EngineConfig
+from megascore.model.attention import TorchCoreAttention
+
+logger = logging.getLogger(__name__)
+
+MAX_AUTO_GIB = 4.0
+
+
+def key_block(engine_cfg: EngineConfig, device: torch.device, layout: dict[str, int]) -> int:
+    """The block of the key-block attention and the cache, or 0 (off).
+
+    On by default where the step is batch-invariant (the CPU); ``prefix_cache`` True turns
+    it on elsewhere, False keeps the mechanism for a call's own shared prefixes; a budget
+    of 0 turns it off. Off, with the reason logged, under context or data parallelism (a
+    rank's keys are not its sequences' whole), with the TransformerEngine attention, or
+    when the block is not a multiple of the pad multiple.
+
+    Args:
+        engine_cfg: the engine config.
+        device: the model's device.
+        layout: ``cp``, ``dp`` sizes, the step's ``pad_multiple`` and the built model's
+            attention ``backend``.
+    """
+    wanted = engine_cfg.prefix_cache or engine_cfg.batch_invariant_on(device.type)
+    if not wanted or engine_cfg.prefix_cache_gib == 0:
+        return 0
+    reason = None
+    if layout["cp"] > 1:
+        reason = "context parallelism"
+    elif layout["dp"] > 1:
+        reason = "data-parallel ranks"
+    elif layout["backend"] != "torch":
+        reason = "the TransformerEngine attention backend"
+    elif engine_cfg.attention_block % layout["pad_multiple"]:
+        reason = f"attention_block not a multiple of the pad multiple {layout['pad_multiple']}"
+    if reason is not None:
+        (logger.warning if engine_cfg.prefix_cache else logger.info)("prefix cache off: %s", reason)
+        return 0
+    return engine_cfg.attention_block
+
+
+def configure(model: torch.nn.Module, block: int) -> list[TorchCoreAttention]:
+    """Sets every attention layer's key block and cache index; returns the layers."""
+    layers = [m for m in model.modules() if isinstance(m, TorchCoreAttention)]
+    for index, module in enumerate(layers):
+        module.key_block = block
+        module.cache_index = index
+    return layers
+
+
+def slot_bytes(model: torch.nn.Module, block: int, tp_size: int) -> int:
+    """Bytes of one block's keys and values on this rank (every attention layer of it: its
+    query groups, or its heads for multi-latent attention, whose values are padded to the
+    key dim in the packed layout)."""
+    total = 0
+    for module in configure(model, block):
+        config = module.config
+        if config.multi_latent_attention:
+            row = 2 * config.num_attention_heads // tp_size * module.head_dim
+        else:
+            groups = config.num_query_groups or config.num_attention_heads
+            row = 2 * groups // tp_size * config.kv_channels
+        total += block * row * torch.tensor([], dtype=config.params_dtype).element_size()
+    return total
+
+
+def budget_bytes(engine_cfg: EngineConfig) -> int:
+    """The cache's byte budget: ``prefix_cache_gib``, or 1/8 of the machine's memory (at
+    most :data:`MAX_AUTO_GIB`)."""
+    if engine_cfg.prefix_cache_gib is not None:
+        return int(engine_cfg.prefix_cache_gib * 2**30)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(memory / 8, MAX_AUTO_GIB * 2**30))
+
+
+def largest_slot(local: int, group: dist.ProcessGroup) -> int:
+    """The largest of every rank's :func:`slot_bytes` (a collective over ``group``)."""
+    value = torch.tensor([local], dtype=torch.int64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return int(value)

@@ -1,0 +1,138 @@
+"""Every rank's shard of the prefix cache: the keys and values of the cached blocks.
+
+A *block* is ``block`` consecutive positions of a sequence, aligned at its start. Each
+attention layer of this rank (``TorchCoreAttention.cache_index``) has a pool of
+``num_slots`` blocks of its keys and of its values, shaped as the layer's own (its TP
+heads, its PP stage's layers), allocated at the layer's first write (``torch.empty``: on
+the CPU the pages are taken as slots are written). Rank 0's index
+(:mod:`megascore.engine.cache.index`) decides which slot holds which block; a step's batch
+carries the decision (``ScoreBatch.cache_hits`` / ``cache_slots``) and
+:func:`microbatch_cache` turns it into each microbatch's :class:`CacheView`, through which
+every layer writes its rows of the new blocks and reads the cached ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+
+class PrefixStore:
+    """This rank's pools of cached keys and values.
+
+    Args:
+        num_slots: blocks a pool holds (rank 0's index hands out slots below it).
+        block: positions per block.
+    """
+
+    def __init__(self, num_slots: int, block: int):
+        self.num_slots = num_slots
+        self.block = block
+        self._pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def pools(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        """Layer ``layer``'s ``(keys, values)`` pools ``[num_slots, block, *row]``, made
+        like ``key`` / ``value`` (``[rows, heads, dim]``) at the first call."""
+        pools = self._pools.get(layer)
+        if pools is None:
+            pools = tuple(
+                torch.empty((self.num_slots, self.block, *x.shape[1:]), dtype=x.dtype, device=x.device)
+                for x in (key, value)
+            )
+            self._pools[layer] = pools
+        return pools
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the pools made so far (their pages are taken as they are written)."""
+        return sum(x.numel() * x.element_size() for pools in self._pools.values() for x in pools)
+
+
+@dataclasses.dataclass
+class CacheView:
+    """What one microbatch's attention layers write to and read from the store.
+
+    Attributes:
+        store: this rank's store.
+        read_slots: int64 ``[R]`` the cached blocks the microbatch reads, in the order
+            they follow the packed rows on the key axis.
+        write_slots: int64 ``[W]`` the slots the microbatch's new blocks go to.
+        write_rows: int64 ``[W, block]`` the packed rows of each new block.
+    """
+
+    store: PrefixStore
+    read_slots: torch.Tensor
+    write_slots: torch.Tensor
+    write_rows: torch.Tensor
+
+    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        """Writes layer ``layer``'s rows of the new blocks, then returns its keys and values
+        ``[rows, heads, dim]`` with the cached blocks' rows after the packed ones."""
+        pool_k, pool_v = self.store.pools(layer, key, value)
+        if len(self.write_slots):
+            pool_k[self.write_slots] = key[self.write_rows]
+            pool_v[self.write_slots] = value[self.write_rows]
+        if not len(self.read_slots):
+            return key, value
+        cached_k = pool_k[self.read_slots].reshape(-1, *key.shape[1:])
+        cached_v = pool_v[self.read_slots].reshape(-1, *value.shape[1:])
+        return torch.cat([key, cached_k]), torch.cat([value, cached_v])
+
+
+def microbatch_cache(
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    slots: list[np.ndarray],
+    packed_rows: int,
+    segment_starts: list[int],
+    store: PrefixStore,
+    device,
+) -> tuple[list[torch.Tensor], CacheView]:
+    """A microbatch's cached rows and :class:`CacheView` (dense segments, CP 1).
+
+    Args:
+        offsets: int64 ``[S]`` the microbatch's segments (one root per sequence, in
+            packing order): the sequence's cached tokens (a multiple of the block).
+        lengths: int64 ``[S]`` their tokens.
+        slots: per segment, int64 ``[ceil(offset + length) / block]`` the slot of each
+            block of its sequence: read below the offset, written from it (-1: not
+            written; a block is written only where the segment holds all of it).
+        packed_rows: rows of the packed microbatch (where the cached rows begin on the
+            key axis).
+        segment_starts: the packed row of each segment's first row.
+        store: this rank's store.
+        device: the model's device.
+
+    Returns:
+        ``(cached rows per segment, view)``.
+    """
+    block = store.block
+    order: dict[int, int] = {}  # read slot -> its place after the packed rows
+    cached_rows, writes, rows = [], [], []
+    for s, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        offset, length, own = int(offset), int(length), slots[s]
+        reads = [int(x) for x in own[: offset // block]]
+        for slot in reads:
+            order.setdefault(slot, len(order))
+        cached_rows.append(
+            torch.tensor(
+                [packed_rows + order[slot] * block + i for slot in reads for i in range(block)],
+                dtype=torch.long,
+            )
+        )
+        for j in range(offset // block, len(own)):
+            end = (j + 1) * block
+            if own[j] >= 0 and end <= offset + length:
+                writes.append(int(own[j]))
+                first = segment_starts[s] + j * block - offset
+                rows.append(torch.arange(first, first + block))
+    view = CacheView(
+        store=store,
+        read_slots=torch.tensor(list(order), dtype=torch.long, device=device),
+        write_slots=torch.tensor(writes, dtype=torch.long, device=device),
+        write_rows=(
+            torch.stack(rows) if rows else torch.zeros((0, block), dtype=torch.long)
+        ).to(device),
+    )
+    return cached_rows, view
