@@ -176,7 +176,7 @@ class PrefixCache:
             if a < self.block:
                 continue
             keys = chain_keys(seqs[x], self.block, a // self.block)
-            new = a - self.index.hits(keys) * self.block
+            new = a - self._usable(batch, x, int(bounds[x]), keys, ids, a + 1) * self.block
             if new >= max(self.min_shared, 1) and keys[-1] not in picked:
                 picked[keys[-1]] = (x, a)
         if not picked:
@@ -209,20 +209,13 @@ class PrefixCache:
         lengths = np.asarray(batch.lengths, np.int64)
         bounds = layout.offsets(lengths)
         ids = np.asarray(batch.token_ids, np.int64)
-        score_from = (
-            np.zeros(len(lengths), np.int64) if batch.score_from is None else batch.score_from
-        )
-        wants_tokens = bool(head_token_outputs(batch))
         plans, pinned, taken = [], set(), {}
         for b, length in enumerate(lengths):
             start, length = int(bounds[b]), int(length)
             keys = chain_keys(ids[start : start + length], block, length // block)
-            signature = _signature(batch, b, start, block, len(keys))
-            first_needed = max(1, int(score_from[b])) if wants_tokens else length
-            hit = min(self.index.hits(keys), (length - 1) // block)
-            while hit and not self._outputs_ready(keys, signature, hit, first_needed, ids, start):
-                hit -= 1
+            hit = self._usable(batch, b, start, keys, ids, length)
             pinned.update(keys[:hit])
+            signature = _signature(batch, b, start, block, len(keys))
             plans.append(_Sequence(keys, hit, [], [], signature))
         for b, p in enumerate(plans):  # slots: read below the hit, written from it
             p.slots = [self.index.blocks[k].slot for k in p.keys[: p.hit]]
@@ -242,6 +235,19 @@ class PrefixCache:
                     pinned.add(key)
             p.slots += [-1] * (-(-int(lengths[b]) // block) - len(p.slots))
         return plans
+
+    def _usable(self, batch, b: int, start: int, keys, ids, length: int) -> int:
+        """Cached blocks sequence ``b`` (its first ``length`` tokens) can read: its run of
+        cached keys, less its last row's block, cut to the blocks whose outputs it has
+        where it asks for them."""
+        score_from = 0 if batch.score_from is None else int(batch.score_from[b])
+        first_needed = max(1, score_from) if head_token_outputs(batch) else length
+        hit = min(self.index.hits(keys), (length - 1) // self.block)
+        if hit and first_needed <= hit * self.block:
+            signature = _signature(batch, b, start, self.block, hit)
+            while hit and not self._outputs_ready(keys, signature, hit, first_needed, ids, start):
+                hit -= 1
+        return hit
 
     def _outputs_ready(self, keys, signature, hit, first_needed, ids, start) -> bool:
         """Whether the first ``hit`` blocks hold every entry the sequence asks for: each
