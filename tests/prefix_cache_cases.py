@@ -5,6 +5,7 @@
 * GRPO, one response per request: a prompt's responses arrive in separate requests
   (``score_from`` at the response), then the whole group in one request (shared within
   the step);
+* a group whose prompt ends on a block boundary, twice;
 * interleaved unrelated requests, and a request whose sequence is a whole earlier one
   (it ends on a block boundary).
 
@@ -66,6 +67,11 @@ def cache_workload(seed: int = 0, **options) -> list[ScoreBatch]:
         requests.append(_request([response], rng, score_from=[len(prompt)], **options))
     group = [np.concatenate([prompt, tokens(rng.integers(3, 25))]) for _ in range(4)]
     requests.append(_request(group, rng, **options))  # shared within its step
+    # a prompt that ends on a block boundary: its last block's last row predicts each
+    # response's first token (another one per response); the group twice
+    boundary = tokens(3 * BLOCK)
+    again = [np.concatenate([boundary, tokens(rng.integers(3, 25))]) for _ in range(4)]
+    requests += [_request(again, rng, **options) for _ in range(2)]
     requests.append(_request([histories[0][: 4 * BLOCK]], rng, **options))  # on a boundary
     requests.append(_request([histories[2], histories[0]], rng, **options))  # two cached
     return requests

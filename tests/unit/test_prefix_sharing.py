@@ -104,6 +104,7 @@ def outputs():
                     prefix_sharing=sharing,
                     min_shared_prefix=MIN_SHARED,
                     metrics_reduction=reduction,
+                    prefix_cache_gib=0,  # the step's own sharing (no prefix cache)
                 )
             )
             try:

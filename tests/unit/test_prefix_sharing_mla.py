@@ -69,7 +69,10 @@ def outputs(request, tmp_path_factory):
         for sharing in (False, True):
             engine = DistributedEngine.create(
                 EngineConfig(
-                    model=f"hf:{directory}", prefix_sharing=sharing, min_shared_prefix=MIN_SHARED
+                    model=f"hf:{directory}",
+                    prefix_sharing=sharing,
+                    min_shared_prefix=MIN_SHARED,
+                    prefix_cache_gib=0,  # the step's own sharing (no prefix cache)
                 )
             )
             try:

@@ -63,7 +63,9 @@ def scored():
     results = {}
     with one_rank_world():
         for sharing in (False, True):
-            cfg = EngineConfig(model="tiny", prefix_sharing=sharing, min_shared_prefix=MIN_SHARED)
+            cfg = EngineConfig(  # the step's own sharing (no prefix cache)
+                model="tiny", prefix_sharing=sharing, min_shared_prefix=MIN_SHARED, prefix_cache_gib=0
+            )
             engine = DistributedEngine.create(cfg)
             try:
                 assert (engine.step_cfg.min_shared_prefix is not None) == sharing

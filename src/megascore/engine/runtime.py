@@ -69,9 +69,7 @@ from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutp
 from megascore.checkpoint import parse_model_string
 from megascore.config import EngineConfig
 from megascore.engine.cache import setup as cache_setup
-from megascore.engine.cache.index import PrefixIndex
 from megascore.engine.cache.planner import PrefixCache
-from megascore.engine.cache.store import PrefixStore
 from megascore.engine.layout.segment_packing import min_shared_prefix
 from megascore.engine.outputs.routing import routing_shape
 from megascore.engine.ranks import protocol
@@ -176,43 +174,29 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
 
     def _start_prefix_cache(self) -> PrefixCache | None:
         """Every rank: the prefix cache's store (and on rank 0 its index), when the replica
-        runs it (:func:`megascore.engine.cache.setup.key_block`); within-step sharing then
-        goes through it and the step's own sharing is off. A collective over the status
-        group (the largest rank's bytes per block)."""
-        block = cache_setup.key_block(
-            self.engine_cfg,
-            self.device,
-            {
-                "cp": self.engine_cfg.context_parallel_size,
-                "dp": self.data_parallel.size,
-                "pad_multiple": self.step_cfg.pad_multiple,
-                "backend": getattr(self.loaded.model, "megascore_attention_backend", "torch"),
-            },
+        runs it (:func:`megascore.engine.cache.setup.start`); within-step sharing then
+        goes through it and the step's own sharing is off."""
+        layout = {
+            "cp": self.engine_cfg.context_parallel_size,
+            "dp": self.data_parallel.size,
+            "tp": self.engine_cfg.tensor_model_parallel_size,
+            "pad_multiple": self.step_cfg.pad_multiple,
+            "backend": getattr(self.loaded.model, "megascore_attention_backend", "torch"),
+        }
+        started = cache_setup.start(
+            self.engine_cfg, self.loaded.model, self.device, layout, self.groups.status
         )
-        if not block:
+        if started is None:
             return None
-        tp = self.engine_cfg.tensor_model_parallel_size
-        local = cache_setup.slot_bytes(self.loaded.model, block, tp)
-        slot = max(1, cache_setup.largest_slot(local, self.groups.status))
-        budget = cache_setup.budget_bytes(self.engine_cfg)
-        num_slots = budget // slot
-        sharing = self._cache_sharing = self.step_cfg.min_shared_prefix
+        store, index = started
+        self._cache_sharing = self.step_cfg.min_shared_prefix
         self.step_cfg = dataclasses.replace(
-            self.step_cfg, min_shared_prefix=None, prefix_store=PrefixStore(num_slots, block)
+            self.step_cfg, min_shared_prefix=None, prefix_store=store
         )
         if self.rank != DRIVER_RANK:
             return None
-        logger.info(
-            "prefix cache: %d blocks of %d positions (%.1f MiB each on the largest rank, "
-            "budget %.2f GiB)%s",
-            num_slots,
-            block,
-            slot / 2**20,
-            budget / 2**30,
-            "" if self.engine_cfg.prefix_cache is not False else ", kept within a call only",
-        )
-        index = PrefixIndex(num_slots, slot, budget)
-        return PrefixCache(index, block, self.engine_cfg.prefix_cache is not False, sharing)
+        keep = self.engine_cfg.prefix_cache is not False
+        return PrefixCache(index, store.block, keep, self._cache_sharing)
 
     def _forget_prefixes(self) -> None:
         """The served weights changed: nothing cached holds (rank 0's index is emptied);

@@ -52,6 +52,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megascore.engine.layout.packing import cp_shard_indices
 from megascore.engine.layout.segment_packing import SharedPrefixParams, prefix_rows
+from megascore.model.key_blocks import BlockCall, build_blocked_plan, indices
 from megascore.model.sdpa import attention_with_lse, chunk_attention, merge, merge_ordered
 
 logger = logging.getLogger(__name__)
@@ -100,32 +101,11 @@ class _PrefixCall:
 
 
 @dataclasses.dataclass(frozen=True)
-class _BlockCall:
-    """Key-block attention (:func:`_build_blocked_plan`): ``n`` query blocks of ``q_len``
-    rows against ``k_len`` keys each, without a mask (every key precedes every query) or
-    causally over the block's own rows (``causal``, ``k_len == q_len``).
-
-    Attributes:
-        q_index: ``[n, q_len]`` local rows of the queries.
-        k_index: ``[n, k_len]`` rows of the keys on the key axis (packed, then cached).
-        causal: the block's own rows (written first); else the keys before the block,
-            merged into them by their log-sum-exps.
-        q_rows, k_rows: the same rows as a slice when they are consecutive.
-    """
-
-    q_index: torch.Tensor
-    k_index: torch.Tensor
-    causal: bool
-    q_rows: slice | None = None
-    k_rows: slice | None = None
-
-
-@dataclasses.dataclass(frozen=True)
 class _Plan:
     key: tuple
     buckets: tuple[_Bucket, ...] = ()
     prefix_calls: tuple[_PrefixCall, ...] = ()
-    block_calls: tuple[_BlockCall, ...] = ()
+    block_calls: tuple[BlockCall, ...] = ()  # the key-block attention's (key_blocks)
 
 
 def _build_plan(
@@ -200,92 +180,11 @@ def _build_plan(
         indices = _indices(q_index, k_index, device)
         buckets.append(_Bucket(offset=offset, continues=continues, **indices))
     prefix_calls = [
-        _PrefixCall(**_indices(torch.cat(rows), full_to_gathered[prefix], device))
+        _PrefixCall(**indices(torch.cat(rows), full_to_gathered[prefix], device))
         for prefix, rows in queries_of.values()
     ]
     key = (tuple(seg_lens), cp_rank, cp_size, str(device))
     return _Plan(key=key, buckets=tuple(buckets), prefix_calls=tuple(prefix_calls))
-
-
-def _build_blocked_plan(
-    seg_lens: list[int],
-    block: int,
-    device: torch.device,
-    prefixes: list[torch.Tensor] | None = None,
-    offsets: tuple[int, ...] | None = None,
-) -> _Plan:
-    """The key-block plan of one CP rank's segments (the module docstring, "Key blocks").
-
-    Every segment's rows are cut into query blocks of ``block`` positions aligned at the
-    start of its sequence (its offset is a multiple of ``block``). A block attends
-    causally to its own rows (one call for all the blocks of one length), then to every
-    key before it (the segment's prefix rows and its own earlier rows: one call per
-    query length and key count), merged by the two log-sum-exps. Each query's numbers
-    then depend only on its block's position and the keys, not on how the sequence was
-    split into a prefix, a cached part and a continuation.
-
-    Args:
-        seg_lens: padded length of every segment, in packing order.
-        block: the query / key block (rows).
-        device: where the index tensors live.
-        prefixes: per segment, the rows on the key axis of the positions before its
-            first one (:func:`megascore.engine.layout.segment_packing.prefix_rows`), or None.
-        offsets: per segment, the position of its first row (a multiple of ``block``).
-
-    Returns:
-        The plan's ``block_calls``: the causal calls first, then the prefix calls.
-    """
-    causal: dict[int, list[torch.Tensor]] = {}  # q_len -> [query rows]
-    before: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    start = 0
-    for s, length in enumerate(seg_lens):
-        offset = offsets[s] if offsets is not None else 0
-        if offset % block:
-            raise ValueError(f"segment {s}: offset {offset} is not a multiple of {block}")
-        prefix = prefixes[s] if prefixes is not None else torch.empty(0, dtype=torch.long)
-        own = torch.arange(start, start + length)
-        keys = torch.cat([prefix, own])  # key axis rows of positions 0 .. offset + length
-        for first in range(0, length, block):
-            rows = own[first : first + block]
-            causal.setdefault(len(rows), []).append(rows)
-            if offset + first:
-                before.setdefault((len(rows), offset + first), []).append(
-                    (rows, keys[: offset + first])
-                )
-        start += length
-    calls = [
-        _BlockCall(causal=True, **_indices(torch.stack(rows), torch.stack(rows), device))
-        for _, rows in sorted(causal.items())
-    ]
-    for _, entries in sorted(before.items()):
-        q_index = torch.stack([rows for rows, _ in entries])
-        k_index = torch.stack([keys for _, keys in entries])
-        calls.append(_BlockCall(causal=False, **_indices(q_index, k_index, device)))
-    key = (tuple(seg_lens), block, str(device))
-    return _Plan(key=key, block_calls=tuple(calls))
-
-
-def _indices(q_index: torch.Tensor, k_index: torch.Tensor, device) -> dict:
-    """A call's query and key indices (on the CPU) as its fields: on ``device``, and as
-    slices where the rows are consecutive."""
-    return dict(
-        q_index=q_index.to(device),
-        k_index=k_index.to(device),
-        q_rows=_consecutive(q_index),
-        k_rows=_consecutive(k_index),
-    )
-
-
-def _consecutive(index: torch.Tensor) -> slice | None:
-    """``index`` (any shape, on the CPU) as the slice of rows it lists in order, or None
-    when they are not consecutive."""
-    flat = index.reshape(-1)
-    if not len(flat):
-        return None
-    start = int(flat[0])
-    if not torch.equal(flat, torch.arange(start, start + len(flat))):
-        return None
-    return slice(start, start + len(flat))
 
 
 def _take(x: torch.Tensor, index: torch.Tensor, rows: slice | None) -> torch.Tensor:
@@ -375,7 +274,8 @@ class TorchCoreAttention(MegatronModule):
             prefixes, parents = prefix_rows(params), params.segment_parents
             offsets = params.segment_offsets
         if blocked:
-            plan = _build_blocked_plan(seg_lens, blocked, device, prefixes, offsets)
+            calls = build_blocked_plan(seg_lens, blocked, device, prefixes, offsets)
+            plan = _Plan(key=key, block_calls=calls)
         else:
             plan = _build_plan(seg_lens, cp_rank, cp_size, device, prefixes, parents)
         plan = dataclasses.replace(plan, key=key)
@@ -423,7 +323,7 @@ class TorchCoreAttention(MegatronModule):
             _put(out, call.q_index, call.q_rows, merged.to(out.dtype))
         return out
 
-    def _run_block_call(self, q, k, v, call: _BlockCall, out: torch.Tensor, lse) -> None:
+    def _run_block_call(self, q, k, v, call: BlockCall, out: torch.Tensor, lse) -> None:
         """One key-block call: a causal one writes its rows' output and log-sum-exp, a
         call over the keys before the blocks merges into them (always in that order)."""
         ob, lb = attention_with_lse(  # [n, heads, q_len, v_dim], [n, heads, q_len]

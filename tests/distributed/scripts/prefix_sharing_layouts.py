@@ -64,6 +64,7 @@ def with_engine(spec, sharing: bool, rank: int, work):
             pipeline_model_parallel_size=pp,
             prefix_sharing=sharing,
             min_shared_prefix=MIN_SHARED,
+            prefix_cache_gib=0,  # the step's own sharing (the cache: prefix_cache_layouts.py)
             logprob_chunk_tokens=64,
             collective_timeout_s=60.0,
         )

@@ -41,23 +41,39 @@ def chain_keys(token_ids: np.ndarray, block: int, count: int) -> list[bytes]:
     return keys
 
 
+MAX_NEXT_TOKENS = 16
+"""Next tokens a block keeps its last entry for (the continuations seen most recently)."""
+
+
 @dataclasses.dataclass
 class BlockOutputs:
-    """The per-token outputs of one cached block, from the step that computed it.
+    """The per-token outputs of one cached block, from the steps that computed it.
 
     Attributes:
-        values: output name -> ``[block, ...]``: the entries ``j * block + 1 ..
-            (j + 1) * block`` of block ``j``'s sequence (the predictions its rows make).
-        next_token: the token at ``(j + 1) * block`` that the last entry predicts (it
-            follows the block; -1: the sequence ended there and the entry holds a fill).
+        values: output name -> ``[block - 1, ...]``: the entries ``j * block + 1 ..
+            (j + 1) * block - 1`` of block ``j``'s sequence (predicted by its rows).
+        last: the next token ``t`` at ``(j + 1) * block`` (with the head inputs read
+            there: ``megascore.engine.cache.planner``) -> output name -> the entry
+            ``(j + 1) * block``: the block's last row predicting ``t`` (it depends on the
+            token after the block, which continuations of the block do not share).
     """
 
     values: dict[str, np.ndarray]
-    next_token: int
+    last: dict[bytes, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.values.values())
+        entries = [*self.values.values(), *(v for x in self.last.values() for v in x.values())]
+        return sum(v.nbytes for v in entries)
+
+    def merge(self, newer: BlockOutputs) -> None:
+        """Takes ``newer``'s next-token entries (the same block and options: the same
+        ``values``), at most :data:`MAX_NEXT_TOKENS`, the newest kept."""
+        for token, entry in newer.last.items():
+            self.last.pop(token, None)
+            self.last[token] = entry
+        while len(self.last) > MAX_NEXT_TOKENS:
+            del self.last[next(iter(self.last))]
 
 
 @dataclasses.dataclass
@@ -150,6 +166,8 @@ class PrefixIndex:
         old = block.outputs.pop(signature, None)
         if old is not None:
             self.output_bytes -= old.nbytes
+            old.merge(outputs)
+            outputs = old
         while self.stored_bytes + outputs.nbytes > self.budget_bytes:
             if not self._evict_one(pinned | {key}):
                 return

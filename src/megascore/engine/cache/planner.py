@@ -67,7 +67,8 @@ def head_token_outputs(batch: ScoreBatch) -> list[schema.Output]:
 def _signature(batch: ScoreBatch, b: int, start: int, block: int, count: int) -> list[bytes]:
     """Per block of sequence ``b``, what its stored outputs depend on besides its tokens:
     the temperature, top-k, the outputs computed, the positions mode and, read at the
-    block's entries, the head inputs and (masked positions) the loss mask."""
+    block's entries but its last (:func:`_last_key`), the head inputs and (masked
+    positions) the loss mask."""
     common = repr(
         (
             float(batch.temperatures()[b]),
@@ -76,17 +77,30 @@ def _signature(batch: ScoreBatch, b: int, start: int, block: int, count: int) ->
             batch.logprob_positions,
         )
     ).encode()
-    per_token = [np.asarray(v) for v in schema.head_inputs(batch).values()]
-    if batch.logprob_positions == schema.MASKED and batch.loss_mask is not None:
-        per_token.append(np.asarray(batch.loss_mask))
     out = []
     for j in range(count):
-        entries = slice(start + j * block + 1, start + (j + 1) * block + 1)
         digest = hashlib.blake2b(common, digest_size=16)
-        for values in per_token:
-            digest.update(np.ascontiguousarray(values[entries]).tobytes())
+        for values in _entry_inputs(batch):
+            entries = values[start + j * block + 1 : start + (j + 1) * block]
+            digest.update(np.ascontiguousarray(entries).tobytes())
         out.append(digest.digest())
     return out
+
+
+def _entry_inputs(batch: ScoreBatch) -> list[np.ndarray]:
+    """What an entry's outputs read besides the tokens: the head inputs at it and, for
+    masked positions, the loss mask."""
+    inputs = [np.asarray(v) for v in schema.head_inputs(batch).values()]
+    if batch.logprob_positions == schema.MASKED and batch.loss_mask is not None:
+        inputs.append(np.asarray(batch.loss_mask))
+    return inputs
+
+
+def _last_key(batch: ScoreBatch, ids: np.ndarray, entry: int) -> bytes:
+    """What a block's last entry (flat index ``entry``) is stored under: its token and
+    :func:`_entry_inputs` at it."""
+    parts = [np.asarray(ids[entry]), *(v[entry] for v in _entry_inputs(batch))]
+    return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
 
 
 class PrefixCache:
@@ -245,29 +259,27 @@ class PrefixCache:
         hit = min(self.index.hits(keys), (length - 1) // self.block)
         if hit and first_needed <= hit * self.block:
             signature = _signature(batch, b, start, self.block, hit)
-            while hit and not self._outputs_ready(keys, signature, hit, first_needed, ids, start):
-                hit -= 1
+            hit = self._first_missing(batch, keys, signature, hit, first_needed, start)
         return hit
 
-    def _outputs_ready(self, keys, signature, hit, first_needed, ids, start) -> bool:
-        """Whether the first ``hit`` blocks hold every entry the sequence asks for: each
-        block whose entries reach ``first_needed`` has outputs under its signature, the
-        last one for the same next token."""
+    def _first_missing(self, batch, keys, signature, hit, first_needed, start) -> int:
+        """The first of the ``hit`` blocks that lacks an entry the sequence asks for."""
+        ids = batch.token_ids
         for j in range(hit):
-            if (j + 1) * self.block < first_needed:
+            end = (j + 1) * self.block
+            if end < first_needed:
                 continue  # its entries are all before score_from
             stored = self.index.blocks[keys[j]].outputs.get(signature[j])
-            if stored is None:
-                return False
-            if j == hit - 1 and stored.next_token != ids[start + (j + 1) * self.block]:
-                return False
-        return True
+            if stored is None or _last_key(batch, ids, start + end) not in stored.last:
+                return j
+        return hit
 
     def _join(self, batch, plans, hits, tail_output) -> dict:
         """Step 3: the per-token head outputs of the whole sequences (stored entries of
         the cached blocks, then the tail's), with the per-sequence head outputs."""
         block = self.block
         lengths = np.asarray(batch.lengths, np.int64)
+        ids = np.asarray(batch.token_ids, np.int64)
         full_bounds = layout.offsets(lengths)
         tail_bounds = layout.offsets(lengths - hits)
         values = {}
@@ -281,8 +293,11 @@ class PrefixCache:
                 ]
                 for j in range(p.hit):
                     stored = self.index.blocks[p.keys[j]].outputs.get(p.signature[j])
-                    if stored is not None and out.name in stored.values:
-                        full[a + j * block + 1 : a + (j + 1) * block + 1] = stored.values[out.name]
+                    end = a + (j + 1) * block
+                    last = None if stored is None else stored.last.get(_last_key(batch, ids, end))
+                    if last is not None:  # else its entries are all before score_from
+                        full[a + j * block + 1 : end] = stored.values[out.name]
+                        full[end] = last[out.name]
             values[out.name] = full
         for out in schema.head_outputs(batch):
             if schema.at_last_row(out):
@@ -310,15 +325,17 @@ class PrefixCache:
                     continue
                 if key not in self.index.blocks:
                     self.index.insert(key, p.keys[j - 1] if j else None, slot)
+                end = (j + 1) * block
                 computed = j * block + 1 >= max(1, int(score_from[b]))
-                if outputs and computed:
-                    end = (j + 1) * block
-                    entries = slice(start + j * block + 1, start + end + 1)
-                    stored = {o.name: np.array(values[o.name][entries]) for o in outputs}
-                    next_token = int(ids[start + end]) if end < length else -1
-                    self.index.add_outputs(
-                        key, p.signature[j], BlockOutputs(stored, next_token), pinned
+                if outputs and computed and end < length:  # the next token is known
+                    entries = slice(start + j * block + 1, start + end)
+                    stored = BlockOutputs(
+                        {o.name: np.array(values[o.name][entries]) for o in outputs},
+                        {_last_key(batch, ids, start + end): {
+                            o.name: np.array(values[o.name][start + end]) for o in outputs
+                        }},
                     )
+                    self.index.add_outputs(key, p.signature[j], stored, pinned)
 
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
+from megascore.engine.cache.index import PrefixIndex
+from megascore.engine.cache.store import PrefixStore
 from megascore.model.attention import TorchCoreAttention
 
 logger = logging.getLogger(__name__)
@@ -97,3 +99,35 @@ def largest_slot(local: int, group: dist.ProcessGroup) -> int:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return int(value)
+
+
+def start(
+    engine_cfg: EngineConfig, model, device: torch.device, layout: dict, group
+) -> tuple[PrefixStore, PrefixIndex] | None:
+    """Every rank: the replica's store and index (the index is rank 0's to use), or None
+    when it runs no cache (:func:`key_block`). A collective over ``group`` (every rank of
+    the replica: the largest bytes per block decides the slots).
+
+    Args:
+        engine_cfg: the engine config.
+        model: this rank's built model (its attention layers are configured).
+        device: the model's device.
+        layout: what :func:`key_block` reads, and ``tp``.
+        group: the replica's status group.
+    """
+    block = key_block(engine_cfg, device, layout)
+    if not block:
+        return None
+    slot = max(1, largest_slot(slot_bytes(model, block, layout["tp"]), group))
+    budget = budget_bytes(engine_cfg)
+    num_slots = budget // slot
+    logger.info(
+        "prefix cache: %d blocks of %d positions (%.2f MiB each on the largest rank, budget "
+        "%.2f GiB)%s",
+        num_slots,
+        block,
+        slot / 2**20,
+        budget / 2**30,
+        "" if engine_cfg.prefix_cache is not False else ", kept within a call only",
+    )
+    return PrefixStore(num_slots, block), PrefixIndex(num_slots, slot, budget)

@@ -42,10 +42,8 @@ Payloads, in order, after the header:
 
 * FORWARD: int64 ``[T + B]`` (token ids, then lengths); then every input the flags
   announce, in ``INPUTS`` order: ``[T, *dims]`` or ``[B]`` values of its dtype, flat
-  (today: uint8 loss mask, float32 temperatures, int32 routing to replay); then, when
-  flag ``CACHE_FLAG`` is set, the prefix-cache plan: int64 ``[B + 1]`` (each sequence's
-  cached tokens, then the number of slots ``S``) and int64 ``[S]`` (the slot of every
-  block of every sequence, ``megascore.engine.cache.store``).
+  (today: uint8 loss mask, float32 temperatures, int32 routing to replay); then, with
+  flag ``CACHE_FLAG``, the prefix-cache plan (:mod:`megascore.engine.ranks.forward_payloads`).
 * RELOAD: uint8 ``[path_bytes + version_bytes]``, the two UTF-8 strings
   (nothing when both are empty).
 * SHUTDOWN: nothing.
@@ -70,6 +68,7 @@ registry's sorted order.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -80,6 +79,7 @@ import torch.distributed as dist
 
 from megascore.api import schema
 from megascore.api.types import ScoreBatch
+from megascore.engine.ranks import forward_payloads
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,7 @@ FORWARD_SLOTS = (_H_TOP_K, 8, 9, 10, 11, 12, 13, 14, 15)
 """Header slots a FORWARD gives to the integer options, then to the inputs' dimensions."""
 INPUT_FLAG_BASE = 16
 """Flag bit of ``INPUTS[0]`` being sent (the boolean options take the bits below)."""
-CACHE_FLAG = 1 << 48
-"""FORWARD flag: the batch carries a prefix-cache plan (``cache_hits``, ``cache_slots``)."""
+CACHE_FLAG = 1 << 48  # FORWARD: a prefix-cache plan follows the inputs
 WEIGHTS_FLAG_PARTIAL = 1 << 0
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -185,15 +184,6 @@ class Received(NamedTuple):
     command: Command
     batch: ScoreBatch | None
     extra: Extra
-
-
-_TORCH_DTYPES = {
-    "uint8": torch.uint8,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
 
 
 def _flag_options() -> list:
@@ -280,9 +270,7 @@ def send_batch(
             payloads.append(np.ascontiguousarray(value, dtype=spec.dtype).reshape(-1))
     if batch.cache_hits is not None:  # [B] hits, then the slots of every block
         flags |= CACHE_FLAG
-        count = [len(batch.cache_slots)]
-        payloads.append(np.concatenate([batch.cache_hits, count]).astype(np.int64))
-        payloads.append(np.asarray(batch.cache_slots, dtype=np.int64))
+        payloads += forward_payloads.cache_plan(batch)
     slots[_H_FLAGS] = flags
     # ids_and_lengths: [T + B], token ids then lengths, one collective for both.
     ids_and_lengths = np.concatenate(
@@ -480,6 +468,7 @@ def recv_command(
         raise ProtocolError(f"loss bitmask {h[_H_LOSSES]:#x} exceeds the registry {registry}")
     ids_and_lengths = torch.empty(num_tokens + num_sequences, dtype=torch.int64, device=device)
     _bcast(ids_and_lengths, src, group)
+    bcast = functools.partial(_bcast, src=src, group=group)
     ids_and_lengths_np = ids_and_lengths.cpu().numpy()
     fields = {
         "token_ids": ids_and_lengths_np[:num_tokens],
@@ -493,32 +482,15 @@ def recv_command(
         fields[opt.name] = h[next(free)]
     for i, spec in enumerate(schema.INPUTS):
         dims = tuple(h[next(free)] for _ in range(spec.ndim))
-        fields[spec.name] = None
-        if flags >> (INPUT_FLAG_BASE + i) & 1:
-            rows = num_tokens if spec.per == schema.TOKEN else num_sequences
-            shape = (rows, *dims)
-            buffer = torch.empty(
-                int(np.prod(shape)), dtype=_TORCH_DTYPES[spec.dtype], device=device
-            )
-            _bcast(buffer, src, group)
-            fields[spec.name] = buffer.cpu().numpy().reshape(shape)
-    if flags & CACHE_FLAG:
-        fields["cache_hits"], fields["cache_slots"] = _recv_cache_plan(
-            fields["lengths"], src, group, device
+        rows = num_tokens if spec.per == schema.TOKEN else num_sequences
+        sent = flags >> (INPUT_FLAG_BASE + i) & 1
+        fields[spec.name] = (
+            forward_payloads.receive_input(spec, (rows, *dims), bcast, device) if sent else None
         )
+    if flags & CACHE_FLAG:
+        plan = forward_payloads.receive_cache_plan(num_sequences, bcast, device)
+        fields["cache_hits"], fields["cache_slots"] = plan
     batch = ScoreBatch(**fields)
     logger.debug("step %d: received FORWARD T=%d B=%d", extra.step, num_tokens, num_sequences)
     return Received(command, batch, extra)
 
-
-def _recv_cache_plan(lengths: np.ndarray, src, group, device) -> tuple[np.ndarray, np.ndarray]:
-    """A FORWARD's cache plan: int64 ``[B + 1]`` hits and the number of slots, then the
-    slots of every block."""
-    head = torch.empty(len(lengths) + 1, dtype=torch.int64, device=device)
-    _bcast(head, src, group)
-    hits = head.cpu().numpy()
-    if hits[-1] < 0:
-        raise ProtocolError(f"negative cache slot count {hits[-1]}")
-    slots = torch.empty(int(hits[-1]), dtype=torch.int64, device=device)
-    _bcast(slots, src, group)
-    return hits[:-1].copy(), slots.cpu().numpy()

@@ -263,17 +263,7 @@ def _plan(
             has_request_mask=batch.loss_mask is not None,
             lengths=lengths[mb.sequences],
             head_inputs={name: values[tok] for name, values in head_inputs.items()},
-            cache=None
-            if slots is None
-            else microbatch_cache(
-                mb.segments.offsets,
-                mb.segments.lengths,
-                [slots[b] for b in mb.sequences[mb.segments.sequences]],
-                pad_to,
-                layout.offsets(layout.padded_lengths(mb.segments.lengths, cfg.pad_multiple))[:-1],
-                cfg.prefix_store,
-                cfg.device,
-            ),
+            cache=None if slots is None else _microbatch_cache(mb, slots, pad_to, cfg),
         )
         for mb, tok in zip(layouts, tokens, strict=True)
     ]
@@ -298,6 +288,19 @@ def _plan(
         or not any(out.wanted(batch) for out in outputs if not schema.at_last_row(out)),
     )
     return _Plan(microbatches, layouts, tokens, pad_to, spec, record, want_moe, want_mtp)
+
+
+def _microbatch_cache(mb: MicrobatchSegments, slots: list[np.ndarray], pad_to: int, cfg):
+    """A microbatch's cached rows and cache view (its segments: one per sequence)."""
+    return microbatch_cache(
+        mb.segments.offsets,
+        mb.segments.lengths,
+        [slots[b] for b in mb.sequences[mb.segments.sequences]],
+        pad_to,
+        layout.offsets(layout.padded_lengths(mb.segments.lengths, cfg.pad_multiple))[:-1],
+        cfg.prefix_store,
+        cfg.device,
+    )
 
 
 def _sequence_slots(batch: ScoreBatch, store: PrefixStore | None) -> list[np.ndarray]:
