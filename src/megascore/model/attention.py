@@ -177,8 +177,8 @@ def _build_plan(
         q_starts = torch.tensor([e[0] for e in entries], dtype=torch.long)
         q_index = q_starts[:, None] + torch.arange(q_len)  # [n, q_len]
         k_index = full_to_gathered[torch.stack([e[1] for e in entries])]  # [n, k_len]
-        indices = _indices(q_index, k_index, device)
-        buckets.append(_Bucket(offset=offset, continues=continues, **indices))
+        fields = indices(q_index, k_index, device)
+        buckets.append(_Bucket(offset=offset, continues=continues, **fields))
     prefix_calls = [
         _PrefixCall(**indices(torch.cat(rows), full_to_gathered[prefix], device))
         for prefix, rows in queries_of.values()

@@ -353,8 +353,6 @@ def _tail_batch(batch: ScoreBatch, plans: list[_Sequence], hits: np.ndarray, blo
             fields[spec.name] = np.asarray(values)[keep]
     if batch.score_from is not None:
         fields["score_from"] = np.maximum(np.asarray(batch.score_from) - hits, 0)
-    fields["return_logprobs"] = True  # the losses and the stored outputs read them
-    fields["losses"] = ()
     slots = np.asarray([s for p in plans for s in p.slots], np.int64)
     return dataclasses.replace(batch, cache_hits=hits, cache_slots=slots, **fields)
 

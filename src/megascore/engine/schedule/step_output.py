@@ -91,6 +91,6 @@ def finish_values(batch: ScoreBatch, values: dict) -> dict:
         selection.keep_masked_positions(values, batch.lengths, batch.scored_mask())
     elif batch.score_from is not None:
         selection.fill_positions(values, batch.before_score_from())
-    if not batch.return_logprobs:
-        values.pop("logprobs", None)
+    if not batch.return_logprobs and batch.cache_slots is None:  # a cache plan's tails keep
+        values.pop("logprobs", None)  # them: the planner joins them and forms the losses
     return values
