@@ -189,6 +189,9 @@ class ServerHandles:
         self.service.attach(batcher, limits, info)
         self.gate.engine_attached()
         self.metrics.set_model(info.name, info.parallel)
+        stats = getattr(engine, "prefix_cache_stats", None)
+        if stats is not None and stats() is not None:
+            self.metrics.set_prefix_cache(stats)
         logger.info(
             "model %s attached (weights %s, pad multiple %d, max_sequence_length %d)",
             info.name,

@@ -19,6 +19,11 @@ servers in one process, as in the tests, do not collide). Names:
   be sent: the call had already ended on the client's side (cancelled, deadline).
 * ``megascore_model_info{model,world_size,tp,cp,ep,pp}`` — the served model and its
   parallel layout (value 1), set once the engine is attached.
+* ``megascore_prefix_cache_hit_tokens_total`` / ``..._lookup_tokens_total`` — tokens
+  of scored sequences read from the prefix cache / all tokens of the sequences that
+  could read it; ``megascore_prefix_cache_stored_bytes`` and ``..._blocks`` — what it
+  holds; ``megascore_prefix_cache_evictions_total`` — blocks evicted (docs/engine.md
+  "Prefix cache"). Read from the engine at each scrape; absent without a cache.
 """
 
 from __future__ import annotations
@@ -111,6 +116,7 @@ class ServerMetrics:
             "megascore_model", "Served model and its parallel layout", registry=r
         )
         self._httpd = None
+        self._prefix_cache = None
 
     def set_model(self, name: str, layout) -> None:
         """Records the served model and its :class:`megascore.api.types.ParallelLayout`."""
@@ -124,6 +130,14 @@ class ServerMetrics:
                 "pp": str(layout.pipeline_model_parallel_size),
             }
         )
+
+    def set_prefix_cache(self, stats) -> None:
+        """Exports the prefix cache's counters: ``stats()`` -> the engine's
+        ``prefix_cache_stats()`` dict, read at each scrape."""
+        if self._prefix_cache is None:
+            self._prefix_cache = _PrefixCacheCollector(stats)
+            self.registry.register(self._prefix_cache)
+        self._prefix_cache.stats = stats
 
     def set_queue(self, requests: int, tokens: int) -> None:
         """Updates the queue gauges."""
@@ -156,3 +170,30 @@ class ServerMetrics:
             self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's metrics, from the engine's counters at scrape time."""
+
+    _NAMES = {  # stats key -> (metric, help, counter)
+        "hit_tokens": ("megascore_prefix_cache_hit_tokens", "Tokens read from the cache", True),
+        "lookup_tokens": (
+            "megascore_prefix_cache_lookup_tokens",
+            "Tokens of the sequences that could read the cache",
+            True,
+        ),
+        "stored_bytes": ("megascore_prefix_cache_stored_bytes", "Bytes the cache holds", False),
+        "blocks": ("megascore_prefix_cache_blocks", "Blocks the cache holds", False),
+        "evictions": ("megascore_prefix_cache_evictions", "Blocks evicted", True),
+    }
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for key, value in (self.stats() or {}).items():
+            name, text, counter = self._NAMES[key]
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            yield family(name, text, value=value)
