@@ -63,7 +63,7 @@ def _per_sequence(out, lengths: np.ndarray) -> list[dict[str, np.ndarray]]:
     pieces = [dict() for _ in lengths]
     for decl in schema.outputs():
         value = out.values.get(decl.name)
-        if value is None:
+        if value is None or decl.name == "cached_tokens":  # where it came from, not what
             continue
         if decl.per == schema.TOKEN:
             for piece, part in zip(pieces, np.split(value, cuts), strict=True):

@@ -52,8 +52,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megascore.engine.layout.packing import cp_shard_indices
 from megascore.engine.layout.segment_packing import SharedPrefixParams, prefix_rows
-from megascore.model.key_blocks import BlockCall, build_blocked_plan, indices
-from megascore.model.sdpa import attention_with_lse, chunk_attention, merge, merge_ordered
+from megascore.model import key_blocks
+from megascore.model.key_blocks import KeySegment
+from megascore.model.sdpa import attention_with_lse, chunk_attention, merge
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class _Plan:
     key: tuple
     buckets: tuple[_Bucket, ...] = ()
     prefix_calls: tuple[_PrefixCall, ...] = ()
-    block_calls: tuple[BlockCall, ...] = ()  # the key-block attention's (key_blocks)
+    key_segments: tuple[KeySegment, ...] = ()  # the key-block attention's (key_blocks)
+    key_block: int = 0
 
 
 def _build_plan(
@@ -185,6 +187,29 @@ def _build_plan(
     ]
     key = (tuple(seg_lens), cp_rank, cp_size, str(device))
     return _Plan(key=key, buckets=tuple(buckets), prefix_calls=tuple(prefix_calls))
+
+
+def indices(q_index: torch.Tensor, k_index: torch.Tensor, device) -> dict:
+    """A call's query and key indices (on the CPU) as its fields: on ``device``, and as
+    slices where the rows are consecutive."""
+    return dict(
+        q_index=q_index.to(device),
+        k_index=k_index.to(device),
+        q_rows=_consecutive(q_index),
+        k_rows=_consecutive(k_index),
+    )
+
+
+def _consecutive(index: torch.Tensor) -> slice | None:
+    """``index`` (any shape, on the CPU) as the slice of rows it lists in order, or None
+    when they are not consecutive."""
+    flat = index.reshape(-1)
+    if not len(flat):
+        return None
+    start = int(flat[0])
+    if not torch.equal(flat, torch.arange(start, start + len(flat))):
+        return None
+    return slice(start, start + len(flat))
 
 
 def _take(x: torch.Tensor, index: torch.Tensor, rows: slice | None) -> torch.Tensor:
@@ -274,8 +299,8 @@ class TorchCoreAttention(MegatronModule):
             prefixes, parents = prefix_rows(params), params.segment_parents
             offsets = params.segment_offsets
         if blocked:
-            calls = build_blocked_plan(seg_lens, blocked, device, prefixes, offsets)
-            plan = _Plan(key=key, block_calls=calls)
+            segments = key_blocks.plan_segments(seg_lens, blocked, device, prefixes, offsets)
+            plan = _Plan(key=key, key_segments=segments, key_block=blocked)
         else:
             plan = _build_plan(seg_lens, cp_rank, cp_size, device, prefixes, parents)
         plan = dataclasses.replace(plan, key=key)
@@ -296,13 +321,10 @@ class TorchCoreAttention(MegatronModule):
         """Runs every bucket, then the prefix calls, each merged into its continuations'
         rows by their log-sum-exps. q/k: [t(_k), heads/groups, dim], v: [t_k, groups,
         v_dim] -> [t, heads, v_dim]."""
+        if plan.key_block:
+            return key_blocks.attend(q, k, v, plan.key_segments, plan.key_block, self.softmax_scale)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # [t, heads, v_dim]
-        merges = plan.prefix_calls or plan.block_calls
-        lse = q.new_zeros(q.shape[:-1], dtype=torch.float32) if merges else None
-        if plan.block_calls:
-            for call in plan.block_calls:
-                self._run_block_call(q, k, v, call, out, lse)
-            return out
+        lse = q.new_zeros(q.shape[:-1], dtype=torch.float32) if plan.prefix_calls else None
         if plan.prefix_calls and self.training and self.dropout_p:
             raise ValueError("shared prefixes need attention dropout 0")
         for bucket in plan.buckets:
@@ -322,27 +344,6 @@ class TorchCoreAttention(MegatronModule):
             merged = merge(own_out, own_lse, ob[0].permute(1, 0, 2), lb[0].permute(1, 0))
             _put(out, call.q_index, call.q_rows, merged.to(out.dtype))
         return out
-
-    def _run_block_call(self, q, k, v, call: BlockCall, out: torch.Tensor, lse) -> None:
-        """One key-block call: a causal one writes its rows' output and log-sum-exp, a
-        call over the keys before the blocks merges into them (always in that order)."""
-        ob, lb = attention_with_lse(  # [n, heads, q_len, v_dim], [n, heads, q_len]
-            _take(q, call.q_index, call.q_rows).permute(0, 2, 1, 3),
-            _take(k, call.k_index, call.k_rows).permute(0, 2, 1, 3),
-            _take(v, call.k_index, call.k_rows).permute(0, 2, 1, 3),
-            causal=call.causal,
-            mask=None,
-            scale=self.softmax_scale,
-        )
-        ob, lb = ob.permute(0, 2, 1, 3), lb.permute(0, 2, 1)  # [n, q_len, heads, ...]
-        if call.causal:
-            _put(out, call.q_index, call.q_rows, ob.to(out.dtype))
-            _put(lse, call.q_index, call.q_rows, lb)
-            return
-        own_out = _take(out, call.q_index, call.q_rows)
-        own_lse = _take(lse, call.q_index, call.q_rows)
-        merged = merge_ordered(ob, lb, own_out, own_lse)
-        _put(out, call.q_index, call.q_rows, merged.to(out.dtype))
 
     def _run_bucket(self, q, k, v, bucket: _Bucket, out: torch.Tensor, lse) -> None:
         """One bucket's SDPA call into ``out`` (and its log-sum-exps into ``lse`` for
