@@ -8,7 +8,8 @@
   per layer (FAIL above ``SYNCS_PER_LAYER``), and those of the rest of the step;
 * tokens/s and MFU of ``bench`` and ``bench-8b`` (model FLOP/s over the GPU's dense
   bfloat16 peak, and over a measured ``torch.mm``);
-* shared prefixes vs dense (``scripts/gpu_prefix_sharing.py``) on ``bench-8b`` / ``bench``.
+* shared prefixes vs dense (``scripts/gpu_prefix_sharing.py``) on ``bench-8b`` / ``bench``;
+* the prefix cache vs none, turn by turn (``scripts/gpu_prefix_sharing.py``) on ``bench``.
 
 Each function takes the :class:`gpu_check.RowContext` and returns ``(result, detail)``
 (or emits its rows itself and returns None).
@@ -157,6 +158,13 @@ def prefix_8b(ctx) -> tuple[str, str]:
 
     bench_common()
     return gpu_prefix_sharing.prefix_sharing(BIG, "cuda", "bfloat16")
+
+
+def prefix_cache_bench(ctx) -> tuple[str, str]:
+    import gpu_prefix_sharing
+
+    bench_common()
+    return gpu_prefix_sharing.prefix_cache("bench", ctx.device, ctx.dtype)
 
 
 # Ops that read a device value on the host (each a sync on a GPU), and copies to the host.

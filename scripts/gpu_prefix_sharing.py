@@ -1,4 +1,4 @@
-"""The shared-prefix rows of the GPU check (``scripts/gpu_check.py``).
+"""The shared-prefix and prefix-cache rows of the GPU check (``scripts/gpu_check.py``).
 
 Two in-process engines on one device, the ``torch`` attention backend: dense
 (``prefix_sharing=False``) and shared (``prefix_sharing=True``, the continuations'
@@ -102,3 +102,79 @@ def prefix_sharing(model: str, device: str, dtype: str) -> tuple[str, str]:
         f"{computed_rows(batch)} computed); {dtype}, torch backend"
     )
     return ("PASS" if diff <= tol else "FAIL"), detail
+
+
+CACHE_TRAJECTORIES, CACHE_TURNS, SYSTEM_LEN, TURN_LEN = 4, 4, 512, 128
+
+
+def trajectories(vocab_size: int) -> list:
+    """Turn-by-turn requests: ``CACHE_TRAJECTORIES`` histories sharing a system prompt,
+    each turn the whole history with ``score_from`` at the turn, interleaved."""
+    from megascore.api.types import ScoreBatch
+
+    rng = np.random.default_rng(1)
+    system = rng.integers(1, vocab_size, SYSTEM_LEN)
+    histories = [system] * CACHE_TRAJECTORIES
+    requests = []
+    for _ in range(CACHE_TURNS):
+        for t in range(CACHE_TRAJECTORIES):
+            start = len(histories[t])
+            histories[t] = np.concatenate([histories[t], rng.integers(1, vocab_size, TURN_LEN)])
+            requests.append(
+                ScoreBatch(
+                    token_ids=histories[t],
+                    lengths=np.array([len(histories[t])]),
+                    score_from=np.array([start]),
+                )
+            )
+    return requests
+
+
+def prefix_cache(model: str, device: str, dtype: str) -> tuple[str, str]:
+    """The prefix cache (``prefix_cache=True``) vs none (``prefix_cache=False``: on CUDA the
+    plain attention) on turn-by-turn requests: parity of the logprobs from each turn on,
+    tokens/s of each, and the cache's budget and what it held."""
+    import torch
+
+    from megascore.config import EngineConfig
+    from megascore.engine.runtime import DistributedEngine
+
+    results, requests = {}, None
+    for cache in (False, True):
+        cfg = EngineConfig(
+            model=model, device=device, dtype=dtype, attention_backend="torch", prefix_cache=cache
+        )
+        engine = DistributedEngine.create(cfg)
+        try:
+            requests = requests or trajectories(engine.info().vocab_size)
+            engine.score(requests[0])  # warm-up (its own cache entries are kept)
+            stats0 = engine.prefix_cache_stats()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs = [engine.score(r) for r in requests[1:]]
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            results[cache] = (time.perf_counter() - start, outs, stats0, engine.prefix_cache_stats())
+            budget = engine._cache.index.budget_bytes if engine._cache is not None else 0
+        finally:
+            engine.shutdown()
+    (off_s, off_out, _, _), (on_s, on_out, _, stats) = results[False], results[True]
+    if stats is None:
+        return "FAIL", "the cache engine runs no prefix cache"
+    dev = max(
+        float(np.abs(np.asarray(a.logprobs[r.score_from[0]:], np.float64)
+                     - np.asarray(b.logprobs[r.score_from[0]:], np.float64)).max())
+        for a, b, r in zip(on_out, off_out, requests[1:], strict=True)
+    )  # fmt: skip
+    tol = FP32_MAX if dtype == "float32" else 10 * BF16_MEAN
+    tokens = sum(r.num_tokens for r in requests[1:])
+    cached = sum(int(o.cached_tokens.sum()) for o in on_out)
+    detail = (
+        f"max |cache - none| logprob {dev:.2e} (tol {tol:.0e}); none {tokens / off_s:,.0f} / cache "
+        f"{tokens / on_s:,.0f} dense-equivalent tokens/s = {off_s / on_s:.2f}x ({cached} of "
+        f"{tokens} tokens read from the cache); budget {budget / 2**30:.2f} GiB on the device, "
+        f"{stats['stored_bytes'] / 2**20:.1f} MiB held in {stats['blocks']} blocks, "
+        f"{stats['evictions']} evicted; host tier: none; {dtype}, torch backend"
+    )
+    return ("PASS" if dev <= tol and cached else "FAIL"), detail

@@ -19,7 +19,7 @@ from megascore.api import schema
 from megascore.api.metric_sums import MetricSums
 from megascore.api.selection import concat_outputs, keep_masked_positions, select_sequences
 from megascore.api.types import ScoreBatch, ScoreOutput
-from megascore_server.shared_units import Sharing, planning_units
+from megascore_server.shared_units import Sharing
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,7 @@ class PendingRequest:
         sharing: Sharing,
         budget: int,
     ) -> PendingRequest:
-        units, costs = planning_units(
-            batch, pad_multiple, sharing.min_shared_prefix, budget, sharing.metrics_lead_rows
-        )
+        units, costs = sharing.units(batch, pad_multiple, budget)
         return cls(
             request_id=request_id,
             batch=batch,

@@ -18,12 +18,15 @@ the budget is cut into consecutive runs of members that fit, each run computing 
 prompt once in its own step. A request with MoE / MTP metrics is planned alike, its
 continuations costed with the engine's ``metrics_lead_rows`` (1 + its MTP layers), or
 sequence by sequence where its metrics steps run dense. Requests with routes to replay
-or target ids and a replica without sharing plan sequence by sequence, as before.
+or target ids and a replica without sharing plan sequence by sequence, as before. With
+the engine's prefix cache, a unit costs what its members do not find cached
+(:meth:`Sharing.units`): the uncached tails, as the engine computes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -39,19 +42,36 @@ class Sharing:
         min_shared_prefix: the shortest prefix its steps share (0: they run dense).
         metrics_lead_rows: rows a continuation repeats of its prefix in a step with MoE /
             MTP metrics (0: such steps run dense).
+        cached: ``batch -> int64 [B]`` the tokens of each sequence the engine's prefix
+            cache holds now (``DistributedEngine.cached_prefix_tokens``; None: no cache).
     """
 
     min_shared_prefix: int = 0
     metrics_lead_rows: int = 0
+    cached: Callable[[ScoreBatch], np.ndarray | None] | None = None
 
     @classmethod
     def of(cls, engine) -> Sharing:
-        """An engine's (``DistributedEngine.min_shared_prefix`` and ``metrics_lead_rows``;
-        an engine without them runs dense)."""
+        """An engine's (``DistributedEngine.min_shared_prefix``, ``metrics_lead_rows`` and
+        ``cached_prefix_tokens``; an engine without them runs dense, without a cache)."""
         return cls(
             getattr(engine, "min_shared_prefix", None) or 0,
             getattr(engine, "metrics_lead_rows", None) or 0,
+            getattr(engine, "cached_prefix_tokens", None),
         )
+
+    def units(self, batch: ScoreBatch, pad_multiple: int, budget: int):
+        """:func:`planning_units` of ``batch`` for this engine, each unit's cost less the
+        tokens its members all find in the prefix cache (the engine computes the
+        uncached tails only)."""
+        units, costs = planning_units(
+            batch, pad_multiple, self.min_shared_prefix, budget, self.metrics_lead_rows
+        )
+        cached = None if self.cached is None else self.cached(batch)
+        if cached is not None and cached.any():
+            saved = np.array([int(cached[members].min()) for members in units], np.int64)
+            costs = np.maximum(costs - saved, pad_multiple)
+        return units, costs
 
 
 def planning_units(

@@ -15,6 +15,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
 from tests.one_rank import one_rank_world
@@ -135,3 +136,26 @@ def test_new_weights_empty_the_cache(tmp_path):
         assert_same_outputs(got, want)
     assert int(before[2].values["cached_tokens"].sum()) > 0  # the system prompt, before
     assert int(after[0].values["cached_tokens"].sum()) == 0  # turn 2 of trajectory 0
+
+
+def test_the_batcher_costs_a_request_by_its_uncached_tails():
+    """``Sharing.of(engine).units``: a request's units cost what the cache does not hold
+    (the engine's own estimate), and a step of the batcher sees the smaller cost."""
+    from megascore_server.shared_units import Sharing
+
+    rng = np.random.default_rng(7)
+    history = rng.integers(1, 500, 5 * BLOCK + 3)
+    longer = ScoreBatch(np.r_[history, rng.integers(1, 500, 20)], np.array([len(history) + 20]))
+    with one_rank_world():
+        engine = DistributedEngine.create(EngineConfig(model="tiny", attention_block=BLOCK))
+        try:
+            sharing = Sharing.of(engine)
+            _, before = sharing.units(longer, 1, 10_000)
+            engine.score(ScoreBatch(history, np.array([len(history)])))
+            cached = engine.cached_prefix_tokens(longer)
+            _, after = sharing.units(longer, 1, 10_000)
+            got = engine.score(longer).cached_tokens
+        finally:
+            engine.shutdown()
+    assert cached.tolist() == [5 * BLOCK] == got.tolist()
+    assert before.tolist() == [longer.num_tokens] and after.tolist() == [longer.num_tokens - 5 * BLOCK]

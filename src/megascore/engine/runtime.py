@@ -207,6 +207,14 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         if self._cache is not None:
             self._cache.forget()
 
+    def cached_prefix_tokens(self, batch: ScoreBatch):
+        """Rank 0: the tokens of each sequence the prefix cache holds now (int64 ``[B]``;
+        None without a cache or for a batch that does not read it), for the batcher's
+        costs (:meth:`megascore.engine.cache.planner.PrefixCache.cached_now`)."""
+        if self._cache is None or not self._cache.applies(batch):
+            return None
+        return self._cache.cached_now(batch)
+
     def prefix_cache_stats(self) -> dict[str, int] | None:
         """Rank 0: the prefix cache's counters (None without a cache)."""
         return None if self._cache is None else self._cache.stats()

@@ -135,6 +135,19 @@ class PrefixCache:
             or batch.routing is not None
         )
 
+    def cached_now(self, batch: ScoreBatch) -> np.ndarray:
+        """int64 ``[B]`` the cached tokens each sequence would read now, before its outputs
+        are checked (an estimate for the server's batcher; read-only, any thread)."""
+        lengths = np.asarray(batch.lengths, np.int64)
+        bounds = layout.offsets(lengths)
+        ids = np.asarray(batch.token_ids, np.int64)
+        hits = [
+            min(self.index.hits(chain_keys(ids[a:b], self.block, (b - a) // self.block)),
+                (b - a - 1) // self.block)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]  # fmt: skip
+        return np.asarray(hits, np.int64) * self.block
+
     def forget(self) -> None:
         """Empties the index (the weights changed)."""
         self.index.clear()
