@@ -96,6 +96,7 @@ def main() -> int:
         flags = [
             "--model", f"hf:{Path(tmp) / 'ckpt'}", "--device", "cpu", "--dtype", "float32",
             "--max-tokens-per-batch", str(args.max_tokens_per_batch),
+            "--no-prefix-cache",  # repeated requests: their computation, not the cache
         ]  # fmt: skip
         servers = {}
         try:

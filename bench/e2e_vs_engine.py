@@ -64,6 +64,7 @@ def start_server(
     log_path: Path,
     model: str = "bench",
     extra_args: tuple[str, ...] = (),
+    prefix_cache: bool = False,
 ) -> ServeProcess:
     """A ``megascore serve`` subprocess on 127.0.0.1 with its metrics endpoint.
 
@@ -73,6 +74,9 @@ def start_server(
         log_path: where the server's stdout / stderr go.
         model: ``--model``.
         extra_args: more ``megascore serve`` flags.
+        prefix_cache: keep the server's prefix cache between calls (its default); False
+            adds ``--no-prefix-cache``: a benchmark that sends the same requests again
+            measures their computation, not the cache (``bench/prefix_cache.py`` does).
 
     Returns:
         The started :class:`megascore_server.serve_process.ServeProcess`
@@ -84,6 +88,7 @@ def start_server(
 
     flags = ["--model", model, "--device", device, "--dtype", common.dtype_name(device)]
     flags += ["--max-tokens-per-batch", str(max_tokens), *extra_args]
+    flags += [] if prefix_cache else ["--no-prefix-cache"]
     server = ServeProcess(log_path, *flags, metrics=True)
     logger.info("started %s (pid %d)", " ".join(server.cmd), server.pid)
     return server

@@ -235,6 +235,7 @@ def measure(args, workdir: Path) -> dict:
             MAX_TOKENS,
             workdir / f"{name}.log",
             extra_args=(*extra, "--http-port", str(ports[name])),
+            prefix_cache=True,  # each side's own flags
         )
     reps = []
     try:

@@ -46,6 +46,7 @@ import mfu
 import option_cost
 import packed_vs_hf
 import pipeline
+import prefix_cache
 import prefix_grid
 import prefix_sharing
 import replica_scaling
@@ -486,6 +487,7 @@ def main() -> int:
         option_cost,
         prefix_sharing,
         prefix_grid,
+        prefix_cache,
         startup,
         data_parallel,
         replica_scaling,
