@@ -41,7 +41,9 @@ def create(batch_invariant: bool):
     from megascore.engine.runtime import DistributedEngine
 
     return DistributedEngine.create(
-        EngineConfig(model=MODEL, device="cpu", batch_invariant=batch_invariant)
+        EngineConfig(
+            model=MODEL, device="cpu", batch_invariant=batch_invariant, prefix_cache=False
+        )
     )
 
 

@@ -97,7 +97,8 @@ def create_engine(device: str, model: str = MODEL):
     from megascore.engine.runtime import DistributedEngine
 
     return DistributedEngine.create(
-        EngineConfig(model=model, device=device, dtype=dtype_name(device))
+        # prefix_cache=False: the passes resend the same sequences (measure their computation)
+        EngineConfig(model=model, device=device, dtype=dtype_name(device), prefix_cache=False)
     )
 
 

@@ -205,7 +205,12 @@ def main() -> None:
     from megascore.engine.runtime import DistributedEngine
 
     engine = DistributedEngine.create(
-        EngineConfig(model="bench", device=args.device, logprob_chunk_tokens=args.chunk_tokens)
+        EngineConfig(
+            model="bench",
+            device=args.device,
+            logprob_chunk_tokens=args.chunk_tokens,
+            prefix_cache=False,  # repeated passes: their computation, not the cache
+        )
     )
     try:
         info = engine.info()

@@ -86,6 +86,7 @@ def worker(args: argparse.Namespace) -> None:
                 pipeline_model_parallel_size=args.pp,
                 pipeline_microbatches=m,
                 collective_timeout_s=600,
+                prefix_cache=False,  # repeated steps: their computation, not the cache
             )
         )
         busy["s"] = 0.0
