@@ -159,3 +159,23 @@ def test_the_batcher_costs_a_request_by_its_uncached_tails():
             engine.shutdown()
     assert cached.tolist() == [5 * BLOCK] == got.tolist()
     assert before.tolist() == [longer.num_tokens] and after.tolist() == [longer.num_tokens - 5 * BLOCK]
+
+
+def test_multi_latent_attention_equals_the_cache_off_engine(tmp_path):
+    """A DeepSeek-V3-shaped ``hf:`` checkpoint (MLA with a query LoRA and YaRN, MoE, an MTP
+    layer): its cached keys and values are MLA's expanded ones, and every answer is the
+    cache-off engine's bit for bit."""
+    from testkit.checkpoints import VOCAB as HF_VOCAB
+    from tests.unit.test_prefix_sharing_mla import write_mla_checkpoint
+
+    write_mla_checkpoint("deepseek_v3", tmp_path)
+    requests = [
+        dataclasses.replace(r, token_ids=r.token_ids % HF_VOCAB, target_ids=r.target_ids % HF_VOCAB)
+        for r in cache_workload(seed=5)
+    ]
+    with one_rank_world():
+        off, _ = _answers(f"hf:{tmp_path}", requests, **OFF)
+        on, stats = _answers(f"hf:{tmp_path}", requests)
+    for i, (got, want) in enumerate(zip(on, off, strict=True)):
+        assert_same_outputs(got, want, f"request {i}")
+    assert stats["hit_tokens"] > 0

@@ -8,7 +8,11 @@ padded with zeros before the matmul and cut off after.
 Why that is enough on the CPU (measured, ``docs/engine.md`` "Batch invariance"): oneDNN /
 MKL compute a row of ``x @ W.T`` with the same blocking of the inner dimension whatever
 the number of rows, *except* for small row counts (1-3 rows with one thread, up to ~11
-with eight), which take a matrix-vector path with another summation order. A sequence of
+with eight), which take a matrix-vector path with another summation order. Some CPUs
+split small calls otherwise (an AMX Xeon with 2 threads: a 1728-wide inner dimension
+below ~300 rows), so the row count is *probed* per weight shape, dtype and thread count
+(:func:`min_rows`: the first of :data:`PROBE_ROWS` that holds), never below
+:data:`MIN_ROWS`. A sequence of
 two tokens scored alone therefore differed from the same sequence inside a pack by one
 ulp. Padding every matmul to at least 64 rows keeps every call on the blocked path; above
 that, a row's bits do not depend on the row count (checked for every count from 64 to 256
@@ -46,6 +50,7 @@ shape; ``EngineConfig`` refuses ``batch_invariant`` on CUDA (docs/deploy.md, GPU
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +58,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.router import TopKRouter
+
+logger = logging.getLogger(__name__)
 
 MIN_ROWS = 64
 """Every token-axis matmul runs on at least this many rows (zero rows appended)."""
@@ -71,11 +78,47 @@ def is_batch_invariant(module: torch.nn.Module) -> bool:
     return getattr(module, _MARK, False)
 
 
-def pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with zero rows appended along dim 0 up to :data:`MIN_ROWS` rows (no rows:
-    ``x`` as it is, there is no row to round differently; an expert that got no token
-    then costs no matmul)."""
-    extra = MIN_ROWS - x.shape[0] if x.shape[0] else 0
+PROBE_ROWS = (MIN_ROWS, 128, 256, 512, 1024)
+"""The row counts :func:`min_rows` tries, smallest first (the last is taken when none holds)."""
+_PROBED: dict[tuple, int] = {}
+
+
+def min_rows(weight: torch.Tensor) -> int:
+    """The row count from which a row of ``x @ weight.T`` has the same bits in any larger
+    call, on this machine's BLAS at this thread count: probed once per weight shape,
+    dtype and thread count (module docstring); :data:`MIN_ROWS` off the CPU."""
+    key = (tuple(weight.shape), weight.dtype, weight.device.type, torch.get_num_threads())
+    if key not in _PROBED:
+        _PROBED[key] = _probe(*key[:3]) if weight.device.type == "cpu" else MIN_ROWS
+        if _PROBED[key] > MIN_ROWS:
+            logger.info("batch invariance: matmuls of weight %s (%s, %d threads) padded to "
+                        "%d rows", key[0], key[1], key[3], _PROBED[key])  # fmt: skip
+    return _PROBED[key]
+
+
+def _probe(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> int:
+    """The first of :data:`PROBE_ROWS` from which every sampled row count gives a random
+    input's rows the bits they have in a call of ``2 * PROBE_ROWS[-1] + 3`` rows."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=gen).to(dtype)
+    x = torch.randn(2 * PROBE_ROWS[-1] + 3, shape[-1], generator=gen).to(dtype)
+    whole = F.linear(x, weight)
+    for i, rows in enumerate(PROBE_ROWS):
+        samples = {rows, rows + 1, rows + rows // 2 + 1, 2 * rows - 1, *PROBE_ROWS[i + 1 :]}
+        if all(torch.equal(F.linear(x[:m], weight), whole[:m]) for m in sorted(samples)):
+            return rows
+    logger.warning("batch invariance: matmuls of weight %s (%s) depend on the row count up "
+                   "to %d rows and beyond on this machine", shape, dtype, PROBE_ROWS[-1])  # fmt: skip
+    return PROBE_ROWS[-1]
+
+
+def pad_rows(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` with zero rows appended along dim 0 up to the rows from which a matmul with
+    ``weight`` is row-invariant here (:func:`min_rows`; no weight: :data:`MIN_ROWS`). No
+    rows: ``x`` as it is, there is no row to round differently; an expert that got no
+    token then costs no matmul."""
+    least = MIN_ROWS if weight is None else min_rows(weight)
+    extra = least - x.shape[0] if x.shape[0] else 0
     if extra <= 0:
         return x
     return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
@@ -93,7 +136,7 @@ def _linear_impl(
         input = gather_from_sequence_parallel_region(input, False, group=tp_group)
     rows = input.shape[0]
     out = original(
-        input=pad_rows(input),
+        input=pad_rows(input, weight),
         weight=weight,
         bias=bias,
         sequence_parallel=False,
@@ -103,10 +146,10 @@ def _linear_impl(
     return out[:rows]
 
 
-def _router_gating(original, input: torch.Tensor) -> torch.Tensor:
+def _router_gating(original, router, input: torch.Tensor) -> torch.Tensor:
     """``TopKRouter.gating`` on row-padded input (``[tokens, hidden]``)."""
     rows = input.shape[0]
-    return original(pad_rows(input))[:rows]
+    return original(pad_rows(input, router.weight))[:rows]
 
 
 _IN_PLACE = {F.silu: torch.ops.aten.silu_, F.gelu: torch.ops.aten.gelu_}
@@ -152,7 +195,7 @@ def make_batch_invariant(model: torch.nn.Module) -> int:
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
             module._forward_impl = functools.partial(_linear_impl, module._forward_impl)
         elif isinstance(module, TopKRouter):
-            module.gating = functools.partial(_router_gating, module.gating)
+            module.gating = functools.partial(_router_gating, module.gating, module)
         elif isinstance(module, MLP):  # the gated path reads the config's activation
             module.activation_func = _invariant_activation(module.activation_func)
             module.config.activation_func = _invariant_activation(module.config.activation_func)

@@ -92,7 +92,7 @@ class OutputHead:
         like the output layer's matmuls when it is batch-invariant
         (:mod:`megascore.model.batch_invariant`), written into the head's reused buffer
         (a new tensor without one). Returns ``[C, V/tp]``."""
-        padded = pad_rows(x) if is_batch_invariant(self.output_layer) else x
+        padded = pad_rows(x, weight) if is_batch_invariant(self.output_layer) else x
         if self.scratch is None:
             return torch.matmul(padded, weight.t())[: len(x)]
         out = self.scratch.take("logits", len(padded), weight.shape[0], x.dtype, x.device)
