@@ -18,7 +18,7 @@ the outputs joined back (numpy, torch-free).
 3. **The outputs.** Each per-token output of the head is the stored entries of the
    cached blocks, then the tail's; the per-sequence outputs (losses, counts, mismatch
    statistics) are computed on the whole sequences
-   (:func:`megascore.engine.schedule.step_output.finish_values`). The new blocks enter
+   (:func:`megascore.api.finish.finish_values`). The new blocks enter
    the index with their outputs only once the step succeeded.
 
 A cached block's keys and values are the bits the dense forward computes at those
@@ -35,9 +35,9 @@ from collections.abc import Callable
 import numpy as np
 
 from megascore.api import layout, schema
+from megascore.api.finish import finish_values
 from megascore.api.types import ScoreBatch, ScoreOutput
 from megascore.engine.cache.index import BlockOutputs, PrefixIndex, chain_keys
-from megascore.engine.schedule.step_output import finish_values
 
 
 @dataclasses.dataclass

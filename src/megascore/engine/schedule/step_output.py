@@ -15,7 +15,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from megascore.api import layout, schema, selection
+from megascore.api import layout, schema
+from megascore.api.finish import finish_values
 from megascore.api.types import ScoreBatch, ScoreOutput
 from megascore.engine.schedule.step import StepResult
 
@@ -79,18 +80,3 @@ def finish_step(batch: ScoreBatch, result: StepResult) -> ScoreOutput:
         mtp_metrics=result.mtp_metrics if batch.return_mtp_metrics else {},
         metric_sums=result.metric_sums,
     )
-
-
-def finish_values(batch: ScoreBatch, values: dict) -> dict:
-    """The outputs of the table computed from the head's (``values``, flat, in place):
-    every wanted ``finish``, then the fills of ``logprob_positions`` / ``score_from``."""
-    for out in schema.OUTPUTS:
-        if out.finish is not None and out.wanted(batch):
-            values[out.name] = out.finish(batch, values)
-    if batch.logprob_positions == schema.MASKED:  # e.g. importance weights from the fill
-        selection.keep_masked_positions(values, batch.lengths, batch.scored_mask())
-    elif batch.score_from is not None:
-        selection.fill_positions(values, batch.before_score_from())
-    if not batch.return_logprobs and batch.cache_slots is None:  # a cache plan's tails keep
-        values.pop("logprobs", None)  # them: the planner joins them and forms the losses
-    return values
