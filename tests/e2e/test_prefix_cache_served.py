@@ -5,9 +5,10 @@
   from the new turn on for some turns): every output equal bit for bit, ``cached_tokens``
   > 0 from the second turn on (0 without the cache), and the server's Prometheus
   ``megascore_prefix_cache_hit_tokens_total`` grew by what the answers reported;
-* a partial weight push to both servers between two turns: the next turn equals the
-  server without a cache (a stale cached key or value would not), reads nothing cached,
-  and a request pinned to the old version is refused;
+* a partial weight push to both servers between two turns, then a delta push (its full
+  base) and a delta patch: each next turn equals the server without a cache (a stale
+  cached key or value would not) and reads nothing cached; a request pinned to the old
+  version is refused;
 * ``/v1/completions`` (token-id prompts, ``echo``, ``logprobs``): the same prompt twice,
   the second answer ``usage.prompt_tokens_details.cached_tokens`` > 0 and its logprobs
   equal to the first's.
@@ -118,6 +119,16 @@ def test_a_push_between_turns_leaves_nothing_stale(servers):
     got, want = _score_both(servers, [turns[2][0]])  # cached again, on the new weights
     _assert_same(got, want)
     assert int(got.cached_tokens[0]) > 0
+    norm = np.full(HIDDEN, 1.25, dtype=np.float32)
+    for version, changed in (("d1", 0.5), ("d2", 0.75)):  # a full delta base, then a patch
+        norm[3] = changed
+        for server in servers:
+            with ScoringClient(server.target, timeout=120) as client:
+                client.push_weights([(NORM, norm)], names="megatron", partial=True,
+                                    weights_version=version, delta=True)  # fmt: skip
+        got, want = _score_both(servers, [turns[2][0]])
+        _assert_same(got, want)
+        assert got.weights_version == version and int(got.cached_tokens[0]) == 0
 
 
 def _completions(server, prompt: list[int]) -> dict:
