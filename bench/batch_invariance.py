@@ -41,9 +41,7 @@ def create(batch_invariant: bool):
     from megascore.engine.runtime import DistributedEngine
 
     return DistributedEngine.create(
-        EngineConfig(
-            model=MODEL, device="cpu", batch_invariant=batch_invariant, prefix_cache=False
-        )
+        EngineConfig(model=MODEL, device="cpu", batch_invariant=batch_invariant, prefix_cache=False)
     )
 
 

@@ -87,9 +87,12 @@ def agentic(args, rng) -> list[tuple[list[int], int]]:
     for _ in range(N):
         for t in range(args.trajectories):
             start = len(histories[t])
-            histories[t] = histories[t] + rng.integers(
-                0, VOCAB, _lognormal(rng, args.turn, 0.3, 32, 4 * args.turn)
-            ).tolist()
+            histories[t] = (
+                histories[t]
+                + rng.integers(
+                    0, VOCAB, _lognormal(rng, args.turn, 0.3, 32, 4 * args.turn)
+                ).tolist()
+            )
             requests.append((list(histories[t]), start))
     return requests
 
@@ -113,8 +116,10 @@ def grpo(args, rng) -> list[list[list[int]]]:
     for _ in range(args.prompts):
         prompt = rng.integers(0, VOCAB, 512).tolist()
         groups.append(
-            [prompt + rng.integers(0, VOCAB, _lognormal(rng, 256, 0.3, 64, 1024)).tolist()
-             for _ in range(N)]  # fmt: skip
+            [
+                prompt + rng.integers(0, VOCAB, _lognormal(rng, 256, 0.3, 64, 1024)).tolist()
+                for _ in range(N)
+            ]  # fmt: skip
         )
     return groups
 
@@ -156,7 +161,9 @@ def passes(args, clients, ports, pids, rng) -> dict:
         "grpo": lambda c, p: [
             c.score([seq], score_from=[512], **OPTIONS) for g in groups for seq in g
         ],
-        "grpo in one request": lambda c, p: [c.score(g, score_from=[512] * N, **OPTIONS) for g in groups],
+        "grpo in one request": lambda c, p: [
+            c.score(g, score_from=[512] * N, **OPTIONS) for g in groups
+        ],
         "lm-eval": lambda c, p: [completions(p, q) for q in questions],
     }
     sides = {
@@ -169,7 +176,7 @@ def passes(args, clients, ports, pids, rng) -> dict:
     for name, fn in work.items():
         out[name] = {}
         for side in sides[name]:
-            wall, cpu, answers = timed(pids[side], lambda s=side: fn(clients[s], ports[s]))
+            wall, cpu, answers = timed(pids[side], lambda s=side, f=fn: f(clients[s], ports[s]))
             out[name][side] = (wall, cpu, answers)
             logger.info("%s %s: %.1f s wall, %.1f s CPU", name, side, wall, cpu)
     out["_inputs"] = (agent, groups, questions)
@@ -196,7 +203,9 @@ def no_reuse_rounds(args, clients, pids, rng) -> list[dict]:
         rounds.append({})
         for side in order:
             client = clients[side]
-            wall, cpu, answers = timed(pids[side], lambda c=client: [c.score(x, **OPTIONS) for x in batch])
+            wall, cpu, answers = timed(
+                pids[side], lambda c=client, b=batch: [c.score(x, **OPTIONS) for x in b]
+            )
             rounds[-1][side] = (wall, cpu, answers)
             logger.info("no reuse round %d %s: %.1f s wall, %.1f s CPU", r, side, wall, cpu)
     return rounds
@@ -308,7 +317,9 @@ def rows(res, args) -> list[tuple[str, str, float, str, bool, str]]:
     ):
         values = [r[slow][1] / r[fast][1] for r in rounds]
         ratio = statistics.median(values)
-        worst = max(_diff(x, y) for r in rounds for x, y in zip(r[slow][2], r[fast][2], strict=True))
+        worst = max(
+            _diff(x, y) for r in rounds for x, y in zip(r[slow][2], r[fast][2], strict=True)
+        )
         out.append((
             name, compared, ratio, f">= {target:.2f}", ratio >= target,
             f"rounds {', '.join(f'{v:.3f}' for v in values)}; max abs logprob diff {worst:.1e}",
@@ -378,7 +389,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         res = measure(args, Path(tmp))
     for rep in res["reps"]:  # the raw timings, whatever the formatting does
-        logger.info("timings %s", {k: {s: v[:2] for s, v in r.items()} for k, r in rep.items() if k[0] != "_"})
+        logger.info(
+            "timings %s",
+            {k: {s: v[:2] for s, v in r.items()} for k, r in rep.items() if k[0] != "_"},
+        )
     for r in res["rounds"]:
         logger.info("no-reuse round %s", {side: v[:2] for side, v in r.items()})
     text = section(res, args, time.time() - start, load_start, common.load_average())

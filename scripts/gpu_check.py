@@ -72,7 +72,9 @@ ROWS = (
     Row("attention-lse", "attention_with_lse with a bias", 15, "gpu_check_single:attention_lse"),
     Row("memory", "memory over 500 steps", 35, "gpu_check_single:memory"),
     Row("prefix", "prefix sharing vs dense bench", 45, "gpu_check_rows:prefix_bench", False),
-    Row("prefix-cache", "prefix cache vs none bench", 45, "gpu_check_rows:prefix_cache_bench", False),
+    Row(
+        "prefix-cache", "prefix cache vs none bench", 45, "gpu_check_rows:prefix_cache_bench", False
+    ),
     Row("tests-gpu", "tests/gpu", 240, "gpu_check_serve:gpu_tests", False),
     Row("serve", "serve (CLI)", 90, "gpu_check_serve:serve_cli", False),
     Row("serve-cpu", "serve --device cpu on the CUDA host", 90, "gpu_check_serve:serve_cpu", False),

@@ -155,7 +155,12 @@ def prefix_cache(model: str, device: str, dtype: str) -> tuple[str, str]:
             outs = [engine.score(r) for r in requests[1:]]
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            results[cache] = (time.perf_counter() - start, outs, stats0, engine.prefix_cache_stats())
+            results[cache] = (
+                time.perf_counter() - start,
+                outs,
+                stats0,
+                engine.prefix_cache_stats(),
+            )
             budget = engine._cache.index.budget_bytes if engine._cache is not None else 0
         finally:
             engine.shutdown()

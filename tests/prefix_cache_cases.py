@@ -52,13 +52,19 @@ def cache_workload(seed: int = 0, **options) -> list[ScoreBatch]:
     system = tokens(2 * BLOCK + 5)
     histories = [system.copy() for _ in range(3)]
     requests = []
-    for turn in range(4):
+    for _ in range(4):  # turns
         for t in range(3):
             start = len(histories[t])
             histories[t] = np.concatenate([histories[t], tokens(rng.integers(6, 30))])
             score_from = [start] if t != 1 else None  # trajectory 1 asks for everything
             requests.append(
-                _request([histories[t]], rng, temperature=1.0 + 0.25 * t, score_from=score_from, **options)
+                _request(
+                    [histories[t]],
+                    rng,
+                    temperature=1.0 + 0.25 * t,
+                    score_from=score_from,
+                    **options,
+                )
             )
         requests.append(_request([tokens(rng.integers(5, 40))], rng, **options))  # unrelated
     prompt = tokens(3 * BLOCK + 2)

@@ -101,9 +101,7 @@ class Batch:
         """The arrays with one row per token it carries, by ``ScoreRequest`` field name:
         ``token_ids`` and the per-token inputs given."""
         arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {
-            name: a for name, a in arrays.items() if name not in PER_SEQUENCE and a is not None
-        }
+        return {name: a for name, a in arrays.items() if name not in PER_SEQUENCE and a is not None}
 
     def per_sequence(self) -> dict[str, np.ndarray]:
         """The arrays with one value per sequence it carries besides ``lengths`` (the

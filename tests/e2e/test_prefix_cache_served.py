@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -106,7 +105,9 @@ def test_a_push_between_turns_leaves_nothing_stale(servers):
     for server in servers:
         with ScoringClient(server.target, timeout=120) as client:
             norm = np.full(HIDDEN, 1.25, dtype=np.float32)
-            client.push_weights([(NORM, norm)], names="megatron", partial=True, weights_version="p1")
+            client.push_weights(
+                [(NORM, norm)], names="megatron", partial=True, weights_version="p1"
+            )
     got, want = _score_both(servers, [turns[1][0]])
     _assert_same(got, want)
     assert got.weights_version == want.weights_version == "p1"

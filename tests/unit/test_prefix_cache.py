@@ -91,7 +91,10 @@ def test_moe_routes_recorded_and_replayed_and_metrics_equal_the_cache_off_engine
     requests = cache_workload(seed=3, return_routing=True)[:8]
     with one_rank_world():
         off, _ = _answers("tiny-moe", requests, **OFF)
-        replays = [dataclasses.replace(r, routing=o.values["routing"]) for r, o in zip(requests, off)]
+        replays = [
+            dataclasses.replace(r, routing=o.values["routing"])
+            for r, o in zip(requests, off, strict=True)
+        ]
         metrics = [dataclasses.replace(r, return_routing=False, return_moe_metrics=True,
                                        return_mtp_metrics=True) for r in requests]  # fmt: skip
         off_more, _ = _answers("tiny-moe", replays + metrics, **OFF)
@@ -158,7 +161,9 @@ def test_the_batcher_costs_a_request_by_its_uncached_tails():
         finally:
             engine.shutdown()
     assert cached.tolist() == [5 * BLOCK] == got.tolist()
-    assert before.tolist() == [longer.num_tokens] and after.tolist() == [longer.num_tokens - 5 * BLOCK]
+    assert before.tolist() == [longer.num_tokens] and after.tolist() == [
+        longer.num_tokens - 5 * BLOCK
+    ]
 
 
 def test_multi_latent_attention_equals_the_cache_off_engine(tmp_path):

@@ -119,7 +119,9 @@ def test_an_engine_under_ten_times_its_budget_keeps_its_hot_prefix(block):
                 assert len(out.logprobs) == 4 * 6 * block
                 flood += 4 * 5 * slot  # five full blocks each, the last one's row aside
                 turn = np.r_[hot, rng.integers(1, 500, 10)]
-                hits.append(int(engine.score(ScoreBatch(turn, np.array([len(turn)]))).cached_tokens[0]))
+                hits.append(
+                    int(engine.score(ScoreBatch(turn, np.array([len(turn)]))).cached_tokens[0])
+                )
                 assert engine._cache.index.stored_bytes <= budget
         finally:
             engine.shutdown()

@@ -64,7 +64,10 @@ def scored():
     with one_rank_world():
         for sharing in (False, True):
             cfg = EngineConfig(  # the step's own sharing (no prefix cache)
-                model="tiny", prefix_sharing=sharing, min_shared_prefix=MIN_SHARED, prefix_cache_gib=0
+                model="tiny",
+                prefix_sharing=sharing,
+                min_shared_prefix=MIN_SHARED,
+                prefix_cache_gib=0,
             )
             engine = DistributedEngine.create(cfg)
             try:

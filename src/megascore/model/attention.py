@@ -28,6 +28,13 @@ constructor and forward arguments and supports what the local module does not:
   and on CUDA alike; segments without a prefix keep the plain SDPA call
   (:func:`megascore.model.sdpa.chunk_attention`).
 
+* the key-block attention (``key_block`` > 0, with the prefix cache:
+  :mod:`megascore.model.key_blocks`, CP 1): query blocks aligned at the start of their
+  sequences, each attending causally to its own rows and then to every key before it (a
+  cached prefix, a shared parent, its own earlier rows), so that a row's numbers do not
+  depend on how its sequence was split; the cached rows follow the packed rows on the
+  key axis (``SharedPrefixParams.prefix_cache``).
+
 A call reads rows that follow each other (one segment at CP 1, a parent's children side
 by side, its prefix) as a view of the packed tensor and writes its output in place; other
 rows are gathered and scattered by index (measured on ``tiny``: the gathers were ~13 % of
@@ -179,17 +186,17 @@ def _build_plan(
         q_starts = torch.tensor([e[0] for e in entries], dtype=torch.long)
         q_index = q_starts[:, None] + torch.arange(q_len)  # [n, q_len]
         k_index = full_to_gathered[torch.stack([e[1] for e in entries])]  # [n, k_len]
-        fields = indices(q_index, k_index, device)
+        fields = _indices(q_index, k_index, device)
         buckets.append(_Bucket(offset=offset, continues=continues, **fields))
     prefix_calls = [
-        _PrefixCall(**indices(torch.cat(rows), full_to_gathered[prefix], device))
+        _PrefixCall(**_indices(torch.cat(rows), full_to_gathered[prefix], device))
         for prefix, rows in queries_of.values()
     ]
     key = (tuple(seg_lens), cp_rank, cp_size, str(device))
     return _Plan(key=key, buckets=tuple(buckets), prefix_calls=tuple(prefix_calls))
 
 
-def indices(q_index: torch.Tensor, k_index: torch.Tensor, device) -> dict:
+def _indices(q_index: torch.Tensor, k_index: torch.Tensor, device) -> dict:
     """A call's query and key indices (on the CPU) as its fields: on ``device``, and as
     slices where the rows are consecutive."""
     return dict(
@@ -280,8 +287,8 @@ class TorchCoreAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.key_block = 0
-        """Query / key block of the key-block attention (0: one call per segment); set by
-        the engine (``megascore.engine.weights.served_model``) in batch-invariant mode."""
+        """Query / key block of the key-block attention (0: one call per segment); set with
+        the prefix cache (``megascore.engine.cache.setup.configure``)."""
         self.cache_index = -1
         """This module's layer in the prefix cache (``megascore.engine.cache.store``)."""
 

@@ -107,8 +107,13 @@ def _probe(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> int:
         samples = {rows, rows + 1, rows + rows // 2 + 1, 2 * rows - 1, *PROBE_ROWS[i + 1 :]}
         if all(torch.equal(F.linear(x[:m], weight), whole[:m]) for m in sorted(samples)):
             return rows
-    logger.warning("batch invariance: matmuls of weight %s (%s) depend on the row count up "
-                   "to %d rows and beyond on this machine", shape, dtype, PROBE_ROWS[-1])  # fmt: skip
+    logger.warning(
+        "batch invariance: matmuls of weight %s (%s) depend on the row count up to %d rows "
+        "and beyond on this machine",
+        shape,
+        dtype,
+        PROBE_ROWS[-1],
+    )
     return PROBE_ROWS[-1]
 
 

@@ -36,7 +36,9 @@ def chain_keys(token_ids: np.ndarray, block: int, count: int) -> list[bytes]:
     ids = np.ascontiguousarray(token_ids, dtype=np.int64)
     keys, key = [], b""
     for j in range(count):
-        key = hashlib.blake2b(key + ids[j * block : (j + 1) * block].tobytes(), digest_size=16).digest()
+        key = hashlib.blake2b(
+            key + ids[j * block : (j + 1) * block].tobytes(), digest_size=16
+        ).digest()
         keys.append(key)
     return keys
 

@@ -344,12 +344,13 @@ class PrefixCache:
                     entries = slice(start + j * block + 1, start + end)
                     stored = BlockOutputs(
                         {o.name: np.array(values[o.name][entries]) for o in outputs},
-                        {_last_key(batch, ids, start + end): {
-                            o.name: np.array(values[o.name][start + end]) for o in outputs
-                        }},
+                        {
+                            _last_key(batch, ids, start + end): {
+                                o.name: np.array(values[o.name][start + end]) for o in outputs
+                            }
+                        },
                     )
                     self.index.add_outputs(key, p.signature[j], stored, pinned)
-
 
 
 def _tail_batch(batch: ScoreBatch, plans: list[_Sequence], hits: np.ndarray, block: int):
@@ -357,7 +358,10 @@ def _tail_batch(batch: ScoreBatch, plans: list[_Sequence], hits: np.ndarray, blo
     the cache plan (``cache_hits``, ``cache_slots``)."""
     lengths = np.asarray(batch.lengths, np.int64)
     keep = np.concatenate(
-        [np.arange(a + h, a + n) for a, h, n in zip(layout.offsets(lengths)[:-1], hits, lengths)]
+        [
+            np.arange(a + h, a + n)
+            for a, h, n in zip(layout.offsets(lengths)[:-1], hits, lengths, strict=True)
+        ]
     ).astype(np.int64)
     fields = {"token_ids": np.asarray(batch.token_ids)[keep], "lengths": lengths - hits}
     for spec in schema.INPUTS:

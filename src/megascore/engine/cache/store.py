@@ -38,7 +38,9 @@ class PrefixStore:
         pools = self._pools.get(layer)
         if pools is None:
             pools = tuple(
-                torch.empty((self.num_slots, self.block, *x.shape[1:]), dtype=x.dtype, device=x.device)
+                torch.empty(
+                    (self.num_slots, self.block, *x.shape[1:]), dtype=x.dtype, device=x.device
+                )
                 for x in (key, value)
             )
             self._pools[layer] = pools
@@ -131,8 +133,8 @@ def microbatch_cache(
         store=store,
         read_slots=torch.tensor(list(order), dtype=torch.long, device=device),
         write_slots=torch.tensor(writes, dtype=torch.long, device=device),
-        write_rows=(
-            torch.stack(rows) if rows else torch.zeros((0, block), dtype=torch.long)
-        ).to(device),
+        write_rows=(torch.stack(rows) if rows else torch.zeros((0, block), dtype=torch.long)).to(
+            device
+        ),
     )
     return cached_rows, view

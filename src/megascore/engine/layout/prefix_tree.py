@@ -92,7 +92,9 @@ def dense_layout(
         token_ids=np.asarray(token_ids, dtype=np.int64),
         lengths=lengths,
         parents=np.full(count, -1, dtype=np.int64),
-        offsets=np.zeros(count, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64),
+        offsets=np.zeros(count, dtype=np.int64)
+        if offsets is None
+        else np.asarray(offsets, np.int64),
         sequences=np.arange(count, dtype=np.int64),
         row_source=rows,
         token_rows=rows,

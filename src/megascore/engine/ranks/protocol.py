@@ -493,4 +493,3 @@ def recv_command(
     batch = ScoreBatch(**fields)
     logger.debug("step %d: received FORWARD T=%d B=%d", extra.step, num_tokens, num_sequences)
     return Received(command, batch, extra)
-

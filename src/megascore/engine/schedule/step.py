@@ -313,7 +313,9 @@ def _sequence_slots(batch: ScoreBatch, store: PrefixStore | None) -> list[np.nda
     bounds = layout.offsets(counts)
     if int(bounds[-1]) != len(batch.cache_slots):
         raise ValueError(f"cache plan: {len(batch.cache_slots)} slots for {int(bounds[-1])} blocks")
-    return [np.asarray(batch.cache_slots[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [
+        np.asarray(batch.cache_slots[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
 
 
 def _set_replay(model, batch: ScoreBatch, plan: _Plan, groups: StepGroups, cfg: StepConfig):
