@@ -94,6 +94,7 @@ def wire_cases(results, with_routing: bool) -> list:
             "top_k_logprobs": np.concatenate(res.top_k_logprobs),
             "losses": {name: res.loss[name] for name in common.LOSSES},
             "num_loss_tokens": res.num_tokens,
+            "cached_tokens": res.cached_tokens,
         }
         if with_routing:
             values["routing"] = np.concatenate(res.routing)

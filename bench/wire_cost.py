@@ -78,6 +78,7 @@ def _fake_output(step, top_k: int, rng: np.random.Generator):
         "top_k_logprobs": -rng.exponential(2.0, (t, top_k)).astype(np.float32),
         "losses": {"nll": rng.random(b) * 100.0},
         "num_loss_tokens": step.lengths - 1,
+        "cached_tokens": np.zeros(b, np.int64),
     }
     return ScoreOutput(values=values, weights_version="builtin:bench@1234")
 
