@@ -4,8 +4,8 @@ Two ``megascore serve --model bench`` subprocesses (CPU, float32), one with
 ``--no-prefix-sharing`` (dense) and one with prefix sharing on (the default,
 ``--min-shared-prefix 16``), both ``--max-tokens-per-batch`` large enough for a
 whole group per step, both ``--no-prefix-cache`` (sharing within a call, through the
-cache's mechanism: docs/engine.md "Prefix cache"; nothing kept between calls). The SDK sends each group (one prompt + its n continuations)
-as one request, 2 requests in flight; the two servers take turns, the order
+cache's mechanism: docs/engine.md "Prefix cache"; nothing kept between calls). The SDK
+sends each group (one prompt + its n continuations) as one request, 2 requests in flight; the two servers take turns, the order
 alternating per repetition. Workloads (scaled down for a 2-core CPU, see
 docs/benchmarks.md):
 
@@ -293,7 +293,8 @@ def section(res: dict, args, elapsed: float, load_start: str, load_end: str) -> 
         "",
         "* model `bench` (CPU, float32, vocab 32000), two `megascore serve` subprocesses: "
         "`--no-prefix-sharing` (dense) and prefix sharing on (`--min-shared-prefix 16`), "
-        f"both `--max-tokens-per-batch {MAX_TOKENS}` and `--no-prefix-cache`; SDK client, one request per group, "
+        f"both `--max-tokens-per-batch {MAX_TOKENS}` and `--no-prefix-cache`; SDK client, "
+        "one request per group, "
         f"{IN_FLIGHT} in flight, servers taking turns, order alternating per repetition",
         *(f"* workload `{name}`: {describe(name, rows[name]['groups'], args)}" for name in rows),
         "* ratio: dense-equivalent tokens (full sequence lengths) per server CPU second, "
