@@ -6,8 +6,8 @@ Two ``megascore serve --model bench`` subprocesses (CPU, float32), one with
 whole group per step, both ``--no-prefix-cache`` (sharing within a call, through the
 cache's mechanism: docs/engine.md "Prefix cache"; nothing kept between calls). The SDK
 sends each group (one prompt + its n continuations) as one request, 2 requests in
-flight; the two servers take turns, the order alternating per repetition. Workloads (scaled down for a 2-core CPU, see
-docs/benchmarks.md):
+flight; the two servers take turns, the order alternating per repetition. Workloads
+(scaled down for a 2-core CPU, see docs/benchmarks.md):
 
 1. **grpo**: ``--prompts`` prompts x n = 8 responses; prompt lengths log-normal
    (median 512, sigma 0.8, clipped to [64, 2048]), response lengths log-normal
