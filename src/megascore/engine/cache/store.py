@@ -138,3 +138,21 @@ def microbatch_cache(
         ),
     )
     return cached_rows, view
+
+
+def sequence_slots(batch, store: PrefixStore | None) -> list[np.ndarray]:
+    """Per sequence of a batch with a cache plan, the slot of each block of it
+    (``ScoreBatch.cache_slots``: the blocks of ``cache_hits + length`` positions, sequence
+    after sequence).
+
+    Raises:
+        ValueError: this rank has no store, or the plan's slots do not fit the batch.
+    """
+    if store is None:
+        raise ValueError("the batch carries a cache plan, this replica has no prefix cache")
+    full = np.asarray(batch.cache_hits, np.int64) + np.asarray(batch.lengths, np.int64)
+    bounds = np.concatenate([[0], np.cumsum(-(-full // store.block))])
+    if int(bounds[-1]) != len(batch.cache_slots):
+        raise ValueError(f"cache plan: {len(batch.cache_slots)} slots for {int(bounds[-1])} blocks")
+    slots = np.asarray(batch.cache_slots)
+    return [slots[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

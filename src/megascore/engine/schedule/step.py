@@ -46,7 +46,7 @@ from megascore.api import layout, schema
 from megascore.api.errors import WorkerLostError
 from megascore.api.metric_sums import MetricSums
 from megascore.api.types import ScoreBatch
-from megascore.engine.cache.store import PrefixStore, microbatch_cache
+from megascore.engine.cache.store import PrefixStore, microbatch_cache, sequence_slots
 from megascore.engine.layout.microbatch import Microbatch, build_microbatch
 from megascore.engine.layout.microbatch_plan import (
     MicrobatchPlan,
@@ -245,7 +245,7 @@ def _plan(
         cuts=cuts,
         offsets=batch.cache_hits,
     )
-    slots = _sequence_slots(batch, cfg.prefix_store) if cached else None
+    slots = sequence_slots(batch, cfg.prefix_store) if cached else None
     target_mask = layout.effective_loss_mask(lengths, batch.scored_mask()).astype(np.float32)
     temps = None if batch.temperature is None else np.asarray(batch.temperature)
     tokens = [layout.token_index(lengths, mb.sequences) for mb in layouts]
@@ -301,21 +301,6 @@ def _microbatch_cache(mb: MicrobatchSegments, slots: list[np.ndarray], pad_to: i
         cfg.prefix_store,
         cfg.device,
     )
-
-
-def _sequence_slots(batch: ScoreBatch, store: PrefixStore | None) -> list[np.ndarray]:
-    """Per sequence, the cache slot of each block of it (``ScoreBatch.cache_slots``: the
-    blocks of ``cache_hits + length`` positions, sequence after sequence)."""
-    if store is None:
-        raise ValueError("the batch carries a cache plan, this replica has no prefix cache")
-    full = np.asarray(batch.cache_hits, np.int64) + np.asarray(batch.lengths, np.int64)
-    counts = -(-full // store.block)
-    bounds = layout.offsets(counts)
-    if int(bounds[-1]) != len(batch.cache_slots):
-        raise ValueError(f"cache plan: {len(batch.cache_slots)} slots for {int(bounds[-1])} blocks")
-    return [
-        np.asarray(batch.cache_slots[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-    ]
 
 
 def _set_replay(model, batch: ScoreBatch, plan: _Plan, groups: StepGroups, cfg: StepConfig):
