@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+from megascore.api.limits import score_from_problem
 from megascore_client.errors import InvalidInputError
 
 __all__ = ["Batch", "as_numpy", "make_batch"]
@@ -223,7 +224,8 @@ def _per_sequence(values, seq_lengths: np.ndarray, what: str, ndim: int) -> np.n
 
 def _score_from(value, seq_lengths: np.ndarray) -> np.ndarray:
     """Checks ``score_from`` (one int for every sequence, or one per sequence): each an
-    integer in ``[0, length]``; int64 ``[B]``."""
+    integer in ``[0, length]`` (:func:`megascore.api.limits.score_from_problem`); int64
+    ``[B]``."""
     values = as_numpy(value)
     if values.ndim == 0:
         values = np.full(seq_lengths.shape, values)
@@ -232,20 +234,9 @@ def _score_from(value, seq_lengths: np.ndarray) -> np.ndarray:
             f"score_from: {values.size} values for {seq_lengths.size} sequences "
             "(give one int, or one per sequence)"
         )
-    if values.dtype.kind not in "iu":
-        whole = np.zeros(values.shape, bool)
-        if values.dtype.kind == "f":
-            whole = np.isfinite(values) & (np.floor(values) == values)
-        if not whole.all():
-            i = int(np.argmin(whole))
-            raise InvalidInputError(f"score_from: sequence {i}: {values[i]!s} is not an integer")
-    bad = np.flatnonzero((values < 0) | (values > seq_lengths))
-    if bad.size:
-        i = int(bad[0])
-        raise InvalidInputError(
-            f"score_from: sequence {i}: {int(values[i])} is outside [0, {int(seq_lengths[i])}] "
-            "(0 to the sequence length)"
-        )
+    problem = score_from_problem(values, seq_lengths)  # the server's own rule
+    if problem is not None:
+        raise InvalidInputError(problem)
     return values.astype(np.int64)
 
 

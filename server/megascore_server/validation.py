@@ -21,7 +21,14 @@ import numpy as np
 
 from megascore.api import layout, mismatch, schema
 from megascore.api.errors import InvalidRequestError, RequestTooLargeError, quoted
-from megascore.api.limits import Limits, RoutingShape, check_lengths, check_options, check_token_ids
+from megascore.api.limits import (
+    Limits,
+    RoutingShape,
+    check_lengths,
+    check_options,
+    check_token_ids,
+    score_from_problem,
+)
 from megascore.api.schema import MAX_ID_CHARS
 from megascore.api.types import ScoreBatch, check_routing, check_scored_inputs
 from megascore.api.wire import decode_array
@@ -113,36 +120,16 @@ def check_scalar_input(name: str, value: float, field: str) -> float:
 
 
 def check_score_from(values, lengths: np.ndarray) -> np.ndarray:
-    """Checks ``score_from``: one integer in ``[0, length]`` per sequence (the engine's
-    :meth:`ScoreBatch.check` runs the same rule, without naming the sequence); returns
-    it as int64.
+    """Checks ``score_from`` (:func:`megascore.api.limits.score_from_problem`); returns it
+    as int64.
 
     Raises:
         InvalidRequestError: naming ``score_from`` and the first sequence that breaks it.
     """
-    given = np.asarray(values)
-    if given.shape != lengths.shape:
-        raise InvalidRequestError(
-            f"score_from: has {given.size} values, expected {lengths.size} (one per sequence)"
-        )
-    if given.dtype.kind not in "iu":
-        whole = np.zeros(given.shape, bool)
-        if given.dtype.kind == "f":
-            whole = np.isfinite(given) & (np.floor(given) == given)
-        if not whole.all():
-            seq = int(np.flatnonzero(~whole)[0])
-            raise InvalidRequestError(
-                f"score_from: sequence {seq}: {float(given[seq])!r} is not an integer; "
-                "it must be an integer in [0, the sequence length]"
-            )
-    bad = np.flatnonzero((given < 0) | (given > lengths))
-    if bad.size:
-        seq = int(bad[0])
-        raise InvalidRequestError(
-            f"score_from: sequence {seq}: {int(given[seq])} is outside [0, {int(lengths[seq])}] "
-            "(0 to the sequence length)"
-        )
-    return given.astype(np.int64)
+    problem = score_from_problem(values, lengths)
+    if problem is not None:
+        raise InvalidRequestError(problem)
+    return np.asarray(values).astype(np.int64)
 
 
 def validate_options(options: pb.ScoreOptions, limits: Limits) -> dict:

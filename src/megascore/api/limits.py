@@ -171,3 +171,30 @@ def check_token_ids(ids: np.ndarray, bounds: np.ndarray, limits: Limits) -> None
             f"token_ids: sequence {seq} position {pos - int(bounds[seq])} has id "
             f"{int(ids[pos])}, outside [0, {limits.vocab_size})"
         )
+
+
+def score_from_problem(values, lengths) -> str | None:
+    """What is wrong with ``score_from`` (one integer in ``[0, length]`` per sequence),
+    naming the first sequence that breaks it, or None: the one rule the client, the wire
+    gate and ``ScoreBatch.check`` run."""
+    given, lengths = np.asarray(values), np.asarray(lengths)
+    if given.shape != lengths.shape:
+        return f"score_from: has {given.size} values, expected {lengths.size} (one per sequence)"
+    if given.dtype.kind not in "iu":
+        whole = np.zeros(given.shape, bool)
+        if given.dtype.kind == "f":
+            whole = np.isfinite(given) & (np.floor(given) == given)
+        if not whole.all():
+            seq = int(np.flatnonzero(~whole)[0])
+            return (
+                f"score_from: sequence {seq}: {given[seq]!r} is not an integer; it must be an "
+                "integer in [0, the sequence length]"
+            )
+    bad = np.flatnonzero((given < 0) | (given > lengths))
+    if bad.size:
+        seq = int(bad[0])
+        return (
+            f"score_from: sequence {seq}: {int(given[seq])} is outside [0, {int(lengths[seq])}] "
+            "(0 to the sequence length)"
+        )
+    return None

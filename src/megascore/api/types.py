@@ -20,6 +20,7 @@ from megascore.api.limits import (
     check_lengths,
     check_options,
     check_token_ids,
+    score_from_problem,
 )
 from megascore.api.metric_sums import MetricSums
 
@@ -226,12 +227,10 @@ class ScoreBatch:
                 rule = schema.check_input(spec.name, values)
                 if rule is not None:  # the table's one check of it
                     raise InvalidRequestError(f"{spec.name}: every value {rule}")
-        if self.score_from is not None and (np.asarray(self.score_from) > lengths).any():
-            seq = int(np.flatnonzero(np.asarray(self.score_from) > lengths)[0])
-            raise InvalidRequestError(
-                f"score_from: sequence {seq}: {int(self.score_from[seq])} is beyond its "
-                f"length {int(lengths[seq])}"
-            )
+        if self.score_from is not None:
+            problem = score_from_problem(self.score_from, lengths)
+            if problem is not None:
+                raise InvalidRequestError(problem)
         check_options(self, limits)
         check_routing(self, limits)
         check_scored_inputs(self, limits)

@@ -77,10 +77,10 @@ def _signature(batch: ScoreBatch, b: int, start: int, block: int, count: int) ->
             batch.logprob_positions,
         )
     ).encode()
-    out = []
+    inputs, out = _entry_inputs(batch), []
     for j in range(count):
         digest = hashlib.blake2b(common, digest_size=16)
-        for values in _entry_inputs(batch):
+        for values in inputs:
             entries = values[start + j * block + 1 : start + (j + 1) * block]
             digest.update(np.ascontiguousarray(entries).tobytes())
         out.append(digest.digest())
@@ -142,10 +142,9 @@ class PrefixCache:
         bounds = layout.offsets(lengths)
         ids = np.asarray(batch.token_ids, np.int64)
         hits = [
-            min(self.index.hits(chain_keys(ids[a:b], self.block, (b - a) // self.block)),
-                (b - a - 1) // self.block)
+            self._cached(chain_keys(ids[a:b], self.block, (b - a) // self.block), b - a)
             for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-        ]  # fmt: skip
+        ]
         return np.asarray(hits, np.int64) * self.block
 
     def forget(self) -> None:
@@ -203,7 +202,9 @@ class PrefixCache:
             if a < self.block:
                 continue
             keys = chain_keys(seqs[x], self.block, a // self.block)
-            new = a - self._usable(batch, x, int(bounds[x]), keys, ids, a + 1) * self.block
+            signature = _signature(batch, x, int(bounds[x]), self.block, len(keys))
+            usable = self._usable(batch, x, int(bounds[x]), keys, signature, a + 1)
+            new = a - usable * self.block
             if new >= max(self.min_shared, 1) and keys[-1] not in picked:
                 picked[keys[-1]] = (x, a)
         if not picked:
@@ -240,9 +241,9 @@ class PrefixCache:
         for b, length in enumerate(lengths):
             start, length = int(bounds[b]), int(length)
             keys = chain_keys(ids[start : start + length], block, length // block)
-            hit = self._usable(batch, b, start, keys, ids, length)
-            pinned.update(keys[:hit])
             signature = _signature(batch, b, start, block, len(keys))
+            hit = self._usable(batch, b, start, keys, signature, length)
+            pinned.update(keys[:hit])
             plans.append(_Sequence(keys, hit, [], [], signature))
         for b, p in enumerate(plans):  # slots: read below the hit, written from it
             p.slots = [self.index.blocks[k].slot for k in p.keys[: p.hit]]
@@ -263,15 +264,19 @@ class PrefixCache:
             p.slots += [-1] * (-(-int(lengths[b]) // block) - len(p.slots))
         return plans
 
-    def _usable(self, batch, b: int, start: int, keys, ids, length: int) -> int:
-        """Cached blocks sequence ``b`` (its first ``length`` tokens) can read: its run of
-        cached keys, less its last row's block, cut to the blocks whose outputs it has
-        where it asks for them."""
+    def _cached(self, keys: list[bytes], length: int) -> int:
+        """Cached blocks a sequence of ``length`` tokens with chain ``keys`` finds: its run
+        of cached keys, less its last row's block (always computed)."""
+        return min(self.index.hits(keys), (length - 1) // self.block)
+
+    def _usable(self, batch, b: int, start: int, keys, signature, length: int) -> int:
+        """Cached blocks sequence ``b`` (its first ``length`` tokens) can read
+        (:meth:`_cached`), cut to the blocks whose outputs it has where it asks for them
+        (``signature``: :func:`_signature` of its blocks)."""
         score_from = 0 if batch.score_from is None else int(batch.score_from[b])
         first_needed = max(1, score_from) if head_token_outputs(batch) else length
-        hit = min(self.index.hits(keys), (length - 1) // self.block)
+        hit = self._cached(keys, length)
         if hit and first_needed <= hit * self.block:
-            signature = _signature(batch, b, start, self.block, hit)
             hit = self._first_missing(batch, keys, signature, hit, first_needed, start)
         return hit
 
@@ -356,37 +361,31 @@ class PrefixCache:
 def _tail_batch(batch: ScoreBatch, plans: list[_Sequence], hits: np.ndarray, block: int):
     """The batch the ranks compute: every sequence from its first uncached token on, with
     the cache plan (``cache_hits``, ``cache_slots``)."""
-    lengths = np.asarray(batch.lengths, np.int64)
-    keep = np.concatenate(
-        [
-            np.arange(a + h, a + n)
-            for a, h, n in zip(layout.offsets(lengths)[:-1], hits, lengths, strict=True)
-        ]
-    ).astype(np.int64)
-    fields = {"token_ids": np.asarray(batch.token_ids)[keep], "lengths": lengths - hits}
-    for spec in schema.INPUTS:
-        values = getattr(batch, spec.name)
-        if values is not None and spec.per == schema.TOKEN:
-            fields[spec.name] = np.asarray(values)[keep]
-    if batch.score_from is not None:
-        fields["score_from"] = np.maximum(np.asarray(batch.score_from) - hits, 0)
+    every = np.arange(batch.num_sequences)
+    tails = _cut(batch, every, hits, np.asarray(batch.lengths, np.int64) - hits)
     slots = np.asarray([s for p in plans for s in p.slots], np.int64)
-    return dataclasses.replace(batch, cache_hits=hits, cache_slots=slots, **fields)
+    if batch.score_from is not None:
+        tails = dataclasses.replace(
+            tails, score_from=np.maximum(np.asarray(batch.score_from) - hits, 0)
+        )
+    return dataclasses.replace(tails, cache_hits=hits, cache_slots=slots)
 
 
 def _prefix_batch(batch: ScoreBatch, members: list[tuple[int, int]]) -> ScoreBatch:
     """A batch of ``a + 1`` tokens of each ``(sequence, a)``, with that sequence's inputs
     and options (its outputs are stored with the prefix's blocks)."""
-    bounds = layout.offsets(np.asarray(batch.lengths, np.int64))
-    keep = np.concatenate([np.arange(bounds[b], bounds[b] + a + 1) for b, a in members])
     seqs = np.asarray([b for b, _ in members], np.int64)
-    fields = {
-        "token_ids": np.asarray(batch.token_ids)[keep],
-        "lengths": np.asarray([a + 1 for _, a in members], np.int64),
-    }
+    first = np.zeros(len(members), np.int64)
+    return _cut(batch, seqs, first, np.asarray([a + 1 for _, a in members], np.int64))
+
+
+def _cut(batch: ScoreBatch, seqs: np.ndarray, first: np.ndarray, count: np.ndarray):
+    """Sequences ``seqs`` of ``batch``, each its ``count`` tokens from ``first`` on, with
+    their per-token inputs cut alike and their per-sequence inputs and options."""
+    keep = layout.ranges(layout.offsets(np.asarray(batch.lengths, np.int64))[seqs] + first, count)
+    fields = {"token_ids": np.asarray(batch.token_ids)[keep], "lengths": count}
     for spec in schema.INPUTS:
         values = getattr(batch, spec.name)
         if values is not None:
-            index = keep if spec.per == schema.TOKEN else seqs
-            fields[spec.name] = np.asarray(values)[index]
+            fields[spec.name] = np.asarray(values)[keep if spec.per == schema.TOKEN else seqs]
     return dataclasses.replace(batch, cache_hits=None, cache_slots=None, **fields)

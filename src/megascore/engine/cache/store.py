@@ -18,6 +18,8 @@ import dataclasses
 import numpy as np
 import torch
 
+from megascore.api import layout
+
 
 class PrefixStore:
     """This rank's pools of cached keys and values.
@@ -151,7 +153,7 @@ def sequence_slots(batch, store: PrefixStore | None) -> list[np.ndarray]:
     if store is None:
         raise ValueError("the batch carries a cache plan, this replica has no prefix cache")
     full = np.asarray(batch.cache_hits, np.int64) + np.asarray(batch.lengths, np.int64)
-    bounds = np.concatenate([[0], np.cumsum(-(-full // store.block))])
+    bounds = layout.offsets(-(-full // store.block))
     if int(bounds[-1]) != len(batch.cache_slots):
         raise ValueError(f"cache plan: {len(batch.cache_slots)} slots for {int(bounds[-1])} blocks")
     slots = np.asarray(batch.cache_slots)
