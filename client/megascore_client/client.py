@@ -121,6 +121,8 @@ class ScoringClient(TextMethods, ClientBase):
         return_token_ranks: bool = False,
         return_next_token: bool = False,
         score_from=None,
+        model: str = "",
+        reference: str = "",
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ScoreResult:
@@ -183,6 +185,13 @@ class ScoringClient(TextMethods, ClientBase):
                 statistics count only the entries from it on. The server computes no
                 output head before it and may read those tokens from its prefix cache
                 (``ScoreResult.cached_tokens``).
+            model: the weight set to score with, by name (``ModelInfo.models``; "" =
+                the default set); a name the server does not serve is NOT_FOUND.
+                ``weights_version`` then pins this set's version.
+            reference: a second weight set to score the same tokens with in the same
+                call: ``ScoreResult.reference_logprobs`` and the KL estimators between
+                ``model`` (p) and it (q), ``kl_k1`` / ``kl_k2`` / ``kl_k3`` per token and
+                their means over the scored tokens ``kl_mean`` (docs/client.md).
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 
@@ -215,6 +224,8 @@ class ScoringClient(TextMethods, ClientBase):
             return_token_ranks=return_token_ranks,
             return_next_token=return_next_token,
             score_from=score_from,
+            model=model,
+            reference=reference,
             request_id=request_id,
         )
         parts, rid = self.prepare_call(sequences, arguments, self.request_token_limit())

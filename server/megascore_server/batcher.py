@@ -1,20 +1,18 @@
 """Dynamic batcher of rank 0: merges concurrent requests into engine steps.
 
-The asyncio side only queues; one executor thread runs the engine, one step
-(or one weight load) at a time, so the collectives of the ranks never
-interleave. Scheduling:
+The asyncio side only queues; one executor thread runs the engine, one step (or one
+weight load) at a time, so the collectives of the ranks never interleave. Scheduling:
 
-* Requests wait in a FIFO queue bounded by ``max_queue`` requests and
-  ``max_queue_tokens`` tokens; beyond it :class:`ResourceExhaustedError`.
-* A step is launched when its token budget can be filled, when the oldest
-  waiting request has waited ``max_batch_wait_ms``, or at once when nothing
-  else can join it. Planning units (a sequence, or a request's sequences that share a
-  prompt: :mod:`megascore_server.shared_units`) are chosen first-fit decreasing by rows
-  (:func:`~megascore_server.batch_assembly.fill_step`); a request larger than the
-  budget is spread over several steps and reassembled in its own order.
-* Requests with different options share a step: per-sequence temperature,
-  the step's top_k is the largest and each request gets its own k columns,
-  losses are the union, logprobs are computed when any request wants them.
+* Requests wait in a FIFO queue bounded by ``max_queue`` requests and ``max_queue_tokens``
+  tokens; beyond it :class:`ResourceExhaustedError`.
+* A step is launched when its token budget can be filled, when the oldest waiting
+  request has waited ``max_batch_wait_ms``, or at once when nothing else can join it.
+  Planning units (a sequence, or a request's sequences that share a prompt:
+  :mod:`megascore_server.shared_units`) are chosen first-fit decreasing by rows
+  (:func:`~megascore_server.batch_assembly.fill_step`); a request larger than the budget
+  is spread over several steps and reassembled in its own order.
+* Requests with different options share a step: per-sequence temperature, the largest
+  top_k (each request its k columns), the union of losses, logprobs if any wants them.
 * A request that replays a MoE routing shares steps only with other such requests
   (Megatron replays the routing of a whole forward); a request asking for the
   routing shares steps with any other.
@@ -22,13 +20,11 @@ interleave. Scheduling:
   those of forwards over its own sequences only. Over several steps they are formed
   once from the steps' added sums (:class:`~megascore_server.pending.PendingRequest`).
 * A request pinned to a weights version (``options.weights_version``) is checked
-  against the served version when a step that would take it starts: on another
-  version it fails at once with FAILED_PRECONDITION (a swap queued before it has run
-  by then, so a pin on the version being committed is served). A swap is a barrier,
-  so every step of a request runs on one version; the engine checks the pin again
-  at the step, where it owns the version.
-* Cancelled or expired requests are dropped from pending work; a step that
-  already holds them runs on and their results are discarded.
+  against its weight set's served version when a step that would take it starts: on
+  another it fails at once with FAILED_PRECONDITION (a swap queued before it has run by
+  then, so a pin on the version being committed is served). A swap is a barrier.
+* A step holds one weight set's requests (``PendingRequest.group``).
+* Cancelled or expired requests are dropped; a step holding them runs on, unanswered.
 * :meth:`DynamicBatcher.load_weights` (and any :meth:`~DynamicBatcher.swap_weights`,
   e.g. a weight push's commit) is a barrier: requests accepted before it finish
   on the old weights, later ones wait and run on the new ones.
@@ -178,9 +174,12 @@ class DynamicBatcher:
 
     @property
     def weights_version(self) -> str:
-        """The version being served: the engine's (its one owner), which every step's
-        output carries too."""
+        """The default set's version being served: the engine's (its one owner)."""
         return self._engine.info().weights_version
+
+    def engine_info(self) -> ModelInfo:
+        """The engine's description now (its weight sets with their versions)."""
+        return self._engine.info()
 
     async def load_weights(self, model: str, weights_version: str) -> tuple[str, str, ModelInfo]:
         """Loads new weights between steps, after every request already accepted.
@@ -303,7 +302,7 @@ class DynamicBatcher:
         for item in self._queue:
             if isinstance(item, Barrier) or tokens >= _WINDOW_BUDGETS * self.budget:
                 break
-            if not item.solo and item.replays == head.replays:
+            if not item.solo and item.group == head.group:
                 window.append(item)
                 tokens += item.remaining_tokens
         return window
@@ -358,9 +357,10 @@ class DynamicBatcher:
         another version fail (FAILED_PRECONDITION) and leave the queue."""
         if not any(item.batch.weights_version for item in window):
             return window
-        served, kept = self.weights_version, []
+        info, kept = self.engine_info(), []
         for item in window:
             try:
+                served = info.served(item.batch.model).weights_version
                 check_pinned_version(item.batch.weights_version, served)
             except WrongVersionError as exc:
                 logger.info("request_id=%s refused: %s", item.request_id, exc.reason)

@@ -42,6 +42,7 @@ from megascore.config import (
     DTYPES,
     LM_HEAD_DTYPES,
     ROUTER_DTYPES,
+    WEIGHT_SET_POLICIES,
     EngineConfig,
 )
 from megascore_server.config import GrpcServerConfig, ReplicaConfig
@@ -67,6 +68,7 @@ _CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "lm_head_dtype": LM_HEAD_DTYPES,
     "moe_router_dtype": ROUTER_DTYPES,
+    "weight_sets": WEIGHT_SET_POLICIES,
 }
 _METAVARS = {"int": "N", "int | None": "N", "float": "NUMBER", "str": "VALUE", "str | None": "PATH"}
 _NAMED_METAVARS = {"host": "ADDRESS", "model": "MODEL", "log_level": "LEVEL"}
@@ -111,6 +113,11 @@ def _coerce(name: str, value: Any, type_str: str) -> Any:
             if not isinstance(value, str):
                 raise ValueError("expected a string")
             return value
+        if base == "tuple[str, ...]":  # a repeated flag, a list in a file, commas in env
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+                raise ValueError("expected a list of strings")
+            return tuple(item.strip() for item in items if item.strip())
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: invalid value {value!r} ({exc})") from None
     raise ValueError(f"{name}: unsupported field type {type_str}")
@@ -242,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                 )
             elif name in _CHOICES:
                 group.add_argument(*flags, dest=name, choices=_CHOICES[name], help=help_text)
+            elif type_str == "tuple[str, ...]":
+                group.add_argument(*flags, dest=name, action="append", help=help_text)
             else:
                 metavar = _NAMED_METAVARS.get(name) or _METAVARS.get(type_str, "VALUE")
                 group.add_argument(*flags, dest=name, metavar=metavar, help=help_text)

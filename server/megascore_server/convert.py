@@ -97,4 +97,5 @@ def model_info_to_proto(
         max_tokens_per_batch=max_tokens_per_batch,
         max_message_bytes=max_message_bytes,
         accepts_sequence_groups=True,  # megascore_server.prompt_expansion
+        models=[pb.ServedModel(**dataclasses.asdict(model)) for model in info.models],
     )

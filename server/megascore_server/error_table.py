@@ -17,6 +17,7 @@ from megascore.api.errors import (
     ConflictError,
     FailedPreconditionError,
     InvalidRequestError,
+    NotFoundError,
     RequestTooLargeError,
     ResourceExhaustedError,
     UnauthenticatedError,
@@ -53,6 +54,7 @@ ERROR_TABLE: tuple[Mapping, ...] = (
         FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION, 412, "precondition_failed"
     ),
     Mapping(ConflictError, grpc.StatusCode.ABORTED, 409, "conflict"),
+    Mapping(NotFoundError, grpc.StatusCode.NOT_FOUND, 404, "NotFoundError"),  # vLLM's
 )
 
 INTERNAL_MESSAGE = "internal error (see the server log)"

@@ -52,7 +52,9 @@ class PendingRequest:
     steps), or, from an engine that reports no sums (``metrics_reduction``
     "microbatch"), the token-weighted mean of the steps' values. Requests that replay a
     MoE routing (``replays``) share steps only with each other: a step replays the
-    routing of all its tokens or of none.
+    routing of all its tokens or of none. Requests share a step only within one
+    ``group``: the same weight sets (``model``, ``reference``; a step never mixes sets, so
+    a set is swapped in once per step, not per request) and the same ``replays``.
     """
 
     request_id: str
@@ -111,6 +113,11 @@ class PendingRequest:
     @property
     def replays(self) -> bool:
         return self.batch.routing is not None
+
+    @property
+    def group(self) -> tuple[str, str, bool]:
+        """What the requests of one step share (the class docstring)."""
+        return self.batch.model, self.batch.reference, self.replays
 
     def dropped(self, now: float) -> bool:
         """Cancelled by its caller, answered already, or past its deadline."""

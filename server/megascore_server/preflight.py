@@ -25,7 +25,7 @@ __all__ = ["check_before_launch", "cuda_device_count", "fitting_world_size"]
 
 
 def check_before_launch(config: ReplicaConfig, world_size: int, *, torchrun: bool) -> None:
-    """Checks the model string, the parallel layout and the device.
+    """Checks the model strings (every weight set's), the parallel layout and the device.
 
     Args:
         config: the resolved configuration.
@@ -37,6 +37,8 @@ def check_before_launch(config: ReplicaConfig, world_size: int, *, torchrun: boo
     """
     engine = config.engine
     model = _model_config(engine.model)
+    for _, other in engine.weight_set_models[1:]:  # every --weights set names something
+        _model_config(other)
     _check_layout(engine, world_size, torchrun)
     if model is not None:
         _check_model_fits(engine, model)

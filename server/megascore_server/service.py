@@ -159,6 +159,7 @@ class ScoringService:
         """
         self.gate.check()
         batch = check_request(batch, self.limits)
+        batch = self._named_sets(batch)
         result = await self._batcher.submit(request_id, batch, arrival=arrival, deadline=deadline)
         total_ms = (time.monotonic() - arrival) * 1000.0
         logger.info(
@@ -179,11 +180,24 @@ class ScoringService:
             batch, result.output, result.queue_ms, result.compute_ms, result.num_steps, total_ms
         )
 
+    def _named_sets(self, batch: ScoreBatch) -> ScoreBatch:
+        """``batch`` naming its weight sets as the engine lists them (the model's own
+        name or none: the default), so that the batcher groups them exactly.
+
+        Raises:
+            NotFoundError: a ``model`` or ``reference`` not served, naming it.
+        """
+        model = self._info.served(batch.model).name
+        reference = self._info.served(batch.reference, "options.reference").name
+        return dataclasses.replace(batch, model=model, reference=batch.reference and reference)
+
     async def describe(self) -> Description:
         """The model, its current weights version and the server's limits."""
         await self.gate.admit()
         self.gate.check(serving=False)
-        info = dataclasses.replace(self._info, has_tokenizer=self.tokenizer is not None)
+        info = dataclasses.replace(
+            self._batcher.engine_info(), has_tokenizer=self.tokenizer is not None
+        )
         return Description(
             info,
             self.limits,

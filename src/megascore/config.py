@@ -11,6 +11,9 @@ DEVICES = ("auto", "cpu", "cuda")
 LM_HEAD_DTYPES = ("model", "float32")
 ROUTER_DTYPES = ("auto", "model", "fp32", "fp64")
 METRICS_REDUCTIONS = ("step", "microbatch")
+WEIGHT_SET_POLICIES = ("resident", "host")
+DEFAULT_WEIGHT_SET = "default"
+"""The name of the one weight set of a replica started with ``model`` alone."""
 MASTER_PORT_FILE_ENV = "MEGASCORE_MASTER_PORT_FILE"
 """Set instead of MASTER_PORT by a launcher: rank 0's store binds a free port and writes
 it to this file, the other ranks read it there (``megascore.engine.ranks.rendezvous``)."""
@@ -22,7 +25,15 @@ class EngineConfig:
 
     model: str = "tiny"
     """Built-in model name (tiny, tiny-moe, tiny-deep, bench, bench-8b; ``NAME@SEED`` picks
-    the weight seed), ``hf:DIR`` or ``megatron:DIR``."""
+    the weight seed), ``hf:DIR`` or ``megatron:DIR``. With ``weights``, the first set's."""
+    weights: tuple[str, ...] = ()
+    """Named full weight sets of one architecture, each ``NAME=MODEL`` (repeat the flag);
+    the first is the default set, a request names another by its ``model`` option. Unset:
+    one set named ``default``, ``model``'s (docs/engine.md "Weight sets")."""
+    weight_sets: str = "resident"
+    """Where the sets that are not live wait: "resident" (on the device; switching a step's
+    set points the parameters at its tensors, no copy) or "host" (host memory, pinned for
+    CUDA; a switch copies the set in at the step boundary)."""
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size: ranks each weight matrix is split over."""
     context_parallel_size: int = 1
@@ -167,6 +178,32 @@ class EngineConfig:
             raise ValueError("load_timeout_s must be > 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+        if self.weight_sets not in WEIGHT_SET_POLICIES:
+            raise ValueError(
+                f"weight_sets must be one of {WEIGHT_SET_POLICIES}, got {self.weight_sets!r}"
+            )
+        self.weights = tuple(self.weights)
+        self.model = self.weight_set_models[0][1]  # the default set's (checks the sets)
+
+    @property
+    def weight_set_models(self) -> tuple[tuple[str, str], ...]:
+        """``(name, model string)`` of every weight set, the default first.
+
+        Raises:
+            ValueError: an entry that is not ``NAME=MODEL``, or a name given twice.
+        """
+        if not self.weights:
+            return ((DEFAULT_WEIGHT_SET, self.model),)
+        sets = []
+        for entry in self.weights:
+            name, sep, model = str(entry).partition("=")
+            if not sep or not name.strip() or not model.strip():
+                raise ValueError(f"weights: {entry!r} is not NAME=MODEL")
+            sets.append((name.strip(), model.strip()))
+        names = [name for name, _ in sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"weights: a set name is given twice in {names}")
+        return tuple(sets)
 
     def batch_invariant_on(self, device_type: str) -> bool:
         """Whether the step is batch-invariant on a device ("cpu" or "cuda").

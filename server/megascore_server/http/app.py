@@ -164,16 +164,7 @@ def _add_model_routes(app: FastAPI, service: ScoringService, run) -> None:
     async def models(request: Request):
         async def work(arrival, deadline):
             described = await service.describe()
-            card = {
-                "id": described.info.name,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "megascore",
-                "root": described.info.checkpoint_path or described.info.name,
-                "max_model_len": described.limits.max_sequence_length,
-                "weights_version": described.weights_version,
-            }
-            return json_response({"object": "list", "data": [card]})
+            return json_response({"object": "list", "data": model_cards(described)})
 
         return await run(request, "/v1/models", work, gated=False)
 
@@ -186,6 +177,27 @@ def _add_model_routes(app: FastAPI, service: ScoringService, run) -> None:
 
     for path in OPEN_PATHS:
         app.add_api_route(path, health, methods=["GET"])
+
+
+def model_cards(described) -> list[dict]:
+    """``/v1/models``' entries: the served model (the default weight set), then every
+    other name a request's ``model`` may take (``ModelInfo.models``: weight sets), with
+    its weights version; ``parent`` names the set an entry runs on (vLLM's adapters)."""
+    info, created = described.info, int(time.time())
+    card = {
+        "id": info.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "megascore",
+        "root": info.checkpoint_path or info.name,
+        "max_model_len": described.limits.max_sequence_length,
+        "weights_version": described.weights_version,
+    }
+    others = [
+        {**card, "id": m.name, "weights_version": m.weights_version, "parent": m.base or None}
+        for m in info.models[1:]
+    ]
+    return [card, *others]
 
 
 def _add_tokenizer_routes(app: FastAPI, service: ScoringService, run, bodies: BodyParser) -> None:

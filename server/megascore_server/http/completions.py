@@ -96,6 +96,7 @@ async def complete(
         return_next_token=max_tokens == 1,
         return_token_ranks=body.prompt_logprobs is not None,
         need_logprobs=body.logprobs is not None or body.prompt_logprobs is not None,
+        model=body.model or None,  # a weight set, as vLLM names adapters (404 if unknown)
     )
     scored = await service.score(
         batch, request_id, arrival=arrival, deadline=deadline, front="http"

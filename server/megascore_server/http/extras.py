@@ -95,7 +95,7 @@ def read(extras, lengths: np.ndarray, key: str = "megascore") -> dict:
     if not isinstance(extras, dict):
         raise InvalidRequestError(f"{key}: must be an object")
     options = {opt.name: opt for opt in schema.OPTIONS}
-    inputs = {spec.name: spec for spec in schema.INPUTS}
+    inputs = {spec.name: spec for spec in schema.INPUTS if spec.wire}
     kwargs = {}
     for name, value in extras.items():
         field = f"{key}.{name}"

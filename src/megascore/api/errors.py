@@ -69,6 +69,11 @@ class WrongVersionError(FailedPreconditionError):
     serve it)."""
 
 
+class NotFoundError(MegascoreError):
+    """A name the request gives (a model: weight set or adapter) is not served here
+    (-> NOT_FOUND; HTTP 404, as vLLM answers an unknown model)."""
+
+
 class CheckpointError(MegascoreError):
     """A checkpoint is missing, corrupt or does not match the model (names the tensor)."""
 

@@ -31,8 +31,21 @@ DEFAULT_RATIO_CAP = 2.0
 """The ratio cap ``c`` when a request does not set one."""
 
 
-def _diff(scored: np.ndarray, rollout: np.ndarray) -> np.ndarray:
+def log_ratio(scored: np.ndarray, rollout: np.ndarray) -> np.ndarray:
+    """float64 ``d = scored - rollout`` per token."""
     return scored.astype(np.float64) - rollout.astype(np.float64)
+
+
+def k3(d: np.ndarray) -> np.ndarray:
+    """Schulman's k3 per token from ``d = log r``: ``exp(d) - 1 - d`` (>= 0)."""
+    return np.expm1(d) - d
+
+
+def masked_mean(values: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """float64 ``[B]``: the mean of ``values`` over each sequence's tokens in ``mask``
+    (an effective loss mask; 0.0 for a sequence without one)."""
+    count = layout.segment_sum(mask, lengths)
+    return layout.segment_sum(np.where(mask > 0, values, 0.0), lengths) / np.maximum(count, 1.0)
 
 
 def _caps(cap: np.ndarray | None, lengths: np.ndarray) -> np.ndarray:
@@ -61,18 +74,16 @@ def statistics(
         name (:data:`NAMES`) -> float64 ``[B]``.
     """
     mask = layout.effective_loss_mask(lengths, loss_mask)
-    d = np.where(mask > 0, _diff(scored, rollout), 0.0)
-    count = layout.segment_sum(mask, lengths)
-    safe = np.maximum(count, 1.0)
+    d = np.where(mask > 0, log_ratio(scored, rollout), 0.0)
     log_cap = np.log(_caps(cap, lengths))
     starts = layout.offsets(lengths)[:-1]
     abs_d = np.abs(d)
     return {
         "max_abs_diff": np.maximum.reduceat(abs_d, starts),
-        "mean_abs_diff": layout.segment_sum(abs_d, lengths) / safe,
-        "kl_k3": layout.segment_sum(np.expm1(d) - d, lengths) / safe,
-        "mean_log_ratio": layout.segment_sum(d, lengths) / safe,
-        "ratio_outside_cap": layout.segment_sum((abs_d > log_cap) * mask, lengths) / safe,
+        "mean_abs_diff": masked_mean(abs_d, mask, lengths),
+        "kl_k3": masked_mean(k3(d), mask, lengths),
+        "mean_log_ratio": masked_mean(d, mask, lengths),
+        "ratio_outside_cap": masked_mean((abs_d > log_cap) * 1.0, mask, lengths),
     }
 
 
@@ -81,6 +92,7 @@ def importance_weights(
 ) -> np.ndarray:
     """float32 ``[T]`` truncated importance weights ``min(exp(scored - rollout), c)``,
     0.0 at entry 0 of each sequence."""
-    weights = np.minimum(np.exp(np.minimum(_diff(scored, rollout), 80.0)), _caps(cap, lengths))
+    d = log_ratio(scored, rollout)
+    weights = np.minimum(np.exp(np.minimum(d, 80.0)), _caps(cap, lengths))
     weights[layout.offsets(lengths)[:-1]] = 0.0
     return weights.astype(np.float32)

@@ -71,6 +71,14 @@ def pinned(values: list) -> str:
     return pins.pop() if pins else ""
 
 
+def same(values: list) -> str:
+    """The one name (``model``, ``reference``) the requests of a step give; the batcher
+    groups requests by it, so a step never mixes weight sets."""
+    if len(set(values)) > 1:
+        raise ValueError(f"a step's requests name different models: {sorted(set(values))}")
+    return values[0] if values else ""
+
+
 def union(values: list) -> tuple:
     return tuple(dict.fromkeys(name for names in values for name in names))
 

@@ -24,59 +24,27 @@ Consumers read ``schema.OUTPUTS`` at call time, so a test may extend the table.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from megascore.api import layout, losses, mismatch
+from megascore.api import layout, losses, mismatch, reference_kl
 from megascore.api import option_rules as rules
 from megascore.api.option_rules import (  # noqa: F401 - the table's names too
     LOGPROB_POSITIONS,
     MASKED,
     MAX_ID_CHARS,
 )
-
-TOKEN = "token"
-"""An output or input with one row per token (``[T, *dims]``)."""
-SEQUENCE = "sequence"
-"""An output or input with one row per sequence (``[B, *dims]``; inputs ``[B]``). A
-per-sequence output with a ``head`` is the output head's row at the *last* position of
-each sequence: the prediction after its last token (:func:`at_last_row`)."""
-
+from megascore.api.schema_entries import (  # noqa: F401 - the table's kinds of entries
+    SEQUENCE,
+    TOKEN,
+    Input,
+    Option,
+    Output,
+)
 
 # ---- options --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """A scalar request option.
-
-    Attributes:
-        name: the ``ScoreOptions`` field and the ``ScoreBatch`` attribute.
-        default: its value when unset.
-        merge: the value of a step from its requests' values.
-        check: ``(value, limits) -> error message or None`` (limits:
-            :class:`~megascore.api.limits.Limits`); the message is prefixed with
-            ``options.<name>: ``.
-        convert: wire value -> domain value (after the check).
-        flag: a boolean sent as a header flag bit by the broadcast protocol; else an
-            integer header slot (``protocol``) or, for ``losses``, the loss bitmask.
-        broadcast: sent to the other ranks at all; False: rank 0's business only
-            (``weights_version``, checked against the served version before the step).
-        names: an enum option: the SDK takes these names (the first is its default)
-            and sends their wire values.
-    """
-
-    name: str
-    default: Any
-    merge: Callable[[list], Any]
-    check: Callable[[Any, Any], str | None] | None = None
-    convert: Callable[[Any], Any] = lambda value: value
-    flag: bool = True
-    broadcast: bool = True
-    names: dict[str, int] | None = None
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -100,6 +68,13 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "weights_version", "", rules.pinned, rules.check_version, str, flag=False, broadcast=False
     ),
+    # the weight set (later: adapter) the request is scored with, by name ("" or the served
+    # model's own name: the default); rank 0 resolves it (megascore.api.served_models) and
+    # the step's header names the set
+    Option("model", "", rules.same, rules.check_version, str, flag=False, broadcast=False),
+    # a second weight set scored on the same tokens (megascore.api.reference_kl); its
+    # logprobs reach the step under `model` as the input reference_logprobs
+    Option("reference", "", rules.same, rules.check_version, str, flag=False, broadcast=False),
     Option(
         "logprob_positions",
         0,
@@ -118,36 +93,6 @@ def option(name: str) -> Option:
 
 
 # ---- inputs ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Input:
-    """An array a request may carry besides ``token_ids`` and ``lengths``.
-
-    Attributes:
-        name: the ``ScoreRequest`` field and the ``ScoreBatch`` attribute.
-        per: :data:`TOKEN` or :data:`SEQUENCE`.
-        dtype: numpy dtype in the batch and on the broadcast.
-        ndim: trailing dimensions after the token / sequence axis (their sizes travel
-            in the broadcast header).
-        fill: what a merged step holds for a request that did not send it; None: a
-            step holds it for all its requests or for none.
-        check: ``values -> what is wrong or None``: the one check of the values (a
-            scalar per request or an array; :func:`check_input`), where the shape is not
-            all there is to check.
-        head: a per-token input the output head reads (:func:`head_inputs`): the engine
-            carries it, by name, to the row that predicts each token
-            (``ChunkScores.inputs``), and tokens share a row only where they agree on it.
-            Its trailing size is ``num_<name>`` to an output's ``dims``.
-    """
-
-    name: str
-    per: str
-    dtype: str
-    ndim: int = 0
-    fill: float | None = None
-    check: Callable[[Any], str | None] | None = None
-    head: bool = False
 
 
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
@@ -184,15 +129,16 @@ def check_input(name: str, values) -> str | None:
 
 
 INPUTS: tuple[Input, ...] = (
-    Input("loss_mask", TOKEN, "uint8", fill=1),
+    Input("loss_mask", TOKEN, "uint8", fill=1, reference=True),
     Input(
         "temperature",
         SEQUENCE,
         "float32",
         fill=1.0,
         check=_between(FLOAT32_TINY, FLOAT32_MAX, "must be finite and > 0 (a float32)"),
+        reference=True,
     ),
-    Input("routing", TOKEN, "int32", ndim=2),
+    Input("routing", TOKEN, "int32", ndim=2, reference=True),
     Input("target_ids", TOKEN, "int64", ndim=1, fill=0, head=True),
     # 0.0, not NaN: a merged step is checked whole, and NaN is refused (a request that
     # sent no rollout logprobs gets no mismatch statistics back either way)
@@ -207,63 +153,14 @@ INPUTS: tuple[Input, ...] = (
     # outputs from this entry on: the per-token outputs before it hold their fill, the
     # losses count from it (ScoreBatch.scored_mask); the engine computes no head row
     # before it and may take the rows before it from the prefix cache
-    Input("score_from", SEQUENCE, "int64", fill=0, check=_whole_numbers),
+    Input("score_from", SEQUENCE, "int64", fill=0, check=_whole_numbers, reference=True),
+    # the logprobs of the tokens under the request's reference set (options.reference),
+    # from the engine's step under it (megascore.api.reference_step)
+    Input("reference_logprobs", TOKEN, "float32", fill=0.0, wire=False),
 )
 
 
 # ---- outputs --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Output:
-    """A result returned to the caller.
-
-    Attributes:
-        name: the :class:`~megascore.api.types.ScoreOutput` key (``output.<name>``).
-        per: :data:`TOKEN` (``[T, *dims]``) or :data:`SEQUENCE` (``[B, *dims]``).
-        dtype: numpy dtype in the output and on the wire.
-        wire: the ``ScoreResponse`` field (an ``Array``, or for ``keys`` a
-            ``map<string, Array>``).
-        sdk: the ``ScoreResult`` attribute (per-token: a list of one array per
-            sequence; per-sequence: one ``[B, *dims]`` array, or a dict of ``[B]`` ones
-            for ``keys``).
-        wanted: ``options -> bool`` (a ``ScoreBatch`` or a ``pb.ScoreOptions``: the
-            option names are the same).
-        dims: ``options -> trailing shape`` of a per-token or per-sequence output; a
-            request's columns are the first ``dims`` of a merged step's. None: set by
-            the model (routing).
-        wire_dims: ``ScoreResponse`` integer fields carrying the trailing shape.
-        fill: the value of entry 0 of each sequence (a predicted output has no
-            prediction there).
-        keys: ``options -> names`` of a map output (one ``[B]`` array per name).
-        optional: the client accepts a response without it (None in the result).
-        finish: computed on the output rank from the batch and the step's other outputs
-            (``(batch, values) -> array``, or a dict for ``keys``), after the head
-            outputs, in the table's order.
-        needs: the outputs a ``finish`` reads (computed by the head when it is wanted,
-            even when they are not returned; e.g. the logprobs of the losses).
-        head: computed on the last pipeline stage from each chunk of the output
-            head's logits (``megascore.engine.outputs.logprobs.ChunkScores``):
-            ``chunk -> [C, *dims]`` tensor; it is then CP-gathered, sent to the output
-            rank and mapped from packed to flat like the logprobs. A per-sequence
-            output's head reads only the rows at the last position of each sequence
-            (:func:`at_last_row`), with a top-k of ``max(1, top_k)``.
-    """
-
-    name: str
-    per: str
-    dtype: str
-    wire: str
-    sdk: str
-    wanted: Callable[[Any], bool]
-    dims: Callable[[Any], tuple[int, ...]] | None = lambda options: ()
-    wire_dims: tuple[str, ...] = ()
-    fill: float = 0.0
-    keys: Callable[[Any], tuple[str, ...]] | None = None
-    optional: bool = False
-    head: Callable[[Any], Any] | None = None
-    finish: Callable[[Any, dict], Any] | None = None
-    needs: tuple[str, ...] = ()
 
 
 def _routes(batch, values: dict) -> np.ndarray:
@@ -272,6 +169,29 @@ def _routes(batch, values: dict) -> np.ndarray:
     if batch.routing is not None:
         return np.asarray(batch.routing, dtype=np.int32)
     return values["routing"]
+
+
+def _with_reference(options) -> bool:
+    """A request naming a reference set (rank 0, the server, the client), or a step that
+    carries its logprobs (every rank: the option is rank 0's only)."""
+    named = bool(getattr(options, "reference", ""))
+    return named or getattr(options, "reference_logprobs", None) is not None
+
+
+def _kl_per_token(name: str) -> Output:
+    """The per-token estimator ``name`` of :mod:`megascore.api.reference_kl`."""
+    return Output(
+        f"kl_{name}",
+        TOKEN,
+        "float64",
+        f"kl_{name}",
+        f"kl_{name}",
+        wanted=_with_reference,
+        finish=lambda batch, values: reference_kl.per_token(
+            values["logprobs"], batch.reference_logprobs, batch.lengths
+        )[name],
+        needs=("logprobs",),
+    )
 
 
 def _next_top_k(options) -> tuple[int]:
@@ -413,6 +333,29 @@ OUTPUTS: tuple[Output, ...] = (
         "token_ranks",
         wanted=lambda o: o.return_token_ranks,
         head=lambda chunk: chunk.token_ranks(),
+    ),
+    Output(
+        "reference_logprobs",
+        TOKEN,
+        "float32",
+        "reference_logprobs",
+        "reference_logprobs",
+        wanted=_with_reference,
+        finish=lambda batch, values: np.asarray(batch.reference_logprobs, np.float32),
+    ),
+    *(_kl_per_token(name) for name in reference_kl.NAMES),
+    Output(
+        "kl",
+        SEQUENCE,
+        "float64",
+        "kl",
+        "kl_mean",
+        wanted=_with_reference,
+        keys=lambda o: reference_kl.NAMES,
+        finish=lambda batch, values: reference_kl.means(
+            values["logprobs"], batch.reference_logprobs, batch.lengths, batch.scored_mask()
+        ),
+        needs=("logprobs",),
     ),
     Output(
         "next_token_ids",

@@ -23,6 +23,7 @@ from megascore.api.limits import (
     score_from_problem,
 )
 from megascore.api.metric_sums import MetricSums
+from megascore.api.served_models import ServedModel, resolve
 
 
 def check_routing(batch: ScoreBatch, limits: Limits) -> None:
@@ -293,7 +294,9 @@ class ModelInfo:
     """What the served model is and what it accepts (``megascore.v1.ModelInfo``).
 
     The limits live in ``limits`` only; ``vocab_size``, ``max_sequence_length``,
-    ``max_top_k``, ``loss_names`` and ``routing`` read them.
+    ``max_top_k``, ``loss_names`` and ``routing`` read them. ``models`` lists the names a
+    request's ``model`` may take (the weight sets, the default first; docs/engine.md
+    "Weight sets"), each with its weights version; ``weights_version`` is the default's.
     """
 
     name: str
@@ -308,6 +311,17 @@ class ModelInfo:
     has_tokenizer: bool = False
     moe_metric_names: tuple[str, ...] = ()
     mtp_metric_names: tuple[str, ...] = ()
+    models: tuple[ServedModel, ...] = ()
+
+    def served(self, name: str, field: str = "options.model") -> ServedModel:
+        """The entry of ``models`` a request's ``name`` selects ("" or :attr:`name`: the
+        default; an engine that lists none serves one, as this model).
+
+        Raises:
+            NotFoundError: naming ``name`` and ``field``.
+        """
+        models = self.models or (ServedModel(self.name, self.weights_version),)
+        return resolve(models, self.name, name, field)
 
     @property
     def vocab_size(self) -> int:
@@ -377,14 +391,14 @@ class Engine(Protocol):
 
     def score(self, batch: ScoreBatch) -> ScoreOutput: ...
 
-    def load_weights(self, model: str, weights_version: str) -> str:
-        """Loads new weights; returns the new weights version. Raises on failure,
-        leaving the old weights in place."""
+    def load_weights(self, model: str, weights_version: str, weight_set: str = "") -> str:
+        """Loads new weights into ``weight_set`` ("": the default); returns its new weights
+        version. Raises on failure, leaving the old weights in place."""
         ...
 
-    def begin_weight_update(self, names: int) -> dict[str, WeightTarget]:
-        """Opens a weight push (``WEIGHT_NAMES_*``); returns every name it may carry.
-        Discards what an unfinished earlier push staged."""
+    def begin_weight_update(self, names: int, weight_set: str = "") -> dict[str, WeightTarget]:
+        """Opens a weight push (``WEIGHT_NAMES_*``) into ``weight_set`` ("": the default);
+        returns every name it may carry. Discards what an unfinished earlier push staged."""
         ...
 
     def stage_weight(

@@ -55,16 +55,16 @@ command is :mod:`megascore.engine.worker_loop`. Those parts are mixed into
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import time
 
 import torch
 import torch.distributed as dist
 
-from megascore.api.errors import LOAD_FAILURES, CheckpointError, WorkerLostError
+from megascore.api.errors import CheckpointError, WorkerLostError
 from megascore.api.limits import Limits, check_pinned_version
 from megascore.api.losses import loss_names
+from megascore.api.reference_step import reference_batch, with_reference
 from megascore.api.types import ModelInfo, ParallelLayout, ScoreBatch, ScoreOutput
 from megascore.checkpoint import parse_model_string
 from megascore.config import EngineConfig
@@ -75,8 +75,9 @@ from megascore.engine.outputs.routing import routing_shape
 from megascore.engine.ranks import protocol
 from megascore.engine.ranks.startup import (
     DRIVER_RANK,
+    check_result_rank,
+    control_groups,
     init_distributed,
-    load_agreeing,
     result_rank,
     teardown_groups,
 )
@@ -91,13 +92,12 @@ from megascore.engine.schedule.step import (
 from megascore.engine.weights.push.apply import WeightStaging
 from megascore.engine.weights.push.handler import WeightPushHandler
 from megascore.engine.weights.reload import WeightReload
-from megascore.engine.weights.served_model import LoadedModel, load_served_model
+from megascore.engine.weights.served_model import LoadedModel, build_agreeing
+from megascore.engine.weights.sets import WeightSets
 from megascore.engine.worker_loop import WorkerLoop
 from megascore.model.parallel import initialize_parallel, select_device
 
 logger = logging.getLogger(__name__)
-
-_COMMAND_TIMEOUT = datetime.timedelta(days=365)
 
 
 class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
@@ -116,7 +116,8 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
     ):
         """Use :meth:`create`; this only stores what it built."""
         self.engine_cfg = engine_cfg
-        self.loaded = loaded
+        names = tuple(name for name, _ in engine_cfg.weight_set_models)
+        self.sets = WeightSets(loaded, names, engine_cfg.weight_sets)
         self.pg_collection = pg_collection
         self.groups = groups
         self.command_group = command_group
@@ -168,6 +169,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         # host tensors the next push stages into (WeightStaging.buffers), from the last one
         self._staging_buffers: dict[str, torch.Tensor] = {}
         self._push_of: LoadedModel | None = None  # what was served when it began
+        self._push_set = self.sets.default  # the weight set the open push changes
         self._broken: str | None = None
         self._closed = False
         self._owns_default_group = False
@@ -198,6 +200,17 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         keep = self.engine_cfg.prefix_cache is not False
         return PrefixCache(index, store.block, keep, self._cache_sharing)
 
+    @property
+    def loaded(self) -> LoadedModel:
+        """The default weight set's record (its model is every set's)."""
+        return self.sets.records[self.sets.default]
+
+    def _cache_for(self, weight_set: int) -> PrefixCache | None:
+        """The prefix cache for a step of weight set ``weight_set`` (an index): its entries
+        are keyed by the default set's weights version only, so a step of another set
+        bypasses it (None) until the cache is keyed by set."""
+        return self._cache if weight_set == 0 else None
+
     def _forget_prefixes(self) -> None:
         """The served weights changed: nothing cached holds (rank 0's index is emptied);
         a reloaded model's attention layers get the key block again."""
@@ -211,9 +224,10 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         """Rank 0: the tokens of each sequence the prefix cache holds now (int64 ``[B]``;
         None without a cache or for a batch that does not read it), for the batcher's
         costs (:meth:`megascore.engine.cache.planner.PrefixCache.cached_now`)."""
-        if self._cache is None or not self._cache.applies(batch):
+        cache = self._cache_for(self.sets.index(batch.model))
+        if cache is None or not cache.applies(batch):
             return None
-        return self._cache.cached_now(batch)
+        return cache.cached_now(batch)
 
     def prefix_cache_stats(self) -> dict[str, int] | None:
         """Rank 0: the prefix cache's counters (None without a cache)."""
@@ -244,8 +258,8 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         own_groups: list[dist.ProcessGroup] = []
         try:
             pg_collection = initialize_parallel(engine_cfg)
-            _check_result_rank(pg_collection)
-            status, command, load = _control_groups(engine_cfg, own_groups)
+            check_result_rank(pg_collection)
+            status, command, load = control_groups(engine_cfg, own_groups)
             groups = StepGroups(
                 tp=pg_collection.tp, cp=pg_collection.cp, pp=pg_collection.pp, status=status
             )
@@ -253,7 +267,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             if data_parallel.results is not None:
                 own_groups.append(data_parallel.results)
             start = time.perf_counter()
-            loaded = _build_agreeing(engine_cfg, pg_collection, load, device)
+            loaded = build_agreeing(engine_cfg, pg_collection, load, device)
         except BaseException:
             teardown_groups(own_groups, owns_default_group)
             raise
@@ -266,6 +280,12 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         engine = cls(
             engine_cfg, loaded, pg_collection, groups, command, load, data_parallel, device
         )
+        engine._owns_default_group = owns_default_group
+        try:
+            engine.load_other_sets()
+        except BaseException:
+            engine._teardown()
+            raise
         auto_sp = engine.sequence_parallel and engine_cfg.sequence_parallel is None
         if auto_sp and engine.rank == DRIVER_RANK:
             logger.info(
@@ -276,7 +296,6 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
                 engine_cfg.tensor_model_parallel_size,
                 engine.pad_multiple,
             )
-        engine._owns_default_group = owns_default_group
         return engine
 
     @property
@@ -322,6 +341,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
             checkpoint_path=self.loaded.spec.path,
             weights_version=self.loaded.weights_version,
             has_tokenizer=self.loaded.has_tokenizer,
+            models=self.sets.served(),
             moe_metric_names=tuple(moe_metric_names(cfg)),
             mtp_metric_names=tuple(mtp_metric_names(cfg)),
         )
@@ -338,13 +358,17 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         """Rank 0: scores one batch on every rank of the replica.
 
         Args:
-            batch: the batch (:meth:`check` runs first, before any collective).
+            batch: the batch (:meth:`check` runs first, before any collective), scored
+                with the weight set ``batch.model`` names; with ``batch.reference``, a
+                step under that set first (``megascore.api.reference_step``).
 
         Returns:
-            The batch's :class:`ScoreOutput` (flat token layout, ``weights_version`` set).
+            The batch's :class:`ScoreOutput` (flat token layout, ``weights_version`` of
+            its set).
 
         Raises:
             InvalidRequestError: the batch does not fit the model (no collective issued).
+            NotFoundError: a weight set name not served (no collective issued).
             WrongVersionError: the batch is pinned to weights other than those served.
             WorkerLostError: a rank failed or a collective timed out; the replica
                 must be restarted.
@@ -352,21 +376,41 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         self._require_driver("score")
         if self._broken is not None:
             raise WorkerLostError(f"replica is broken: {self._broken}")
-        check_pinned_version(batch.weights_version, self.loaded.weights_version)
+        weight_set = self.sets.index(batch.model)
+        reference = (
+            self.sets.index(batch.reference, "options.reference") if batch.reference else None
+        )
+        version = self.sets.records[self.sets.names[weight_set]].weights_version
+        check_pinned_version(batch.weights_version, version)
         self.check(batch)
-        if self._cache is not None and self._cache.applies(batch):
-            out = self._cache.score(batch, self._send_and_run)
-        else:
-            out = self._send_and_run(batch)
-        out.weights_version = self.loaded.weights_version
+        if reference is not None:  # its logprobs first, an input of the step under model
+            batch = with_reference(batch, self._score_on(reference_batch(batch), reference))
+        out = self._score_on(batch, weight_set)
+        out.weights_version = version
         return out
 
+    def _score_on(self, batch: ScoreBatch, weight_set: int) -> ScoreOutput:
+        """Rank 0: ``batch`` under weight set ``weight_set`` (made live here, and on every
+        rank by the step's header)."""
+        self.sets.activate(self.sets.names[weight_set])
+        cache = self._cache_for(weight_set)
+        if cache is not None and cache.applies(batch):
+            return cache.score(batch, self._send_and_run)
+        return self._send_and_run(batch)
+
     def _send_and_run(self, batch: ScoreBatch) -> ScoreOutput:
-        """Rank 0: one step of ``batch`` on every rank."""
+        """Rank 0: one step of ``batch`` on every rank, under the live weight set."""
         self._step += 1
+        weight_set = self.sets.names.index(self.sets.live)
         try:
             protocol.send_batch(
-                batch, self.command_group, DRIVER_RANK, loss_names(), device="cpu", step=self._step
+                batch,
+                self.command_group,
+                DRIVER_RANK,
+                loss_names(),
+                device="cpu",
+                step=self._step,
+                weight_set=weight_set,
             )
         except (RuntimeError, OSError) as e:
             raise self._mark_broken(f"broadcasting step {self._step} failed: {e}") from e
@@ -442,54 +486,3 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         if self.data_parallel.results is not None:
             groups.append(self.data_parallel.results)
         teardown_groups(groups, self._owns_default_group)
-
-
-def _check_result_rank(pg_collection) -> None:
-    """The last pipeline stage of rank 0's pipeline is the rank the results come from."""
-    pp = pg_collection.pp.size()
-    expected = result_rank(dist.get_world_size(), pp)
-    if DRIVER_RANK in dist.get_process_group_ranks(pg_collection.pp):
-        last = dist.get_global_rank(pg_collection.pp, pp - 1)
-        if last != expected:
-            raise RuntimeError(f"last pipeline stage of rank 0 is {last}, not {expected}")
-
-
-def _control_groups(
-    engine_cfg: EngineConfig, own_groups: list[dist.ProcessGroup]
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
-    """The gloo groups over every rank for the step status, the commands and the load
-    agreements (added to ``own_groups``, which the caller tears down on a failure)."""
-    world = list(range(dist.get_world_size()))
-    status_timeout = datetime.timedelta(seconds=3 * engine_cfg.collective_timeout_s)
-    command_timeout = _COMMAND_TIMEOUT  # gloo timeouts are per process: see above
-    if dist.get_rank() == DRIVER_RANK:
-        command_timeout = datetime.timedelta(seconds=engine_cfg.collective_timeout_s)
-    load_timeout = datetime.timedelta(seconds=engine_cfg.load_timeout_s)
-    for timeout in (status_timeout, command_timeout, load_timeout):
-        own_groups.append(dist.new_group(world, backend="gloo", timeout=timeout))
-    return own_groups[-3], own_groups[-2], own_groups[-1]
-
-
-def _build_agreeing(
-    engine_cfg: EngineConfig, pg_collection, load: dist.ProcessGroup, device: torch.device
-) -> LoadedModel:
-    """Builds and loads the served model on this rank; every rank agrees over ``load``
-    that all did (a config or checkpoint error the same everywhere is raised as is)."""
-    world_size = dist.get_world_size()
-
-    def agree(problem: BaseException | None) -> None:
-        failed = agree_on_status(problem is not None, load)
-        if failed and isinstance(problem, LOAD_FAILURES) and len(failed) == world_size:
-            raise problem  # a config / checkpoint error, the same everywhere
-        if failed:
-            raise WorkerLostError(f"building the model failed on ranks {failed}: {problem}")
-
-    loaded, error = load_agreeing(
-        lambda before_write: load_served_model(
-            engine_cfg.model, engine_cfg, pg_collection, before_write=before_write, device=device
-        ),
-        agree,
-        "building the model",
-    )
-    agree(error)  # every rank has built it
-    return loaded

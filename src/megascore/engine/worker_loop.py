@@ -53,8 +53,9 @@ class WorkerLoop:
                 continue
             if command == protocol.Command.RELOAD:
                 try:
-                    self._reload(extra.path, extra.version)
+                    self._reload(extra.path, extra.version, self.sets.names[extra.weight_set])
                 except CheckpointError as e:
                     logger.warning("rank %d: reload failed, old weights kept: %s", self.rank, e)
                 continue
+            self.sets.activate(self.sets.names[extra.weight_set])
             self._run_step(batch)

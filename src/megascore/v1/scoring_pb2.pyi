@@ -52,7 +52,7 @@ class Array(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ScoreOptions(_message.Message):
-    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "return_entropy", "mismatch_ratio_cap", "return_importance_weights", "weights_version", "logprob_positions", "return_token_ranks", "return_next_token")
+    __slots__ = ("return_logprobs", "top_k", "losses", "return_moe_metrics", "return_mtp_metrics", "temperature", "return_routing", "return_entropy", "mismatch_ratio_cap", "return_importance_weights", "weights_version", "logprob_positions", "return_token_ranks", "return_next_token", "model", "reference")
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class ScoreOptions(_message.Message):
     LOGPROB_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_RANKS_FIELD_NUMBER: _ClassVar[int]
     RETURN_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     return_logprobs: bool
     top_k: int
     losses: _containers.RepeatedScalarFieldContainer[str]
@@ -81,7 +83,9 @@ class ScoreOptions(_message.Message):
     logprob_positions: LogprobPositions
     return_token_ranks: bool
     return_next_token: bool
-    def __init__(self, return_logprobs: bool = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: bool = ..., return_mtp_metrics: bool = ..., temperature: _Optional[float] = ..., return_routing: bool = ..., return_entropy: bool = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: bool = ..., weights_version: _Optional[str] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ..., return_token_ranks: bool = ..., return_next_token: bool = ...) -> None: ...
+    model: str
+    reference: str
+    def __init__(self, return_logprobs: bool = ..., top_k: _Optional[int] = ..., losses: _Optional[_Iterable[str]] = ..., return_moe_metrics: bool = ..., return_mtp_metrics: bool = ..., temperature: _Optional[float] = ..., return_routing: bool = ..., return_entropy: bool = ..., mismatch_ratio_cap: _Optional[float] = ..., return_importance_weights: bool = ..., weights_version: _Optional[str] = ..., logprob_positions: _Optional[_Union[LogprobPositions, str]] = ..., return_token_ranks: bool = ..., return_next_token: bool = ..., model: _Optional[str] = ..., reference: _Optional[str] = ...) -> None: ...
 
 class SequenceGroups(_message.Message):
     __slots__ = ("sizes", "prompt_lengths")
@@ -128,7 +132,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings", "routing", "routing_num_moe_layers", "routing_topk", "entropy", "target_logprobs", "num_target_ids", "mismatch", "importance_weights", "token_ranks", "next_token_ids", "next_token_logprobs", "next_top_k", "cached_tokens")
+    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings", "routing", "routing_num_moe_layers", "routing_topk", "entropy", "target_logprobs", "num_target_ids", "mismatch", "importance_weights", "token_ranks", "next_token_ids", "next_token_logprobs", "next_top_k", "cached_tokens", "reference_logprobs", "kl_k1", "kl_k2", "kl_k3", "kl")
     class SequenceLossesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +155,13 @@ class ScoreResponse(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     class MismatchEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Array
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    class KlEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +193,11 @@ class ScoreResponse(_message.Message):
     NEXT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOP_K_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KL_K1_FIELD_NUMBER: _ClassVar[int]
+    KL_K2_FIELD_NUMBER: _ClassVar[int]
+    KL_K3_FIELD_NUMBER: _ClassVar[int]
+    KL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lengths: Array
     token_logprobs: Array
@@ -207,7 +223,12 @@ class ScoreResponse(_message.Message):
     next_token_logprobs: Array
     next_top_k: int
     cached_tokens: Array
-    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., routing_num_moe_layers: _Optional[int] = ..., routing_topk: _Optional[int] = ..., entropy: _Optional[_Union[Array, _Mapping]] = ..., target_logprobs: _Optional[_Union[Array, _Mapping]] = ..., num_target_ids: _Optional[int] = ..., mismatch: _Optional[_Mapping[str, Array]] = ..., importance_weights: _Optional[_Union[Array, _Mapping]] = ..., token_ranks: _Optional[_Union[Array, _Mapping]] = ..., next_token_ids: _Optional[_Union[Array, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., next_top_k: _Optional[int] = ..., cached_tokens: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+    reference_logprobs: Array
+    kl_k1: Array
+    kl_k2: Array
+    kl_k3: Array
+    kl: _containers.MessageMap[str, Array]
+    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., routing_num_moe_layers: _Optional[int] = ..., routing_topk: _Optional[int] = ..., entropy: _Optional[_Union[Array, _Mapping]] = ..., target_logprobs: _Optional[_Union[Array, _Mapping]] = ..., num_target_ids: _Optional[int] = ..., mismatch: _Optional[_Mapping[str, Array]] = ..., importance_weights: _Optional[_Union[Array, _Mapping]] = ..., token_ranks: _Optional[_Union[Array, _Mapping]] = ..., next_token_ids: _Optional[_Union[Array, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., next_top_k: _Optional[int] = ..., cached_tokens: _Optional[_Union[Array, _Mapping]] = ..., reference_logprobs: _Optional[_Union[Array, _Mapping]] = ..., kl_k1: _Optional[_Union[Array, _Mapping]] = ..., kl_k2: _Optional[_Union[Array, _Mapping]] = ..., kl_k3: _Optional[_Union[Array, _Mapping]] = ..., kl: _Optional[_Mapping[str, Array]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("texts", "add_special_tokens")
@@ -262,7 +283,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., tensor_model_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., expert_model_parallel_size: _Optional[int] = ..., pipeline_model_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch", "max_message_bytes", "max_target_ids", "accepts_sequence_groups")
+    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch", "max_message_bytes", "max_target_ids", "accepts_sequence_groups", "models")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +304,7 @@ class ModelInfo(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_SEQUENCE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_parameters: int
@@ -303,15 +325,28 @@ class ModelInfo(_message.Message):
     max_message_bytes: int
     max_target_ids: int
     accepts_sequence_groups: bool
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: bool = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ..., accepts_sequence_groups: bool = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ServedModel]
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: bool = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ..., accepts_sequence_groups: bool = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ...) -> None: ...
+
+class ServedModel(_message.Message):
+    __slots__ = ("name", "weights_version", "base")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weights_version: str
+    base: str
+    def __init__(self, name: _Optional[str] = ..., weights_version: _Optional[str] = ..., base: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("model", "weights_version")
+    __slots__ = ("model", "weights_version", "weight_set")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SET_FIELD_NUMBER: _ClassVar[int]
     model: str
     weights_version: str
-    def __init__(self, model: _Optional[str] = ..., weights_version: _Optional[str] = ...) -> None: ...
+    weight_set: str
+    def __init__(self, model: _Optional[str] = ..., weights_version: _Optional[str] = ..., weight_set: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
     __slots__ = ("weights_version", "previous_weights_version", "load_ms")
@@ -324,14 +359,16 @@ class LoadWeightsResponse(_message.Message):
     def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., load_ms: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsBegin(_message.Message):
-    __slots__ = ("names", "base_weights_version", "keep")
+    __slots__ = ("names", "base_weights_version", "keep", "weight_set")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     BASE_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SET_FIELD_NUMBER: _ClassVar[int]
     names: WeightNames
     base_weights_version: str
     keep: bool
-    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ..., base_weights_version: _Optional[str] = ..., keep: bool = ...) -> None: ...
+    weight_set: str
+    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ..., base_weights_version: _Optional[str] = ..., keep: bool = ..., weight_set: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "shape", "data", "offset", "indices")

@@ -27,8 +27,10 @@ slot  name              meaning
                         FORWARD: see below (target ids ``K``)
 12    ndim              WEIGHTS_TENSOR: number of dimensions
 13    data_bytes        WEIGHTS_TENSOR: byte size of the whole tensor
-14    names / layout    WEIGHTS_BEGIN: name format; WEIGHTS_TENSOR: layout code
-15    weights_flags     WEIGHTS_COMMIT: bitmask of ``WEIGHTS_FLAG_*``
+14    names / layout    WEIGHTS_BEGIN: name format; WEIGHTS_TENSOR: layout code;
+                        WEIGHTS_COMMIT: bitmask of ``WEIGHTS_FLAG_*``
+15    weight_set        every command: index of the weight set a FORWARD runs on, a
+                        RELOAD or WEIGHTS_BEGIN changes (``engine.weights.sets``; 0 else)
 ====  ================  =====================================================
 
 A FORWARD header is laid out from :mod:`megascore.api.schema`: the boolean options
@@ -44,10 +46,8 @@ Payloads, in order, after the header:
   announce, in ``INPUTS`` order: ``[T, *dims]`` or ``[B]`` values of its dtype, flat
   (today: uint8 loss mask, float32 temperatures, int32 routing to replay); then, with
   flag ``CACHE_FLAG``, the prefix-cache plan (:mod:`megascore.engine.ranks.forward_payloads`).
-* RELOAD: uint8 ``[path_bytes + version_bytes]``, the two UTF-8 strings
-  (nothing when both are empty).
-* SHUTDOWN: nothing.
-* WEIGHTS_BEGIN / WEIGHTS_ABORT: nothing.
+* RELOAD: uint8 ``[path_bytes + version_bytes]``, the two UTF-8 strings (or nothing).
+* SHUTDOWN, WEIGHTS_BEGIN, WEIGHTS_ABORT: nothing.
 * WEIGHTS_TENSOR: int64 ``[ndim]`` shape (when ndim > 0); uint8 ``[name_bytes]``
   name. The tensor's bytes are not broadcast: rank 0 then sends each rank only the
   parts of it that rank reads (``megascore.engine.weights.push.transfer``, point to point;
@@ -55,14 +55,12 @@ Payloads, in order, after the header:
 * WEIGHTS_COMMIT: uint8 ``[version_bytes]`` (nothing when empty).
 
 The WEIGHTS_* messages are one weight push (``megascore.engine.weights.push.apply``):
-BEGIN, any number of TENSOR, then COMMIT or ABORT; forward steps may come in
-between (they run on the old weights).
+BEGIN, any number of TENSOR, then COMMIT or ABORT; forward steps may come in between.
 
-Rank 0 checks the batch (:meth:`~megascore.api.types.ScoreBatch.check`) before its
-first broadcast, so a bad batch raises there and the workers never see a
-partial message. The loss registry (``loss_names``)
-must be identical on every rank; the worker's batch lists its losses in the
-registry's sorted order.
+Rank 0 checks the batch (:meth:`~megascore.api.types.ScoreBatch.check`) before its first
+broadcast, so a bad batch raises there and the workers never see a partial message. The
+loss registry (``loss_names``) must be identical on every rank; the worker's batch lists
+its losses in the registry's sorted order.
 """
 
 from __future__ import annotations
@@ -83,9 +81,8 @@ from megascore.engine.ranks import forward_payloads
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
-"""2: WEIGHTS_TENSOR without its bytes (parts sent point to point); FORWARD's slot 8 holds
-``logprob_positions`` (the routing's ``L`` and ``k`` moved to slots 9 and 10)."""
+PROTOCOL_VERSION = 3
+"""3: slot 15 names the weight set (WEIGHTS_COMMIT's flags moved to slot 14)."""
 HEADER_SLOTS = 16
 MAX_LOSSES = 63
 
@@ -103,9 +100,9 @@ _H_NAME_BYTES = 10
 _H_DTYPE = 11
 _H_NDIM = 12
 _H_DATA_BYTES = 13
-_H_LAYOUT = 14
-_H_WEIGHTS_FLAGS = 15
-FORWARD_SLOTS = (_H_TOP_K, 8, 9, 10, 11, 12, 13, 14, 15)
+_H_LAYOUT = _H_WEIGHTS_FLAGS = 14
+_H_WEIGHT_SET = 15
+FORWARD_SLOTS = (_H_TOP_K, 8, 9, 10, 11, 12, 13, 14)
 """Header slots a FORWARD gives to the integer options, then to the inputs' dimensions."""
 INPUT_FLAG_BASE = 16
 """Flag bit of ``INPUTS[0]`` being sent (the boolean options take the bits below)."""
@@ -145,12 +142,14 @@ class Extra(NamedTuple):
 
     Attributes:
         step: the step id rank 0 sent.
+        weight_set: FORWARD, RELOAD, WEIGHTS_BEGIN: the index of the weight set.
         path: RELOAD: checkpoint path ("" otherwise).
         version: RELOAD, WEIGHTS_COMMIT: weights version ("" otherwise).
         weights: WEIGHTS_*: the message (None otherwise).
     """
 
     step: int
+    weight_set: int = 0
     path: str = ""
     version: str = ""
     weights: WeightsMessage | None = None
@@ -168,6 +167,7 @@ class WeightsMessage(NamedTuple):
         layout: WEIGHTS_TENSOR: layout code of the name (``engine.weights.push.apply``).
         version: WEIGHTS_COMMIT: the new weights version.
         partial: WEIGHTS_COMMIT: only the tensors sent are replaced.
+        weight_set: WEIGHTS_BEGIN: the index of the weight set the push changes.
     """
 
     names: int = 0
@@ -176,6 +176,7 @@ class WeightsMessage(NamedTuple):
     layout: int = 0
     version: str = ""
     partial: bool = False
+    weight_set: int = 0
 
 
 class Received(NamedTuple):
@@ -205,12 +206,15 @@ def _registry(loss_names: Sequence[str]) -> list[str]:
     return names
 
 
-def _header(command: Command, step: int, slots: dict[int, int] | None = None) -> torch.Tensor:
-    """int64 ``[HEADER_SLOTS]``: command, version, step, then ``slots`` (index -> value)."""
+def _header(
+    command: Command, step: int, slots: dict[int, int] | None = None, weight_set: int = 0
+) -> torch.Tensor:
+    """int64 ``[HEADER_SLOTS]``: command, version, step, weight set, then ``slots``."""
     header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
     header[_H_COMMAND] = int(command)
     header[_H_VERSION] = PROTOCOL_VERSION
     header[_H_STEP] = step
+    header[_H_WEIGHT_SET] = weight_set
     for index, value in (slots or {}).items():
         header[index] = value
     return header
@@ -236,6 +240,7 @@ def send_batch(
     *,
     device: torch.device | str,
     step: int = 0,
+    weight_set: int = 0,
 ) -> None:
     """Rank ``src``: broadcasts a FORWARD header and the batch buffers.
 
@@ -246,6 +251,7 @@ def send_batch(
         loss_names: the loss registry (same on every rank).
         device: where the collective's tensors live (cpu for gloo, cuda for NCCL).
         step: step id for the workers' logs.
+        weight_set: the index of the weight set the step runs on.
 
     Raises:
         ValueError: a loss outside the registry (before any collective). The batch
@@ -276,7 +282,7 @@ def send_batch(
     ids_and_lengths = np.concatenate(
         [batch.token_ids.astype(np.int64, copy=False), batch.lengths.astype(np.int64, copy=False)]
     )
-    _bcast(_header(Command.FORWARD, step, slots).to(device), src, group)
+    _bcast(_header(Command.FORWARD, step, slots, weight_set).to(device), src, group)
     _bcast(torch.from_numpy(ids_and_lengths).to(device), src, group)
     for payload in payloads:
         _bcast(torch.from_numpy(payload).to(device), src, group)
@@ -292,18 +298,18 @@ def send_command(
     path: str = "",
     version: str = "",
     step: int = 0,
+    weight_set: int = 0,
 ) -> None:
     """Rank ``src``: broadcasts a SHUTDOWN or RELOAD message.
 
     Args:
-        command: ``Command.SHUTDOWN`` or ``Command.RELOAD`` (FORWARD goes through
-            :func:`send_batch`).
+        command: ``Command.SHUTDOWN`` or ``Command.RELOAD`` (FORWARD: :func:`send_batch`).
         group: the group of ranks that run the model (required).
         src: global rank of the sender (this rank).
         device: where the collective's tensors live.
-        path: RELOAD: checkpoint path.
-        version: RELOAD: weights version.
+        path, version: RELOAD: checkpoint path and weights version.
         step: step id for the workers' logs.
+        weight_set: RELOAD: the index of the weight set it loads.
 
     Raises:
         ValueError: FORWARD, or an unknown command (before any collective).
@@ -315,9 +321,8 @@ def send_command(
         _bcast(_header(command, step).to(device), src, group)
         return
     path_bytes, version_bytes = path.encode("utf-8"), version.encode("utf-8")
-    header = _header(
-        command, step, {_H_PATH_BYTES: len(path_bytes), _H_VERSION_BYTES: len(version_bytes)}
-    )
+    sizes = {_H_PATH_BYTES: len(path_bytes), _H_VERSION_BYTES: len(version_bytes)}
+    header = _header(command, step, sizes, weight_set)
     _bcast(header.to(device), src, group)
     if path_bytes or version_bytes:
         payload = np.frombuffer(path_bytes + version_bytes, dtype=np.uint8).copy()
@@ -377,7 +382,7 @@ def send_weights(
         slots[_H_WEIGHTS_FLAGS] = WEIGHTS_FLAG_PARTIAL if message.partial else 0
         if version:
             payloads.append(torch.frombuffer(bytearray(version), dtype=torch.uint8))
-    _bcast(_header(command, step, slots).to(device), src, group)
+    _bcast(_header(command, step, slots, message.weight_set).to(device), src, group)
     for payload in payloads:
         _bcast(payload.to(device), src, group)
 
@@ -385,7 +390,7 @@ def send_weights(
 def _recv_weights(command: Command, h: list[int], src, group, device) -> WeightsMessage:
     """Workers: the payload of a WEIGHTS_* message whose header is ``h``."""
     if command == Command.WEIGHTS_BEGIN:
-        return WeightsMessage(names=h[_H_LAYOUT])
+        return WeightsMessage(names=h[_H_LAYOUT], weight_set=h[_H_WEIGHT_SET])
     if command == Command.WEIGHTS_ABORT:
         return WeightsMessage()
     if command == Command.WEIGHTS_COMMIT:
@@ -447,7 +452,7 @@ def recv_command(
         raise ProtocolError(f"unknown command {h[_H_COMMAND]}") from e
     if min(h[_H_NUM_TOKENS], h[_H_NUM_SEQUENCES], *h[_H_PATH_BYTES : _H_DATA_BYTES + 1]) < 0:
         raise ProtocolError(f"negative size in header {h}")
-    extra = Extra(step=h[_H_STEP])
+    extra = Extra(step=h[_H_STEP], weight_set=h[_H_WEIGHT_SET])
     if command == Command.SHUTDOWN:
         return Received(command, None, extra)
     if command in WEIGHT_COMMANDS:

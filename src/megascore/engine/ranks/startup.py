@@ -4,7 +4,8 @@ The default process group (:func:`init_distributed`: its timeout at least
 ``load_timeout_s``, since ranks may start minutes apart), the rank that drives the
 replica (``DRIVER_RANK``, rank 0) and its peer on the last pipeline stage (:func:`result_rank`),
 a model load the ranks agree on before anything is written (:func:`load_agreeing`, at
-start-up and on reload: :mod:`megascore.engine.weights.reload`) and the groups' teardown.
+start-up and on reload: :mod:`megascore.engine.weights.reload`), the replica's gloo control
+groups (:func:`control_groups`) and the groups' teardown.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megascore.model.parallel import destroy_parallel
 logger = logging.getLogger(__name__)
 
 DRIVER_RANK = 0
+_COMMAND_TIMEOUT = datetime.timedelta(days=365)
 
 
 def init_distributed(engine_cfg: EngineConfig, device: torch.device) -> bool:
@@ -121,3 +123,29 @@ def result_rank(world_size: int, pp: int, output_rank: int = DRIVER_RANK) -> int
     """``output_rank``'s peer on the last pipeline stage (Megatron's rank order puts PP
     outermost: stage ``s`` holds ranks ``[s * world / pp, (s + 1) * world / pp)``)."""
     return output_rank + (pp - 1) * (world_size // pp)
+
+
+def check_result_rank(pg_collection) -> None:
+    """The last pipeline stage of rank 0's pipeline is the rank the results come from."""
+    pp = pg_collection.pp.size()
+    expected = result_rank(dist.get_world_size(), pp)
+    if DRIVER_RANK in dist.get_process_group_ranks(pg_collection.pp):
+        last = dist.get_global_rank(pg_collection.pp, pp - 1)
+        if last != expected:
+            raise RuntimeError(f"last pipeline stage of rank 0 is {last}, not {expected}")
+
+
+def control_groups(
+    engine_cfg: EngineConfig, own_groups: list[dist.ProcessGroup]
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
+    """The gloo groups over every rank for the step status, the commands and the load
+    agreements (added to ``own_groups``, which the caller tears down on a failure)."""
+    world = list(range(dist.get_world_size()))
+    status_timeout = datetime.timedelta(seconds=3 * engine_cfg.collective_timeout_s)
+    command_timeout = _COMMAND_TIMEOUT  # per process: megascore.engine.runtime
+    if dist.get_rank() == DRIVER_RANK:
+        command_timeout = datetime.timedelta(seconds=engine_cfg.collective_timeout_s)
+    load_timeout = datetime.timedelta(seconds=engine_cfg.load_timeout_s)
+    for timeout in (status_timeout, command_timeout, load_timeout):
+        own_groups.append(dist.new_group(world, backend="gloo", timeout=timeout))
+    return own_groups[-3], own_groups[-2], own_groups[-1]

@@ -33,19 +33,22 @@ class WeightReload:
     """The reload methods of :class:`~megascore.engine.runtime.DistributedEngine` (mixed
     into it: they use its groups, served model and failure state)."""
 
-    def load_weights(self, model: str, weights_version: str) -> str:
-        """Rank 0: loads new weights on every rank; the old ones stay on failure.
+    def load_weights(self, model: str, weights_version: str, weight_set: str = "") -> str:
+        """Rank 0: loads new weights into a weight set on every rank; the old ones stay on
+        failure.
 
         Args:
             model: ``builtin:NAME@SEED`` of the served built-in architecture, or
                 ``hf:DIR`` / ``megatron:DIR`` of a checkpoint with the served architecture.
             weights_version: label of the new weights ("" derives one: the seed, or the
                 checkpoint's label / file hash).
+            weight_set: the set it replaces ("": the default).
 
         Returns:
-            The new weights version.
+            The set's new weights version.
 
         Raises:
+            NotFoundError: no weight set of that name (no collective issued).
             InvalidRequestError: unsupported spec or another built-in (no collective issued).
             CheckpointError: a missing directory, unreadable config or another
                 architecture, read from the config alone (no collective issued, nothing
@@ -53,6 +56,7 @@ class WeightReload:
             WorkerLostError: the replica is broken or a collective failed.
         """
         self._require_driver("load_weights")
+        index = self.sets.index(weight_set, "weight_set")
         try:
             spec = parse_model_string(model)
         except ValueError as e:
@@ -78,25 +82,40 @@ class WeightReload:
                 path=model,
                 version=version,
                 step=self._step,
+                weight_set=index,
             )
         except (RuntimeError, OSError) as e:
             raise self._mark_broken(f"broadcasting RELOAD failed: {e}") from e
-        self._reload(model, version)
-        return self.loaded.weights_version
+        self._reload(model, version, self.sets.names[index])
+        return self.sets.records[self.sets.names[index]].weights_version
 
-    def _reload(self, model: str, version: str) -> None:
-        """Every rank: checks ``model`` against the served one, agrees, then loads it into
-        the served parameters in place; the ranks agree again once written.
+    def load_other_sets(self) -> None:
+        """Every rank, at start-up: loads every weight set after the default (``--weights``)
+        into room of its own (:meth:`WeightSets.add`), then makes the default live again.
+
+        Raises:
+            CheckpointError: a set that does not load (another architecture, a bad path).
+        """
+        for name, model in self.engine_cfg.weight_set_models[1:]:
+            self.sets.add(name)
+            self._reload(model, "", name)
+        self.sets.activate(self.sets.default)
+
+    def _reload(self, model: str, version: str, weight_set: str) -> None:
+        """Every rank: makes ``weight_set`` live, checks ``model`` against the served one,
+        agrees, then loads it into the served parameters in place; the ranks agree again
+        once written.
 
         A failure before the first agreement (any check) leaves the old weights serving
         (CheckpointError). A failure while writing leaves them partly overwritten: the
         replica is then broken (WorkerLostError), never serving a mix of two checkpoints.
         """
+        self.sets.activate(weight_set)
         new, error = load_agreeing(
             # Checks the architecture from the config before anything else (every rank:
             # rank 0 checked it already, but a worker may see other files).
             lambda before_write: reload_served_model(
-                self.loaded,
+                self.sets.records.get(weight_set, self.loaded),
                 model,
                 self.engine_cfg,
                 self.pg_collection,
@@ -117,6 +136,7 @@ class WeightReload:
                 f"loading {model!r} failed on ranks {failed} after the weights began to be "
                 f"overwritten: {error if error is not None else 'see the log of those ranks'}"
             )
-        self.loaded = new
-        self._forget_prefixes()
-        logger.info("rank %d: now serving %s", self.rank, self.loaded.weights_version)
+        self.sets.records[weight_set] = new
+        if weight_set == self.sets.default:
+            self._forget_prefixes()
+        logger.info("rank %d: set %s now serves %s", self.rank, weight_set, new.weights_version)

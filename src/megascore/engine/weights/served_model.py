@@ -9,7 +9,8 @@ checkpoint's label or a hash of its files' names, sizes and mtimes).
 
 :func:`load_served_model` is the one path from a model string to a built model with
 weights at start-up: a checkpoint's model is built without drawing random weights and
-its loader writes every parameter once. :func:`reload_served_model` is the hot reload:
+its loader writes every parameter once (:func:`build_agreeing`: on every rank, agreeing
+that all did). :func:`reload_served_model` is the hot reload:
 it first reads only the new model's architecture (no weight file opened) and refuses
 another one (:func:`megascore.checkpoint.check_same_architecture`), then loads the new
 weights into the served model's own parameters (no second model; the engine agrees
@@ -23,7 +24,9 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
+from megascore.api.errors import LOAD_FAILURES, WorkerLostError
 from megascore.checkpoint import (
     ModelSpec,
     check_same_architecture,
@@ -32,6 +35,8 @@ from megascore.checkpoint import (
 )
 from megascore.config import EngineConfig
 from megascore.engine.ranks.distributed import collective_device
+from megascore.engine.ranks.startup import load_agreeing
+from megascore.engine.schedule.step import agree_on_status
 from megascore.model.batch_invariant import make_batch_invariant
 from megascore.model.build import build_model, draw_weights
 from megascore.model.config import ModelConfig
@@ -220,3 +225,28 @@ def reload_served_model(
         weights_version=weights_version or meta.weights_version,
         has_tokenizer=meta.has_tokenizer,
     )
+
+
+def build_agreeing(
+    engine_cfg: EngineConfig, pg_collection, load: dist.ProcessGroup, device: torch.device
+) -> LoadedModel:
+    """Builds and loads the served model on this rank; every rank agrees over ``load``
+    that all did (a config or checkpoint error the same everywhere is raised as is)."""
+    world_size = dist.get_world_size()
+
+    def agree(problem: BaseException | None) -> None:
+        failed = agree_on_status(problem is not None, load)
+        if failed and isinstance(problem, LOAD_FAILURES) and len(failed) == world_size:
+            raise problem  # a config / checkpoint error, the same everywhere
+        if failed:
+            raise WorkerLostError(f"building the model failed on ranks {failed}: {problem}")
+
+    loaded, error = load_agreeing(
+        lambda before_write: load_served_model(
+            engine_cfg.model, engine_cfg, pg_collection, before_write=before_write, device=device
+        ),
+        agree,
+        "building the model",
+    )
+    agree(error)  # every rank has built it
+    return loaded

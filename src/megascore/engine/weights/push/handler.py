@@ -50,10 +50,16 @@ class WeightPushHandler:
     """The weight-push methods of :class:`~megascore.engine.runtime.DistributedEngine`
     (mixed into it: they use its groups, served model, open push and failure state)."""
 
-    def begin_weight_update(self, names: int) -> dict[str, WeightTarget]:
-        """Opens a push on every rank (dropping an unfinished one); returns its targets."""
+    def begin_weight_update(self, names: int, weight_set: str = "") -> dict[str, WeightTarget]:
+        """Opens a push into ``weight_set`` ("": the default) on every rank (dropping an
+        unfinished one); returns its targets.
+
+        Raises:
+            NotFoundError: no weight set of that name (nothing sent).
+        """
         self._require_driver("begin_weight_update")
-        message = protocol.WeightsMessage(names=names)
+        index = self.sets.index(weight_set, "begin.weight_set")
+        message = protocol.WeightsMessage(names=names, weight_set=index)
         self._send_weights(protocol.Command.WEIGHTS_BEGIN, message)
         return self._on_weights(protocol.Command.WEIGHTS_BEGIN, message)
 
@@ -83,8 +89,9 @@ class WeightPushHandler:
         self._require_driver("commit_weights")
         message = protocol.WeightsMessage(version=weights_version, partial=partial)
         self._send_weights(protocol.Command.WEIGHTS_COMMIT, message)
+        pushed = self._push_set
         self._on_weights(protocol.Command.WEIGHTS_COMMIT, message)
-        return self.loaded.weights_version
+        return self.sets.records[pushed].weights_version
 
     def abort_weight_update(self) -> None:
         """Drops the open push's staged shards on every rank."""
@@ -102,8 +109,10 @@ class WeightPushHandler:
             raise self._mark_broken(f"broadcasting {command.name} failed: {e}") from e
 
     def _begin(self, message) -> dict[str, WeightTarget]:
-        """Every rank: opens a push (staging) and returns every rank's targets."""
-        loaded, local = self.loaded, None
+        """Every rank: opens a push (staging) into its weight set and returns every rank's
+        targets."""
+        self._push_set = self.sets.names[message.weight_set]
+        loaded, local = self.sets.records[self._push_set], None
         self._push_of = loaded
         try:
             self._push = WeightStaging(
@@ -150,15 +159,18 @@ class WeightPushHandler:
         else:
             push, self._push = self._push, None
             problem = push.problem(message.partial)
-            if self._push_of is not self.loaded:  # a LoadWeights reloaded the model meanwhile
+            record = self.sets.records[self._push_set]
+            if self._push_of is not record:  # a LoadWeights reloaded the set meanwhile
                 problem = "the served model was reloaded (LoadWeights) during the push: push again"
             self._staging_buffers = push.release()  # kept when the ranks do not agree
             self._agree_or_raise(problem, self.groups.status, "weight commit", "weight push")
             changed = len(push.staged)
             self._staging_buffers = {}  # apply frees the staged tensors it does not hand back
+            self.sets.activate(self._push_set)
             self._staging_buffers = push.apply()
-            self.loaded.weights_version = message.version
-            self._forget_prefixes()
+            record.weights_version = message.version
+            if self._push_set == self.sets.default:
+                self._forget_prefixes()
             logger.info(
                 "rank %d: %d pushed parameters swapped in (%.1f MB of tensor parts sent, "
                 "%.1f MB received); now serving %s",
