@@ -61,22 +61,26 @@ class CacheView:
         store: this rank's store.
         read_slots: int64 ``[R]`` the cached blocks the microbatch reads, in the order
             they follow the packed rows on the key axis.
-        write_slots: int64 ``[W]`` the slots the microbatch's new blocks go to.
-        write_rows: int64 ``[W, block]`` the packed rows of each new block.
+        write_runs: ``(first packed row, rows)`` of each run of consecutive new blocks.
+        write_rows: int64 ``[sum of the runs' rows]`` where their rows go in a pool seen
+            as ``[num_slots * block, *row]`` (``slot * block + i``), run after run.
     """
 
     store: PrefixStore
     read_slots: torch.Tensor
-    write_slots: torch.Tensor
+    write_runs: tuple[tuple[int, int], ...]
     write_rows: torch.Tensor
 
     def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Writes layer ``layer``'s rows of the new blocks, then returns its keys and values
         ``[rows, heads, dim]`` with the cached blocks' rows after the packed ones."""
         pool_k, pool_v = self.store.pools(layer, key, value)
-        if len(self.write_slots):
-            pool_k[self.write_slots] = key[self.write_rows]
-            pool_v[self.write_slots] = value[self.write_rows]
+        done = 0
+        for first, rows in self.write_runs:  # from views of the packed rows: no gather
+            dest = self.write_rows[done : done + rows]
+            pool_k.view(-1, *key.shape[1:]).index_copy_(0, dest, key[first : first + rows])
+            pool_v.view(-1, *value.shape[1:]).index_copy_(0, dest, value[first : first + rows])
+            done += rows
         if not len(self.read_slots):
             return key, value
         cached_k = pool_k[self.read_slots].reshape(-1, *key.shape[1:])
@@ -113,7 +117,7 @@ def microbatch_cache(
     """
     block = store.block
     order: dict[int, int] = {}  # read slot -> its place after the packed rows
-    cached_rows, writes, rows = [], [], []
+    cached_rows, runs, dest = [], [], []
     for s, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
         offset, length, own = int(offset), int(length), slots[s]
         reads = [int(x) for x in own[: offset // block]]
@@ -126,16 +130,18 @@ def microbatch_cache(
             )
         )
         for j in range(offset // block, len(own)):
-            end = (j + 1) * block
-            if own[j] >= 0 and end <= offset + length:
-                writes.append(int(own[j]))
+            if own[j] >= 0 and (j + 1) * block <= offset + length:
                 first = segment_starts[s] + j * block - offset
-                rows.append(torch.arange(first, first + block))
+                if runs and sum(runs[-1]) == first:  # follows the run before it
+                    runs[-1] = (runs[-1][0], runs[-1][1] + block)
+                else:
+                    runs.append((first, block))
+                dest.append(int(own[j]) * block + np.arange(block))
     view = CacheView(
         store=store,
         read_slots=torch.tensor(list(order), dtype=torch.long, device=device),
-        write_slots=torch.tensor(writes, dtype=torch.long, device=device),
-        write_rows=(torch.stack(rows) if rows else torch.zeros((0, block), dtype=torch.long)).to(
+        write_runs=tuple(runs),
+        write_rows=torch.from_numpy(np.concatenate(dest) if dest else np.zeros(0, np.int64)).to(
             device
         ),
     )
