@@ -49,9 +49,9 @@ def packed_logits(model, pgs, seqs: list[torch.Tensor], slots: list[int]) -> lis
     from tests.packed_forward import forward_packed, full_logits, pack_for_rank
 
     lengths = [len(s) for s in seqs]
-    tp = torch.distributed.get_world_size(pgs.tp)
-    sp = model.config.sequence_parallel
-    packed = pack_for_rank(torch.cat(seqs), lengths, pgs, pad_multiple=tp if sp else 1)
+    tp, cp = pgs.tp.size(), pgs.cp.size()
+    multiple = (2 * cp if cp > 1 else 1) * (tp if model.config.sequence_parallel else 1)
+    packed = pack_for_rank(torch.cat(seqs), lengths, pgs, pad_multiple=multiple)
     index = sequence_rows(slots, packed.cu_seqlens_padded, packed.shard_indices)
     with attach(model).rows(index):
         out = forward_packed(model, packed)
