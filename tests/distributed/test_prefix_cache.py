@@ -1,6 +1,7 @@
-"""The prefix cache at TP2 (with and without sequence parallelism) and PP2 equals an
-engine without it, bit for bit; under CP2 and EP2 (data-parallel ranks) it is off (one
-2-rank torchrun launch of ``scripts/prefix_cache_layouts.py``)."""
+"""The prefix cache at TP2 (with and without sequence parallelism), PP2 and EP2 (two
+data-parallel ranks sharing their cached blocks) equals an engine without it, bit for
+bit; under CP2 it is off (one 2-rank torchrun launch of
+``scripts/prefix_cache_layouts.py``)."""
 
 from __future__ import annotations
 

@@ -138,8 +138,9 @@ class ScoreBatch:
             the step reads from the prefix cache (a multiple of its block), or None:
             the step's cache plan (``megascore.engine.cache``), set by rank 0 and
             broadcast with the batch; never on the wire.
-        cache_slots: int64 ``[T]`` the cache slot of the block of every token (-1:
-            none): read below ``cache_hits``, written at and after it.
+        cache_slots: int64, per sequence in order, the cache slot of each block of its
+            ``cache_hits + length`` positions (-1: none): read below ``cache_hits``,
+            written at and after it.
     """
 
     token_ids: np.ndarray

@@ -180,7 +180,6 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         goes through it and the step's own sharing is off."""
         layout = {
             "cp": self.engine_cfg.context_parallel_size,
-            "dp": self.data_parallel.size,
             "tp": self.engine_cfg.tensor_model_parallel_size,
             "pad_multiple": self.step_cfg.pad_multiple,
             "backend": getattr(self.loaded.model, "megascore_attention_backend", "torch"),

@@ -76,9 +76,9 @@ def main(out_dir: Path, routing_dir: Path) -> None:
     seen = []
     original = data_parallel.sub_batch
 
-    def spy(batch, seq_idx):  # what each DP rank scores (rank 0 also builds the others')
+    def spy(batch, seq_idx, block=0):  # what each DP rank scores (rank 0 builds all)
         seen.append([int(i) for i in seq_idx])
-        return original(batch, seq_idx)
+        return original(batch, seq_idx, block)
 
     data_parallel.sub_batch = spy
     moe = cases(routing_dir)

@@ -11,6 +11,7 @@ attention layer of a built model with it and with its layer index in the store;
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -31,14 +32,16 @@ def key_block(engine_cfg: EngineConfig, device: torch.device, layout: dict[str, 
 
     On by default where the step is batch-invariant (the CPU); ``prefix_cache`` True turns
     it on elsewhere, False keeps the mechanism for a call's own shared prefixes; a budget
-    of 0 turns it off. Off, with the reason logged, under context or data parallelism (a
-    rank's keys are not its sequences' whole), with the TransformerEngine attention, or
-    when the block is not a multiple of the pad multiple.
+    of 0 turns it off. Off, with the reason logged, under context parallelism (a rank's
+    keys are not its sequences' whole), with the TransformerEngine attention, or when the
+    block is not a multiple of the pad multiple. Data-parallel ranks (and so expert
+    parallelism) keep it: every rank of a DP group holds every cached block
+    (:meth:`megascore.engine.cache.store.PrefixStore.share_written`).
 
     Args:
         engine_cfg: the engine config.
         device: the model's device.
-        layout: ``cp``, ``dp`` sizes, the step's ``pad_multiple`` and the built model's
+        layout: the ``cp`` size, the step's ``pad_multiple`` and the built model's
             attention ``backend``.
     """
     wanted = engine_cfg.prefix_cache or engine_cfg.batch_invariant_on(device.type)
@@ -47,8 +50,6 @@ def key_block(engine_cfg: EngineConfig, device: torch.device, layout: dict[str, 
     reason = None
     if layout["cp"] > 1:
         reason = "context parallelism"
-    elif layout["dp"] > 1:
-        reason = "data-parallel ranks"
     elif layout["backend"] != "torch":
         reason = "the TransformerEngine attention backend"
     elif engine_cfg.attention_block % layout["pad_multiple"]:
@@ -68,19 +69,25 @@ def configure(model: torch.nn.Module, block: int) -> list[TorchCoreAttention]:
     return layers
 
 
+def _rows(module: TorchCoreAttention, tp_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The shape of one row of a layer's keys and of its values on this rank: its query
+    groups, or its heads for multi-latent attention, whose values are padded to the key
+    dim in the packed layout."""
+    config = module.config
+    if config.multi_latent_attention:
+        row = (config.num_attention_heads // tp_size, module.head_dim)
+    else:
+        groups = config.num_query_groups or config.num_attention_heads
+        row = (groups // tp_size, config.kv_channels)
+    return row, row
+
+
 def slot_bytes(model: torch.nn.Module, block: int, tp_size: int) -> int:
-    """Bytes of one block's keys and values on this rank (every attention layer of it: its
-    query groups, or its heads for multi-latent attention, whose values are padded to the
-    key dim in the packed layout)."""
+    """Bytes of one block's keys and values on this rank (every attention layer of it)."""
     total = 0
     for module in configure(model, block):
-        config = module.config
-        if config.multi_latent_attention:
-            row = 2 * config.num_attention_heads // tp_size * module.head_dim
-        else:
-            groups = config.num_query_groups or config.num_attention_heads
-            row = 2 * groups // tp_size * config.kv_channels
-        total += block * row * torch.tensor([], dtype=config.params_dtype).element_size()
+        size = torch.tensor([], dtype=module.config.params_dtype).element_size()
+        total += block * size * sum(math.prod(row) for row in _rows(module, tp_size))
     return total
 
 
@@ -130,4 +137,8 @@ def start(
         budget / 2**30,
         "" if engine_cfg.prefix_cache is not False else ", kept within a call only",
     )
-    return PrefixStore(num_slots, block), PrefixIndex(num_slots, slot, budget)
+    layers = configure(model, block)
+    rows = [_rows(module, layout["tp"]) for module in layers]
+    dtype = layers[0].config.params_dtype if layers else torch.float32
+    store = PrefixStore(num_slots, block, rows, dtype, device)
+    return store, PrefixIndex(num_slots, slot, budget)

@@ -3,8 +3,8 @@
 A *block* is ``block`` consecutive positions of a sequence, aligned at its start. Each
 attention layer of this rank (``TorchCoreAttention.cache_index``) has a pool of
 ``num_slots`` blocks of its keys and of its values, shaped as the layer's own (its TP
-heads, its PP stage's layers), allocated at the layer's first write (``torch.empty``: on
-the CPU the pages are taken as slots are written). Rank 0's index
+heads, its PP stage's layers), allocated at start-up (``torch.empty``: on the CPU the
+pages are taken as slots are written). Rank 0's index
 (:mod:`megascore.engine.cache.index`) decides which slot holds which block; a step's batch
 carries the decision (``ScoreBatch.cache_hits`` / ``cache_slots``) and
 :func:`microbatch_cache` turns it into each microbatch's :class:`CacheView`, through which
@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megascore.api import layout
 
@@ -27,30 +28,62 @@ class PrefixStore:
     Args:
         num_slots: blocks a pool holds (rank 0's index hands out slots below it).
         block: positions per block.
+        rows: per attention layer of this rank, the shape of one row of its keys and of
+            its values (``(heads, dim)``: what the layer's attention sees).
+        dtype: their dtype.
+        device: where the pools live.
     """
 
-    def __init__(self, num_slots: int, block: int):
+    def __init__(self, num_slots: int, block: int, rows, dtype: torch.dtype, device):
         self.num_slots = num_slots
         self.block = block
-        self._pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # [num_slots, block, *row] per layer: torch.empty, so on the CPU the pages are
+        # taken as slots are written
+        self._pools = [
+            tuple(torch.empty((num_slots, block, *row), dtype=dtype, device=device) for row in kv)
+            for kv in rows
+        ]
+        self.written: list[int] = []
+        """Slots this rank wrote in the running step (:meth:`share_written`)."""
 
     def pools(self, layer: int, key: torch.Tensor, value: torch.Tensor):
-        """Layer ``layer``'s ``(keys, values)`` pools ``[num_slots, block, *row]``, made
-        like ``key`` / ``value`` (``[rows, heads, dim]``) at the first call."""
-        pools = self._pools.get(layer)
-        if pools is None:
-            pools = tuple(
-                torch.empty(
-                    (self.num_slots, self.block, *x.shape[1:]), dtype=x.dtype, device=x.device
+        """Layer ``layer``'s ``(keys, values)`` pools ``[num_slots, block, *row]``, checked
+        against the layer's ``key`` / ``value`` (``[rows, heads, dim]``)."""
+        pools = self._pools[layer]
+        for pool, x in zip(pools, (key, value), strict=True):
+            if pool.shape[2:] != x.shape[1:] or pool.dtype != x.dtype:
+                raise ValueError(
+                    f"prefix cache layer {layer}: pool rows {tuple(pool.shape[2:])} "
+                    f"{pool.dtype}, the layer's {tuple(x.shape[1:])} {x.dtype}"
                 )
-                for x in (key, value)
-            )
-            self._pools[layer] = pools
         return pools
 
-    def allocated_bytes(self) -> int:
-        """Bytes of the pools made so far (their pages are taken as they are written)."""
-        return sum(x.numel() * x.element_size() for pools in self._pools.values() for x in pools)
+    def share_written(self, group) -> None:
+        """Every rank of a data-parallel ``group`` after a step: the blocks each rank wrote
+        go to every other rank's pools, so that any of them can read any cached block
+        (the ranks of a group hold the same layers and head shards; rank 0's index is
+        the one index of the replica)."""
+        mine, self.written = torch.tensor(self.written, dtype=torch.long), []
+        size = dist.get_world_size(group)
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
+        dist.all_gather(counts, torch.tensor([len(mine)]), group=group)
+        most = int(max(counts))
+        if not most:
+            return
+        send = torch.zeros(most, dtype=torch.long)  # padded with slot 0: never read back
+        send[: len(mine)] = mine
+        slots = [torch.empty(most, dtype=torch.long) for _ in range(size)]
+        dist.all_gather(slots, send, group=group)
+        me = dist.get_rank(group)
+        for pools in self._pools:
+            for pool in pools:
+                local = send.to(pool.device)
+                parts = [torch.empty_like(pool[local]) for _ in range(size)]
+                dist.all_gather(parts, pool[local], group=group)
+                for d in range(size):
+                    if d != me and int(counts[d]):
+                        n = int(counts[d])
+                        pool[slots[d][:n].to(pool.device)] = parts[d][:n]
 
 
 @dataclasses.dataclass
@@ -137,6 +170,7 @@ def microbatch_cache(
                 else:
                     runs.append((first, block))
                 dest.append(int(own[j]) * block + np.arange(block))
+                store.written.append(int(own[j]))
     view = CacheView(
         store=store,
         read_slots=torch.tensor(list(order), dtype=torch.long, device=device),

@@ -167,8 +167,9 @@ def split_step(
     )
 
 
-def sub_batch(batch: ScoreBatch, seq_idx: np.ndarray) -> ScoreBatch:
-    """The batch of sequences ``seq_idx`` (same options; may hold no sequence)."""
+def sub_batch(batch: ScoreBatch, seq_idx: np.ndarray, block: int = 0) -> ScoreBatch:
+    """The batch of sequences ``seq_idx`` (same options and, with the prefix cache's
+    ``block``, their part of a cache plan; may hold no sequence)."""
     lengths = np.asarray(batch.lengths)
     tokens = layout.token_index(lengths, seq_idx)
     rows = {schema.TOKEN: tokens, schema.SEQUENCE: seq_idx}
@@ -177,6 +178,11 @@ def sub_batch(batch: ScoreBatch, seq_idx: np.ndarray) -> ScoreBatch:
         for i in schema.INPUTS
         if getattr(batch, i.name) is not None
     }
+    if batch.cache_slots is not None:  # the blocks of cache_hits + length, per sequence
+        hits = np.asarray(batch.cache_hits, np.int64)
+        blocks = -(-(hits + lengths) // block)
+        inputs["cache_hits"] = hits[seq_idx]
+        inputs["cache_slots"] = np.asarray(batch.cache_slots)[layout.token_index(blocks, seq_idx)]
     token_ids = np.asarray(batch.token_ids)[tokens]
     return dataclasses.replace(batch, token_ids=token_ids, lengths=lengths[seq_idx], **inputs)
 
@@ -256,12 +262,15 @@ class DataParallelGroup:
         output_ranks: global output rank of every DP rank's TP x CP x PP group
             (index = DP rank; entry 0 is global rank 0).
         results: gloo group of ``output_ranks`` (None when ``size == 1``).
+        peers: this rank's DP group (its peers at the same TP / CP / PP place; None when
+            ``size == 1``): the prefix cache's blocks go to all of them.
     """
 
     size: int
     rank: int
     output_ranks: list[int]
     results: dist.ProcessGroup | None
+    peers: dist.ProcessGroup | None = None
 
     @classmethod
     def create(cls, pg_collection, timeout_s: float) -> DataParallelGroup:
@@ -281,7 +290,7 @@ class DataParallelGroup:
         if dp.size() > 1:
             timeout = datetime.timedelta(seconds=timeout_s)
             results = dist.new_group(output_ranks, backend="gloo", timeout=timeout)
-        return cls(dp.size(), dp.rank(), output_ranks, results)
+        return cls(dp.size(), dp.rank(), output_ranks, results, dp if dp.size() > 1 else None)
 
     def output_rank(self) -> int:
         """This rank's output rank (its DP rank's first stage, TP 0, CP 0)."""
@@ -327,11 +336,17 @@ class DataParallelGroup:
                 lead_rows=lead_rows(model, batch),
             )
         split = split_step(batch.lengths, self.size, cfg.pad_multiple, cfg.microbatches, shared)
-        part = sub_batch(batch, split.parts[self.rank])
+        store = cfg.prefix_store if batch.cache_slots is not None else None
+        part_block = 0 if store is None else store.block
+        part = sub_batch(batch, split.parts[self.rank], part_block)
+        if store is not None:
+            store.written.clear()  # a failed step's writes are never shared
         split_metrics = batch.return_moe_metrics and bool(model.config.num_moe_experts)
         cfg = dataclasses.replace(cfg, data_parallel_split=True)
         with aux_losses_over_data_parallel(model, split_metrics):
             result = run_step(model, part, groups, cfg, split.plans[self.rank])
+        if store is not None:
+            store.share_written(self.peers)
         if dist.get_rank() != cfg.output_rank:
             return None
         output = finish_step(part, result)
@@ -343,7 +358,7 @@ class DataParallelGroup:
             parts = [(split.parts[0], output)]
             for d in range(1, self.size):
                 if split.parts[d].size:
-                    other = sub_batch(batch, split.parts[d])
+                    other = sub_batch(batch, split.parts[d], part_block)
                     src = self.output_ranks[d]
                     received = recv_output(other, routing_dims, self.results, src)
                     parts.append((split.parts[d], received))
