@@ -61,6 +61,7 @@ _ALIASES = {
     "context_parallel_size": ["--cp"],
     "expert_model_parallel_size": ["--ep"],
     "pipeline_model_parallel_size": ["--pp"],
+    "adapters": ["--adapter"],
 }
 _CHOICES = {
     "dtype": DTYPES,

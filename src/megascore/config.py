@@ -30,6 +30,11 @@ class EngineConfig:
     """Named full weight sets of one architecture, each ``NAME=MODEL`` (repeat the flag);
     the first is the default set, a request names another by its ``model`` option. Unset:
     one set named ``default``, ``model``'s (docs/engine.md "Weight sets")."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters loaded at start-up, each ``NAME=DIR[@SET]`` (repeat ``--adapter``): the
+    peft directory ``DIR`` (``adapter_config.json`` + ``adapter_model.safetensors``) over
+    weight set ``SET`` (default: the default set); a request's ``model`` names it
+    (docs/engine.md "LoRA adapters")."""
     weight_sets: str = "resident"
     """Where the sets that are not live wait: "resident" (on the device; switching a step's
     set points the parameters at its tensors, no copy) or "host" (host memory, pinned for
@@ -178,12 +183,18 @@ class EngineConfig:
             raise ValueError("load_timeout_s must be > 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+        self._check_weights()
+
+    def _check_weights(self) -> None:
+        """The weight sets and adapters checked; ``model`` is the default set's."""
         if self.weight_sets not in WEIGHT_SET_POLICIES:
             raise ValueError(
                 f"weight_sets must be one of {WEIGHT_SET_POLICIES}, got {self.weight_sets!r}"
             )
         self.weights = tuple(self.weights)
         self.model = self.weight_set_models[0][1]  # the default set's (checks the sets)
+        self.adapters = tuple(self.adapters)
+        self.adapter_dirs  # noqa: B018 - checks the adapters
 
     @property
     def weight_set_models(self) -> tuple[tuple[str, str], ...]:
@@ -204,6 +215,29 @@ class EngineConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"weights: a set name is given twice in {names}")
         return tuple(sets)
+
+    @property
+    def adapter_dirs(self) -> tuple[tuple[str, str, str], ...]:
+        """``(name, directory, weight set)`` of every start-up adapter.
+
+        Raises:
+            ValueError: an entry that is not ``NAME=DIR[@SET]``, a name given twice or
+                naming a weight set.
+        """
+        sets = [name for name, _ in self.weight_set_models]
+        adapters = []
+        for entry in self.adapters:
+            name, sep, path = str(entry).partition("=")
+            path, at, base = path.strip().rpartition("@")
+            if not at or base not in sets:  # an '@' of the directory's own
+                path, base = f"{path}{at}{base}", sets[0]
+            if not sep or not name.strip() or not path:
+                raise ValueError(f"adapters: {entry!r} is not NAME=DIR[@SET]")
+            adapters.append((name.strip(), path, base))
+        names = [name for name, _, _ in adapters]
+        if len(set(names)) != len(names) or set(names) & set(sets):
+            raise ValueError(f"adapters: names must differ from each other and the sets': {names}")
+        return tuple(adapters)
 
     def batch_invariant_on(self, device_type: str) -> bool:
         """Whether the step is batch-invariant on a device ("cpu" or "cuda").

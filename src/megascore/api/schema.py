@@ -68,9 +68,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "weights_version", "", rules.pinned, rules.check_version, str, flag=False, broadcast=False
     ),
-    # the weight set (later: adapter) the request is scored with, by name ("" or the served
-    # model's own name: the default); rank 0 resolves it (megascore.api.served_models) and
-    # the step's header names the set
+    # the weight set or adapter the request is scored with, by name ("" or the served
+    # model's own name: the default); rank 0 resolves it (megascore.api.served_models): the
+    # step's header names the set, the input adapter the adapter's slot
     Option("model", "", rules.same, rules.check_version, str, flag=False, broadcast=False),
     # a second weight set scored on the same tokens (megascore.api.reference_kl); its
     # logprobs reach the step under `model` as the input reference_logprobs
@@ -157,6 +157,9 @@ INPUTS: tuple[Input, ...] = (
     # the logprobs of the tokens under the request's reference set (options.reference),
     # from the engine's step under it (megascore.api.reference_step)
     Input("reference_logprobs", TOKEN, "float32", fill=0.0, wire=False),
+    # the LoRA adapter slot each sequence is scored with (-1: the weight set alone), from
+    # the adapter its request's model names (megascore.engine.weights.adapters)
+    Input("adapter", SEQUENCE, "int64", fill=-1, wire=False),
 )
 
 

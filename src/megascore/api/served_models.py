@@ -1,11 +1,11 @@
 """The names a request's ``model`` may take: the one lookup of the served weight sets
-(and, later, adapters over them) for every front, ``/v1/models`` and the engine.
+and the LoRA adapters over them for every front, ``/v1/models`` and the engine.
 
 A replica serves one or more full weight sets of one architecture (docs/engine.md
 "Weight sets"): the first is the default, which a request that names no model gets, and
 so does one naming the served model itself (``ModelInfo.name``: what OpenAI clients
-send). An adapter will be one more :class:`ServedModel` whose ``base`` is the set it is
-applied over; the lookup stays :func:`resolve`.
+send). An adapter is one more :class:`ServedModel` whose ``base`` is the set it is
+applied over (docs/engine.md "LoRA adapters"); the lookup is :func:`resolve`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,17 @@ class ServedModel:
     """One name a request's ``model`` may take.
 
     Attributes:
-        name: the name (a weight set's).
-        weights_version: the version of its weights (each set has its own).
+        name: the name (a weight set's or an adapter's).
+        weights_version: the version of its weights (each set and adapter has its own).
         base: the weight set it runs on ("" for a weight set itself; an adapter's set).
+        slot: an adapter's slot, the value of its sequences in a step's input ``adapter``
+            (-1: a weight set); the engine's, not on the wire.
     """
 
     name: str
     weights_version: str
     base: str = ""
+    slot: int = -1
 
 
 def resolve(served: tuple[ServedModel, ...], own_name: str, name: str, field: str) -> ServedModel:

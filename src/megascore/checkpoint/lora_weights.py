@@ -5,6 +5,7 @@
   (``get_peft_model_state_dict``), checked as a directory's tensors are; replaces all of
   its tensors at once, nothing changed when a check fails.
 * :func:`remove_adapter` — drops it.
+* :func:`adapter_weights` — the checks and this rank's weights of an adapter, nothing held.
 * The rows of one forward: ``megascore.model.lora.attach(model).rows(index)`` (per-row
   slots; :func:`megascore.model.lora.sequence_rows` from per-sequence ones).
 
@@ -158,12 +159,27 @@ def put_adapter(
         CheckpointError: a refused, unknown or misshapen tensor (named with ``source``),
             or no LoRA tensor at all; the adapter is then left as it was.
     """
+    return attach(model).put(name, adapter_weights(model, cfg, tensors, config, source), config)
+
+
+def adapter_weights(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    config: AdapterConfig,
+    source: str = PUSHED,
+) -> dict[tuple[int, str], LoraWeights]:
+    """Checks peft tensors against the model and makes this rank's layers' weights of them,
+    changing nothing (what :func:`put_adapter` holds; the engine agrees over its ranks in
+    between, ``megascore.engine.weights.adapters``).
+
+    Raises:
+        CheckpointError: as :func:`put_adapter`.
+    """
     modules = parse_adapter(config, tensors, cfg, source)
     if not modules:
         raise CheckpointError(f"{source}: no LoRA tensor")
-    adapters = attach(model)
-    weights = megatron_lora(modules, cfg, adapters.targets, ParallelRanks.from_model(model))
-    return adapters.put(name, weights, meta=config)
+    return megatron_lora(modules, cfg, attach(model).targets, ParallelRanks.from_model(model))
 
 
 def load_adapter(model: torch.nn.Module, cfg: ModelConfig, name: str, path: str | Path) -> int:

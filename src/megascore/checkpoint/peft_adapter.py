@@ -233,6 +233,23 @@ def expected_shape(model_cfg: ModelConfig, module: str) -> tuple[int, int]:
     }[module]
 
 
+def push_targets(config: AdapterConfig, model_cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Every peft tensor name a push of an adapter of ``config`` may carry, with its shape
+    (``get_peft_model_state_dict`` names: ``base_model.model.model.layers.{i}.self_attn.
+    q_proj.lora_A.weight``): both matrices of every supported module of every layer."""
+    targets = {}
+    for layer in range(model_cfg.num_layers):
+        modules = [] if model_cfg.multi_latent_attention else list(ATTENTION)
+        modules += list(DENSE_MLP) if dense_mlp(model_cfg, layer) else []
+        for module in modules:
+            block = "self_attn" if module in ATTENTION else "mlp"
+            key = f"model.layers.{layer}.{block}.{module}"
+            r, (out, inp) = config.rank(key), expected_shape(model_cfg, module)
+            targets[f"{_PEFT_PREFIX}{key}.lora_A.weight"] = (r, inp)
+            targets[f"{_PEFT_PREFIX}{key}.lora_B.weight"] = (out, r)
+    return targets
+
+
 def dense_mlp(model_cfg: ModelConfig, layer: int) -> bool:
     """Whether decoder layer ``layer`` has a dense MLP (not a MoE layer): Megatron's
     ``moe_layer_freq`` (an int k: layers ``i % k == 0`` are MoE; a list: 1 = MoE)."""

@@ -89,6 +89,7 @@ from megascore.engine.schedule.step import (
     agree_on_status,
     metrics_lead_rows,
 )
+from megascore.engine.weights.adapters import AdapterHandler
 from megascore.engine.weights.push.apply import WeightStaging
 from megascore.engine.weights.push.handler import WeightPushHandler
 from megascore.engine.weights.reload import WeightReload
@@ -100,7 +101,7 @@ from megascore.model.parallel import initialize_parallel, select_device
 logger = logging.getLogger(__name__)
 
 
-class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
+class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler, AdapterHandler):
     """A model replica; implements :class:`megascore.api.types.Engine` on rank 0."""
 
     def __init__(
@@ -204,11 +205,12 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         """The default weight set's record (its model is every set's)."""
         return self.sets.records[self.sets.default]
 
-    def _cache_for(self, weight_set: int) -> PrefixCache | None:
-        """The prefix cache for a step of weight set ``weight_set`` (an index): its entries
-        are keyed by the default set's weights version only, so a step of another set
-        bypasses it (None) until the cache is keyed by set."""
-        return self._cache if weight_set == 0 else None
+    def _cache_for(self, weight_set: int, adapters: bool) -> PrefixCache | None:
+        """The prefix cache for a step of weight set ``weight_set`` (an index), with LoRA
+        ``adapters`` or not: its entries are keyed by the default set's weights version
+        only, so a step of another set or with adapter rows bypasses it (None) until the
+        cache is keyed by set and adapter."""
+        return self._cache if weight_set == 0 and not adapters else None
 
     def _forget_prefixes(self) -> None:
         """The served weights changed: nothing cached holds (rank 0's index is emptied);
@@ -223,7 +225,8 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         """Rank 0: the tokens of each sequence the prefix cache holds now (int64 ``[B]``;
         None without a cache or for a batch that does not read it), for the batcher's
         costs (:meth:`megascore.engine.cache.planner.PrefixCache.cached_now`)."""
-        cache = self._cache_for(self.sets.index(batch.model))
+        weight_set, slot = self.sets.target(batch.model)
+        cache = self._cache_for(weight_set, slot >= 0 or batch.adapter is not None)
         if cache is None or not cache.applies(batch):
             return None
         return cache.cached_now(batch)
@@ -282,6 +285,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         engine._owns_default_group = owns_default_group
         try:
             engine.load_other_sets()
+            engine.load_start_adapters()
         except BaseException:
             engine._teardown()
             raise
@@ -375,16 +379,17 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         self._require_driver("score")
         if self._broken is not None:
             raise WorkerLostError(f"replica is broken: {self._broken}")
-        weight_set = self.sets.index(batch.model)
+        weight_set, slot = self.sets.target(batch.model)
         reference = (
-            self.sets.index(batch.reference, "options.reference") if batch.reference else None
+            self.sets.target(batch.reference, "options.reference") if batch.reference else None
         )
-        version = self.sets.records[self.sets.names[weight_set]].weights_version
+        version = self.sets.resolve(batch.model).weights_version
         check_pinned_version(batch.weights_version, version)
         self.check(batch)
         if reference is not None:  # its logprobs first, an input of the step under model
-            batch = with_reference(batch, self._score_on(reference_batch(batch), reference))
-        out = self._score_on(batch, weight_set)
+            under = self._with_adapter(reference_batch(batch), *reference)
+            batch = with_reference(batch, self._score_on(under, reference[0]))
+        out = self._score_on(self._with_adapter(batch, weight_set, slot), weight_set)
         out.weights_version = version
         return out
 
@@ -392,7 +397,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler):
         """Rank 0: ``batch`` under weight set ``weight_set`` (made live here, and on every
         rank by the step's header)."""
         self.sets.activate(self.sets.names[weight_set])
-        cache = self._cache_for(weight_set)
+        cache = self._cache_for(weight_set, batch.adapter is not None)
         if cache is not None and cache.applies(batch):
             return cache.score(batch, self._send_and_run)
         return self._send_and_run(batch)

@@ -3,7 +3,8 @@
 Each message comes from :func:`megascore.engine.ranks.protocol.recv_command`: a FORWARD runs the
 step (:meth:`~megascore.engine.runtime.DistributedEngine._run_step`), RELOAD and the
 WEIGHTS_* messages load or push weights (:mod:`megascore.engine.weights.reload`,
-:mod:`megascore.engine.weights.push.handler`; a refused one keeps the old weights), SHUTDOWN tears
+:mod:`megascore.engine.weights.push.handler`; a refused one keeps the old weights), ADAPTER
+loads or pushes a LoRA adapter (:mod:`megascore.engine.weights.adapters`), SHUTDOWN tears
 the rank down.
 """
 
@@ -50,6 +51,12 @@ class WorkerLoop:
                     logger.warning(
                         "rank %d: weight push refused, old weights kept: %s", self.rank, e
                     )
+                continue
+            if command == protocol.Command.ADAPTER:
+                try:
+                    self._on_adapter(extra.path)
+                except CheckpointError as e:
+                    logger.warning("rank %d: adapter refused, old one kept: %s", self.rank, e)
                 continue
             if command == protocol.Command.RELOAD:
                 try:

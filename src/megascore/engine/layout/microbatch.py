@@ -60,6 +60,9 @@ class Microbatch:
             prefix ends has its last token in the prefix's last row, which it shares.
         last_sequences: int64 ``[n]`` (CPU) which of the microbatch's sequences (its
             ``sequences`` order) each of ``last_rows`` ends.
+        adapter_rows: int64 ``[T_local]`` (CPU) the LoRA adapter slot of every row the
+            model sees on this rank, -1 the base
+            (:func:`megascore.engine.schedule.adapter_rows.set_adapter_rows`), or None.
     """
 
     packed: PackedSequences
@@ -75,6 +78,7 @@ class Microbatch:
     lengths: torch.Tensor | None = None
     last_rows: torch.Tensor | None = None
     last_sequences: torch.Tensor | None = None
+    adapter_rows: torch.Tensor | None = None
 
 
 def build_microbatch(

@@ -47,6 +47,8 @@ Payloads, in order, after the header:
   (today: uint8 loss mask, float32 temperatures, int32 routing to replay); then, with
   flag ``CACHE_FLAG``, the prefix-cache plan (:mod:`megascore.engine.ranks.forward_payloads`).
 * RELOAD: uint8 ``[path_bytes + version_bytes]``, the two UTF-8 strings (or nothing).
+* ADAPTER: the same, the path's place holding a LoRA adapter's load, push or removal as
+  JSON (``megascore.engine.weights.adapters``; a push's tensors follow it).
 * SHUTDOWN, WEIGHTS_BEGIN, WEIGHTS_ABORT: nothing.
 * WEIGHTS_TENSOR: int64 ``[ndim]`` shape (when ndim > 0); uint8 ``[name_bytes]``
   name. The tensor's bytes are not broadcast: rank 0 then sends each rank only the
@@ -123,14 +125,12 @@ class Command(enum.IntEnum):
     WEIGHTS_TENSOR = 5
     WEIGHTS_COMMIT = 6
     WEIGHTS_ABORT = 7
+    ADAPTER = 8
 
 
-WEIGHT_COMMANDS = (
-    Command.WEIGHTS_BEGIN,
-    Command.WEIGHTS_TENSOR,
-    Command.WEIGHTS_COMMIT,
-    Command.WEIGHTS_ABORT,
-)
+WEIGHT_COMMANDS = tuple(Command(c) for c in range(Command.WEIGHTS_BEGIN, Command.ADAPTER))
+STRING_COMMANDS = (Command.RELOAD, Command.ADAPTER)
+"""Commands whose payload is two strings (a RELOAD's path and version; an ADAPTER's spec)."""
 
 
 class ProtocolError(RuntimeError):
@@ -303,7 +303,7 @@ def send_command(
     """Rank ``src``: broadcasts a SHUTDOWN or RELOAD message.
 
     Args:
-        command: ``Command.SHUTDOWN`` or ``Command.RELOAD`` (FORWARD: :func:`send_batch`).
+        command: ``Command.SHUTDOWN``, ``RELOAD`` or ``ADAPTER`` (FORWARD: :func:`send_batch`).
         group: the group of ranks that run the model (required).
         src: global rank of the sender (this rank).
         device: where the collective's tensors live.
@@ -458,7 +458,7 @@ def recv_command(
     if command in WEIGHT_COMMANDS:
         weights = _recv_weights(command, h, src, group, device)
         return Received(command, None, extra._replace(version=weights.version, weights=weights))
-    if command == Command.RELOAD:
+    if command in STRING_COMMANDS:
         n_path, n_version = h[_H_PATH_BYTES], h[_H_VERSION_BYTES]
         raw = b""
         if n_path + n_version:

@@ -34,6 +34,7 @@ the output rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -49,6 +50,7 @@ from megascore.engine.outputs.routing import recorded_routes, set_replay_targets
 from megascore.engine.outputs.step_metrics import TokenRows
 from megascore.engine.ranks.distributed import gather_cp_shards
 from megascore.engine.schedule.forward import forward_microbatch
+from megascore.model.lora import attach
 
 logger = logging.getLogger(__name__)
 
@@ -205,13 +207,17 @@ def forward_step(data_iterator, model, *, spec: ScoreSpec):
     mb = next(data_iterator)
     if mb.replay_routes is not None:
         set_replay_targets(model, mb.replay_routes)
-    output = forward_microbatch(
-        model,
-        mb.packed,
-        metrics_forward=spec.metrics_forward,
-        loss_mask_packed_local=mb.mtp_loss_mask,
-        tokens=None if mb.lengths is None else TokenRows(mb.token_positions, mb.lengths),
+    rows = (
+        contextlib.nullcontext() if mb.adapter_rows is None else attach(model).rows(mb.adapter_rows)
     )
+    with rows:  # the LoRA adapter of every row, on every stage
+        output = forward_microbatch(
+            model,
+            mb.packed,
+            metrics_forward=spec.metrics_forward,
+            loss_mask_packed_local=mb.mtp_loss_mask,
+            tokens=None if mb.lengths is None else TokenRows(mb.token_positions, mb.lengths),
+        )
     if spec.record_routes:
         mb.recorded_routes = recorded_routes(model)
     pgs = model.pg_collection

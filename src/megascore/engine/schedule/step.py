@@ -60,6 +60,7 @@ from megascore.engine.outputs.routing import (
     stage_moe_layers,
 )
 from megascore.engine.ranks.distributed import collective_device
+from megascore.engine.schedule.adapter_rows import adapter_keys, set_adapter_rows
 from megascore.engine.schedule.forward import mtp_metric_names, scoring_forward
 from megascore.engine.schedule.pipeline import ScoreSpec, run_schedule
 
@@ -209,13 +210,14 @@ def _metrics_forward(model, batch: ScoreBatch) -> tuple[bool, bool]:
 
 
 def token_keys(batch: ScoreBatch) -> np.ndarray | None:
-    """What must match for two tokens to be shared: the id, the routes it replays and the
-    head inputs read at it (:func:`megascore.api.schema.head_inputs`: the target ids)."""
+    """What must match for two tokens to be shared: the id, the routes it replays, the
+    head inputs read at it (:func:`megascore.api.schema.head_inputs`: the target ids) and
+    its sequence's LoRA adapter."""
     extra = [  # [T, -1] (an empty data-parallel share has T = 0 and no columns to infer)
         np.asarray(values, dtype=np.int64).reshape(batch.num_tokens, -1)
         if batch.num_tokens
         else np.zeros((0, 0), dtype=np.int64)
-        for values in (batch.routing, *schema.head_inputs(batch).values())
+        for values in (batch.routing, *schema.head_inputs(batch).values(), adapter_keys(batch))
         if values is not None
     ]
     if not extra:
@@ -326,6 +328,8 @@ def _local_results(
     plan = _plan(model, batch, groups, cfg, cuts)
     if batch.routing is not None:
         _set_replay(model, batch, plan, groups, cfg)
+    if batch.adapter is not None:
+        set_adapter_rows(batch, plan.microbatches, plan.layouts)
     microbatches = plan.microbatches
     with (  # stage 2: the forward, the last stage scoring each microbatch
         routing_replay(model, record=plan.record, replay=batch.routing is not None),

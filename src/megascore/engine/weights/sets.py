@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from megascore.api.errors import NotFoundError, quoted
 from megascore.api.served_models import ServedModel, resolve
 from megascore.engine.weights.served_model import LoadedModel
 from megascore.model.weights import unwrap_model
@@ -48,6 +49,7 @@ class WeightSets:
         self.policy = policy
         self.records: dict[str, LoadedModel] = {self.names[0]: loaded}
         self.live = self.names[0]
+        self.adapters: dict[str, ServedModel] = {}  # LoRA adapter name -> its entry (slot, base)
         self._params = dict(unwrap_model(loaded.model).named_parameters())
         self._waiting: dict[str, dict[str, torch.Tensor]] = {}  # the sets not live
 
@@ -61,14 +63,27 @@ class WeightSets:
         :func:`megascore.api.served_models.resolve`).
 
         Raises:
-            NotFoundError: no set of that name, naming ``field``.
+            NotFoundError: no set of that name (an adapter's included), naming ``field``.
         """
+        entry = self.resolve(name, field)
+        if entry.base:
+            raise NotFoundError(f"{field}: {quoted(name)} is a LoRA adapter, not a weight set")
+        return self.names.index(entry.name)
+
+    def resolve(self, name: str, field: str = "options.model") -> ServedModel:
+        """The set or adapter a request's ``name`` selects (NotFoundError naming ``field``)."""
         own_name = self.records[self.default].spec.name
-        return self.names.index(resolve(self.served(), own_name, name, field).name)
+        return resolve(self.served(), own_name, name, field)
+
+    def target(self, name: str, field: str = "options.model") -> tuple[int, int]:
+        """``(set index, adapter slot or -1)`` a request's ``name`` is scored with."""
+        entry = self.resolve(name, field)
+        return self.names.index(entry.base or entry.name), entry.slot
 
     def served(self) -> tuple[ServedModel, ...]:
-        """Every set as the name registry lists it, the default first."""
-        return tuple(ServedModel(n, self.records[n].weights_version) for n in self.names)
+        """Every set as the name registry lists it, the default first, then the adapters."""
+        sets = tuple(ServedModel(n, self.records[n].weights_version) for n in self.names)
+        return sets + tuple(self.adapters.values())
 
     def add(self, name: str) -> None:
         """Room for set ``name`` beside the live one (its values unset until a load

@@ -58,6 +58,7 @@ class WeightPushHandler:
             NotFoundError: no weight set of that name (nothing sent).
         """
         self._require_driver("begin_weight_update")
+        self._adapter_push = None
         index = self.sets.index(weight_set, "begin.weight_set")
         message = protocol.WeightsMessage(names=names, weight_set=index)
         self._send_weights(protocol.Command.WEIGHTS_BEGIN, message)
@@ -73,6 +74,8 @@ class WeightPushHandler:
         ``megascore_server.push.chunks.TensorBuffers``: the tensor built on it keeps it in
         use until every part is sent and staged)."""
         self._require_driver("stage_weight")
+        if self._adapter_push is not None:  # an adapter's tensors wait on rank 0
+            return self._stage_adapter(name, dtype, shape, data)
         torch_dtype = getattr(torch, dtype)
         if len(data):
             with warnings.catch_warnings():  # a read-only buffer is only read (shards are copies)
@@ -85,8 +88,11 @@ class WeightPushHandler:
         self._on_weights(protocol.Command.WEIGHTS_TENSOR, message)
 
     def commit_weights(self, weights_version: str, partial: bool) -> str:
-        """Swaps the staged shards in on every rank, or raises CheckpointError (old kept)."""
+        """Swaps the staged shards in on every rank, or raises CheckpointError (old kept);
+        an adapter push (:meth:`begin_adapter_push`) holds its adapter on every rank."""
         self._require_driver("commit_weights")
+        if self._adapter_push is not None:
+            return self._commit_adapter(weights_version)
         message = protocol.WeightsMessage(version=weights_version, partial=partial)
         self._send_weights(protocol.Command.WEIGHTS_COMMIT, message)
         pushed = self._push_set
@@ -96,6 +102,7 @@ class WeightPushHandler:
     def abort_weight_update(self) -> None:
         """Drops the open push's staged shards on every rank."""
         self._require_driver("abort_weight_update")
+        self._adapter_push = None  # staged on rank 0 only
         self._send_weights(protocol.Command.WEIGHTS_ABORT, protocol.WeightsMessage())
         self._on_weights(protocol.Command.WEIGHTS_ABORT, protocol.WeightsMessage())
 
