@@ -83,6 +83,24 @@ def cache_workload(seed: int = 0, **options) -> list[ScoreBatch]:
     return requests
 
 
+def host_tier_workload(seed: int = 5) -> list[ScoreBatch]:
+    """3 trajectories of 5 blocks and a bit, 3 turns each (a few tokens, outputs from the
+    turn on), each turn after the other two trajectories' turns: a device tier of a few
+    blocks has evicted its history by then, a host tier behind it still holds it."""
+    rng = np.random.default_rng(seed)
+    histories = [rng.integers(1, VOCAB, 5 * BLOCK + 3) for _ in range(3)]
+    requests = []
+    for _ in range(3):
+        for t, history in enumerate(histories):
+            start = len(history)
+            histories[t] = np.r_[history, rng.integers(1, VOCAB, int(rng.integers(5, 20)))]
+            lengths = np.array([len(histories[t])])
+            requests.append(
+                ScoreBatch(histories[t], lengths, top_k=3, score_from=np.array([start]))
+            )
+    return requests
+
+
 def assert_same_outputs(got: ScoreOutput, want: ScoreOutput, what: str = "") -> None:
     """Every output of ``got`` equals ``want``'s bit for bit (``cached_tokens`` aside)."""
     assert set(got.values) == set(want.values), (what, set(got.values) ^ set(want.values))

@@ -22,8 +22,10 @@ servers in one process, as in the tests, do not collide). Names:
 * ``megascore_prefix_cache_hit_tokens_total`` / ``..._lookup_tokens_total`` — tokens
   of scored sequences read from the prefix cache / all tokens of the sequences that
   could read it; ``megascore_prefix_cache_stored_bytes`` and ``..._blocks`` — what it
-  holds; ``megascore_prefix_cache_evictions_total`` — blocks evicted (docs/engine.md
-  "Prefix cache"). Read from the engine at each scrape; absent without a cache.
+  holds (``stored_bytes``: the device tier and the outputs); ``..._evictions_total`` —
+  blocks dropped; ``..._host_bytes``, ``..._demotions_total``, ``..._promotions_total``
+  — the host tier's blocks and the moves to and from it (docs/engine.md "Prefix
+  cache"). Read from the engine at each scrape; absent without a cache.
 """
 
 from __future__ import annotations
@@ -185,6 +187,17 @@ class _PrefixCacheCollector:
         "stored_bytes": ("megascore_prefix_cache_stored_bytes", "Bytes the cache holds", False),
         "blocks": ("megascore_prefix_cache_blocks", "Blocks the cache holds", False),
         "evictions": ("megascore_prefix_cache_evictions", "Blocks evicted", True),
+        "host_bytes": (
+            "megascore_prefix_cache_host_bytes",
+            "Bytes of the blocks in the host tier",
+            False,
+        ),
+        "demotions": ("megascore_prefix_cache_demotions", "Blocks moved to the host tier", True),
+        "promotions": (
+            "megascore_prefix_cache_promotions",
+            "Blocks moved back from the host tier",
+            True,
+        ),
     }
 
     def __init__(self, stats):

@@ -124,6 +124,10 @@ class EngineConfig:
     the most, plus the outputs rank 0 keeps with them); 0 turns the cache and its key-block
     attention off (within-step sharing then runs as without the cache). Unset: 1/8 of the
     machine's memory, at most 4 GiB."""
+    prefix_cache_host_gib: float = 0.0
+    """The prefix cache's second tier in GiB: host memory (pinned under CUDA) that takes
+    the blocks the first tier (``prefix_cache_gib``, device memory) evicts, moved back to
+    the device when read (docs/engine.md "Prefix cache"). 0: none."""
     attention_block: int = 64
     """Positions per block of the key-block attention and of the prefix cache (a cache hit
     covers whole blocks; a multiple of the per-sequence pad multiple)."""
@@ -177,6 +181,10 @@ class EngineConfig:
             )
         if self.prefix_cache_gib is not None and self.prefix_cache_gib < 0:
             raise ValueError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
+        if self.prefix_cache_host_gib < 0:
+            raise ValueError(
+                f"prefix_cache_host_gib must be >= 0, got {self.prefix_cache_host_gib}"
+            )
         if self.collective_timeout_s <= 0:
             raise ValueError("collective_timeout_s must be > 0")
         if self.load_timeout_s <= 0:

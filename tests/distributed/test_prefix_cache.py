@@ -1,6 +1,6 @@
-"""The prefix cache at TP2 (with and without sequence parallelism), PP2 and EP2 (two
-data-parallel ranks sharing their cached blocks) equals an engine without it, bit for
-bit; under CP2 it is off (one 2-rank torchrun launch of
+"""The prefix cache at TP2 (with and without sequence parallelism, and with a host tier
+behind a small device tier), PP2 and EP2 (two data-parallel ranks sharing their cached
+blocks) equals an engine without it, bit for bit; under CP2 it is off (one 2-rank torchrun launch of
 ``scripts/prefix_cache_layouts.py``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.torchrun import run_check_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "prefix_cache_layouts.py"
 NPROC = 2
-LAYOUTS = ("tp2", "moe_tp2_sp", "ep2", "pp2", "cp2")  # as in the script
+LAYOUTS = ("tp2", "moe_tp2_sp", "ep2", "pp2", "cp2", "tp2_host")  # as in the script
 
 
 @pytest.fixture(scope="module")

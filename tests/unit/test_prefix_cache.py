@@ -19,7 +19,12 @@ from megascore.api.types import ScoreBatch
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
 from tests.one_rank import one_rank_world
-from tests.prefix_cache_cases import BLOCK, assert_same_outputs, cache_workload
+from tests.prefix_cache_cases import (
+    BLOCK,
+    assert_same_outputs,
+    cache_workload,
+    host_tier_workload,
+)
 
 OFF = dict(prefix_cache=False, prefix_sharing=False)
 
@@ -74,6 +79,28 @@ def test_the_group_in_one_request_shares_its_prompt(tiny):
     assert (on[twice].values["cached_tokens"] > on[again].values["cached_tokens"]).all()
     # its prompt's blocks were cached by the four requests of one response before it
     assert (on[group].values["cached_tokens"] == 3 * BLOCK).all()
+
+
+def test_a_host_tier_keeps_what_a_small_device_tier_evicts_and_answers_the_same():
+    """A device tier of about 8 blocks with a host tier behind it, and trajectories whose
+    next turn comes after other requests' prefixes filled the device tier: blocks move
+    out and back (the ranks make the moves before their forward), every answer is the
+    cache-off engine's, and more is read than by the same device tier alone."""
+    requests = host_tier_workload()
+    device = dict(prefix_cache_gib=8 * 2**13 / 2**30)  # 8 slots of tiny's 8 KiB at 16
+    with one_rank_world():
+        off, _ = _answers("tiny", requests, **OFF)
+        on, stats = _answers("tiny", requests, **device, prefix_cache_host_gib=2**20 / 2**30)
+        _, alone = _answers("tiny", requests, **device)
+    for i, (got, want) in enumerate(zip(on, off, strict=True)):
+        assert_same_outputs(got, want, f"request {i}")
+    assert stats["demotions"] > 0 and stats["promotions"] > 0, stats
+    assert stats["stored_bytes"] <= 8 * 2**13 and stats["host_bytes"] > 0, stats
+    assert alone["evictions"] > 0 and alone["promotions"] == 0, alone
+    # every turn after the first reads its trajectory's history back from the host tier
+    hits = [int(o.values["cached_tokens"][0]) for o in on]
+    assert all(h >= 5 * BLOCK for h in hits[3:]), hits
+    assert stats["hit_tokens"] > alone["hit_tokens"], (stats, alone)
 
 
 def test_a_group_new_to_the_cache_is_shared_within_its_step():

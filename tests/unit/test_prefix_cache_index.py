@@ -129,3 +129,46 @@ def test_an_engine_under_ten_times_its_budget_keeps_its_hot_prefix(block):
     # the hot prefix's 6 blocks are cached; the last one's last entry predicts the turn's
     # own first token, new every time: 5 blocks are read
     assert hits[0] == 0 and all(h == 5 * block for h in hits[1:]), hits
+
+
+def test_the_host_tier_takes_what_the_device_evicts_and_gives_it_back():
+    index = PrefixIndex(num_slots=4, slot_bytes=1, budget_bytes=4, host_slots=6)
+    first = _chain(index, 0, 3)
+    device_slots = [index.blocks[k].slot for k in first]
+    _chain(index, 1, 3)  # 6 blocks, 4 device slots: two of the first chain move
+    moves = index.take_moves()
+    assert len(moves) == 2 and index.demotions == 2 and index.evictions == 0
+    assert all(src < 4 <= dst < 10 for src, dst in moves)
+    assert [src for src, _ in moves] == device_slots[:2]  # least recently used first
+    assert index.hits(first) == 3  # still cached, in either tier
+    assert index.stored_bytes == 4 and index.host_bytes == 2
+    assert index.take_moves() == []  # taken once
+    pinned = set(first)
+    assert index.promote(first, pinned) == 3
+    back = index.take_moves()
+    # two device blocks of the second chain make room (to the host), then the first
+    # chain's two blocks come back, each move after the one that freed its target
+    assert [b for b in back if b[0] >= 4] and all(index.blocks[k].slot < 4 for k in first), back
+    for n, (src, _) in enumerate(back):
+        if src >= 4:  # a promotion reads a host slot no earlier move wrote
+            assert all(d != src for _, d in back[:n])
+    assert index.promotions == 2
+
+
+def test_a_full_host_tier_drops_its_least_recently_used_with_what_continues_it():
+    index = PrefixIndex(num_slots=2, slot_bytes=1, budget_bytes=2, host_slots=2)
+    first = _chain(index, 0, 2)
+    second = _chain(index, 1, 2)  # the first chain moves to the host
+    assert index.hits(first) == 2 and index.host_bytes == 2
+    _chain(index, 2, 2)  # the second moves there; the first is dropped
+    assert index.hits(first) == 0 and index.hits(second) == 2
+    assert index.evictions == 2 and index.host_bytes == 2
+    slots = [b.slot for b in index.blocks.values()]
+    assert sorted(slots) == [0, 1, 2, 3]
+
+
+def test_a_pinned_block_never_moves():
+    index = PrefixIndex(num_slots=2, slot_bytes=1, budget_bytes=2, host_slots=4)
+    keys = _chain(index, 0, 2)
+    assert index.allocate(set(keys)) is None  # both device blocks are read by the step
+    assert index.take_moves() == []

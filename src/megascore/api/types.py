@@ -141,12 +141,15 @@ class ScoreBatch:
         cache_slots: int64, per sequence in order, the cache slot of each block of its
             ``cache_hits + length`` positions (-1: none): read below ``cache_hits``,
             written at and after it.
+        cache_moves: int64 ``[M, 2]`` blocks every rank moves between the cache's tiers
+            before the step, in order: ``(from slot, to slot)``.
     """
 
     token_ids: np.ndarray
     lengths: np.ndarray
     cache_hits: np.ndarray | None = None
     cache_slots: np.ndarray | None = None
+    cache_moves: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -6,8 +6,10 @@ For every layout, one engine that keeps nothing and shares nothing
 (batch-invariant CPU defaults, the key-block attention on both), and the cache engine
 read cached tokens. Layouts: TP2 (tiny), TP2 with sequence parallelism (tiny-moe), PP2
 (tiny-moe, 2 microbatches), EP2 (tiny-moe: two data-parallel ranks, which EP needs
-here, each holding every cached block). Under CP the cache is off (docs/engine.md
-"Prefix cache"): CP2 checks that it is, and that it stays exact.
+here, each holding every cached block), and TP2 with a device tier of a few blocks and a
+host tier behind it (:func:`tests.prefix_cache_cases.host_tier_workload`: blocks move out
+and back on both ranks). Under CP the cache is off (docs/engine.md "Prefix cache"): CP2
+checks that it is, and that it stays exact.
 
 Check outcomes go to ``OUT_DIR/cache_rank{r}.json``.
 """
@@ -24,7 +26,12 @@ from engine_common import CheckLog
 
 from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
-from tests.prefix_cache_cases import BLOCK, assert_same_outputs, cache_workload
+from tests.prefix_cache_cases import (
+    BLOCK,
+    assert_same_outputs,
+    cache_workload,
+    host_tier_workload,
+)
 
 # name -> (model, tp, cp, ep, pp, microbatches)
 LAYOUTS = {
@@ -33,7 +40,10 @@ LAYOUTS = {
     "ep2": ("tiny-moe", 1, 1, 2, 1, 1),
     "pp2": ("tiny-moe", 1, 1, 1, 2, 2),
     "cp2": ("tiny", 1, 2, 1, 1, 1),
+    "tp2_host": ("tiny", 2, 1, 1, 1, 1),
 }
+HOST_TIER = dict(prefix_cache_gib=8 * 2**12 / 2**30, prefix_cache_host_gib=2**20 / 2**30)
+"""tp2_host: 8 slots of tiny's 4 KiB per rank at TP2 (blocks of 16), a host tier of 256."""
 OFF = dict(prefix_cache=False, prefix_sharing=False)
 
 
@@ -64,9 +74,10 @@ def answers(spec, rank: int, requests, **options):
 
 
 def run_layout(name: str, spec, rank: int) -> None:
-    requests = cache_workload(seed=len(name))
+    host = name == "tp2_host"
+    requests = host_tier_workload() if host else cache_workload(seed=len(name))
     off = answers(spec, rank, requests, **OFF)
-    on = answers(spec, rank, requests)
+    on = answers(spec, rank, requests, **(HOST_TIER if host else {}))
     if rank != 0:
         return
     (want, _), (got, stats) = off, on
@@ -79,6 +90,8 @@ def run_layout(name: str, spec, rank: int) -> None:
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert_same_outputs(a, b, f"request {i}")
     assert stats["hit_tokens"] > 0, stats
+    if host:
+        assert stats["demotions"] > 0 and stats["promotions"] > 0, stats
     assert sum(int(o.values["cached_tokens"].sum()) for o in got) == stats["hit_tokens"]
 
 

@@ -20,6 +20,15 @@ and cannot push out prefixes that were hit; a turn's history stays for the next 
 long as probation holds the newer prefixes that arrive meanwhile. Blocks a step reads are
 pinned while it is planned (never evicted to make room for that step's new blocks); the
 step runs before the next is planned, so a running step's blocks are never evicted.
+
+A second tier (``host_slots`` > 0: ``--prefix-cache-host-gib``, pinned host memory under a
+GPU) takes what the first evicts: the block moves to a host slot instead of being dropped
+(its descendants stay where they are), and a block read from the host tier moves back to
+a device slot before its step. The index records every move (``moves``: ``(from slot, to
+slot)``, slots ``num_slots`` and up are the host's) and the next step's plan carries them;
+every rank makes them, in order, before its forward
+(:meth:`megascore.engine.cache.store.PrefixStore.move`). The host tier is an LRU of its
+own; what it evicts is dropped, with every block that continues it.
 """
 
 from __future__ import annotations
@@ -97,30 +106,70 @@ class PrefixIndex:
     """The blocks, their slots and the segmented LRU (module docstring).
 
     Args:
-        num_slots: slots on every rank.
+        num_slots: slots on every rank (the device tier).
         slot_bytes: bytes of one slot on the rank that holds the most per slot.
-        budget_bytes: what the slots in use plus the stored outputs may take.
+        budget_bytes: what the device slots in use plus the stored outputs may take.
         protected_share: the share of the slots the protected segment may hold.
+        host_slots: slots of the host tier (0: none).
     """
 
     def __init__(
-        self, num_slots: int, slot_bytes: int, budget_bytes: int, protected_share: float = 0.5
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        budget_bytes: int,
+        protected_share: float = 0.5,
+        host_slots: int = 0,
     ):
         self.num_slots = num_slots
+        self.host_slots = host_slots
         self.slot_bytes = slot_bytes
         self.budget_bytes = budget_bytes
         self.protected_cap = int(num_slots * protected_share)
         self.blocks: dict[bytes, Block] = {}
-        self._probation: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._protected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._free = list(range(num_slots - 1, -1, -1))
         self.output_bytes = 0
         self.evictions = 0
+        self.demotions = 0
+        self.promotions = 0
+        self.clear()
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes the cached blocks take: their slots (on the largest rank) and outputs."""
-        return len(self.blocks) * self.slot_bytes + self.output_bytes
+        """Bytes the device tier's blocks take (their slots, on the largest rank; a slot
+        handed out for a block its step has not committed yet counts) and every block's
+        outputs."""
+        device_slots = len(self.blocks) - len(self._host) + self._handed_out
+        return device_slots * self.slot_bytes + self.output_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the host tier's blocks take."""
+        return len(self._host) * self.slot_bytes
+
+    def take_moves(self) -> list[tuple[int, int]]:
+        """The moves recorded since the last call, in order (the next step makes them)."""
+        moves, self.moves = self.moves, []
+        return moves
+
+    def promote(self, keys: list[bytes], pinned: set[bytes]) -> int:
+        """Moves the blocks of a read chain that sit in the host tier to device slots;
+        returns how many of ``keys`` are on the device from the first on (a block with
+        no device slot to go to ends the run)."""
+        for n, key in enumerate(keys):
+            block = self.blocks[key]
+            if block.slot < self.num_slots:
+                continue
+            slot = self.allocate(pinned | {key})
+            if slot is None:
+                return n
+            self._handed_out -= 1  # filled by the move
+            self.moves.append((block.slot, slot))
+            del self._host[key]
+            self._host_free.append(block.slot)
+            block.slot = slot
+            self._probation[key] = None
+            self.promotions += 1
+        return len(keys)
 
     def hits(self, keys: list[bytes]) -> int:
         """How many of ``keys`` (a sequence's chain) are cached from the first on."""
@@ -146,14 +195,18 @@ class PrefixIndex:
         while not self._free or self.stored_bytes + self.slot_bytes > self.budget_bytes:
             if not self._evict_one(pinned):
                 return None
+        self._handed_out += 1
         return self._free.pop()
 
     def release(self, slot: int) -> None:
         """Gives back a slot :meth:`allocate` handed out that holds no block."""
+        self._handed_out -= 1
         self._free.append(slot)
 
     def insert(self, key: bytes, parent: bytes | None, slot: int) -> Block:
-        """A new block in ``slot`` (probation, most recently used)."""
+        """A new block in ``slot``, which :meth:`allocate` handed out (probation, most
+        recently used)."""
+        self._handed_out -= 1
         block = Block(key=key, parent=parent, slot=slot)
         self.blocks[key] = block
         if parent is not None:
@@ -182,18 +235,47 @@ class PrefixIndex:
     def clear(self) -> None:
         """Forgets every block (new weights: nothing cached holds)."""
         self.blocks.clear()
-        self._probation.clear()
-        self._protected.clear()
+        self._probation: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._protected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._host: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self._host_free = list(range(self.num_slots + self.host_slots - 1, self.num_slots - 1, -1))
+        self.moves: list[tuple[int, int]] = []
+        self._handed_out = 0  # slots allocated whose blocks are not inserted yet
         self.output_bytes = 0
 
     def _evict_one(self, pinned: set[bytes]) -> bool:
+        """Frees one device slot: the least recently used unpinned block moves to the host
+        tier, or, without one, is dropped with its descendants."""
         for segment in (self._probation, self._protected):
             for key in segment:
-                if key not in pinned and not self._pins_below(key, pinned):
+                if key in pinned:
+                    continue
+                if self.host_slots:
+                    return self._demote(key, pinned)
+                if not self._pins_below(key, pinned):
                     self._evict(key)
                     return True
         return False
+
+    def _demote(self, key: bytes, pinned: set[bytes]) -> bool:
+        while not self._host_free:  # the host tier's least recently used, dropped
+            victim = next(
+                (k for k in self._host if k not in pinned and not self._pins_below(k, pinned)),
+                None,
+            )
+            if victim is None:
+                return False
+            self._evict(victim)
+        block, slot = self.blocks[key], self._host_free.pop()
+        self.moves.append((block.slot, slot))
+        self._free.append(block.slot)
+        self._probation.pop(key, None)
+        self._protected.pop(key, None)
+        self._host[key] = None
+        block.slot = slot
+        self.demotions += 1
+        return True
 
     def _pins_below(self, key: bytes, pinned: set[bytes]) -> bool:
         """Whether a block that continues ``key`` is pinned (evicting ``key`` evicts it)."""
@@ -214,5 +296,9 @@ class PrefixIndex:
         self._probation.pop(key, None)
         self._protected.pop(key, None)
         self.output_bytes -= sum(o.nbytes for o in block.outputs.values())
-        self._free.append(block.slot)
+        if key in self._host:
+            del self._host[key]
+            self._host_free.append(block.slot)
+        else:
+            self._free.append(block.slot)
         self.evictions += 1

@@ -159,6 +159,9 @@ class PrefixCache:
             "stored_bytes": self.index.stored_bytes,
             "blocks": len(self.index.blocks),
             "evictions": self.index.evictions,
+            "host_bytes": self.index.host_bytes,
+            "demotions": self.index.demotions,
+            "promotions": self.index.promotions,
         }
 
     def score(self, batch: ScoreBatch, run: Callable[[ScoreBatch], ScoreOutput]) -> ScoreOutput:
@@ -216,12 +219,16 @@ class PrefixCache:
         """Steps 2-3 of the module docstring for one batch."""
         plans = self._plan(batch)
         hits = np.asarray([p.hit * self.block for p in plans], np.int64)
+        moves = self.index.take_moves()
         try:
-            tail_output = run(_tail_batch(batch, plans, hits, self.block))
+            tail_output = run(_tail_batch(batch, plans, hits, self.block, moves))
         except BaseException:
-            for p in plans:
-                for slot in p.new:
-                    self.index.release(slot)
+            if moves:  # the ranks may have made some of them: no slot's content is known
+                self.index.clear()
+            else:
+                for p in plans:
+                    for slot in p.new:
+                        self.index.release(slot)
             raise
         values = self._join(batch, plans, hits, tail_output)
         self._commit(batch, plans, values)
@@ -244,12 +251,14 @@ class PrefixCache:
             signature = _signature(batch, b, start, block, len(keys))
             hit = self._usable(batch, b, start, keys, signature, length)
             pinned.update(keys[:hit])
+            hit = self.index.promote(keys[:hit], pinned)  # from the host tier
             plans.append(_Sequence(keys, hit, [], [], signature))
         for b, p in enumerate(plans):  # slots: read below the hit, written from it
             p.slots = [self.index.blocks[k].slot for k in p.keys[: p.hit]]
             for key in p.keys[p.hit :]:
-                if key in self.index.blocks:
-                    slot = self.index.blocks[key].slot
+                if key in self.index.blocks:  # rewritten with the same bits, or left
+                    slot = self.index.blocks[key].slot  # in the host tier (not read here)
+                    slot = slot if slot < self.index.num_slots else -1
                 elif key in taken:
                     slot = taken[key]
                 else:
@@ -358,9 +367,9 @@ class PrefixCache:
                     self.index.add_outputs(key, p.signature[j], stored, pinned)
 
 
-def _tail_batch(batch: ScoreBatch, plans: list[_Sequence], hits: np.ndarray, block: int):
+def _tail_batch(batch: ScoreBatch, plans: list[_Sequence], hits: np.ndarray, block: int, moves):
     """The batch the ranks compute: every sequence from its first uncached token on, with
-    the cache plan (``cache_hits``, ``cache_slots``)."""
+    the cache plan (``cache_hits``, ``cache_slots`` and the tiers' ``cache_moves``)."""
     every = np.arange(batch.num_sequences)
     tails = _cut(batch, every, hits, np.asarray(batch.lengths, np.int64) - hits)
     slots = np.asarray([s for p in plans for s in p.slots], np.int64)
@@ -368,7 +377,8 @@ def _tail_batch(batch: ScoreBatch, plans: list[_Sequence], hits: np.ndarray, blo
         tails = dataclasses.replace(
             tails, score_from=np.maximum(np.asarray(batch.score_from) - hits, 0)
         )
-    return dataclasses.replace(tails, cache_hits=hits, cache_slots=slots)
+    moves = np.asarray(moves, np.int64).reshape(-1, 2)
+    return dataclasses.replace(tails, cache_hits=hits, cache_slots=slots, cache_moves=moves)
 
 
 def _prefix_batch(batch: ScoreBatch, members: list[tuple[int, int]]) -> ScoreBatch:
@@ -388,4 +398,4 @@ def _cut(batch: ScoreBatch, seqs: np.ndarray, first: np.ndarray, count: np.ndarr
         values = getattr(batch, spec.name)
         if values is not None:
             fields[spec.name] = np.asarray(values)[keep if spec.per == schema.TOKEN else seqs]
-    return dataclasses.replace(batch, cache_hits=None, cache_slots=None, **fields)
+    return dataclasses.replace(batch, cache_hits=None, cache_slots=None, cache_moves=None, **fields)

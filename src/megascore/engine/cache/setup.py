@@ -128,17 +128,19 @@ def start(
     slot = max(1, largest_slot(slot_bytes(model, block, layout["tp"]), group))
     budget = budget_bytes(engine_cfg)
     num_slots = budget // slot
+    host_slots = int(engine_cfg.prefix_cache_host_gib * 2**30) // slot
     logger.info(
         "prefix cache: %d blocks of %d positions (%.2f MiB each on the largest rank, budget "
-        "%.2f GiB)%s",
+        "%.2f GiB), %d more in host memory%s",
         num_slots,
         block,
         slot / 2**20,
         budget / 2**30,
+        host_slots,
         "" if engine_cfg.prefix_cache is not False else ", kept within a call only",
     )
     layers = configure(model, block)
     rows = [_rows(module, layout["tp"]) for module in layers]
     dtype = layers[0].config.params_dtype if layers else torch.float32
-    store = PrefixStore(num_slots, block, rows, dtype, device)
-    return store, PrefixIndex(num_slots, slot, budget)
+    store = PrefixStore(num_slots, block, rows, dtype, device, host_slots)
+    return store, PrefixIndex(num_slots, slot, budget, host_slots=host_slots)

@@ -32,19 +32,43 @@ class PrefixStore:
             its values (``(heads, dim)``: what the layer's attention sees).
         dtype: their dtype.
         device: where the pools live.
+        host_slots: blocks of the host tier's pools (slots ``num_slots`` and up; pinned
+            memory under CUDA): what the device pools evict goes there.
     """
 
-    def __init__(self, num_slots: int, block: int, rows, dtype: torch.dtype, device):
+    def __init__(self, num_slots: int, block: int, rows, dtype, device, host_slots: int = 0):
         self.num_slots = num_slots
         self.block = block
-        # [num_slots, block, *row] per layer: torch.empty, so on the CPU the pages are
-        # taken as slots are written
-        self._pools = [
-            tuple(torch.empty((num_slots, block, *row), dtype=dtype, device=device) for row in kv)
-            for kv in rows
-        ]
+        device = torch.device(device)
+
+        def pools(slots: int, where, pin: bool):
+            # [slots, block, *row]: torch.empty, so on the CPU pages are taken as written
+            return [
+                tuple(
+                    torch.empty((slots, block, *row), dtype=dtype, device=where, pin_memory=pin)
+                    for row in kv
+                )
+                for kv in rows
+            ]
+
+        self._pools = pools(num_slots, device, False)
+        self._host = pools(host_slots, "cpu", device.type == "cuda") if host_slots else []
         self.written: list[int] = []
         """Slots this rank wrote in the running step (:meth:`share_written`)."""
+
+    def move(self, moves: np.ndarray) -> None:
+        """Makes the moves between the tiers of a step's plan (``(from slot, to slot)``
+        pairs, in order: a slot a move frees may be the next one's target)."""
+        for src, dst in np.asarray(moves, np.int64).reshape(-1, 2):
+            for layer in range(len(self._pools)):
+                for kind in (0, 1):
+                    self._slot(layer, kind, int(dst)).copy_(self._slot(layer, kind, int(src)))
+
+    def _slot(self, layer: int, kind: int, slot: int) -> torch.Tensor:
+        """Block ``slot`` of layer ``layer``'s keys (kind 0) or values (kind 1)."""
+        if slot < self.num_slots:
+            return self._pools[layer][kind][slot]
+        return self._host[layer][kind][slot - self.num_slots]
 
     def pools(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Layer ``layer``'s ``(keys, values)`` pools ``[num_slots, block, *row]``, checked

@@ -1,8 +1,9 @@
 """A FORWARD's payloads after its ids and lengths, as a worker receives them
 (:mod:`megascore.engine.ranks.protocol`): each input the flags announce, then, with flag
-``CACHE_FLAG``, the prefix-cache plan: int64 ``[B + 1]`` (each sequence's cached tokens,
-then the number of slots ``S``) and int64 ``[S]`` (the slot of every block of every
-sequence: :mod:`megascore.engine.cache.store`)."""
+``CACHE_FLAG``, the prefix-cache plan: int64 ``[B + 2]`` (each sequence's cached tokens,
+then the number of slots ``S`` and of moves ``M``), int64 ``[S]`` (the slot of every block
+of every sequence: :mod:`megascore.engine.cache.store`) and, when ``M`` > 0, int64
+``[2 M]`` (the moves between the cache's tiers, ``(from, to)`` pairs)."""
 
 from __future__ import annotations
 
@@ -32,25 +33,35 @@ def receive_input(spec, shape: tuple[int, ...], bcast: Bcast, device) -> np.ndar
 
 
 def cache_plan(batch: ScoreBatch) -> list[np.ndarray]:
-    """Rank 0: the plan's two buffers."""
-    count = [len(batch.cache_slots)]
-    return [
-        np.concatenate([batch.cache_hits, count]).astype(np.int64),
+    """Rank 0: the plan's buffers."""
+    moves = np.zeros((0, 2), np.int64) if batch.cache_moves is None else batch.cache_moves
+    counts = [len(batch.cache_slots), len(moves)]
+    buffers = [
+        np.concatenate([batch.cache_hits, counts]).astype(np.int64),
         np.asarray(batch.cache_slots, dtype=np.int64),
     ]
+    return buffers + ([np.asarray(moves, np.int64).reshape(-1)] if len(moves) else [])
 
 
-def receive_cache_plan(num_sequences: int, bcast: Bcast, device) -> tuple[np.ndarray, np.ndarray]:
-    """A worker: ``(cache_hits [B], cache_slots [S])`` through ``bcast``.
+def receive_cache_plan(
+    num_sequences: int, bcast: Bcast, device
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A worker: ``(cache_hits [B], cache_slots [S], cache_moves [M, 2])`` through
+    ``bcast``.
 
     Raises:
-        ValueError: a negative slot count (the ranks are out of step).
+        ValueError: a negative count (the ranks are out of step).
     """
-    head = torch.empty(num_sequences + 1, dtype=torch.int64, device=device)
+    head = torch.empty(num_sequences + 2, dtype=torch.int64, device=device)
     bcast(head)
-    hits = head.cpu().numpy()
-    if hits[-1] < 0:
-        raise ValueError(f"negative cache slot count {hits[-1]}")
-    slots = torch.empty(int(hits[-1]), dtype=torch.int64, device=device)
-    bcast(slots)
-    return hits[:-1].copy(), slots.cpu().numpy()
+    head = head.cpu().numpy()
+    slots, moves = int(head[-2]), int(head[-1])
+    if slots < 0 or moves < 0:
+        raise ValueError(f"negative cache plan counts {slots}, {moves}")
+    buffers = []
+    for size, sent in ((slots, True), (2 * moves, moves > 0)):  # as cache_plan sends them
+        buffer = torch.empty(size, dtype=torch.int64, device=device)
+        if sent:
+            bcast(buffer)
+        buffers.append(buffer.cpu().numpy())
+    return head[:-2].copy(), buffers[0], buffers[1].reshape(-1, 2)

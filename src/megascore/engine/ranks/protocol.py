@@ -83,7 +83,7 @@ from megascore.engine.ranks import forward_payloads
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """3: slot 15 names the weight set (WEIGHTS_COMMIT's flags moved to slot 14)."""
 HEADER_SLOTS = 16
 MAX_LOSSES = 63
@@ -494,7 +494,7 @@ def recv_command(
         )
     if flags & CACHE_FLAG:
         plan = forward_payloads.receive_cache_plan(num_sequences, bcast, device)
-        fields["cache_hits"], fields["cache_slots"] = plan
+        fields["cache_hits"], fields["cache_slots"], fields["cache_moves"] = plan
     batch = ScoreBatch(**fields)
     logger.debug("step %d: received FORWARD T=%d B=%d", extra.step, num_tokens, num_sequences)
     return Received(command, batch, extra)

@@ -320,6 +320,9 @@ class DataParallelGroup:
             StepFailedError: a rank failed the step (every rank).
             WorkerLostError: sending a part's output to rank 0 failed.
         """
+        store = cfg.prefix_store if batch.cache_slots is not None else None
+        if store is not None and batch.cache_moves is not None:
+            store.move(batch.cache_moves)  # between the cache's tiers, before the forward
         if self.size == 1:
             result = run_step(model, batch, groups, cfg)
             return finish_step(batch, result) if dist.get_rank() == cfg.output_rank else None
@@ -336,7 +339,6 @@ class DataParallelGroup:
                 lead_rows=lead_rows(model, batch),
             )
         split = split_step(batch.lengths, self.size, cfg.pad_multiple, cfg.microbatches, shared)
-        store = cfg.prefix_store if batch.cache_slots is not None else None
         part_block = 0 if store is None else store.block
         part = sub_batch(batch, split.parts[self.rank], part_block)
         if store is not None:
