@@ -132,54 +132,70 @@ def trajectories(vocab_size: int) -> list:
 
 def prefix_cache(model: str, device: str, dtype: str) -> tuple[str, str]:
     """The prefix cache (``prefix_cache=True``) vs none (``prefix_cache=False``: on CUDA the
-    plain attention) on turn-by-turn requests: parity of the logprobs from each turn on,
-    tokens/s of each, and the cache's budget and what it held."""
+    plain attention) on turn-by-turn requests, and the cache again with a device tier of
+    a quarter of what the first held and a host tier behind it (pinned host memory on
+    CUDA): parity of the logprobs from each turn on, tokens/s of each, the budgets and
+    what each held and moved."""
+    results, requests, held = {}, None, 0
+    for name in ("none", "cache", "tiers"):
+        cfg = dict(prefix_cache=name != "none")
+        if name == "tiers":  # a quarter of what the cache held on the device, 2x behind
+            cfg.update(prefix_cache_gib=held / 4 / 2**30, prefix_cache_host_gib=2 * held / 2**30)
+        requests, results[name] = _cache_run(model, device, dtype, cfg, requests)
+        held = results[name][3]["stored_bytes"] if results[name][3] else 0
+    off_s, off_out, _, _ = results["none"]
+    if results["cache"][3] is None or results["tiers"][3] is None:
+        return "FAIL", "the cache engine runs no prefix cache"
+    tol = FP32_MAX if dtype == "float32" else 10 * BF16_MEAN
+    tokens = sum(r.num_tokens for r in requests[1:])
+    parts, passed = [], True
+    for name in ("cache", "tiers"):
+        on_s, on_out, budget, stats = results[name]
+        dev = max(
+            float(np.abs(np.asarray(a.logprobs[r.score_from[0]:], np.float64)
+                         - np.asarray(b.logprobs[r.score_from[0]:], np.float64)).max())
+            for a, b, r in zip(on_out, off_out, requests[1:], strict=True)
+        )  # fmt: skip
+        cached = sum(int(o.cached_tokens.sum()) for o in on_out)
+        passed &= dev <= tol and cached > 0
+        parts.append(
+            f"{name}: max |cache - none| logprob {dev:.2e} (tol {tol:.0e}); {tokens / on_s:,.0f}"
+            f" dense-equivalent tokens/s = {off_s / on_s:.2f}x ({cached} of {tokens} tokens "
+            f"read from the cache); budget {budget[0] / 2**20:.1f} MiB on the device, "
+            f"{budget[1] / 2**20:.1f} MiB host tier; {stats['stored_bytes'] / 2**20:.1f} MiB "
+            f"held in {stats['blocks']} blocks, {stats['evictions']} evicted, "
+            f"{stats['demotions']} moved to the host and {stats['promotions']} back"
+        )
+    passed &= results["tiers"][3]["promotions"] > 0
+    detail = f"none {tokens / off_s:,.0f} tokens/s; " + "; ".join(parts)
+    return ("PASS" if passed else "FAIL"), f"{detail}; {dtype}, torch backend"
+
+
+def _cache_run(model, device, dtype, cfg: dict, requests):
+    """``(requests, (seconds, outputs, (device, host) budget bytes, final stats))`` of one
+    engine over the turn-by-turn requests (the first, a warm-up, untimed)."""
     import torch
 
     from megascore.config import EngineConfig
     from megascore.engine.runtime import DistributedEngine
 
-    results, requests = {}, None
-    for cache in (False, True):
-        cfg = EngineConfig(
-            model=model, device=device, dtype=dtype, attention_backend="torch", prefix_cache=cache
-        )
-        engine = DistributedEngine.create(cfg)
-        try:
-            requests = requests or trajectories(engine.info().vocab_size)
-            engine.score(requests[0])  # warm-up (its own cache entries are kept)
-            stats0 = engine.prefix_cache_stats()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            outs = [engine.score(r) for r in requests[1:]]
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            results[cache] = (
-                time.perf_counter() - start,
-                outs,
-                stats0,
-                engine.prefix_cache_stats(),
-            )
-            budget = engine._cache.index.budget_bytes if engine._cache is not None else 0
-        finally:
-            engine.shutdown()
-    (off_s, off_out, _, _), (on_s, on_out, _, stats) = results[False], results[True]
-    if stats is None:
-        return "FAIL", "the cache engine runs no prefix cache"
-    dev = max(
-        float(np.abs(np.asarray(a.logprobs[r.score_from[0]:], np.float64)
-                     - np.asarray(b.logprobs[r.score_from[0]:], np.float64)).max())
-        for a, b, r in zip(on_out, off_out, requests[1:], strict=True)
-    )  # fmt: skip
-    tol = FP32_MAX if dtype == "float32" else 10 * BF16_MEAN
-    tokens = sum(r.num_tokens for r in requests[1:])
-    cached = sum(int(o.cached_tokens.sum()) for o in on_out)
-    detail = (
-        f"max |cache - none| logprob {dev:.2e} (tol {tol:.0e}); none {tokens / off_s:,.0f} / cache "
-        f"{tokens / on_s:,.0f} dense-equivalent tokens/s = {off_s / on_s:.2f}x ({cached} of "
-        f"{tokens} tokens read from the cache); budget {budget / 2**30:.2f} GiB on the device, "
-        f"{stats['stored_bytes'] / 2**20:.1f} MiB held in {stats['blocks']} blocks, "
-        f"{stats['evictions']} evicted; host tier: none; {dtype}, torch backend"
+    engine = DistributedEngine.create(
+        EngineConfig(model=model, device=device, dtype=dtype, attention_backend="torch", **cfg)
     )
-    return ("PASS" if dev <= tol and cached else "FAIL"), detail
+    try:
+        requests = requests or trajectories(engine.info().vocab_size)
+        engine.score(requests[0])  # warm-up (its own cache entries are kept)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = [engine.score(r) for r in requests[1:]]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        index = engine._cache.index if engine._cache is not None else None
+        budget = (0, 0) if index is None else (
+            index.budget_bytes, index.host_slots * index.slot_bytes
+        )  # fmt: skip
+        return requests, (seconds, outs, budget, engine.prefix_cache_stats())
+    finally:
+        engine.shutdown()

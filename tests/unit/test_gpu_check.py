@@ -186,11 +186,13 @@ def test_the_prefix_sharing_row_runs_shared_against_dense_on_the_cpu():
 
 def test_the_prefix_cache_row_runs_turn_by_turn_against_no_cache_on_the_cpu():
     """The row a GPU run fills (tiny here, float32): the cache's logprobs from each turn
-    on equal the engine's without it, and it read the histories."""
+    on equal the engine's without it, with and without a host tier behind a small device
+    tier, and both read the histories (the tiers moving blocks out and back)."""
     module = _module("gpu_prefix_sharing")
     from tests.one_rank import one_rank_world
 
     with one_rank_world():
         result, detail = module.prefix_cache("tiny", "cpu", "float32")
     assert result == "PASS", detail
-    assert "logprob 0.00e+00" in detail and " 0 of " not in detail
+    assert detail.count("logprob 0.00e+00") == 2 and " 0 of " not in detail
+    assert re.search(r"tiers: .* [1-9]\d* moved to the host and [1-9]\d* back", detail), detail
