@@ -19,6 +19,7 @@ from megascore_client.client_base import (
     finish_score,
 )
 from megascore_client.errors import ScoringError, closed_error
+from megascore_client.push.adapter import adapter_push
 from megascore_client.push.plan import PushCall, push_steps, run_steps_async
 from megascore_client.push.replicas import push_to_replicas
 from megascore_client.push.requests import PushResult, finish
@@ -173,12 +174,16 @@ class AsyncScoringClient(AsyncTextMethods, ClientBase):
         model: str,
         weights_version: str = "",
         *,
+        weight_set: str = "",
+        adapter: str = "",
         timeout: float | None = None,
         progress: LoadProgress | None = None,
     ) -> LoadWeightsResult:
         """Asks the server to load new weights (see ``ScoringClient.load_weights``; never
         re-sent by ``wait_for_server_s``; ``progress(elapsed_s)`` about once a second)."""
-        request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
+        request = pb.LoadWeightsRequest(
+            model=model, weights_version=weights_version, weight_set=weight_set, adapter=adapter
+        )
         deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
         call = self.transport.call(self.transport.stub.LoadWeights, request, deadline)
         if progress is None:
@@ -202,6 +207,10 @@ class AsyncScoringClient(AsyncTextMethods, ClientBase):
         every replica (unless the commits began)."""
         steps = push_steps(self._delta_bases, self.target, named_tensors, **arguments)
         return await run_steps_async(steps, lambda call: self._push(call, timeout))
+
+    async def push_adapter(self, name: str, state_dict, config=None, **arguments) -> PushResult:
+        """Pushes LoRA adapter ``name`` whole (see ``ScoringClient.push_adapter``)."""
+        return await self.push_weights(**adapter_push(name, state_dict, config), **arguments)
 
     async def _push(self, call: PushCall, timeout: float | None) -> PushResult:
         """One push of ``push_weights`` (to ``call.targets``, all or none when several)."""

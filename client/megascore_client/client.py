@@ -19,6 +19,7 @@ from megascore_client.client_base import (
     finish_score,
 )
 from megascore_client.errors import ScoringError, closed_error
+from megascore_client.push.adapter import adapter_push
 from megascore_client.push.plan import PushCall, push_steps, run_steps
 from megascore_client.push.replicas import push_to_replicas
 from megascore_client.push.requests import (
@@ -330,14 +331,18 @@ class ScoringClient(TextMethods, ClientBase):
         model: str,
         weights_version: str = "",
         *,
+        weight_set: str = "",
+        adapter: str = "",
         timeout: float | None = None,
         progress: LoadProgress | None = None,
     ) -> LoadWeightsResult:
         """Asks the server to load new weights ("hf:DIR" / "megatron:DIR" on the server).
 
         Args:
-            model: checkpoint to load.
+            model: checkpoint to load (with ``adapter``: a peft adapter directory).
             weights_version: optional label (the server derives one when empty).
+            weight_set: the set it replaces ("": the default; an adapter's: its set).
+            adapter: load ``model`` as the LoRA adapter of this name (new or replaced).
             timeout: deadline in seconds (default: 600).
             progress: ``progress(elapsed_s)`` about once a second while the server loads
                 (the server reports no fraction; the CLI draws it as an elapsed-time line).
@@ -347,7 +352,9 @@ class ScoringClient(TextMethods, ClientBase):
         server serves the weights it was started with, not the last ones loaded; after
         an UNAVAILABLE the caller decides (``wait_until_serving``, then load again).
         """
-        request = pb.LoadWeightsRequest(model=model, weights_version=weights_version)
+        request = pb.LoadWeightsRequest(
+            model=model, weights_version=weights_version, weight_set=weight_set, adapter=adapter
+        )
         deadline = self._deadline(LOAD_WEIGHTS_TIMEOUT_S if timeout is None else timeout)
         future = self.transport.start(self.transport.stub.LoadWeights, request, deadline)
         if progress is not None:
@@ -376,6 +383,9 @@ class ScoringClient(TextMethods, ClientBase):
         replicas=None,
         prepare_timeout_s: float = 60.0,
         delta: bool = False,
+        weight_set: str = "",
+        adapter: str = "",
+        adapter_config: str = "",
     ) -> PushResult:
         """Streams new weights into the server (``UpdateWeights``), then swaps them in.
 
@@ -407,6 +417,8 @@ class ScoringClient(TextMethods, ClientBase):
                 client one too); a replica that does not hold that base any more
                 (another push or load since) refuses the delta and the push is redone
                 in full. ``named_tensors`` is listed once (references, no copy).
+            weight_set: the weight set the push changes ("": the default).
+            adapter, adapter_config: a LoRA adapter's push (:meth:`push_adapter`).
 
         Returns:
             A :class:`~megascore_client.push.requests.PushResult` (version, bytes, seconds, bytes/s;
@@ -423,8 +435,15 @@ class ScoringClient(TextMethods, ClientBase):
             weights_version=weights_version, version=version, names=names, partial=partial,
             chunk_bytes=chunk_bytes, progress=progress, replicas=replicas,
             prepare_timeout_s=prepare_timeout_s, delta=delta,
+            begin=dict(weight_set=weight_set, adapter=adapter, adapter_config=adapter_config),
         )  # fmt: skip
         return run_steps(steps, lambda call: self._push(call, timeout))
+
+    def push_adapter(self, name: str, state_dict, config=None, **arguments) -> PushResult:
+        """Pushes LoRA adapter ``name`` whole (``get_peft_model_state_dict(model)``, its
+        ``LoraConfig``: :func:`megascore_client.push.adapter.adapter_push`); ``arguments``
+        as :meth:`push_weights` (``weight_set`` of a new adapter, replicas all or none)."""
+        return self.push_weights(**adapter_push(name, state_dict, config), **arguments)
 
     def _push(self, call: PushCall, timeout: float | None) -> PushResult:
         """One push of ``push_weights`` (to ``call.targets``, all or none when several)."""

@@ -440,6 +440,7 @@ class ClientBase:
         prepare_timeout_s: float | None = None,
         base=None,
         kept=None,
+        begin: dict | None = None,
     ):
         """A ``push_weights`` call's requests (encoded as they are consumed), the counters
         they fill and the deadline (arguments: those of ``push_weights``)."""
@@ -455,6 +456,7 @@ class ClientBase:
             prepare_timeout_s=prepare_timeout_s,
             base=base,
             kept=kept,
+            begin=begin,
         )
         deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         return requests, counters, deadline

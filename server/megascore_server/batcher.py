@@ -23,11 +23,12 @@ weight load) at a time, so the collectives of the ranks never interleave. Schedu
   against its weight set's served version when a step that would take it starts: on
   another it fails at once with FAILED_PRECONDITION (a swap queued before it has run by
   then, so a pin on the version being committed is served). A swap is a barrier.
-* A step holds one weight set's requests (``PendingRequest.group``).
+* A step holds one weight set's requests (``PendingRequest.group``), those of the LoRA
+  adapters over it included (``pending.step_pieces``).
 * Cancelled or expired requests are dropped; a step holding them runs on, unanswered.
-* :meth:`DynamicBatcher.load_weights` (and any :meth:`~DynamicBatcher.swap_weights`,
-  e.g. a weight push's commit) is a barrier: requests accepted before it finish
-  on the old weights, later ones wait and run on the new ones.
+* :meth:`~DynamicBatcher.swap_weights` (a weight load, a weight push's commit) is a
+  barrier: requests accepted before it finish on the old weights, later ones wait and
+  run on the new ones.
   :meth:`~DynamicBatcher.run_on_engine` slips other engine work (a push's
   staging) between two steps without waiting for the queue.
 * :class:`WorkerLostError` from the engine is fatal: every pending and later
@@ -62,7 +63,7 @@ from megascore.api.limits import check_pinned_version
 from megascore.api.types import Engine, ModelInfo, ScoreBatch, ScoreOutput
 from megascore_server.batch_assembly import fill_step, merge_batches
 from megascore_server.metrics import ServerMetrics
-from megascore_server.pending import Barrier, PendingRequest, TimedOutput
+from megascore_server.pending import Barrier, PendingRequest, TimedOutput, step_pieces
 from megascore_server.shared_units import Sharing
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class DynamicBatcher:
             pad_multiple=self._pad_multiple,
             sharing=self._sharing,
             budget=self.budget,
+            base=self.engine_info().served(batch.model).base,
         )
         self._enqueue(item)
         self._queued_requests += 1
@@ -181,24 +183,16 @@ class DynamicBatcher:
         """The engine's description now (its weight sets with their versions)."""
         return self._engine.info()
 
-    async def load_weights(self, model: str, weights_version: str) -> tuple[str, str, ModelInfo]:
-        """Loads new weights between steps, after every request already accepted.
+    async def swap_weights(
+        self, swap: Callable[[Engine], str], served: str = ""
+    ) -> tuple[str, str, ModelInfo]:
+        """Runs ``swap(engine)`` (which changes the weights of the set or adapter ``served``
+        names and returns their new version) between steps, after every request already
+        accepted; later requests wait for it.
 
         Returns:
-            ``(new_version, previous_version, engine.info() after the load)``.
-
-        Raises:
-            Whatever ``engine.load_weights`` raises (old weights stay in place);
-            :class:`UnavailableError` when shutting down or the engine was lost.
-        """
-        return await self.swap_weights(lambda engine: engine.load_weights(model, weights_version))
-
-    async def swap_weights(self, swap: Callable[[Engine], str]) -> tuple[str, str, ModelInfo]:
-        """Runs ``swap(engine)`` (which changes the weights and returns their new version)
-        between steps, after every request already accepted; later requests wait for it.
-
-        Returns:
-            ``(new_version, previous_version, engine.info() after the swap)``.
+            ``(new_version, previous_version of served ("" for a new adapter), engine.info()
+            after the swap)``.
 
         Raises:
             Whatever ``swap`` raises (the engine keeps its old weights);
@@ -207,7 +201,9 @@ class DynamicBatcher:
         self._check_open()
 
         def run() -> tuple[str, str, ModelInfo]:
-            previous = self._engine.info().weights_version
+            models = self._engine.info().models
+            previous = next((m.weights_version for m in models if m.name == served), "")
+            previous = previous if served else self._engine.info().weights_version
             version = swap(self._engine)
             return str(version), previous, self._engine.info()
 
@@ -407,7 +403,7 @@ class DynamicBatcher:
             if item.first_start is None:
                 item.first_start = start
         while True:
-            step = merge_batches([(item.batch, idx) for item, idx in pieces])
+            step = merge_batches(step_pieces(pieces, self.engine_info))
             self._running = [item for item, _ in pieces]
             try:
                 output = await loop.run_in_executor(self._executor, self._engine.score, step)

@@ -18,7 +18,7 @@ import numpy as np
 from megascore.api import schema
 from megascore.api.metric_sums import MetricSums
 from megascore.api.selection import concat_outputs, keep_masked_positions, select_sequences
-from megascore.api.types import ScoreBatch, ScoreOutput
+from megascore.api.types import ModelInfo, ScoreBatch, ScoreOutput
 from megascore_server.shared_units import Sharing
 
 logger = logging.getLogger(__name__)
@@ -53,8 +53,10 @@ class PendingRequest:
     "microbatch"), the token-weighted mean of the steps' values. Requests that replay a
     MoE routing (``replays``) share steps only with each other: a step replays the
     routing of all its tokens or of none. Requests share a step only within one
-    ``group``: the same weight sets (``model``, ``reference``; a step never mixes sets, so
-    a set is swapped in once per step, not per request) and the same ``replays``.
+    ``group``: the same weight sets (the ``base`` set of ``model``, ``reference``; a step
+    never mixes sets, so a set is swapped in once per step, not per request) and the same
+    ``replays``. LoRA adapters over one set and the set itself share steps
+    (:func:`step_pieces`).
     """
 
     request_id: str
@@ -80,6 +82,10 @@ class PendingRequest:
     first_start: float | None = None
     compute_s: float = 0.0
     num_steps: int = 0
+    base: str = ""
+    """The weight set ``model`` runs on (an adapter's set; "": ``model`` itself)."""
+    model_version: str = ""
+    """The version of ``model`` when a step ran it over its base (:func:`step_pieces`)."""
 
     @classmethod
     def create(
@@ -92,9 +98,11 @@ class PendingRequest:
         pad_multiple: int,
         sharing: Sharing,
         budget: int,
+        base: str = "",
     ) -> PendingRequest:
         units, costs = sharing.units(batch, pad_multiple, budget)
         return cls(
+            base=base,
             request_id=request_id,
             batch=batch,
             future=asyncio.get_running_loop().create_future(),
@@ -117,7 +125,7 @@ class PendingRequest:
     @property
     def group(self) -> tuple[str, str, bool]:
         """What the requests of one step share (the class docstring)."""
-        return self.batch.model, self.batch.reference, self.replays
+        return self.base or self.batch.model, self.batch.reference, self.replays
 
     def dropped(self, now: float) -> bool:
         """Cancelled by its caller, answered already, or past its deadline."""
@@ -163,6 +171,8 @@ class PendingRequest:
         if self.future.done():
             return
         part = select_sequences(output, step.lengths, step_idx, self.batch)
+        if step.model != self.batch.model:  # an adapter's request in a step over its set
+            part.weights_version = self.model_version
         self.parts.append((idx, part))
         self.steps_computing_all += step.logprob_positions != schema.MASKED
         if self.solo and output.metric_sums is not None:
@@ -194,3 +204,21 @@ class PendingRequest:
             compute_ms=self.compute_s * 1000.0,
             num_steps=self.num_steps,
         )
+
+
+def step_pieces(pieces: list, info: Callable[[], ModelInfo]) -> list[tuple[ScoreBatch, np.ndarray]]:
+    """The ``(batch, sequence indices)`` a step merges from ``(PendingRequest, indices)``
+    of one group: as they came when they name one model; else (LoRA adapters over one
+    weight set, and the set) each over the set: ``model`` the set, its sequences' adapter
+    slot in the input ``adapter`` (the engine's ``ServedModel.slot`` now, from ``info()``),
+    its pin checked already (the batcher's ``_pinned_to_served``)."""
+    if len({item.batch.model for item, _ in pieces}) == 1:
+        return [(item.batch, idx) for item, idx in pieces]
+    served, out = info(), []
+    for item, idx in pieces:
+        entry = served.served(item.batch.model)
+        item.model_version = entry.weights_version
+        rows = np.full(item.batch.num_sequences, entry.slot, dtype=np.int64)
+        over = dict(model=item.base or item.batch.model, weights_version="", adapter=rows)
+        out.append((dataclasses.replace(item.batch, **over), idx))
+    return out

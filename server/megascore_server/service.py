@@ -216,25 +216,34 @@ class ScoringService:
         """The version served now ("" before an engine is attached)."""
         return "" if self._batcher is None else self._batcher.weights_version
 
-    async def load_weights(self, model: str, weights_version: str) -> Loaded:
-        """Loads weights between steps; a refused checkpoint leaves the old ones serving
-        (a read failing midway breaks the replica: docs/checkpoints.md, Hot reload)."""
+    async def load_weights(
+        self, model: str, weights_version: str, weight_set: str = "", adapter: str = ""
+    ) -> Loaded:
+        """Loads weights into ``weight_set`` between steps (with ``adapter``: the LoRA
+        adapter of that name from peft directory ``model``, over ``weight_set``); a refused
+        checkpoint leaves the old ones serving (a read failing midway breaks the replica:
+        docs/checkpoints.md, Hot reload)."""
         start = time.monotonic()
-        check_load(model, weights_version)
+        check_load(model, weights_version, weight_set, adapter)
         async with self.gate.call():
             self.gate.check(serving=False)
-            new, previous, info = await self._load(model, weights_version)
-        self._pusher.forget_kept()
+            new, previous, info = await self._load(model, weights_version, weight_set, adapter)
+        if not adapter:  # an adapter leaves the sets' kept copies as they were
+            self._pusher.forget_kept()
         self._info = info
         load_ms = (time.monotonic() - start) * 1000.0
         logger.info("weights %r -> %r loaded in %.0f ms", previous, new, load_ms)
         return Loaded(new, previous, load_ms)
 
-    async def _load(self, model: str, weights_version: str) -> tuple[str, str, ModelInfo]:
-        logger.info("loading weights %s (version %r)", quoted(model), weights_version)
+    async def _load(self, model: str, version: str, weight_set: str, adapter: str):
+        logger.info("loading weights %s (version %r)", quoted(model), version)
+        if adapter:
+            swap = lambda e: e.load_adapter(adapter, model, version, weight_set)  # noqa: E731
+        else:
+            swap = lambda e: e.load_weights(model, version, weight_set)  # noqa: E731
         previous = self._batcher.weights_version
         try:
-            return await self._batcher.load_weights(model, weights_version)
+            return await self._batcher.swap_weights(swap, adapter or weight_set)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc.reason}; still serving weights {previous!r}") from exc
         except MegascoreError:

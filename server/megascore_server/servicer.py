@@ -141,7 +141,9 @@ class ScorerServicer(pb_grpc.ScorerServicer):
 
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context):
         """Loads weights between steps (:meth:`ScoringService.load_weights`)."""
-        loaded = await self._service.load_weights(request.model, request.weights_version)
+        loaded = await self._service.load_weights(
+            request.model, request.weights_version, request.weight_set, request.adapter
+        )
         return pb.LoadWeightsResponse(
             weights_version=loaded.weights_version,
             previous_weights_version=loaded.previous_weights_version,

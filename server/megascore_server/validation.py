@@ -265,7 +265,7 @@ def check_request(batch: ScoreBatch, limits: Limits) -> ScoreBatch:
     )
 
 
-def check_load(model: str, weights_version: str) -> None:
+def check_load(model: str, weights_version: str, weight_set: str = "", adapter: str = "") -> None:
     """Checks a weight load's arguments before anything is loaded.
 
     Raises:
@@ -273,7 +273,10 @@ def check_load(model: str, weights_version: str) -> None:
     """
     if not model:
         raise InvalidRequestError(
-            "model: required ('hf:DIR', 'megatron:DIR' or 'builtin:NAME@SEED')"
+            "model: required (an adapter's directory, or 'hf:DIR', 'megatron:DIR' or "
+            "'builtin:NAME@SEED')"
         )
     check_length("model", model, MAX_MODEL_CHARS)
-    check_length("weights_version", weights_version, MAX_ID_CHARS)
+    named = {"weights_version": weights_version, "weight_set": weight_set, "adapter": adapter}
+    for field, value in named.items():
+        check_length(field, value, MAX_ID_CHARS)

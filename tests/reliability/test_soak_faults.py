@@ -103,7 +103,7 @@ class StrictPushEngine(PushEngine):
         super().__init__()
         self.open = False
 
-    def begin_weight_update(self, names: int):
+    def begin_weight_update(self, names: int, weight_set: str = ""):
         self.open = True
         return super().begin_weight_update(names)
 

@@ -196,7 +196,7 @@ class FakeEngine:
         self.events.append(("step", batch.num_sequences))
         return compute(batch, self.version, self.routing)
 
-    def load_weights(self, model: str, weights_version: str) -> str:
+    def load_weights(self, model: str, weights_version: str, weight_set: str = "") -> str:
         if not model.startswith(("hf:", "megatron:", "builtin:")):
             raise InvalidRequestError(f"model {model!r}: expected hf:DIR, megatron:DIR or builtin:")
         if self.delay_s:

@@ -35,7 +35,7 @@ TENSORS = {
 class OtherShapeEngine(PushEngine):
     """A replica whose model has another ``norm`` shape: it refuses the push's."""
 
-    def begin_weight_update(self, names: int):
+    def begin_weight_update(self, names: int, weight_set: str = ""):
         targets = super().begin_weight_update(names)
         return {**targets, "norm": WeightTarget((6,))}
 

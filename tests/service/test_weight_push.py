@@ -47,7 +47,7 @@ class PushEngine(FakeEngine):
         self.aborts = 0
         self.refuse_commit = False
 
-    def begin_weight_update(self, names: int):
+    def begin_weight_update(self, names: int, weight_set: str = ""):
         self.staged = {}
         self.events.append(("begin", names))
         return dict(TARGETS)

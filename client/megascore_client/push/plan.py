@@ -68,6 +68,10 @@ def push_steps(
     replicas=None,
     prepare_timeout_s: float = 60.0,
     delta: bool = False,
+    weight_set: str = "",
+    adapter: str = "",
+    adapter_config: str = "",
+    begin: dict | None = None,
 ) -> Steps:
     """The pushes of one ``push_weights`` call (arguments: its own; ``target`` the
     client's, ``bases`` the client's kept delta bases, updated here).
@@ -81,12 +85,14 @@ def push_steps(
         weights_version=weights_version, version=version, names=names, partial=partial,
         chunk_bytes=chunk_bytes, progress=progress,
         prepare_timeout_s=prepare_timeout_s if several else None,
+        begin=begin or dict(weight_set=weight_set, adapter=adapter, adapter_config=adapter_config),
     )  # fmt: skip
     if several and not (weights_version or version):
         options["weights_version"] = new_push_version()  # one label for every replica
     key = tuple(targets)
     if not delta:
-        bases.pop(key, None)
+        if not options["begin"]["adapter"]:  # an adapter's push leaves the sets' bases
+            bases.pop(key, None)
         return (yield PushCall(named_tensors, targets, options))
     named, base = list(named_tensors), bases.pop(key, None)
     result = None

@@ -51,7 +51,11 @@ _DTYPES = {  # dtype name -> (proto Dtype, element bytes)
     "float64": (pb.DTYPE_FLOAT64, 8),
 }
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-_NAMES = {"hf": pb.WEIGHT_NAMES_HF, "megatron": pb.WEIGHT_NAMES_MEGATRON}
+_NAMES = {
+    "hf": pb.WEIGHT_NAMES_HF,
+    "megatron": pb.WEIGHT_NAMES_MEGATRON,
+    "peft": pb.WEIGHT_NAMES_PEFT,
+}
 
 Progress = Callable[[int, str], None]
 """``progress(bytes_sent_so_far, tensor_name)``, called after each chunk is handed to gRPC."""
@@ -192,6 +196,7 @@ def push_requests(
     prepare_timeout_s: float | None = None,
     base: tuple[str, dict[str, RawTensor]] | None = None,
     kept: dict[str, RawTensor] | None = None,
+    begin: dict | None = None,
 ) -> Iterator[pb.UpdateWeightsRequest]:
     """The messages of one push (``counters`` gets ``tensors`` and ``bytes`` sent); with
     ``prepare_timeout_s`` its commit only prepares (``megascore_client.push.replicas``).
@@ -199,14 +204,17 @@ def push_requests(
     Deltas: with ``kept`` (a dict) the push asks the server to keep its tensors
     (``begin.keep``) and ``kept`` gets a copy of each; with ``base`` (the version the
     replica kept and its tensors) it is a delta: an unchanged tensor is not sent, one
-    with few changed elements goes as one patch chunk (:func:`delta_chunk`).
+    with few changed elements goes as one patch chunk (:func:`delta_chunk`). ``begin``:
+    the begin's target fields (``weight_set``, ``adapter``, ``adapter_config``).
 
     An exception while producing them (a tensor that cannot be pushed, the caller's
     iterable failing) ends the stream without a commit, so that the server drops what
     it staged, and is stored in ``counters["error"]`` for the caller to raise.
     """
     try:
-        yield from _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept)
+        yield from _requests(
+            named_tensors, names, chunk_bytes, progress, counters, base, kept, begin or {}
+        )
         commit = pb.UpdateWeightsCommit(weights_version=weights_version, partial=partial)
         if prepare_timeout_s is not None:
             commit.prepare, commit.prepare_timeout_s = True, prepare_timeout_s
@@ -215,11 +223,14 @@ def push_requests(
         counters["error"] = exc
 
 
-def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept):
+def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept, target):
     if names not in _NAMES:
         raise InvalidInputError(f"names must be one of {sorted(_NAMES)}, got {names!r}")
     begin = pb.UpdateWeightsBegin(
-        names=_NAMES[names], base_weights_version=base[0] if base else "", keep=kept is not None
+        names=_NAMES[names],
+        base_weights_version=base[0] if base else "",
+        keep=kept is not None,
+        **target,
     )
     yield pb.UpdateWeightsRequest(begin=begin)
     sent = 0

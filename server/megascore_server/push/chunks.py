@@ -17,7 +17,13 @@ import weakref
 import numpy as np
 
 from megascore.api.errors import InvalidRequestError, quoted
-from megascore.api.types import LAYOUT_COMMON, LAYOUT_PER_EXPERT, WEIGHT_NAMES_HF, WeightTarget
+from megascore.api.types import (
+    LAYOUT_COMMON,
+    LAYOUT_PER_EXPERT,
+    WEIGHT_NAMES_HF,
+    WEIGHT_NAMES_PEFT,
+    WeightTarget,
+)
 from megascore.api.wire import decode_array
 from megascore.v1 import scoring_pb2 as pb
 
@@ -139,7 +145,7 @@ class PushSession:
         buffers: TensorBuffers | None = None,
     ):
         self.targets = targets
-        self.names = "HF" if names == WEIGHT_NAMES_HF else "Megatron"
+        self.names = {WEIGHT_NAMES_HF: "HF", WEIGHT_NAMES_PEFT: "peft"}.get(names, "Megatron")
         self.base = base  # a delta: the kept copies its patches apply to
         self.keep = keep
         self.buffers = buffers

@@ -47,7 +47,7 @@ from megascore.api.errors import (
     WrongVersionError,
     quoted,
 )
-from megascore.api.types import WEIGHT_NAMES_HF, WEIGHT_NAMES_MEGATRON, ModelInfo
+from megascore.api.types import ModelInfo
 from megascore.v1 import scoring_pb2 as pb
 from megascore_server.batcher import DynamicBatcher
 from megascore_server.push.chunks import (
@@ -57,11 +57,10 @@ from megascore_server.push.chunks import (
     PushSession,
     TensorBuffers,
 )
+from megascore_server.push.target import PushTarget
 from megascore_server.validation import MAX_ID_CHARS, check_length
 
 logger = logging.getLogger(__name__)
-
-_NAMES = {pb.WEIGHT_NAMES_HF: WEIGHT_NAMES_HF, pb.WEIGHT_NAMES_MEGATRON: WEIGHT_NAMES_MEGATRON}
 
 
 def new_weights_version() -> str:
@@ -86,6 +85,7 @@ class _Prepared:
     expiry: asyncio.TimerHandle
     session: PushSession
     base_version: str
+    target: PushTarget
 
 
 def _prepare_timeout(commit: pb.UpdateWeightsCommit) -> float:
@@ -128,15 +128,16 @@ class WeightPusher:
             start = time.monotonic()
             iterator = aiter(requests)
             first = await anext(iterator, None)
-            names, base = self._check_begin(first, batcher)
+            target, base = self._check_begin(first, batcher)
             base_version = first.begin.base_weights_version
             opened = True
-            targets = await batcher.run_on_engine(lambda e: e.begin_weight_update(names))
+            targets = await batcher.run_on_engine(target.open)
             session = PushSession(
-                targets, names, base=base, keep=first.begin.keep, buffers=self._buffers
+                targets, target.names, base=base, keep=first.begin.keep, buffers=self._buffers
             )
             commit = await self._stage_all(iterator, session, batcher)
-            partial = commit.partial or base is not None
+            # an adapter carries the modules it adapts; it replaces the adapter whole
+            partial = commit.partial or base is not None or bool(target.adapter)
             session.check_complete(partial)
             check_length("commit.weights_version", commit.weights_version, MAX_ID_CHARS)
             stream_ms = (time.monotonic() - start) * 1e3
@@ -145,20 +146,20 @@ class WeightPusher:
                 response = _response(
                     session,
                     weights_version=version,
-                    previous_weights_version=batcher.weights_version,
+                    previous_weights_version=_version(batcher, target.served),
                     stream_ms=stream_ms,
                     prepared=True,
                     push_id=uuid.uuid4().hex,
                 )
                 hold_s = _prepare_timeout(commit)
-                self._hold(response, partial, hold_s, batcher, session, base_version)
+                self._hold(response, partial, hold_s, batcher, session, base_version, target)
                 settled, release = True, False  # held until finish() or the timeout
                 return response, None
             settled = True  # the commit drops the staged tensors on every rank, ok or not
             new, previous, info = await batcher.swap_weights(
-                _commit_call(version, partial, base_version)
+                _commit_call(version, partial, base_version, target.served), target.served
             )
-            self._remember(new, session)
+            self._remember(new, session, target)
             swap_ms = (time.monotonic() - start) * 1e3 - stream_ms
         except asyncio.CancelledError:
             if opened and not settled:  # the next push may start once every rank dropped it
@@ -175,8 +176,8 @@ class WeightPusher:
                 self._busy = False
         return _pushed(session, new, previous, stream_ms, swap_ms), info
 
-    def _check_begin(self, first, batcher: DynamicBatcher) -> tuple[int, dict | None]:
-        """The names and the delta base (None: a full push) of a stream's first message,
+    def _check_begin(self, first, batcher: DynamicBatcher) -> tuple[PushTarget, dict | None]:
+        """The target and the delta base (None: a full push) of a stream's first message,
         checked before anything is opened on the engine.
 
         Raises:
@@ -185,20 +186,19 @@ class WeightPusher:
         """
         if first is None or first.WhichOneof("step") != "begin":
             raise InvalidRequestError("message 0: an UpdateWeights stream starts with begin")
-        names = _NAMES.get(first.begin.names)
-        if names is None:
-            raise InvalidRequestError("begin.names: WEIGHT_NAMES_HF or WEIGHT_NAMES_MEGATRON")
+        target = PushTarget.from_begin(first.begin)
         base_version = first.begin.base_weights_version
-        return names, self._delta_base(base_version, batcher) if base_version else None
+        base = self._delta_base(base_version, batcher, target) if base_version else None
+        return target, base
 
-    def _delta_base(self, base_version: str, batcher: DynamicBatcher) -> dict[str, tuple]:
+    def _delta_base(self, base_version: str, batcher, target: PushTarget) -> dict[str, tuple]:
         """The kept tensors a delta against ``base_version`` patches.
 
         Raises:
             WrongVersionError: the replica serves another version.
             FailedPreconditionError: it kept no copy of the version it serves.
         """
-        served = batcher.weights_version
+        served = _version(batcher, target.served)
         if base_version != served:
             raise WrongVersionError(
                 f"begin.base_weights_version: a delta against weights {quoted(base_version)}, "
@@ -215,23 +215,23 @@ class WeightPusher:
         """Drops the kept copies (the weights were loaded from elsewhere)."""
         self._kept = None
 
-    def _remember(self, version: str, session: PushSession) -> None:
+    def _remember(self, version: str, session: PushSession, target: PushTarget) -> None:
         """After a commit: the kept copies are this push's (over its base's for a delta),
-        or none without ``keep``."""
+        or none without ``keep``; an adapter's push leaves them as they were."""
+        if target.adapter:
+            return
         if session.keep:
             self._kept = (version, {**(session.base or {}), **session.kept})
         else:
             self._kept = None
 
-    def _hold(
-        self, response, partial: bool, hold_s: float, batcher: DynamicBatcher, session, base
-    ) -> None:
+    def _hold(self, response, partial: bool, hold_s: float, batcher, session, base, target) -> None:
         push_id = response.push_id
         expiry = asyncio.get_running_loop().call_later(
             hold_s, lambda: asyncio.ensure_future(self._expire(push_id, hold_s, batcher))
         )
         self._prepared = _Prepared(
-            push_id, response.weights_version, partial, response, expiry, session, base
+            push_id, response.weights_version, partial, response, expiry, session, base, target
         )
         logger.info(
             "weights %r prepared (push %s): %d tensors, %d bytes; held %.0f s for its commit",
@@ -277,14 +277,16 @@ class WeightPusher:
         try:
             if not commit:
                 await self._abort(batcher)
-                response.weights_version = batcher.weights_version
+                response.weights_version = _version(batcher, prepared.target.served)
                 response.previous_weights_version = response.weights_version
                 logger.info("prepared push %s aborted", push_id)
                 return response, None
+            served = prepared.target.served
             new, previous, info = await batcher.swap_weights(
-                _commit_call(prepared.version, prepared.partial, prepared.base_version)
+                _commit_call(prepared.version, prepared.partial, prepared.base_version, served),
+                served,
             )
-            self._remember(new, prepared.session)
+            self._remember(new, prepared.session, prepared.target)
         finally:
             self._busy = False
         response.weights_version, response.previous_weights_version = new, previous
@@ -359,12 +361,20 @@ def _pushed(
     )
 
 
-def _commit_call(version: str, partial: bool, base_version: str):
-    """The swap of a push's commit; a delta's base must still be the version served
-    (else its staged tensors are dropped and :class:`WrongVersionError` raised)."""
+def _version(batcher: DynamicBatcher, served: str) -> str:
+    """The version of the set or adapter ``served`` names now ("" for a new adapter)."""
+    models = batcher.engine_info().models
+    if not served or not models:
+        return batcher.weights_version
+    return next((m.weights_version for m in models if m.name == served), "")
+
+
+def _commit_call(version: str, partial: bool, base_version: str, target: str):
+    """The swap of a push's commit; a delta's base must still be the version the target
+    serves (else its staged tensors are dropped and :class:`WrongVersionError` raised)."""
 
     def commit(engine) -> str:
-        served = engine.info().weights_version
+        served = engine.info().served(target).weights_version
         if base_version and served != base_version:
             engine.abort_weight_update()
             raise WrongVersionError(

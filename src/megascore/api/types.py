@@ -353,6 +353,8 @@ WEIGHT_NAMES_HF = 1
 """Weight push names: Hugging Face names of the served family (``megascore.v1.WeightNames``)."""
 WEIGHT_NAMES_MEGATRON = 2
 """Weight push names: Megatron state-dict names of the unsharded local-spec model."""
+WEIGHT_NAMES_PEFT = 3
+"""Weight push names: a LoRA adapter's peft tensor names (``get_peft_model_state_dict``)."""
 
 LAYOUT_COMMON = 0
 """A pushed tensor name every HF layout of the family shares."""

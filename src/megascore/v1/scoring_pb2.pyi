@@ -28,6 +28,7 @@ class WeightNames(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_NAMES_UNSPECIFIED: _ClassVar[WeightNames]
     WEIGHT_NAMES_HF: _ClassVar[WeightNames]
     WEIGHT_NAMES_MEGATRON: _ClassVar[WeightNames]
+    WEIGHT_NAMES_PEFT: _ClassVar[WeightNames]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_INT32: Dtype
 DTYPE_INT64: Dtype
@@ -42,6 +43,7 @@ LOGPROB_POSITIONS_MASKED: LogprobPositions
 WEIGHT_NAMES_UNSPECIFIED: WeightNames
 WEIGHT_NAMES_HF: WeightNames
 WEIGHT_NAMES_MEGATRON: WeightNames
+WEIGHT_NAMES_PEFT: WeightNames
 
 class Array(_message.Message):
     __slots__ = ("dtype", "data")
@@ -339,14 +341,16 @@ class ServedModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weights_version: _Optional[str] = ..., base: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("model", "weights_version", "weight_set")
+    __slots__ = ("model", "weights_version", "weight_set", "adapter")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SET_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     model: str
     weights_version: str
     weight_set: str
-    def __init__(self, model: _Optional[str] = ..., weights_version: _Optional[str] = ..., weight_set: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, model: _Optional[str] = ..., weights_version: _Optional[str] = ..., weight_set: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
     __slots__ = ("weights_version", "previous_weights_version", "load_ms")
@@ -359,16 +363,20 @@ class LoadWeightsResponse(_message.Message):
     def __init__(self, weights_version: _Optional[str] = ..., previous_weights_version: _Optional[str] = ..., load_ms: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsBegin(_message.Message):
-    __slots__ = ("names", "base_weights_version", "keep", "weight_set")
+    __slots__ = ("names", "base_weights_version", "keep", "weight_set", "adapter", "adapter_config")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     BASE_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SET_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CONFIG_FIELD_NUMBER: _ClassVar[int]
     names: WeightNames
     base_weights_version: str
     keep: bool
     weight_set: str
-    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ..., base_weights_version: _Optional[str] = ..., keep: bool = ..., weight_set: _Optional[str] = ...) -> None: ...
+    adapter: str
+    adapter_config: str
+    def __init__(self, names: _Optional[_Union[WeightNames, str]] = ..., base_weights_version: _Optional[str] = ..., keep: bool = ..., weight_set: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_config: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "shape", "data", "offset", "indices")
