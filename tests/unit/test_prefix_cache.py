@@ -211,3 +211,52 @@ def test_multi_latent_attention_equals_the_cache_off_engine(tmp_path):
     for i, (got, want) in enumerate(zip(on, off, strict=True)):
         assert_same_outputs(got, want, f"request {i}")
     assert stats["hit_tokens"] > 0
+
+
+def test_weight_sets_keep_their_own_prefixes_and_answer_as_alone():
+    """Two weight sets on one engine, the same turn-by-turn histories scored under each in
+    turn: a set never reads the other's blocks (the first scoring under the second set
+    reads nothing), each reads its own, and every answer is bit for bit that of a
+    cache-off engine on that set's weights."""
+    requests = host_tier_workload(seed=7)[:6]
+    sets = ("one=builtin:tiny@1", "two=builtin:tiny@2")
+    with one_rank_world():
+        alone = {
+            name: _answers(model, requests, **OFF)[0]
+            for name, model in (s.split("=") for s in sets)
+        }
+        both = [dataclasses.replace(r, model=name) for r in requests for name in alone]
+        on, stats = _answers("tiny", both, weights=sets)
+    for i, out in enumerate(on):
+        name = both[i].model
+        assert_same_outputs(out, alone[name][i // 2], f"request {i // 2} under {name}")
+    hits = [int(o.values["cached_tokens"][0]) for o in on]
+    assert hits[0] == hits[1] == 0, hits  # the same tokens: no hit across the sets
+    assert all(h >= 5 * BLOCK for h in hits[6:]), hits  # each set's own second turn
+    assert stats["hit_tokens"] == sum(hits)
+
+
+def test_an_adapters_sequences_are_keyed_by_the_adapter_and_its_version():
+    """``WeightSets.cache_seeds``: per sequence, the set and the sequence's adapter (by its
+    slot) with their versions: the base and each adapter seed their keys apart, and a
+    pushed adapter (a new version) never reads its old blocks."""
+    from types import SimpleNamespace
+
+    from megascore.api.served_models import ServedModel
+    from megascore.engine.weights.sets import WeightSets
+
+    def seeds(version_a: str, slots) -> list[bytes]:
+        sets = SimpleNamespace(
+            records={"base": SimpleNamespace(weights_version="v0")},
+            adapters={
+                "a": ServedModel("a", version_a, "base", 0),
+                "b": ServedModel("b", "b-1", "base", 1),
+            },
+        )
+        batch = ScoreBatch(np.arange(6), np.full(3, 2), adapter=np.asarray(slots, np.int64))
+        return WeightSets.cache_seeds(sets, batch, "base")
+
+    base, a, b = seeds("a-1", [-1, 0, 1])
+    assert len({base, a, b}) == 3
+    assert seeds("a-2", [-1, 0, 1]) == [base, seeds("a-2", [0, 0, 0])[0], b]
+    assert seeds("a-2", [0, 0, 0])[0] != a  # the pushed version

@@ -58,6 +58,7 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -198,19 +199,13 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler, AdapterHand
         if self.rank != DRIVER_RANK:
             return None
         keep = self.engine_cfg.prefix_cache is not False
-        return PrefixCache(index, store.block, keep, self._cache_sharing)
+        seeds = lambda batch: self.sets.cache_seeds(batch, self.sets.live)  # noqa: E731
+        return PrefixCache(index, store.block, keep, self._cache_sharing, seeds)
 
     @property
     def loaded(self) -> LoadedModel:
         """The default weight set's record (its model is every set's)."""
         return self.sets.records[self.sets.default]
-
-    def _cache_for(self, weight_set: int, adapters: bool) -> PrefixCache | None:
-        """The prefix cache for a step of weight set ``weight_set`` (an index), with LoRA
-        ``adapters`` or not: its entries are keyed by the default set's weights version
-        only, so a step of another set or with adapter rows bypasses it (None) until the
-        cache is keyed by set and adapter."""
-        return self._cache if weight_set == 0 and not adapters else None
 
     def _forget_prefixes(self) -> None:
         """The served weights changed: nothing cached holds (rank 0's index is emptied);
@@ -225,11 +220,13 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler, AdapterHand
         """Rank 0: the tokens of each sequence the prefix cache holds now (int64 ``[B]``;
         None without a cache or for a batch that does not read it), for the batcher's
         costs (:meth:`megascore.engine.cache.planner.PrefixCache.cached_now`)."""
-        weight_set, slot = self.sets.target(batch.model)
-        cache = self._cache_for(weight_set, slot >= 0 or batch.adapter is not None)
-        if cache is None or not cache.applies(batch):
+        if self._cache is None or not self._cache.applies(batch):
             return None
-        return cache.cached_now(batch)
+        weight_set, slot = self.sets.target(batch.model)
+        if slot >= 0:  # an adapter's request: every sequence its slot
+            batch = dataclasses.replace(batch, adapter=np.full(batch.num_sequences, slot))
+        seeds = self.sets.cache_seeds(batch, self.sets.names[weight_set])
+        return self._cache.cached_now(batch, seeds)
 
     def prefix_cache_stats(self) -> dict[str, int] | None:
         """Rank 0: the prefix cache's counters (None without a cache)."""
@@ -397,9 +394,8 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler, AdapterHand
         """Rank 0: ``batch`` under weight set ``weight_set`` (made live here, and on every
         rank by the step's header)."""
         self.sets.activate(self.sets.names[weight_set])
-        cache = self._cache_for(weight_set, batch.adapter is not None)
-        if cache is not None and cache.applies(batch):
-            return cache.score(batch, self._send_and_run)
+        if self._cache is not None and self._cache.applies(batch):
+            return self._cache.score(batch, self._send_and_run)
         return self._send_and_run(batch)
 
     def _send_and_run(self, batch: ScoreBatch) -> ScoreOutput:

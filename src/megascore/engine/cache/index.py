@@ -2,9 +2,10 @@
 outputs; what to evict (numpy, torch-free).
 
 A block is keyed by a hash chain over the token ids (:func:`chain_keys`): block ``j``'s
-key hashes block ``j - 1``'s key and the block's own tokens, so a key names the whole
-prefix up to the block's end, and a sequence's cached prefix is its longest run of keys
-present from block 0 on.
+key hashes block ``j - 1``'s key and the block's own tokens (block 0: a seed naming the
+weights, e.g. the weight set and LoRA adapter with their versions), so a key names the
+whole prefix up to the block's end under those weights, and a sequence's cached prefix
+is its longest run of keys present from block 0 on.
 
 Memory: every block holds one slot on every rank (its keys and values) and, on rank 0,
 the outputs stored with it (:class:`BlockOutputs`); the two together stay within the
@@ -40,10 +41,12 @@ import hashlib
 import numpy as np
 
 
-def chain_keys(token_ids: np.ndarray, block: int, count: int) -> list[bytes]:
-    """Keys of the first ``count`` full blocks of one sequence's ``token_ids``."""
+def chain_keys(token_ids: np.ndarray, block: int, count: int, seed: bytes = b"") -> list[bytes]:
+    """Keys of the first ``count`` full blocks of one sequence's ``token_ids``; ``seed``
+    names the weights they are computed with (block 0 hashes it first: a weight set's or
+    adapter's blocks are never another's)."""
     ids = np.ascontiguousarray(token_ids, dtype=np.int64)
-    keys, key = [], b""
+    keys, key = [], seed
     for j in range(count):
         key = hashlib.blake2b(
             key + ids[j * block : (j + 1) * block].tobytes(), digest_size=16

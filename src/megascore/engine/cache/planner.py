@@ -114,15 +114,32 @@ class PrefixCache:
             serve its own shared prefixes only and are forgotten after it.
         min_shared: shortest new shared prefix computed once (None: no within-step
             sharing).
+        seeds: per sequence of a batch, what names the weights its keys and values are
+            computed with (:func:`~megascore.engine.cache.index.chain_keys`' seed: the
+            weight set and adapter with their versions); None: one set of weights.
     """
 
-    def __init__(self, index: PrefixIndex, block: int, keep: bool, min_shared: int | None):
+    def __init__(
+        self,
+        index: PrefixIndex,
+        block: int,
+        keep: bool,
+        min_shared: int | None,
+        seeds: Callable[[ScoreBatch], list[bytes]] | None = None,
+    ):
         self.index = index
         self.block = block
         self.keep = keep
         self.min_shared = min_shared
+        self._seeds = seeds
         self.hit_tokens = 0
         self.lookup_tokens = 0
+
+    def seeds(self, batch: ScoreBatch) -> list[bytes]:
+        """Each sequence's key seed (``seeds``)."""
+        if self._seeds is None:
+            return [b""] * batch.num_sequences
+        return self._seeds(batch)
 
     @staticmethod
     def applies(batch: ScoreBatch) -> bool:
@@ -135,15 +152,16 @@ class PrefixCache:
             or batch.routing is not None
         )
 
-    def cached_now(self, batch: ScoreBatch) -> np.ndarray:
+    def cached_now(self, batch: ScoreBatch, seeds: list[bytes] | None = None) -> np.ndarray:
         """int64 ``[B]`` the cached tokens each sequence would read now, before its outputs
-        are checked (an estimate for the server's batcher; read-only, any thread)."""
+        are checked (an estimate for the server's batcher; read-only, any thread; ``seeds``:
+        the sequences' key seeds where ``batch`` is not scored under the live weights)."""
         lengths = np.asarray(batch.lengths, np.int64)
         bounds = layout.offsets(lengths)
         ids = np.asarray(batch.token_ids, np.int64)
         hits = [
-            self._cached(chain_keys(ids[a:b], self.block, (b - a) // self.block), b - a)
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            self._cached(chain_keys(ids[a:b], self.block, (b - a) // self.block, seed), b - a)
+            for a, b, seed in zip(bounds[:-1], bounds[1:], seeds or self.seeds(batch), strict=True)
         ]
         return np.asarray(hits, np.int64) * self.block
 
@@ -192,11 +210,13 @@ class PrefixCache:
         bounds = layout.offsets(lengths)
         ids = np.asarray(batch.token_ids, np.int64)
         seqs = [ids[bounds[b] : bounds[b + 1]] for b in range(len(lengths))]
-        temps = batch.temperatures()
-        order = sorted(range(len(seqs)), key=lambda b: (float(temps[b]), seqs[b].tobytes()))
+        temps, seeds = batch.temperatures(), self.seeds(batch)
+        order = sorted(
+            range(len(seqs)), key=lambda b: (seeds[b], float(temps[b]), seqs[b].tobytes())
+        )
         picked: dict[bytes, tuple[int, int]] = {}  # key of the prefix -> (sequence, a)
         for x, y in zip(order[:-1], order[1:], strict=True):
-            if temps[x] != temps[y]:
+            if temps[x] != temps[y] or seeds[x] != seeds[y]:
                 continue
             n = min(len(seqs[x]), len(seqs[y]))
             differ = np.flatnonzero(seqs[x][:n] != seqs[y][:n])
@@ -204,7 +224,7 @@ class PrefixCache:
             a = (lcp - 1) // self.block * self.block
             if a < self.block:
                 continue
-            keys = chain_keys(seqs[x], self.block, a // self.block)
+            keys = chain_keys(seqs[x], self.block, a // self.block, seeds[x])
             signature = _signature(batch, x, int(bounds[x]), self.block, len(keys))
             usable = self._usable(batch, x, int(bounds[x]), keys, signature, a + 1)
             new = a - usable * self.block
@@ -244,10 +264,10 @@ class PrefixCache:
         lengths = np.asarray(batch.lengths, np.int64)
         bounds = layout.offsets(lengths)
         ids = np.asarray(batch.token_ids, np.int64)
-        plans, pinned, taken = [], set(), {}
+        plans, pinned, taken, seeds = [], set(), {}, self.seeds(batch)
         for b, length in enumerate(lengths):
             start, length = int(bounds[b]), int(length)
-            keys = chain_keys(ids[start : start + length], block, length // block)
+            keys = chain_keys(ids[start : start + length], block, length // block, seeds[b])
             signature = _signature(batch, b, start, block, len(keys))
             hit = self._usable(batch, b, start, keys, signature, length)
             pinned.update(keys[:hit])

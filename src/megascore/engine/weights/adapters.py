@@ -13,9 +13,10 @@ ranks agree, and only then does each hold it: a refused adapter changes nothing 
 A push (``UpdateWeights`` naming an adapter) stages its tensors on rank 0 only (an
 adapter is megabytes) and sends them to every rank at its commit. A step scores a
 sequence with its adapter from the input ``adapter`` (the slot per sequence; rank 0 fills
-it from the request's ``model``, :meth:`AdapterHandler._with_adapter`). Adapter steps
-bypass the prefix cache (``DistributedEngine._cache_for``), so a changed adapter needs no
-flush.
+it from the request's ``model``, :meth:`AdapterHandler._with_adapter`). The prefix
+cache keys an adapter's sequences by the adapter and its version
+(:meth:`~megascore.engine.weights.sets.WeightSets.cache_seeds`), so a changed adapter
+needs no flush: its old blocks are never read again and age out.
 """
 
 from __future__ import annotations

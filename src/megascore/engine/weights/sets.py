@@ -85,6 +85,17 @@ class WeightSets:
         sets = tuple(ServedModel(n, self.records[n].weights_version) for n in self.names)
         return sets + tuple(self.adapters.values())
 
+    def cache_seeds(self, batch, name: str) -> list[bytes]:
+        """Per sequence of ``batch`` scored under set ``name``, what its prefix-cache keys
+        are seeded with (:func:`megascore.engine.cache.index.chain_keys`): the set and,
+        for a sequence of a LoRA adapter (its ``adapter`` slot), the adapter, each with
+        its version, so no set's or adapter's cached blocks are ever another's, nor a
+        version's another's."""
+        head = f"{name}\0{self.records[name].weights_version}"
+        by_slot = {a.slot: f"{a.name}\0{a.weights_version}" for a in self.adapters.values()}
+        slots = [-1] * batch.num_sequences if batch.adapter is None else batch.adapter
+        return [f"{head}\0{by_slot.get(int(s), '')}".encode() for s in slots]
+
     def add(self, name: str) -> None:
         """Room for set ``name`` beside the live one (its values unset until a load
         writes them, with the set made live)."""
