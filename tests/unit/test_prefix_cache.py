@@ -238,8 +238,9 @@ def test_weight_sets_keep_their_own_prefixes_and_answer_as_alone():
 
 def test_an_adapters_sequences_are_keyed_by_the_adapter_and_its_version():
     """``WeightSets.cache_seeds``: per sequence, the set and the sequence's adapter (by its
-    slot) with their versions: the base and each adapter seed their keys apart, and a
-    pushed adapter (a new version) never reads its old blocks."""
+    slot) with their versions and changes: the base and each adapter seed their keys
+    apart, and a pushed adapter (a new version, or the same label again) never reads its
+    old blocks."""
     from types import SimpleNamespace
 
     from megascore.api.served_models import ServedModel
@@ -252,11 +253,15 @@ def test_an_adapters_sequences_are_keyed_by_the_adapter_and_its_version():
                 "a": ServedModel("a", version_a, "base", 0),
                 "b": ServedModel("b", "b-1", "base", 1),
             },
+            _changes=changes,
         )
         batch = ScoreBatch(np.arange(6), np.full(3, 2), adapter=np.asarray(slots, np.int64))
         return WeightSets.cache_seeds(sets, batch, "base")
 
+    changes: dict[str, int] = {}
     base, a, b = seeds("a-1", [-1, 0, 1])
     assert len({base, a, b}) == 3
     assert seeds("a-2", [-1, 0, 1]) == [base, seeds("a-2", [0, 0, 0])[0], b]
     assert seeds("a-2", [0, 0, 0])[0] != a  # the pushed version
+    WeightSets.changed(SimpleNamespace(_changes=changes), "a")  # pushed again, same label
+    assert seeds("a-1", [-1, 0, 1]) == [base, seeds("a-1", [0])[0], b] != [base, a, b]

@@ -221,6 +221,7 @@ class AdapterHandler:
         self._agree_or_raise(problem, self.load_group, "adapter", f"adapter {quoted(name)}")
         slot = attach(self.loaded.model).put(name, weights, meta=config)
         self.sets.adapters[name] = ServedModel(name, version, base, slot)
+        self.sets.changed(name)
         logger.info(
             "rank %d: adapter %s (slot %d) over %s: %s", self.rank, name, slot, base, version
         )

@@ -137,6 +137,7 @@ class WeightReload:
                 f"overwritten: {error if error is not None else 'see the log of those ranks'}"
             )
         self.sets.records[weight_set] = new
+        self.sets.changed(weight_set)
         if weight_set == self.sets.default:
             self._forget_prefixes()
         logger.info("rank %d: set %s now serves %s", self.rank, weight_set, new.weights_version)

@@ -50,6 +50,7 @@ class WeightSets:
         self.records: dict[str, LoadedModel] = {self.names[0]: loaded}
         self.live = self.names[0]
         self.adapters: dict[str, ServedModel] = {}  # LoRA adapter name -> its entry (slot, base)
+        self._changes: dict[str, int] = {}  # set or adapter name -> times its weights changed
         self._params = dict(unwrap_model(loaded.model).named_parameters())
         self._waiting: dict[str, dict[str, torch.Tensor]] = {}  # the sets not live
 
@@ -89,12 +90,22 @@ class WeightSets:
         """Per sequence of ``batch`` scored under set ``name``, what its prefix-cache keys
         are seeded with (:func:`megascore.engine.cache.index.chain_keys`): the set and,
         for a sequence of a LoRA adapter (its ``adapter`` slot), the adapter, each with
-        its version, so no set's or adapter's cached blocks are ever another's, nor a
-        version's another's."""
-        head = f"{name}\0{self.records[name].weights_version}"
-        by_slot = {a.slot: f"{a.name}\0{a.weights_version}" for a in self.adapters.values()}
+        its version and the count of its changes (:meth:`changed`: a push may reuse a
+        version's label), so no set's or adapter's cached blocks are ever another's, nor
+        those of its weights before a change."""
+
+        def key(name: str, version: str) -> str:
+            return f"{name}\0{version}\0{self._changes.get(name, 0)}"
+
+        head = key(name, self.records[name].weights_version)
+        by_slot = {a.slot: key(a.name, a.weights_version) for a in self.adapters.values()}
         slots = [-1] * batch.num_sequences if batch.adapter is None else batch.adapter
         return [f"{head}\0{by_slot.get(int(s), '')}".encode() for s in slots]
+
+    def changed(self, name: str) -> None:
+        """Set or adapter ``name`` has new weights (a load or a push): its cached prefixes
+        are never read again (:meth:`cache_seeds`)."""
+        self._changes[name] = self._changes.get(name, 0) + 1
 
     def add(self, name: str) -> None:
         """Room for set ``name`` beside the live one (its values unset until a load

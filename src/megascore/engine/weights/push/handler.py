@@ -176,6 +176,7 @@ class WeightPushHandler:
             self.sets.activate(self._push_set)
             self._staging_buffers = push.apply()
             record.weights_version = message.version
+            self.sets.changed(self._push_set)
             if self._push_set == self.sets.default:
                 self._forget_prefixes()
             logger.info(
