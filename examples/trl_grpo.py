@@ -10,8 +10,19 @@ for ``--steps`` GRPO steps with ``beta > 0`` and a toy reward, twice from the sa
    initial weights.
 
 and prints, per step, how far apart the two runs' per-token reference logprobs (on the
-completion tokens) and losses are. ``--launch`` starts the server here (``megascore
-serve --model hf:DIR`` on a free port, stopped at the end); otherwise give
+completion tokens) and losses are.
+
+``--lora``: both runs train a peft LoRA adapter (TRL's ``peft_config``) over the same
+weights; TRL's reference is then its base (the adapter disabled), and megascore's comes
+from the one server holding the base: before each generation batch the trainer pushes
+its adapter to the server (``push_adapter``, served as ``policy-lora``) and one call
+(``model="policy-lora", reference=`` the base) gives the old policy's logprobs (the
+adapter's) and the reference's. Printed besides: the served reference against a local
+forward of the base, and the served adapter against a local transformers + peft
+forward of the trainer's model at the weights it pushed.
+
+``--launch`` starts the server here (``megascore serve --model hf:DIR`` on a free port,
+stopped at the end); otherwise give
 ``--reference`` (a server started from ``--init-dir``, which holds the model and its
 tokenizer).
 
@@ -20,6 +31,7 @@ the server for ``--launch``; in a checkout: ``pip install -e '.[trl,server]'``).
 commands below assume the virtual environment is active (``source .venv/bin/activate``)::
 
     python examples/trl_grpo.py --launch
+    python examples/trl_grpo.py --launch --lora
     python examples/trl_grpo.py --init-dir /ckpt/init --reference host:50051
 """
 
@@ -35,6 +47,7 @@ import warnings
 from pathlib import Path
 
 import datasets
+import peft
 import tokenizers
 import torch
 import transformers
@@ -45,6 +58,7 @@ from megascore_client import ScoringClient
 from megascore_client.trl_grpo import MegascoreGRPOTrainer, RemoteReference
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
+ADAPTER = "policy-lora"  # the served name of the trainer's adapter (--lora)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--completion-len", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora", action="store_true", help="train a peft LoRA adapter")
+    parser.add_argument("--lora-r", type=int, default=8)
     parser.add_argument("--json", action="store_true", help="one JSON line per step")
     return parser.parse_args(argv)
 
@@ -98,7 +114,9 @@ def low_words(completions, **_) -> list[float]:
 
 
 def recording(base: type) -> type:
-    """``base`` that keeps, per step, the completions, their reference logprobs and the loss."""
+    """``base`` that keeps, per step, the completions, their reference logprobs and the loss;
+    with a peft model also the old policy's logprobs it was given (if any) and a local
+    forward of the model (``peft``) and of its base (``base``) at the generating weights."""
 
     class Recording(base):
         def __init__(self, *args, **kwargs):
@@ -107,10 +125,24 @@ def recording(base: type) -> type:
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
-            self.steps.append(
-                {k: out[k] for k in ("completion_ids", "completion_mask", "ref_per_token_logps")}
-            )
+            keys = ("completion_ids", "completion_mask", "ref_per_token_logps")
+            self.steps.append({k: out[k] for k in keys})
+            if hasattr(self.model, "disable_adapter"):
+                self.steps[-1]["old_per_token_logps"] = out.get("old_per_token_logps")
+                self.steps[-1] |= self.local_forwards(out)
             return out
+
+        def local_forwards(self, out) -> dict:
+            """This process's transformers (+ peft) logprobs of the completions."""
+            ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+            mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+            width = out["completion_ids"].shape[1]
+            forward = trl.GRPOTrainer._get_per_token_logps_and_entropies
+            with torch.no_grad():
+                peft_logps = forward(self, self.model, ids, mask, width)[0]
+                with self.model.disable_adapter():
+                    base_logps = forward(self, self.model, ids, mask, width)[0]
+            return {"peft": peft_logps, "base": base_logps}
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -138,6 +170,11 @@ def train(base: type, init_dir: Path, out_dir: Path, args, **extra) -> trl.GRPOT
         bf16=False,  # TRL defaults to bf16 autocast; the server here scores in fp32
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    if args.lora:  # TRL wraps the model (get_peft_model); its reference is then the base
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        extra["peft_config"] = peft.LoraConfig(
+            r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=targets, lora_dropout=0.0
+        )
     tokenizer = transformers.AutoTokenizer.from_pretrained(init_dir)
     trainer = recording(base)(
         model=model,
@@ -152,14 +189,36 @@ def train(base: type, init_dir: Path, out_dir: Path, args, **extra) -> trl.GRPOT
     return trainer
 
 
+def max_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """max |a - b| over the completion tokens."""
+    return float((a - b)[mask].abs().max())
+
+
+def lora_columns(local: dict, served: dict, mask: torch.Tensor) -> dict:
+    """The LoRA path's checks of one step: the served reference against the base, the
+    served old policy (the pushed adapter) against peft, and how far the adapter moved."""
+    return {
+        "local_old_logps": local["old_per_token_logps"] is not None,  # TRL's aligned steps
+        "ref_vs_base_max_abs_diff": max_gap(served["ref_per_token_logps"], served["base"], mask),
+        "local_ref_vs_base_max_abs_diff": max_gap(
+            local["ref_per_token_logps"], local["base"], mask
+        ),
+        "policy_vs_peft_max_abs_diff": max_gap(served["old_per_token_logps"], served["peft"], mask),
+        "policy_vs_reference_max_abs_diff": max_gap(
+            served["old_per_token_logps"], served["ref_per_token_logps"], mask
+        ),
+    }
+
+
 def compare(local: trl.GRPOTrainer, served: trl.GRPOTrainer) -> list[dict]:
-    """Per step: same completions, the gaps of reference logprobs and losses, the KL."""
+    """Per step: same completions, the gaps of reference logprobs and losses, the KL (and
+    with a peft model :func:`lora_columns`)."""
     rows = []
     kls = [log["kl"] for log in served.state.log_history if "kl" in log]
     for step, (a, b) in enumerate(zip(local.steps, served.steps, strict=True)):
         same = torch.equal(a["completion_ids"], b["completion_ids"])
         mask = a["completion_mask"].bool()
-        gap = (a["ref_per_token_logps"] - b["ref_per_token_logps"])[mask].abs().max()
+        gap = max_gap(a["ref_per_token_logps"], b["ref_per_token_logps"], mask)
         rows.append(
             {
                 "step": step,
@@ -171,6 +230,7 @@ def compare(local: trl.GRPOTrainer, served: trl.GRPOTrainer) -> list[dict]:
                 "loss_abs_diff": abs(a["loss"] - b["loss"]),
                 "kl": kls[step],
             }
+            | (lora_columns(a, b, mask) if "peft" in b else {})
         )
     return rows
 
@@ -191,7 +251,8 @@ def main(argv=None) -> int:
         if args.launch:
             init_dir = Path(tmp) / "init"
             save_tiny_model(init_dir, args.seed)
-            servers = launched_servers(init_dir, Path(tmp), names=("reference",))
+            name = "base" if args.lora else "reference"
+            servers = launched_servers(init_dir, Path(tmp), names=(name,))
         else:
             if not (args.init_dir and args.reference):
                 raise SystemExit("give --launch, or --init-dir and --reference")
@@ -202,10 +263,19 @@ def main(argv=None) -> int:
             reference.wait_until_serving(timeout=300)
             print(f"server ready in {time.monotonic() - start:.1f} s", file=sys.stderr)
             local = train(trl.GRPOTrainer, init_dir, Path(tmp) / "local", args)
+            adapter = {"adapter": ADAPTER} if args.lora else {}
             served = train(
-                MegascoreGRPOTrainer, init_dir, Path(tmp) / "served", args, reference=reference
+                MegascoreGRPOTrainer,
+                init_dir,
+                Path(tmp) / "served",
+                args,
+                reference=reference,
+                **adapter,
             )
+            served_models = {m.name: m.base for m in reference.model_info().models}
         assert isinstance(served.ref_model, RemoteReference)  # no reference weights held
+        if args.lora:  # one server: the base set and the pushed adapter over it
+            assert served_models == {"default": "", ADAPTER: "default"}, served_models
         for row in compare(local, served):
             if args.json:
                 print(json.dumps(row), flush=True)
@@ -218,6 +288,13 @@ def main(argv=None) -> int:
                     f"(|diff| {row['loss_abs_diff']:.1e}); KL {row['kl']:.4f}",
                     flush=True,
                 )
+                if args.lora:
+                    print(
+                        f"  served reference vs local base {row['ref_vs_base_max_abs_diff']:.1e}; "
+                        f"served adapter vs local peft {row['policy_vs_peft_max_abs_diff']:.1e}; "
+                        f"adapter vs base {row['policy_vs_reference_max_abs_diff']:.1e}",
+                        flush=True,
+                    )
     return 0
 
 

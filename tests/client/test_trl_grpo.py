@@ -3,7 +3,8 @@
 The trainer built on real TRL holds no reference model (TRL's loader is never called)
 and keeps its ``beta``; a reference forward goes to the server with TRL's arguments
 (completion width, sampling temperature); ``sync_ref_model`` and multimodal inputs
-are refused by name. The numbers (reference logprobs and losses equal to TRL's own
+are refused by name, and so is the LoRA path's ``adapter=`` on a model without peft. The
+numbers (reference logprobs and losses equal to TRL's own
 over GRPO steps) are checked end to end in ``tests/e2e/test_trl_example.py``.
 """
 
@@ -33,7 +34,7 @@ class RecordingClient:
         return torch.full(responses.shape, -1.0) * attention_mask[:, -responses.shape[1] :]
 
 
-def _trainer(tmp_path, reference, **config) -> MegascoreGRPOTrainer:
+def _trainer(tmp_path, reference, *, served=None, **config) -> MegascoreGRPOTrainer:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
@@ -67,6 +68,7 @@ def _trainer(tmp_path, reference, **config) -> MegascoreGRPOTrainer:
         train_dataset=datasets.Dataset.from_dict({"prompt": ["w2 w3"] * 4}),
         processing_class=tokenizer,
         reference=reference,
+        **(served or {}),
     )
 
 
@@ -123,3 +125,8 @@ def test_sync_ref_model_is_refused_by_name(tmp_path, no_local_reference):
 def test_without_beta_trl_uses_no_reference_at_all(tmp_path, no_local_reference):
     trainer = _trainer(tmp_path, RecordingClient(), beta=0.0)
     assert trainer.ref_model is None and trainer.beta == 0.0
+
+
+def test_an_adapter_name_without_a_peft_model_is_refused(tmp_path, no_local_reference):
+    with pytest.raises(ValueError, match="'policy-lora': the trainer's model is not a peft"):
+        _trainer(tmp_path, RecordingClient(), served={"adapter": "policy-lora"}, beta=0.1)

@@ -374,8 +374,8 @@ def _commit_call(version: str, partial: bool, base_version: str, target: str):
     serves (else its staged tensors are dropped and :class:`WrongVersionError` raised)."""
 
     def commit(engine) -> str:
-        served = engine.info().served(target).weights_version
-        if base_version and served != base_version:
+        served = engine.info().served(target).weights_version if base_version else ""
+        if base_version and served != base_version:  # (a new adapter is not served yet)
             engine.abort_weight_update()
             raise WrongVersionError(
                 f"begin.base_weights_version: weights {quoted(served)} were loaded during "
