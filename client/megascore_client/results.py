@@ -101,6 +101,14 @@ class ScoreResult:
             otherwise.
         next_token_logprobs: with ``return_next_token``, float32 ``[B, max(1, top_k)]``:
             their log-probabilities at the requested temperature. None otherwise.
+        reference_logprobs: with ``reference=``, per sequence a float32 ``[L]`` array: the
+            logprobs under the reference weight set (layout of ``logprobs``); None
+            otherwise.
+        kl_k1, kl_k2, kl_k3: with ``reference=``, per sequence a float64 ``[L]`` array:
+            the per-token KL estimators between ``logprobs`` and ``reference_logprobs``
+            (entry 0 is 0.0; docs/client.md); None otherwise.
+        kl_mean: with ``reference=``, estimator name (``k1``, ``k2``, ``k3``) -> float64
+            ``[B]``, its mean over each sequence's scored tokens; empty otherwise.
         weights_version: the weights that scored the batch. If a split batch was
             scored across a weight swap, the distinct versions joined by ``","``.
         timings: see :class:`Timings`.
@@ -124,6 +132,11 @@ class ScoreResult:
     token_ranks: list[np.ndarray] | None = None
     next_token_ids: np.ndarray | None = None
     next_token_logprobs: np.ndarray | None = None
+    reference_logprobs: list[np.ndarray] | None = None
+    kl_k1: list[np.ndarray] | None = None
+    kl_k2: list[np.ndarray] | None = None
+    kl_k3: list[np.ndarray] | None = None
+    kl_mean: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     weights_version: str = ""
     timings: Timings = dataclasses.field(default_factory=Timings)
 

@@ -109,10 +109,11 @@ def test_every_row_option_of_the_table_is_a_flag_a_new_one_too(monkeypatch):
 
 
 def test_a_row_may_carry_every_per_token_input_it_names():
-    """The row inputs the CLI sends are SDK keywords and fields of :class:`Row`."""
+    """The row inputs the CLI sends are SDK keywords and fields of :class:`Row`: every
+    per-token input of the wire but the loss mask."""
     fields = {f.name for f in dataclasses.fields(Row)}
     assert set(score_jsonl._ROW_INPUTS) <= fields
-    table = {i.name for i in schema.INPUTS if i.per == schema.TOKEN} - {"loss_mask"}
+    table = {i.name for i in schema.INPUTS if i.per == schema.TOKEN and i.wire} - {"loss_mask"}
     assert set(score_jsonl._ROW_INPUTS) == table
 
 
