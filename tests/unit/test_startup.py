@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
-from megascore.engine import runtime
 from megascore.engine.ranks import startup
 
 
@@ -32,7 +31,7 @@ def test_each_control_group_gets_its_timeout(pgs, monkeypatch):
     monkeypatch.setattr(dist, "new_group", spy)
     cfg = EngineConfig(collective_timeout_s=5.0, load_timeout_s=900.0)
     own: list = []
-    status, command, load = runtime._control_groups(cfg, own)
+    status, command, load = startup.control_groups(cfg, own)
     try:
         assert own == [status, command, load]
         seconds = [t.total_seconds() for t in timeouts]
