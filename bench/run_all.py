@@ -35,6 +35,7 @@ import time
 import types
 from pathlib import Path
 
+import adapters
 import batch_invariance
 import common
 import data_parallel
@@ -493,6 +494,7 @@ def main() -> int:
         replica_scaling,
         single_sequence,
         http_front,
+        adapters,
         SOAK_SECTION,
     )
     for own in own_sections:
