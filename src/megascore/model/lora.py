@@ -14,8 +14,10 @@ applies them from a per-row adapter index (:meth:`LoraAdapters.rows`): a row of 
 (-1) gets ``base(x)`` bit for bit, no delta added at all.
 
 Segmented: per adapter present in the forward, its rows are gathered, multiplied by its
-two small matrices and added back at their rows (``index_add_``); no loop over sequences,
-no forward per adapter.
+two small matrices and added back at their rows (each row once: its own rows read, the
+delta added, written back with ``index_copy_``, which is ``index_add_``'s bits without its
+scatter, several times slower across threads); no loop over sequences, no forward per
+adapter.
 
 Where the rows are: the hook wraps the layer's ``_forward_impl`` (the matmul, before
 Megatron's tensor-parallel reduction), as :mod:`megascore.model.batch_invariant` does.
@@ -27,8 +29,8 @@ partial output before the reduction, so it is summed over TP with the base outpu
 
 Batch invariance: when the layer is batch-invariant (``is_batch_invariant``) both small
 matmuls run on at least the probed row count (:func:`megascore.model.batch_invariant.pad_rows`),
-so a row's delta has the same bits whatever else is in the step, and ``index_add_`` adds
-it to the row's base output once: a sequence scored with its adapter gives the same bits
+so a row's delta has the same bits whatever else is in the step, and it is added to the
+row's base output once: a sequence scored with its adapter gives the same bits
 alone or beside other adapters and the base.
 """
 
@@ -129,7 +131,8 @@ class _Hook:
         self.adapters.check_rows(x.shape[0], weight, self.target)
         invariant = is_batch_invariant(self.target.module)
         for rows, lora in active:
-            flat.index_add_(0, rows, _low_rank(x.index_select(0, rows), lora, invariant))
+            delta = _low_rank(x.index_select(0, rows), lora, invariant)
+            flat.index_copy_(0, rows, flat.index_select(0, rows) + delta)
         return out
 
 
