@@ -429,8 +429,8 @@ def push_why(res, p) -> str:
         f"ms of server CPU per MB, which would make the adapter's "
         f"{p['adapter'][0][2].num_bytes / 1e6:.1f} MB "
         f"{full / p['full'][0][2].num_bytes * p['adapter'][0][2].num_bytes * 1e3:.0f} ms; the "
-        f"adapter push is {p['adapter'][0][2].num_tensors} small tensors, each its own message "
-        f"and staging call"
+        f"adapter push is {p['adapter'][0][2].num_tensors} small tensors (several to a "
+        f"message, UpdateWeightsRequest.chunks), each its own staging call"
     )
     if "engine_push" in res:
         wall, cpu = res["engine_push"]
@@ -438,7 +438,7 @@ def push_why(res, p) -> str:
             f"; in process (no gRPC) the engine's part of the same push (begin, stage, commit: "
             f"checked, fused layers built) takes {cpu * 1e3:.0f} ms CPU ({wall * 1e3:.0f} ms "
             f"wall), so {max(server - cpu, 0) * 1e3:.0f} of the server's {server * 1e3:.0f} ms "
-            f"are the push's gRPC path per message (parse, hop to the engine thread, the swap "
+            f"are the push's gRPC path (messages, parse, hop to the engine thread, the swap "
             f"barrier); at {cpu * 1e3:.0f} ms the ratio would be {cpu / full:.3f}"
         )
     return text

@@ -21,7 +21,11 @@ from megascore_client.client_base import (
 from megascore_client.errors import ScoringError, closed_error
 from megascore_client.push.adapter import adapter_push
 from megascore_client.push.plan import PushCall, push_steps, run_steps_async
-from megascore_client.push.replicas import push_to_replicas
+from megascore_client.push.replicas import (
+    push_to_replicas,
+    tensor_chunks_answer,
+    tensor_chunks_lookup,
+)
 from megascore_client.push.requests import PushResult, finish
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.routing import Resend
@@ -214,8 +218,9 @@ class AsyncScoringClient(AsyncTextMethods, ClientBase):
 
     async def _push(self, call: PushCall, timeout: float | None) -> PushResult:
         """One push of ``push_weights`` (to ``call.targets``, all or none when several)."""
+        pack = await self._packing(call, timeout)
         requests, counters, deadline = self._push_requests(
-            call.named_tensors, timeout, **call.options
+            call.named_tensors, timeout, pack=pack, **call.options
         )
         if call.several:
             cancelled = threading.Event()
@@ -240,6 +245,25 @@ class AsyncScoringClient(AsyncTextMethods, ClientBase):
         except ScoringError as exc:
             response = exc
         return finish(response, counters, start)
+
+    async def _packing(self, call: PushCall, timeout: float | None) -> bool:
+        """Whether ``call`` packs small tensors (see ``ScoringClient._packing``)."""
+        if tuple(call.targets) in self._packs:
+            return self._packs[tuple(call.targets)]
+        deadline = self._lookup_deadline(timeout)
+        if call.several:
+            answer = await asyncio.to_thread(
+                tensor_chunks_lookup, self.settings, call.targets, deadline
+            )
+        else:
+            try:
+                info = await self.transport.call(
+                    self.transport.stub.GetModelInfo, pb.GetModelInfoRequest(), deadline
+                )
+                answer = tensor_chunks_answer(info, None)
+            except ScoringError as exc:
+                answer = tensor_chunks_answer(None, exc)
+        return self._learned_packing(call.targets, answer)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """Runs the ``grpc.health.v1`` check (see ``ScoringClient.health``)."""

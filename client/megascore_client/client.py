@@ -21,7 +21,11 @@ from megascore_client.client_base import (
 from megascore_client.errors import ScoringError, closed_error
 from megascore_client.push.adapter import adapter_push
 from megascore_client.push.plan import PushCall, push_steps, run_steps
-from megascore_client.push.replicas import push_to_replicas
+from megascore_client.push.replicas import (
+    push_to_replicas,
+    tensor_chunks_answer,
+    tensor_chunks_lookup,
+)
 from megascore_client.push.requests import (
     PushResult,
     finish,
@@ -448,7 +452,7 @@ class ScoringClient(TextMethods, ClientBase):
     def _push(self, call: PushCall, timeout: float | None) -> PushResult:
         """One push of ``push_weights`` (to ``call.targets``, all or none when several)."""
         requests, counters, deadline = self._push_requests(
-            call.named_tensors, timeout, **call.options
+            call.named_tensors, timeout, pack=self._packing(call, timeout), **call.options
         )
         if call.several:
             return push_to_replicas(self.settings, call.targets, requests, counters, deadline)
@@ -459,6 +463,23 @@ class ScoringClient(TextMethods, ClientBase):
         except ScoringError as exc:
             response = exc
         return finish(response, counters, start)
+
+    def _packing(self, call: PushCall, timeout: float | None) -> bool:
+        """Whether ``call`` packs small tensors (asks its replicas once: ``_learned_packing``)."""
+        if tuple(call.targets) in self._packs:
+            return self._packs[tuple(call.targets)]
+        deadline = self._lookup_deadline(timeout)
+        if call.several:
+            answer = tensor_chunks_lookup(self.settings, call.targets, deadline)
+        else:
+            try:
+                info = self.transport.call(
+                    self.transport.stub.GetModelInfo, pb.GetModelInfoRequest(), deadline
+                )
+                answer = tensor_chunks_answer(info, None)
+            except ScoringError as exc:
+                answer = tensor_chunks_answer(None, exc)
+        return self._learned_packing(call.targets, answer)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """Runs the ``grpc.health.v1`` check ("" = the whole server).

@@ -13,7 +13,7 @@ import grpc
 
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, TlsConfig
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push.replicas import replica_targets
+from megascore_client.push.replicas import LOOKUP_S, replica_targets
 from megascore_client.push.requests import (
     PUSH_TIMEOUT_S,
     chunk_size,
@@ -198,6 +198,7 @@ class ClientBase:
         self._delta_bases: dict[tuple[str, ...], tuple[str, dict]] = {}  # targets -> kept
         self._server_message_bytes = 0  # ModelInfo.max_message_bytes, with "auto" (0 = unknown)
         self._server_groups = False  # ModelInfo.accepts_sequence_groups, with "auto"
+        self._packs: dict[tuple[str, ...], bool] = {}  # push targets -> take `chunks`
         self._open()
 
     def _open(self) -> None:
@@ -441,9 +442,11 @@ class ClientBase:
         base=None,
         kept=None,
         begin: dict | None = None,
+        pack: bool = False,
     ):
         """A ``push_weights`` call's requests (encoded as they are consumed), the counters
-        they fill and the deadline (arguments: those of ``push_weights``)."""
+        they fill and the deadline (arguments: those of ``push_weights``; ``pack``: small
+        tensors several to a message, see :meth:`_learned_packing`)."""
         counters: dict = {}
         requests = push_requests(
             named_tensors,
@@ -457,9 +460,25 @@ class ClientBase:
             base=base,
             kept=kept,
             begin=begin,
+            pack=pack,
         )
         deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
         return requests, counters, deadline
+
+    def _lookup_deadline(self, timeout: float | None) -> float:
+        """The deadline of the packing lookup before a push (:data:`LOOKUP_S` at most)."""
+        limit = LOOKUP_S if timeout is None else min(timeout, LOOKUP_S)
+        return time.monotonic() + limit
+
+    def _learned_packing(self, targets: list[str], answer: bool | None) -> bool:
+        """Whether a push to ``targets`` packs small tensors several to a message
+        (``UpdateWeightsRequest.chunks``): only when every replica's ModelInfo says
+        ``accepts_tensor_chunks`` (an older server refuses such a message). ``answer``:
+        the lookup's (:func:`~megascore_client.push.replicas.tensor_chunks_answer`),
+        remembered for the client's later pushes unless None (a replica not reached)."""
+        if answer is not None:
+            self._packs[tuple(targets)] = answer
+        return bool(answer)
 
     def _learn_limits(self, info: ModelInfo) -> ModelInfo:
         """Resolves ``max_request_tokens="auto"`` from a GetModelInfo answer: the server's

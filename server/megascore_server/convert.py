@@ -97,6 +97,7 @@ def model_info_to_proto(
         max_tokens_per_batch=max_tokens_per_batch,
         max_message_bytes=max_message_bytes,
         accepts_sequence_groups=True,  # megascore_server.prompt_expansion
+        accepts_tensor_chunks=True,  # UpdateWeightsRequest.chunks (push.pusher)
         models=[  # an adapter's slot is the engine's own
             pb.ServedModel(name=m.name, weights_version=m.weights_version, base=m.base)
             for m in info.models

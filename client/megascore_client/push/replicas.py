@@ -44,7 +44,14 @@ from megascore_client.errors import ScoringError
 from megascore_client.push.requests import PushResult, finish
 from megascore_client.transport import SyncTransport
 
-__all__ = ["new_push_version", "push_to_replicas", "replica_targets"]
+__all__ = [
+    "LOOKUP_S",
+    "new_push_version",
+    "push_to_replicas",
+    "replica_targets",
+    "tensor_chunks_answer",
+    "tensor_chunks_lookup",
+]
 
 _QUEUE_MESSAGES = 4  # messages waiting per replica (each up to one chunk)
 _END = None
@@ -149,6 +156,38 @@ def push_to_replicas(
     finally:
         for replica in group:
             replica.transport.close()
+
+
+LOOKUP_S = 10.0
+"""How long the lookup of whether a push's replicas take packed messages may take."""
+
+
+def tensor_chunks_answer(info: pb.ModelInfo | None, error: ScoringError | None) -> bool | None:
+    """What one replica's GetModelInfo answer (or error) says of packed push messages
+    (``UpdateWeightsRequest.chunks``): True with ``ModelInfo.accepts_tensor_chunks``, False
+    for a server from before it (the field unset, or no GetModelInfo at all), None when
+    the replica could not be asked (nothing learned: the push sends one piece a message)."""
+    if error is None:
+        return bool(info.accepts_tensor_chunks)
+    return False if error.code is grpc.StatusCode.UNIMPLEMENTED else None
+
+
+def tensor_chunks_lookup(settings: ChannelSettings, targets: list[str], deadline: float):
+    """Whether every replica of a push to ``targets`` takes packed messages (see
+    :func:`tensor_chunks_answer`; None when some replica could not be asked)."""
+    answers = []
+    for target in targets:
+        transport = SyncTransport(_one(settings, target))
+        try:
+            info = transport.call(transport.stub.GetModelInfo, pb.GetModelInfoRequest(), deadline)
+            answers.append(tensor_chunks_answer(info, None))
+        except ScoringError as exc:
+            answers.append(tensor_chunks_answer(None, exc))
+        finally:
+            transport.close()
+        if answers[-1] is False:
+            return False
+    return None if None in answers else True
 
 
 def _one(settings: ChannelSettings, target: str) -> ChannelSettings:

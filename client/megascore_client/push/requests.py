@@ -1,7 +1,8 @@
 """Weight pushes (``UpdateWeights``): a trainer's named tensors into a running server.
 
 ``client.push_weights(named_tensors, weights_version=...)`` streams ``(name, tensor)``
-pairs as ``begin``, chunks under the message limit, ``commit``. A tensor is a
+pairs as ``begin``, chunks under the message limit (small tensors several to a message
+when the server takes ``chunks``), ``commit``. A tensor is a
 numpy array, a torch tensor (torch is never imported here: a torch tensor is
 recognised by its type's module, so torch stays optional; bf16 travels as its raw
 2 bytes, numpy having no bf16), or a :class:`RawTensor` (raw bytes + dtype name,
@@ -197,6 +198,7 @@ def push_requests(
     base: tuple[str, dict[str, RawTensor]] | None = None,
     kept: dict[str, RawTensor] | None = None,
     begin: dict | None = None,
+    pack: bool = False,
 ) -> Iterator[pb.UpdateWeightsRequest]:
     """The messages of one push (``counters`` gets ``tensors`` and ``bytes`` sent); with
     ``prepare_timeout_s`` its commit only prepares (``megascore_client.push.replicas``).
@@ -207,13 +209,17 @@ def push_requests(
     with few changed elements goes as one patch chunk (:func:`delta_chunk`). ``begin``:
     the begin's target fields (``weight_set``, ``adapter``, ``adapter_config``).
 
+    ``pack`` (a server with ``ModelInfo.accepts_tensor_chunks``): consecutive tensors that
+    fit in one chunk (and patches) go several to a message (``chunks``) up to
+    ``chunk_bytes`` a message; a bigger tensor still goes as its own chunks.
+
     An exception while producing them (a tensor that cannot be pushed, the caller's
     iterable failing) ends the stream without a commit, so that the server drops what
     it staged, and is stored in ``counters["error"]`` for the caller to raise.
     """
     try:
         yield from _requests(
-            named_tensors, names, chunk_bytes, progress, counters, base, kept, begin or {}
+            named_tensors, names, chunk_bytes, progress, counters, base, kept, begin or {}, pack
         )
         commit = pb.UpdateWeightsCommit(weights_version=weights_version, partial=partial)
         if prepare_timeout_s is not None:
@@ -223,7 +229,40 @@ def push_requests(
         counters["error"] = exc
 
 
-def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept, target):
+_PIECE_FRAMING = 16  # a piece's tag and length prefixes inside a ``chunks`` message
+
+
+class _Pack:
+    """Small pieces waiting to go together in one ``chunks`` message (at most
+    ``limit`` serialized bytes); each is reported to ``progress`` once sent."""
+
+    def __init__(self, limit: int, progress: Progress | None):
+        self.limit, self.progress = limit, progress
+        self.pieces: list[tuple[pb.TensorChunk, int, str]] = []  # chunk, sent after, name
+        self.size = 0
+
+    def fits(self, chunk: pb.TensorChunk) -> bool:
+        return self.size + chunk.ByteSize() + _PIECE_FRAMING <= self.limit
+
+    def add(self, chunk: pb.TensorChunk, sent: int, name: str) -> None:
+        self.pieces.append((chunk, sent, name))
+        self.size += chunk.ByteSize() + _PIECE_FRAMING
+
+    def flush(self) -> Iterator[pb.UpdateWeightsRequest]:
+        """The waiting pieces' message (a lone one as a plain ``chunk``), if any."""
+        if not self.pieces:
+            return
+        pieces, self.pieces, self.size = self.pieces, [], 0
+        if len(pieces) == 1:
+            yield pb.UpdateWeightsRequest(chunk=pieces[0][0])
+        else:
+            yield pb.UpdateWeightsRequest(chunks=pb.TensorChunks(chunks=[p[0] for p in pieces]))
+        if self.progress is not None:
+            for _, sent, name in pieces:
+                self.progress(sent, name)
+
+
+def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept, target, pack):
     if names not in _NAMES:
         raise InvalidInputError(f"names must be one of {sorted(_NAMES)}, got {names!r}")
     begin = pb.UpdateWeightsBegin(
@@ -233,6 +272,7 @@ def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept,
         **target,
     )
     yield pb.UpdateWeightsRequest(begin=begin)
+    waiting = _Pack(chunk_bytes, progress) if pack else None
     sent = 0
     for name, tensor in named_tensors:
         raw = to_raw(name, tensor)
@@ -241,6 +281,24 @@ def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept,
         patch = delta_chunk(name, raw, base[1].get(name), chunk_bytes) if base else WHOLE
         if patch is None:
             continue
+        view = memoryview(raw.data).cast("B")
+        dtype = _DTYPES[raw.dtype][0]
+        if waiting is not None and (patch is not WHOLE or len(view) <= chunk_bytes):
+            if patch is WHOLE:  # the whole tensor in one piece
+                patch = pb.TensorChunk(
+                    name=name, shape=raw.shape, data=pb.Array(dtype=dtype, data=view.tobytes())
+                )
+                sent += len(view)
+            else:
+                sent += len(patch.data.data) + len(patch.indices.data)
+            if not waiting.fits(patch):
+                yield from waiting.flush()
+            waiting.add(patch, sent, name)
+            counters["tensors"] = counters.get("tensors", 0) + 1
+            counters["bytes"] = sent
+            continue
+        if waiting is not None:  # the pieces before this tensor's own messages
+            yield from waiting.flush()
         if patch is not WHOLE:
             yield pb.UpdateWeightsRequest(chunk=patch)
             sent += len(patch.data.data) + len(patch.indices.data)
@@ -249,8 +307,6 @@ def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept,
             if progress is not None:
                 progress(sent, name)
             continue
-        view = memoryview(raw.data).cast("B")
-        dtype = _DTYPES[raw.dtype][0]
         offset = 0
         while True:
             piece = view[offset : offset + chunk_bytes]
@@ -269,6 +325,8 @@ def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept,
                 break
         counters["tensors"] = counters.get("tensors", 0) + 1
         counters["bytes"] = sent
+    if waiting is not None:
+        yield from waiting.flush()
 
 
 WHOLE = object()

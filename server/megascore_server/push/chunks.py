@@ -155,8 +155,9 @@ class PushSession:
         self.num_bytes = 0
         self._open: PushedTensor | None = None
 
-    def add(self, chunk: pb.TensorChunk, index: int) -> PushedTensor | None:
-        """Adds one chunk (message ``index`` of the stream); returns the tensor it completes.
+    def add(self, chunk: pb.TensorChunk, index: int | str) -> PushedTensor | None:
+        """Adds one chunk (message ``index`` of the stream, or a piece of a ``chunks``
+        message, e.g. "3 (piece 2 of 9)"); returns the tensor it completes.
 
         Raises:
             InvalidRequestError: naming the tensor, for a name / shape / dtype the model

@@ -1,6 +1,7 @@
 """``UpdateWeights``: a client stream of named tensors, staged on every rank, swapped at once.
 
-Torch-free. The stream is ``begin``, the tensors as ``chunk``s, then ``commit``
+Torch-free. The stream is ``begin``, the tensors as ``chunk``s (or several pieces to a
+message as ``chunks``, each taken as a lone ``chunk``), then ``commit``
 (``protos/megascore/v1/scoring.proto``). :class:`~.chunks.PushSession` checks every chunk
 against the targets the engine listed at ``begin`` (name, full shape, float
 dtype, byte offsets, one expert layout) and reassembles each tensor; each
@@ -309,16 +310,24 @@ class WeightPusher:
                     await staging[0][0]
                     staging.popleft()
                 return message.commit
-            if kind != "chunk":
+            if kind == "chunk":
+                pieces = [(message.chunk, index)]
+            elif kind == "chunks":  # each piece as if it came alone
+                pieces = [
+                    (chunk, f"{index} (piece {i} of {len(message.chunks.chunks)})")
+                    for i, chunk in enumerate(message.chunks.chunks, 1)
+                ]
+            else:
                 raise InvalidRequestError(f"message {index}: {kind} inside a push")
-            tensor = session.add(message.chunk, index)
-            if tensor is None or tensor.ignored:
-                continue
-            while staging and sum(n for _, n in staging) + tensor.total > STAGING_BYTES:
-                await staging[0][0]
-                staging.popleft()
-            future = batcher.run_on_engine(_stage_call(tensor))
-            staging.append((future, tensor.total))
+            for chunk, where in pieces:
+                tensor = session.add(chunk, where)
+                if tensor is None or tensor.ignored:
+                    continue
+                while staging and sum(n for _, n in staging) + tensor.total > STAGING_BYTES:
+                    await staging[0][0]
+                    staging.popleft()
+                future = batcher.run_on_engine(_stage_call(tensor))
+                staging.append((future, tensor.total))
         raise ConflictError(
             f"the stream ended after {index + 1} messages without a commit; "
             "nothing changed (the old weights keep serving)"

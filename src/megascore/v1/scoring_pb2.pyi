@@ -285,7 +285,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., tensor_model_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., expert_model_parallel_size: _Optional[int] = ..., pipeline_model_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch", "max_message_bytes", "max_target_ids", "accepts_sequence_groups", "models")
+    __slots__ = ("name", "architecture", "num_parameters", "vocab_size", "max_sequence_length", "dtype", "parallel", "attention_backend", "checkpoint_path", "weights_version", "has_tokenizer", "max_top_k", "max_request_tokens", "loss_names", "moe_metric_names", "mtp_metric_names", "max_tokens_per_batch", "max_message_bytes", "max_target_ids", "accepts_sequence_groups", "models", "accepts_tensor_chunks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class ModelInfo(_message.Message):
     MAX_TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_SEQUENCE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_TENSOR_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_parameters: int
@@ -328,7 +329,8 @@ class ModelInfo(_message.Message):
     max_target_ids: int
     accepts_sequence_groups: bool
     models: _containers.RepeatedCompositeFieldContainer[ServedModel]
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: bool = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ..., accepts_sequence_groups: bool = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ...) -> None: ...
+    accepts_tensor_chunks: bool
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., attention_backend: _Optional[str] = ..., checkpoint_path: _Optional[str] = ..., weights_version: _Optional[str] = ..., has_tokenizer: bool = ..., max_top_k: _Optional[int] = ..., max_request_tokens: _Optional[int] = ..., loss_names: _Optional[_Iterable[str]] = ..., moe_metric_names: _Optional[_Iterable[str]] = ..., mtp_metric_names: _Optional[_Iterable[str]] = ..., max_tokens_per_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_target_ids: _Optional[int] = ..., accepts_sequence_groups: bool = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ..., accepts_tensor_chunks: bool = ...) -> None: ...
 
 class ServedModel(_message.Message):
     __slots__ = ("name", "weights_version", "base")
@@ -392,6 +394,12 @@ class TensorChunk(_message.Message):
     indices: Array
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[Array, _Mapping]] = ..., offset: _Optional[int] = ..., indices: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
 
+class TensorChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
 class UpdateWeightsCommit(_message.Message):
     __slots__ = ("weights_version", "partial", "prepare", "prepare_timeout_s")
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -405,14 +413,16 @@ class UpdateWeightsCommit(_message.Message):
     def __init__(self, weights_version: _Optional[str] = ..., partial: bool = ..., prepare: bool = ..., prepare_timeout_s: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("begin", "chunk", "commit")
+    __slots__ = ("begin", "chunk", "commit", "chunks")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     begin: UpdateWeightsBegin
     chunk: TensorChunk
     commit: UpdateWeightsCommit
-    def __init__(self, begin: _Optional[_Union[UpdateWeightsBegin, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[UpdateWeightsCommit, _Mapping]] = ...) -> None: ...
+    chunks: TensorChunks
+    def __init__(self, begin: _Optional[_Union[UpdateWeightsBegin, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[UpdateWeightsCommit, _Mapping]] = ..., chunks: _Optional[_Union[TensorChunks, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("weights_version", "previous_weights_version", "num_tensors", "num_bytes", "stream_ms", "swap_ms", "prepared", "push_id")

@@ -93,8 +93,8 @@ class ScorerServicer(object):
 
     def UpdateWeights(self, request_iterator, context):
         """Streams new weights (same architecture) from a trainer into the running
-        server, without a filesystem: one `begin`, the tensors as `chunk`s, one
-        `commit`. Every rank stages its own TP / EP shard of each tensor while
+        server, without a filesystem: one `begin`, the tensors as `chunk`s (small
+        ones several to a message as `chunks`), one `commit`. Every rank stages its own TP / EP shard of each tensor while
         scoring goes on with the old weights; on the commit the ranks swap all
         staged tensors at once, between engine steps: requests accepted before the
         swap finish on the old weights, later ones run on the new. On any error
