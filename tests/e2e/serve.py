@@ -69,6 +69,7 @@ class SharedServers:
             ),
             "metrics": True,
         },
+        "moe1": {"args": ("--model", "tiny-moe", "--grace-s", "10"), "metrics": True},
     }
 
     def __init__(self):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tests.e2e.serve import ServeProcess
+from tests.e2e.serve import ServeProcess, running
 
 START_TIMEOUT_S = 600.0  # several servers importing torch + megatron at once on 2 cores
 LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
@@ -45,14 +46,24 @@ class ServerPool:
         specs: configuration name -> :class:`ServerSpec`.
         plan: configuration names of the module's tests in run order.
         max_live_ranks: rank budget (~1 GB each).
+        shared: configuration name -> a getter of the session's shared server that is that
+            configuration (:class:`tests.e2e.serve.SharedServers`: same model, ranks and
+            layout; only ``--grace-s`` and the metrics port differ): lent instead of a
+            server of the pool's own, never started or stopped here.
     """
 
     def __init__(
-        self, log_dir: Path, specs: dict[str, ServerSpec], plan: list[str], max_live_ranks: int = 5
+        self,
+        log_dir: Path,
+        specs: dict[str, ServerSpec],
+        plan: list[str],
+        max_live_ranks: int = 5,
+        shared: dict[str, Callable[[], ServeProcess]] | None = None,
     ):
         self.log_dir = log_dir
-        self.specs = specs
-        self.plan = list(plan)
+        self.shared = dict(shared or {})
+        self.specs = {name: spec for name, spec in specs.items() if name not in self.shared}
+        self.plan = [name for name in plan if name not in self.shared]
         self.max_live_ranks = max_live_ranks
         self.servers: dict[str, ServeProcess] = {}
         self.ready: set[str] = set()
@@ -83,6 +94,9 @@ class ServerPool:
             live += self.specs[name].nproc
 
     def get(self, name: str) -> ServeProcess:
+        if name in self.shared:
+            self._start_ahead()
+            return running(self.shared[name]())
         assert name not in self.stopping, f"{name} was already stopped"
         if name not in self.servers:
             self._start(name)
@@ -96,6 +110,8 @@ class ServerPool:
 
     def done(self, name: str) -> None:
         """One test of ``name`` finished; the last one stops the server."""
+        if name in self.shared:
+            return
         if name in self.plan:
             self.plan.remove(name)
         if name not in self.plan and name in self.servers and name not in self.stopping:
@@ -139,11 +155,24 @@ def module_plan(request) -> list[str]:
     return plan
 
 
-def module_pool(request, tmp_path_factory, name: str, specs: dict[str, ServerSpec]):
+def module_pool(
+    request,
+    tmp_path_factory,
+    name: str,
+    specs: dict[str, ServerSpec],
+    shared: dict[str, str] | None = None,
+):
     """Body of a module's ``pool`` fixture (``yield from``): a :class:`ServerPool` of
     ``specs`` in the module's plan, logs in a temporary ``name`` folder, closed (and
-    checked) after the module."""
-    servers = ServerPool(tmp_path_factory.mktemp(name), specs, module_plan(request))
+    checked) after the module. ``shared`` maps a configuration to the name of the
+    session's shared server it is (``"tp1"`` -> fixture ``shared_tp1``): that server is
+    lent for it (the module lists those fixtures in ``usefixtures``, so that the session
+    starts them together with the other shared servers)."""
+    getters = {
+        config: functools.partial(request.getfixturevalue, f"shared_{server}")
+        for config, server in (shared or {}).items()
+    }
+    servers = ServerPool(tmp_path_factory.mktemp(name), specs, module_plan(request), shared=getters)
     try:
         yield servers
     finally:

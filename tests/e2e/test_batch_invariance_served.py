@@ -36,18 +36,19 @@ PER_TOKEN = ("logprobs", "top_k_ids", "top_k_logprobs", "entropy", "target_logpr
 PER_TOKEN += ("importance_weights", "routing", "token_ranks")
 PER_SEQUENCE = ("next_token_ids", "next_token_logprobs")
 CONFIGS = ("tiny", "tiny-moe", "hf-qwen3-moe")
+SHARED_SERVERS = {"tiny": "tp1", "tiny-moe": "moe1"}
+"""``tiny`` and ``tiny-moe`` are the session's shared one-rank servers (their other
+tests' calls before these do not change a sequence's bits either); the Qwen3-MoE
+checkpoint gets a server of the module's own."""
+pytestmark = pytest.mark.usefixtures(*(f"shared_{name}" for name in SHARED_SERVERS.values()))
 
 
 @pytest.fixture(scope="module")
 def pool(request, tmp_path_factory):
     hf_dir = tmp_path_factory.mktemp("hf") / "qwen3_moe"
     write_hf_checkpoint("qwen3_moe", hf_dir)
-    specs = {
-        "tiny": ServerSpec("tiny"),
-        "tiny-moe": ServerSpec("tiny-moe"),
-        "hf-qwen3-moe": ServerSpec(f"hf:{hf_dir}"),
-    }
-    yield from module_pool(request, tmp_path_factory, "serve-invariance", specs)
+    specs = {"hf-qwen3-moe": ServerSpec(f"hf:{hf_dir}")}
+    yield from module_pool(request, tmp_path_factory, "serve-invariance", specs, SHARED_SERVERS)
 
 
 @pytest.fixture

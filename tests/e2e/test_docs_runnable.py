@@ -1,7 +1,8 @@
 """Every shell and Python block of the docs runs as written (see :mod:`tests.docs_blocks`
 for the markers, options and placeholders), against served ``tiny`` / ``tiny-moe`` /
-tiny ``hf:DIR`` models: one server per model for the whole module (``tiny`` is the
-session's shared ``tp1``), started only when a selected block needs it. The module
+tiny ``hf:DIR`` models: one server per model for the whole module (``tiny`` and
+``tiny-moe`` are the session's shared ``tp1`` and ``moe1``), started only when a
+selected block needs it. The module
 prints how many blocks ran and how many are marked not runnable, with the reasons.
 """
 
@@ -44,9 +45,10 @@ if asyncio.iscoroutine(result):
 """
 """Runs a Python block as a script; a top-level ``await`` runs in an event loop."""
 OWN_SERVERS = {
-    "tiny-moe": ("--model", "tiny-moe"),
     "hf": ("--model", f"hf:{HF_DIR}"),  # the directory and --http-port filled in
 }
+SHARED = {"tiny": "shared_tp1", "tiny-moe": "shared_moe1"}
+"""Blocks' servers that are the session's shared ones (tests.e2e.fixtures)."""
 RAN: list[str] = []
 
 
@@ -127,8 +129,8 @@ class DocServers:
         """The placeholders of a block served by ``name``, its server SERVING."""
         if name == "none":
             return {}
-        if name == "tiny":
-            return {DEFAULT_TARGET: running(self.request.getfixturevalue("shared_tp1")).target}
+        if name in SHARED:
+            return {DEFAULT_TARGET: running(self.request.getfixturevalue(SHARED[name])).target}
         for other in sorted(self.wanted | {name}):
             if other not in self.own:
                 self._start(other)

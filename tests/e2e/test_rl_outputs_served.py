@@ -14,8 +14,11 @@ vocab-parallel pass), the full-vocabulary float64 log-softmax of its logits divi
 the temperature. The ``hf:DIR`` family of the same check is in
 :mod:`tests.e2e.test_family_serving`.
 
-Six servers, each started ahead of its test and stopped after it (:class:`ServerPool`,
-at most 5 ranks alive); each must exit 0 on SIGTERM and leave no process behind.
+Six servers: ``tiny`` at TP=1 and TP=2 and ``tiny-moe`` at TP=1 are the session's shared
+servers (``shared_tp1``, ``shared_tp2``, ``shared_moe1``: the same model, ranks and layout
+as a server of this module's own); the other three are started ahead of their test and
+stopped after it (:class:`ServerPool`, at most 5 ranks alive), and each must exit 0 on
+SIGTERM and leave no process behind.
 ``tiny-moe`` at TP=2 x EP, CP=2 x EP and PP=2 x EP=2 returns the same outputs as one rank
 in the torchrun launches of ``tests/distributed/test_engine_parity.py`` and
 ``test_engine_pipeline.py`` (entropy and target-id logprobs among them); a server each
@@ -40,6 +43,9 @@ ATOL = 1e-5
 MODELS = ("tiny", "tiny-moe")
 CONFIGS = [f"tiny:{layout}" for layout in ("tp1", "tp2", "cp2", "pp2")]
 CONFIGS += ["tiny-moe:tp1", "tiny-moe:ep2"]
+SHARED_SERVERS = {"tiny:tp1": "tp1", "tiny:tp2": "tp2", "tiny-moe:tp1": "moe1"}
+"""Configurations the session's shared servers are (:func:`tests.e2e.server_pool.module_pool`)."""
+pytestmark = pytest.mark.usefixtures(*(f"shared_{name}" for name in SHARED_SERVERS.values()))
 _rng = np.random.default_rng(22)
 SEQS = [_rng.integers(0, VOCAB, n).tolist() for n in (9, 1, 23, 2, 6)]
 TARGETS = [_rng.integers(0, VOCAB, (len(s), NUM_TARGETS)) for s in SEQS]
@@ -83,7 +89,7 @@ def pool(request, tmp_path_factory):
         model, layout = config.split(":")
         nproc, flags = LAYOUTS[layout]
         specs[config] = ServerSpec(model, nproc, flags)
-    yield from module_pool(request, tmp_path_factory, "serve-rl-outputs", specs)
+    yield from module_pool(request, tmp_path_factory, "serve-rl-outputs", specs, SHARED_SERVERS)
 
 
 @pytest.fixture
