@@ -16,6 +16,12 @@ from testkit.checkpoints import hf_logprobs, make_hf_model
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+FOUR = {  # name -> (seed, LoraConfig fields): the served tests' four adapters
+    "a": (1, dict(r=8, lora_alpha=16, target_modules=ALL)),
+    "b": (2, dict(r=16, lora_alpha=8, use_rslora=True, target_modules=ALL)),
+    "c": (3, dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "up_proj"])),
+    "d": (4, dict(r=8, lora_alpha=16, target_modules=ATTENTION)),
+}
 
 
 def peft_model(family: str, seed: int = 0, **lora):

@@ -22,16 +22,11 @@ from megascore.config import EngineConfig
 from megascore.engine.runtime import DistributedEngine
 from megascore.engine.schedule.data_parallel import sub_batch
 from testkit.checkpoints import token_batch, write_hf_checkpoint
-from tests.checkpoint.lora_cases import ALL, ATTENTION, peft_model, write_adapter
+from tests.checkpoint.lora_cases import FOUR as LORAS
+from tests.checkpoint.lora_cases import peft_model, write_adapter
 from tests.one_rank import one_rank_world
 
 TOL = 1e-4
-LORAS = {  # name -> (seed, LoraConfig fields)
-    "a": (1, dict(r=8, lora_alpha=16, target_modules=ALL)),
-    "b": (2, dict(r=16, lora_alpha=8, use_rslora=True, target_modules=ALL)),
-    "c": (3, dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "up_proj"])),
-    "d": (4, dict(r=8, lora_alpha=16, target_modules=ATTENTION)),
-}
 
 
 def _batch(ids) -> ScoreBatch:
