@@ -87,27 +87,26 @@ class PrefixStore:
         go to every other rank's pools, so that any of them can read any cached block
         (the ranks of a group hold the same layers and head shards; rank 0's index is
         the one index of the replica)."""
-        mine, self.written = torch.tensor(self.written, dtype=torch.long), []
+        device = self._pools[0][0].device if self._pools else torch.device("cpu")
+        mine, self.written = torch.tensor(self.written, dtype=torch.long, device=device), []
         size = dist.get_world_size(group)
-        counts = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
-        dist.all_gather(counts, torch.tensor([len(mine)]), group=group)
-        most = int(max(counts))
-        if not most:
+        counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(size)]
+        dist.all_gather(counts, torch.tensor([len(mine)], device=device), group=group)
+        counts = [int(c) for c in counts]
+        if not max(counts):
             return
-        send = torch.zeros(most, dtype=torch.long)  # padded with slot 0: never read back
-        send[: len(mine)] = mine
-        slots = [torch.empty(most, dtype=torch.long) for _ in range(size)]
+        send = torch.zeros(max(counts), dtype=torch.long, device=device)  # padded: slot 0,
+        send[: len(mine)] = mine  # never read back
+        slots = [torch.empty_like(send) for _ in range(size)]
         dist.all_gather(slots, send, group=group)
         me = dist.get_rank(group)
         for pools in self._pools:
             for pool in pools:
-                local = send.to(pool.device)
-                parts = [torch.empty_like(pool[local]) for _ in range(size)]
-                dist.all_gather(parts, pool[local], group=group)
-                for d in range(size):
-                    if d != me and int(counts[d]):
-                        n = int(counts[d])
-                        pool[slots[d][:n].to(pool.device)] = parts[d][:n]
+                parts = [torch.empty_like(pool[send]) for _ in range(size)]
+                dist.all_gather(parts, pool[send], group=group)
+                for d, n in enumerate(counts):
+                    if d != me and n:
+                        pool[slots[d][:n]] = parts[d][:n]
 
 
 @dataclasses.dataclass
