@@ -430,7 +430,7 @@ def push_why(res, p) -> str:
         f"{p['adapter'][0][2].num_bytes / 1e6:.1f} MB "
         f"{full / p['full'][0][2].num_bytes * p['adapter'][0][2].num_bytes * 1e3:.0f} ms; the "
         f"adapter push is {p['adapter'][0][2].num_tensors} small tensors (several to a "
-        f"message, UpdateWeightsRequest.chunks), each its own staging call"
+        f"message, UpdateWeightsRequest.chunks, and one staging call per message)"
     )
     if "engine_push" in res:
         wall, cpu = res["engine_push"]

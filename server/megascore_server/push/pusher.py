@@ -297,9 +297,10 @@ class WeightPusher:
 
     async def _stage_all(self, iterator, session: PushSession, batcher: DynamicBatcher):
         """Reads chunks up to the commit, staging each complete tensor on the engine thread
-        while the next ones arrive (at most ``STAGING_BYTES`` of tensors waiting there).
-        Each staging is queued on the engine thread when its tensor completes, so an abort
-        after an error here runs after every staging asked for."""
+        while the next ones arrive (at most ``STAGING_BYTES`` of tensors waiting there; the
+        tensors one message completes in one call). Each staging is queued on the engine
+        thread when its message was read, so an abort after an error here runs after every
+        staging asked for."""
         staging: collections.deque[tuple[asyncio.Future, int]] = collections.deque()
         index = 0
         async for message in iterator:
@@ -319,15 +320,19 @@ class WeightPusher:
                 ]
             else:
                 raise InvalidRequestError(f"message {index}: {kind} inside a push")
+            tensors = []  # those the message completes: one engine call stages them
             for chunk, where in pieces:
                 tensor = session.add(chunk, where)
-                if tensor is None or tensor.ignored:
-                    continue
-                while staging and sum(n for _, n in staging) + tensor.total > STAGING_BYTES:
-                    await staging[0][0]
-                    staging.popleft()
-                future = batcher.run_on_engine(_stage_call(tensor))
-                staging.append((future, tensor.total))
+                if tensor is not None and not tensor.ignored:
+                    tensors.append(tensor)
+            if not tensors:
+                continue
+            size = sum(t.total for t in tensors)
+            while staging and sum(n for _, n in staging) + size > STAGING_BYTES:
+                await staging[0][0]
+                staging.popleft()
+            future = batcher.run_on_engine(_stage_call(tensors))
+            staging.append((future, size))
         raise ConflictError(
             f"the stream ended after {index + 1} messages without a commit; "
             "nothing changed (the old weights keep serving)"
@@ -395,6 +400,12 @@ def _commit_call(version: str, partial: bool, base_version: str, target: str):
     return commit
 
 
-def _stage_call(tensor: PushedTensor):
-    dtype = DTYPES[tensor.dtype][0]
-    return lambda e: e.stage_weight(tensor.name, dtype, tensor.shape, tensor.data, tensor.layout)
+def _stage_call(tensors: list[PushedTensor]):
+    """Stages ``tensors`` in order, in one call on the engine thread (a packed message's
+    small tensors pay one hop there, not one each)."""
+
+    def stage(engine) -> None:
+        for t in tensors:
+            engine.stage_weight(t.name, DTYPES[t.dtype][0], t.shape, t.data, t.layout)
+
+    return stage
