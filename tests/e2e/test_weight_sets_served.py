@@ -25,6 +25,17 @@ from megascore_server.serve_process import CPU_ONE_THREAD
 SEQUENCES = [[1, 5, 9, 13, 17, 21, 25], [2, 4, 6, 8, 10, 12, 14, 16, 18]]
 
 
+def assert_kl(kl, reference, policy) -> None:
+    """``kl``'s reference logprobs are ``reference``'s bit for bit, its k3 and mean k1 are
+    numpy's on the two answers' logprobs (float64, <= 1e-12)."""
+    for i in range(len(reference.logprobs)):
+        np.testing.assert_array_equal(kl.reference_logprobs[i], reference.logprobs[i])
+        r = reference.logprobs[i].astype(np.float64) - policy.logprobs[i].astype(np.float64)
+        r[0] = 0.0
+        np.testing.assert_allclose(kl.kl_k3[i], np.expm1(r) - r, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(kl.kl_mean["k1"][i], np.mean(-r[1:]), rtol=0, atol=1e-12)
+
+
 def _http(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
@@ -68,12 +79,7 @@ def test_the_sdk_selects_a_set_and_gets_the_reference_kl(servers):
         assert policy.weights_version == "builtin:tiny@2"
         reference = client.score(SEQUENCES)  # the default set
         kl = client.score(SEQUENCES, model="policy", reference="reference")
-        for i in range(len(SEQUENCES)):
-            np.testing.assert_array_equal(kl.reference_logprobs[i], reference.logprobs[i])
-            r = reference.logprobs[i].astype(np.float64) - policy.logprobs[i].astype(np.float64)
-            r[0] = 0.0
-            np.testing.assert_allclose(kl.kl_k3[i], np.expm1(r) - r, rtol=0, atol=1e-12)
-            np.testing.assert_allclose(kl.kl_mean["k1"][i], np.mean(-r[1:]), rtol=0, atol=1e-12)
+        assert_kl(kl, reference, policy)
         with pytest.raises(ScoringError, match="nope") as caught:
             client.score(SEQUENCES, model="nope")
         assert caught.value.code == grpc.StatusCode.NOT_FOUND
