@@ -25,8 +25,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megascore.config import EngineConfig
-from megascore.engine import runtime
 from megascore.engine.runtime import DistributedEngine
+from megascore.engine.weights import served_model
 
 COLLECTIVE_TIMEOUT_S = 1.0
 LATE_S = 6.0
@@ -35,7 +35,7 @@ LOAD_TIMEOUT_S = 120.0
 
 def main(out_dir: Path, mode: str) -> None:
     rank = int(os.environ["RANK"])
-    real = runtime.load_served_model
+    real = served_model.load_served_model  # build_agreeing's load, patched below
     loaded_at = []
 
     def load(*args, **kwargs):
@@ -47,7 +47,7 @@ def main(out_dir: Path, mode: str) -> None:
         loaded_at.append(time.monotonic())
         return out
 
-    runtime.load_served_model = load
+    served_model.load_served_model = load
     cfg = EngineConfig(
         model="tiny", collective_timeout_s=COLLECTIVE_TIMEOUT_S, load_timeout_s=LOAD_TIMEOUT_S
     )
