@@ -90,11 +90,10 @@ class _Pending:
             raise malformed_response(f"unexpected response {response.request_id!r}")
         part, index, assembler = self.parts.popleft()
         try:
-            result = decode_part(response, part)
-        except ScoringError as exc:
-            assembler.fail(exc)
+            assembler.part_done(index, decode_part(response, part))
+        except Exception:  # its batch fails with the rest, as the stream ends (_ReadEnd)
+            self.parts.appendleft((part, index, assembler))
             raise
-        assembler.part_done(index, result)
 
     def fail(self, error: ScoringError | None) -> None:
         """Records ``error`` (the first one wins) and fails every outstanding batch."""
@@ -114,9 +113,11 @@ class _Pending:
 class _ReadEnd:
     """Around a stream's response reader: what ended it, as a :class:`ScoringError`.
 
-    The call's status (``grpc.RpcError``), or a response that does not fit its request
-    (``ScoringError``: the call is then cancelled); ``error`` stays None when the
-    responses simply ran out. Other exceptions go on.
+    The call's status (``grpc.RpcError``), a response that does not fit its request
+    (``ScoringError``) or a failure of the SDK's own decoding (any other exception, kept
+    as an INTERNAL error naming it): the call is then cancelled, and the outstanding
+    futures fail with it rather than wait for a reader that is gone. ``error`` stays None
+    when the responses simply ran out.
     """
 
     def __init__(self, call):
@@ -130,8 +131,15 @@ class _ReadEnd:
         if isinstance(exc, grpc.RpcError):
             self.error = ScoringError.from_rpc_error(exc)
             return True
-        if isinstance(exc, ScoringError):
-            self.error = exc
+        if isinstance(exc, Exception):
+            self.error = (
+                exc
+                if isinstance(exc, ScoringError)
+                else ScoringError(
+                    grpc.StatusCode.INTERNAL,
+                    f"the SDK failed reading the stream: {type(exc).__name__}: {exc}",
+                )
+            )
             self.call.cancel()
             return True
         return False

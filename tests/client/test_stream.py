@@ -59,6 +59,24 @@ def test_stream_splits_large_batches():
         assert ids[0] == "small" and ids[-1] == "after" and ids[1] == "large/0"
 
 
+def test_a_decoding_failure_fails_the_futures_instead_of_hanging(server, client, monkeypatch):
+    """The reader thread's own failure (here: decoding raises) ends the stream with an
+    INTERNAL error naming it; every outstanding future gets it, none waits forever."""
+    from megascore_client import stream as stream_module
+
+    def broken(response, part):
+        raise AttributeError("no such field")
+
+    monkeypatch.setattr(stream_module, "decode_part", broken)
+    with client.stream() as stream:
+        futures = [stream.submit([[1, 2, 3]]) for _ in range(3)]
+    for future in futures:
+        with pytest.raises(ScoringError) as info:
+            future.result(timeout=10)
+        assert info.value.code is grpc.StatusCode.INTERNAL
+        assert "AttributeError: no such field" in info.value.details
+
+
 def test_stream_failure_fails_outstanding_and_later_submits(server, client):
     with client.stream() as stream:
         ok = stream.submit([[1, 2, 3]])
