@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import threading
 import time
 
 from megascore.v1 import scoring_pb2 as pb
@@ -19,14 +18,7 @@ from megascore_client.client_base import (
     finish_score,
 )
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push.adapter import adapter_push
-from megascore_client.push.plan import PushCall, push_steps, run_steps_async
-from megascore_client.push.replicas import (
-    push_to_replicas,
-    tensor_chunks_answer,
-    tensor_chunks_lookup,
-)
-from megascore_client.push.requests import PushResult, finish
+from megascore_client.push.client_methods import AsyncPushMethods
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.routing import Resend
 from megascore_client.splitting import Part, decode_part
@@ -38,7 +30,7 @@ from megascore_client.transport import AsyncTransport
 __all__ = ["AsyncScoringClient"]
 
 
-class AsyncScoringClient(AsyncTextMethods, ClientBase):
+class AsyncScoringClient(AsyncTextMethods, AsyncPushMethods, ClientBase):
     """Asyncio megascore client. Create it inside the event loop that uses it.
 
     Takes the constructor arguments of :class:`~megascore_client.client_base.ClientBase`.
@@ -200,70 +192,6 @@ class AsyncScoringClient(AsyncTextMethods, ClientBase):
         finally:
             task.cancel()  # a no-op once done; cancels the call when the caller is cancelled
         return LoadWeightsResult.from_proto(task.result())
-
-    async def push_weights(
-        self, named_tensors, *, timeout: float | None = None, **arguments
-    ) -> PushResult:
-        """Streams new weights into the server and swaps them in; arguments (those of
-        ``ScoringClient.push_weights``: to several replicas all or none, deltas), result
-        and errors as there. One replica: the tensors are encoded on the event loop;
-        several: the push runs in a worker thread, and cancelling the call aborts it on
-        every replica (unless the commits began)."""
-        steps = push_steps(self._delta_bases, self.target, named_tensors, **arguments)
-        return await run_steps_async(steps, lambda call: self._push(call, timeout))
-
-    async def push_adapter(self, name: str, state_dict, config=None, **arguments) -> PushResult:
-        """Pushes LoRA adapter ``name`` whole (see ``ScoringClient.push_adapter``)."""
-        return await self.push_weights(**adapter_push(name, state_dict, config), **arguments)
-
-    async def _push(self, call: PushCall, timeout: float | None) -> PushResult:
-        """One push of ``push_weights`` (to ``call.targets``, all or none when several)."""
-        pack = await self._packing(call, timeout)
-        requests, counters, deadline = self._push_requests(
-            call.named_tensors, timeout, pack=pack, **call.options
-        )
-        if call.several:
-            cancelled = threading.Event()
-            try:
-                return await asyncio.to_thread(
-                    push_to_replicas,
-                    self.settings,
-                    call.targets,
-                    requests,
-                    counters,
-                    deadline,
-                    cancelled,
-                )
-            except asyncio.CancelledError:
-                cancelled.set()  # the thread aborts the push on every replica
-                raise
-        start = time.perf_counter()
-        try:
-            response = await self.transport.call(
-                self.transport.stub.UpdateWeights, requests, deadline
-            )
-        except ScoringError as exc:
-            response = exc
-        return finish(response, counters, start)
-
-    async def _packing(self, call: PushCall, timeout: float | None) -> bool:
-        """Whether ``call`` packs small tensors (see ``ScoringClient._packing``)."""
-        if tuple(call.targets) in self._packs:
-            return self._packs[tuple(call.targets)]
-        deadline = self._lookup_deadline(timeout)
-        if call.several:
-            answer = await asyncio.to_thread(
-                tensor_chunks_lookup, self.settings, call.targets, deadline
-            )
-        else:
-            try:
-                info = await self.transport.call(
-                    self.transport.stub.GetModelInfo, pb.GetModelInfoRequest(), deadline
-                )
-                answer = tensor_chunks_answer(info, None)
-            except ScoringError as exc:
-                answer = tensor_chunks_answer(None, exc)
-        return self._learned_packing(call.targets, answer)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """Runs the ``grpc.health.v1`` check (see ``ScoringClient.health``)."""

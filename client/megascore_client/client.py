@@ -19,17 +19,7 @@ from megascore_client.client_base import (
     finish_score,
 )
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push.adapter import adapter_push
-from megascore_client.push.plan import PushCall, push_steps, run_steps
-from megascore_client.push.replicas import (
-    push_to_replicas,
-    tensor_chunks_answer,
-    tensor_chunks_lookup,
-)
-from megascore_client.push.requests import (
-    PushResult,
-    finish,
-)
+from megascore_client.push.client_methods import PushMethods
 from megascore_client.results import HealthStatus, LoadWeightsResult, ModelInfo, ScoreResult
 from megascore_client.routing import Resend
 from megascore_client.splitting import Part, decode_part
@@ -45,7 +35,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ScoringClient"]
 
 
-class ScoringClient(TextMethods, ClientBase):
+class ScoringClient(TextMethods, PushMethods, ClientBase):
     """Blocking megascore client. Thread-safe; use as a context manager.
 
     The constructor takes ``target`` and the keyword arguments of
@@ -372,114 +362,6 @@ class ScoringClient(TextMethods, ClientBase):
                 future.cancel()
                 raise
         return LoadWeightsResult.from_proto(self.transport.result(future))
-
-    def push_weights(
-        self,
-        named_tensors,
-        *,
-        weights_version: str = "",
-        names: str = "hf",
-        partial: bool = False,
-        chunk_bytes: int | None = None,
-        progress=None,
-        timeout: float | None = None,
-        version: str | None = None,
-        replicas=None,
-        prepare_timeout_s: float = 60.0,
-        delta: bool = False,
-        weight_set: str = "",
-        adapter: str = "",
-        adapter_config: str = "",
-    ) -> PushResult:
-        """Streams new weights into the server (``UpdateWeights``), then swaps them in.
-
-        To several replicas (a target of several addresses: ``ipv4:a,b``, a ``dns:///``
-        name resolving to several; or ``replicas``), all or none: every replica stages
-        the push, and only when all did is it committed on each
-        (:mod:`megascore_client.push.replicas`).
-
-        Args:
-            named_tensors: iterable of ``(name, tensor)``: numpy arrays, torch tensors
-                (bf16 kept) or :class:`~megascore_client.push.requests.RawTensor`, full (unsharded)
-                float tensors; consumed once, lazily (a generator keeps one in memory).
-            weights_version: label of the new weights ("" = the server generates one),
-                the same keyword as ``load_weights``.
-            names: "hf" (transformers names) or "megatron" (see docs/client.md).
-            partial: update only the tensors sent (otherwise all must be sent).
-            chunk_bytes: tensor bytes per message (default 8 MiB, under the message limit).
-            progress: ``progress(bytes_sent, tensor_name)`` after each chunk.
-            timeout: deadline of the whole push in seconds (default 1800).
-            version: deprecated name of ``weights_version`` (a ``DeprecationWarning``).
-            replicas: targets to push to, all or none (default: the replicas of the
-                client's target; one replica: a plain one-phase push).
-            prepare_timeout_s: several replicas: how long each holds the staged push
-                for its commit before dropping it (a client that died in between).
-            delta: send only what changed since this client's last ``delta=True`` push
-                to the same replicas (whole tensors whose bytes changed; (index, value)
-                patches of tensors with few changed elements). The first such push is
-                in full and makes the replicas keep a host copy of the weights (and this
-                client one too); a replica that does not hold that base any more
-                (another push or load since) refuses the delta and the push is redone
-                in full. ``named_tensors`` is listed once (references, no copy).
-            weight_set: the weight set the push changes ("": the default).
-            adapter, adapter_config: a LoRA adapter's push (:meth:`push_adapter`).
-
-        Returns:
-            A :class:`~megascore_client.push.requests.PushResult` (version, bytes, seconds, bytes/s;
-            of the first replica when several, ``replicas`` holding each one's).
-
-        Raises:
-            InvalidInputError: a tensor that cannot be pushed (the server keeps its weights).
-            ScoringError: refused by the server, old weights kept: INVALID_ARGUMENT (a
-                name / shape / dtype the model does not have, tensors missing), ABORTED
-                (another push in progress), ... Never re-sent.
-        """
-        steps = push_steps(
-            self._delta_bases, self.target, named_tensors,
-            weights_version=weights_version, version=version, names=names, partial=partial,
-            chunk_bytes=chunk_bytes, progress=progress, replicas=replicas,
-            prepare_timeout_s=prepare_timeout_s, delta=delta,
-            begin=dict(weight_set=weight_set, adapter=adapter, adapter_config=adapter_config),
-        )  # fmt: skip
-        return run_steps(steps, lambda call: self._push(call, timeout))
-
-    def push_adapter(self, name: str, state_dict, config=None, **arguments) -> PushResult:
-        """Pushes LoRA adapter ``name`` whole (``get_peft_model_state_dict(model)``, its
-        ``LoraConfig``: :func:`megascore_client.push.adapter.adapter_push`); ``arguments``
-        as :meth:`push_weights` (``weight_set`` of a new adapter, replicas all or none)."""
-        return self.push_weights(**adapter_push(name, state_dict, config), **arguments)
-
-    def _push(self, call: PushCall, timeout: float | None) -> PushResult:
-        """One push of ``push_weights`` (to ``call.targets``, all or none when several)."""
-        requests, counters, deadline = self._push_requests(
-            call.named_tensors, timeout, pack=self._packing(call, timeout), **call.options
-        )
-        if call.several:
-            return push_to_replicas(self.settings, call.targets, requests, counters, deadline)
-        start = time.perf_counter()
-        future = self.transport.start(self.transport.stub.UpdateWeights, requests, deadline)
-        try:
-            response = self.transport.result(future)
-        except ScoringError as exc:
-            response = exc
-        return finish(response, counters, start)
-
-    def _packing(self, call: PushCall, timeout: float | None) -> bool:
-        """Whether ``call`` packs small tensors (asks its replicas once: ``_learned_packing``)."""
-        if tuple(call.targets) in self._packs:
-            return self._packs[tuple(call.targets)]
-        deadline = self._lookup_deadline(timeout)
-        if call.several:
-            answer = tensor_chunks_lookup(self.settings, call.targets, deadline)
-        else:
-            try:
-                info = self.transport.call(
-                    self.transport.stub.GetModelInfo, pb.GetModelInfoRequest(), deadline
-                )
-                answer = tensor_chunks_answer(info, None)
-            except ScoringError as exc:
-                answer = tensor_chunks_answer(None, exc)
-        return self._learned_packing(call.targets, answer)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """Runs the ``grpc.health.v1`` check ("" = the whole server).

@@ -1,6 +1,6 @@
 """What the synchronous and the asyncio clients share: :class:`ClientBase` (configuration,
-limits, the re-send schedule, the trainer layouts, the push requests) and
-:func:`finish_score`."""
+limits, the re-send schedule, the trainer layouts) and :func:`finish_score`; their push
+methods share :class:`~megascore_client.push.client_methods.PushBase`."""
 
 from __future__ import annotations
 
@@ -13,13 +13,7 @@ import grpc
 
 from megascore_client.channel import DEFAULT_MAX_MESSAGE_BYTES, ChannelSettings, TlsConfig
 from megascore_client.errors import ScoringError, closed_error
-from megascore_client.push.replicas import LOOKUP_S, replica_targets
-from megascore_client.push.requests import (
-    PUSH_TIMEOUT_S,
-    chunk_size,
-    push_requests,
-    weights_version_argument,
-)
+from megascore_client.push.replicas import replica_targets
 from megascore_client.results import HealthStatus, ModelInfo, ScoreResult
 from megascore_client.routing import (
     PREFIX_KEY_HEADER,
@@ -426,59 +420,6 @@ class ClientBase:
         if self.transport.closed:
             raise closed_error() from None
         return HealthStatus(serving=False, status=str(exc))
-
-    def _push_requests(
-        self,
-        named_tensors,
-        timeout: float | None,
-        *,
-        chunk_bytes: int | None = None,
-        weights_version: str = "",
-        version: str | None = None,
-        names: str = "hf",
-        partial: bool = False,
-        progress=None,
-        prepare_timeout_s: float | None = None,
-        base=None,
-        kept=None,
-        begin: dict | None = None,
-        pack: bool = False,
-    ):
-        """A ``push_weights`` call's requests (encoded as they are consumed), the counters
-        they fill and the deadline (arguments: those of ``push_weights``; ``pack``: small
-        tensors several to a message, see :meth:`_learned_packing`)."""
-        counters: dict = {}
-        requests = push_requests(
-            named_tensors,
-            names=names,
-            weights_version=weights_version_argument(weights_version, version),
-            partial=partial,
-            chunk_bytes=chunk_size(chunk_bytes, self.message_limit),
-            progress=progress,
-            counters=counters,
-            prepare_timeout_s=prepare_timeout_s,
-            base=base,
-            kept=kept,
-            begin=begin,
-            pack=pack,
-        )
-        deadline = time.monotonic() + (PUSH_TIMEOUT_S if timeout is None else timeout)
-        return requests, counters, deadline
-
-    def _lookup_deadline(self, timeout: float | None) -> float:
-        """The deadline of the packing lookup before a push (:data:`LOOKUP_S` at most)."""
-        limit = LOOKUP_S if timeout is None else min(timeout, LOOKUP_S)
-        return time.monotonic() + limit
-
-    def _learned_packing(self, targets: list[str], answer: bool | None) -> bool:
-        """Whether a push to ``targets`` packs small tensors several to a message
-        (``UpdateWeightsRequest.chunks``): only when every replica's ModelInfo says
-        ``accepts_tensor_chunks`` (an older server refuses such a message). ``answer``:
-        the lookup's (:func:`~megascore_client.push.replicas.tensor_chunks_answer`),
-        remembered for the client's later pushes unless None (a replica not reached)."""
-        if answer is not None:
-            self._packs[tuple(targets)] = answer
-        return bool(answer)
 
     def _learn_limits(self, info: ModelInfo) -> ModelInfo:
         """Resolves ``max_request_tokens="auto"`` from a GetModelInfo answer: the server's

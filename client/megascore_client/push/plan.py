@@ -38,7 +38,8 @@ class PushCall:
     Attributes:
         named_tensors: the ``(name, tensor)`` pairs.
         targets: the replicas, all or none when :attr:`several`.
-        options: the keywords of ``ClientBase._push_requests``.
+        options: the keywords of ``PushBase._push_requests``
+            (:mod:`megascore_client.push.client_methods`).
     """
 
     named_tensors: object

@@ -3,27 +3,26 @@
 ``client.push_weights(named_tensors, weights_version=...)`` streams ``(name, tensor)``
 pairs as ``begin``, chunks under the message limit (small tensors several to a message
 when the server takes ``chunks``), ``commit``. A tensor is a
-numpy array, a torch tensor (torch is never imported here: a torch tensor is
-recognised by its type's module, so torch stays optional; bf16 travels as its raw
-2 bytes, numpy having no bf16), or a :class:`RawTensor` (raw bytes + dtype name,
-e.g. straight from a safetensors file: :func:`read_safetensors`).
+numpy array, a torch tensor (torch stays optional; bf16 travels as its raw 2 bytes), or a
+:class:`RawTensor` (raw bytes + dtype name, e.g. straight from a safetensors file:
+:func:`read_safetensors`); their encoding is ``megascore_client.push.tensors``, each
+tensor's messages (chunks, a delta's patches, packs) ``megascore_client.push.packing``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import struct
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-
-import numpy as np
 
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client.errors import InvalidInputError
+from megascore_client.push.packing import WHOLE, Pack, Progress, delta_chunk, tensor_messages
+from megascore_client.push.tensors import RawTensor, to_raw
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -45,36 +44,12 @@ __all__ = [
 PUSH_TIMEOUT_S = 1800.0
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 _CHUNK_HEADROOM = 64 * 1024  # name, shape and framing around a chunk's bytes
-_DTYPES = {  # dtype name -> (proto Dtype, element bytes)
-    "float32": (pb.DTYPE_FLOAT32, 4),
-    "bfloat16": (pb.DTYPE_BFLOAT16, 2),
-    "float16": (pb.DTYPE_FLOAT16, 2),
-    "float64": (pb.DTYPE_FLOAT64, 8),
-}
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 _NAMES = {
     "hf": pb.WEIGHT_NAMES_HF,
     "megatron": pb.WEIGHT_NAMES_MEGATRON,
     "peft": pb.WEIGHT_NAMES_PEFT,
 }
-
-Progress = Callable[[int, str], None]
-"""``progress(bytes_sent_so_far, tensor_name)``, called after each chunk is handed to gRPC."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RawTensor:
-    """A tensor as raw little-endian C-order bytes.
-
-    Attributes:
-        dtype: "float32", "bfloat16", "float16" or "float64".
-        shape: its shape.
-        data: ``prod(shape) x element size`` bytes (any buffer: bytes, memoryview, mmap).
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: object
 
 
 @dataclasses.dataclass
@@ -118,48 +93,6 @@ class PushResult:
             msg.stream_ms,
             msg.swap_ms,
         )
-
-
-def to_raw(name: str, tensor) -> RawTensor:
-    """A numpy array, torch tensor or :class:`RawTensor` as raw bytes (no float conversion).
-
-    Raises:
-        InvalidInputError: another dtype, naming the tensor.
-    """
-    if isinstance(tensor, RawTensor):
-        raw = tensor
-    elif type(tensor).__module__.split(".")[0] == "torch":
-        raw = _torch_raw(tensor)
-    else:
-        arr = np.ascontiguousarray(tensor)
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        raw = RawTensor(arr.dtype.name, arr.shape, arr.reshape(-1).view(np.uint8).data)
-    if raw.dtype not in _DTYPES:
-        raise InvalidInputError(
-            f"tensor {name!r}: dtype {raw.dtype} cannot be pushed (one of {sorted(_DTYPES)})"
-        )
-    size = math.prod(raw.shape) * _DTYPES[raw.dtype][1]
-    if memoryview(raw.data).nbytes != size:
-        raise InvalidInputError(
-            f"tensor {name!r}: {memoryview(raw.data).nbytes} bytes for shape {list(raw.shape)}"
-            f" in {raw.dtype} ({size} expected)"
-        )
-    return raw
-
-
-def _torch_raw(tensor) -> RawTensor:
-    """A torch tensor's bytes; torch is already imported (the tensor exists)."""
-    import torch
-
-    t = tensor.detach().to("cpu").contiguous()
-    dtype = str(t.dtype).removeprefix("torch.")
-    flat = t.reshape(-1)
-    if t.dtype in (torch.bfloat16, torch.float16):
-        data = flat.view(torch.int16).numpy().view(np.uint8).data
-    else:
-        data = flat.numpy().view(np.uint8).data
-    return RawTensor(dtype, tuple(t.shape), data)
 
 
 def weights_version_argument(weights_version: str, version: str | None) -> str:
@@ -206,7 +139,8 @@ def push_requests(
     Deltas: with ``kept`` (a dict) the push asks the server to keep its tensors
     (``begin.keep``) and ``kept`` gets a copy of each; with ``base`` (the version the
     replica kept and its tensors) it is a delta: an unchanged tensor is not sent, one
-    with few changed elements goes as one patch chunk (:func:`delta_chunk`). ``begin``:
+    with few changed elements goes as one patch chunk
+    (:func:`~megascore_client.push.packing.delta_chunk`). ``begin``:
     the begin's target fields (``weight_set``, ``adapter``, ``adapter_config``).
 
     ``pack`` (a server with ``ModelInfo.accepts_tensor_chunks``): consecutive tensors that
@@ -229,40 +163,9 @@ def push_requests(
         counters["error"] = exc
 
 
-_PIECE_FRAMING = 16  # a piece's tag and length prefixes inside a ``chunks`` message
-
-
-class _Pack:
-    """Small pieces waiting to go together in one ``chunks`` message (at most
-    ``limit`` serialized bytes); each is reported to ``progress`` once sent."""
-
-    def __init__(self, limit: int, progress: Progress | None):
-        self.limit, self.progress = limit, progress
-        self.pieces: list[tuple[pb.TensorChunk, int, str]] = []  # chunk, sent after, name
-        self.size = 0
-
-    def fits(self, chunk: pb.TensorChunk) -> bool:
-        return self.size + chunk.ByteSize() + _PIECE_FRAMING <= self.limit
-
-    def add(self, chunk: pb.TensorChunk, sent: int, name: str) -> None:
-        self.pieces.append((chunk, sent, name))
-        self.size += chunk.ByteSize() + _PIECE_FRAMING
-
-    def flush(self) -> Iterator[pb.UpdateWeightsRequest]:
-        """The waiting pieces' message (a lone one as a plain ``chunk``), if any."""
-        if not self.pieces:
-            return
-        pieces, self.pieces, self.size = self.pieces, [], 0
-        if len(pieces) == 1:
-            yield pb.UpdateWeightsRequest(chunk=pieces[0][0])
-        else:
-            yield pb.UpdateWeightsRequest(chunks=pb.TensorChunks(chunks=[p[0] for p in pieces]))
-        if self.progress is not None:
-            for _, sent, name in pieces:
-                self.progress(sent, name)
-
-
 def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept, target, pack):
+    """The messages of :func:`push_requests` before its commit: the begin, then each
+    tensor's (:func:`~megascore_client.push.packing.tensor_messages`)."""
     if names not in _NAMES:
         raise InvalidInputError(f"names must be one of {sorted(_NAMES)}, got {names!r}")
     begin = pb.UpdateWeightsBegin(
@@ -272,7 +175,7 @@ def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept,
         **target,
     )
     yield pb.UpdateWeightsRequest(begin=begin)
-    waiting = _Pack(chunk_bytes, progress) if pack else None
+    waiting = Pack(chunk_bytes, progress) if pack else None
     sent = 0
     for name, tensor in named_tensors:
         raw = to_raw(name, tensor)
@@ -281,84 +184,11 @@ def _requests(named_tensors, names, chunk_bytes, progress, counters, base, kept,
         patch = delta_chunk(name, raw, base[1].get(name), chunk_bytes) if base else WHOLE
         if patch is None:
             continue
-        view = memoryview(raw.data).cast("B")
-        dtype = _DTYPES[raw.dtype][0]
-        if waiting is not None and (patch is not WHOLE or len(view) <= chunk_bytes):
-            if patch is WHOLE:  # the whole tensor in one piece
-                patch = pb.TensorChunk(
-                    name=name, shape=raw.shape, data=pb.Array(dtype=dtype, data=view.tobytes())
-                )
-                sent += len(view)
-            else:
-                sent += len(patch.data.data) + len(patch.indices.data)
-            if not waiting.fits(patch):
-                yield from waiting.flush()
-            waiting.add(patch, sent, name)
-            counters["tensors"] = counters.get("tensors", 0) + 1
-            counters["bytes"] = sent
-            continue
-        if waiting is not None:  # the pieces before this tensor's own messages
-            yield from waiting.flush()
-        if patch is not WHOLE:
-            yield pb.UpdateWeightsRequest(chunk=patch)
-            sent += len(patch.data.data) + len(patch.indices.data)
-            counters["tensors"] = counters.get("tensors", 0) + 1
-            counters["bytes"] = sent
-            if progress is not None:
-                progress(sent, name)
-            continue
-        offset = 0
-        while True:
-            piece = view[offset : offset + chunk_bytes]
-            chunk = pb.TensorChunk(
-                name=name,
-                shape=raw.shape,
-                data=pb.Array(dtype=dtype, data=piece.tobytes()),
-                offset=offset,
-            )
-            yield pb.UpdateWeightsRequest(chunk=chunk)
-            offset += len(piece)
-            sent += len(piece)
-            if progress is not None:
-                progress(sent, name)
-            if offset >= len(view):
-                break
+        sent = yield from tensor_messages(name, raw, patch, sent, chunk_bytes, waiting, progress)
         counters["tensors"] = counters.get("tensors", 0) + 1
         counters["bytes"] = sent
     if waiting is not None:
         yield from waiting.flush()
-
-
-WHOLE = object()
-"""What :func:`delta_chunk` returns for a tensor sent whole."""
-
-
-def delta_chunk(name: str, raw: RawTensor, kept: RawTensor | None, chunk_bytes: int):
-    """What a delta sends of tensor ``name`` given the replica's ``kept`` copy: None
-    when its bytes did not change, a patch chunk (``indices`` + the new elements, bit
-    for bit) when that is under half the tensor's bytes and one chunk, else
-    :data:`WHOLE`."""
-    if kept is None or (kept.dtype, tuple(kept.shape)) != (raw.dtype, tuple(raw.shape)):
-        return WHOLE
-    dtype, size = _DTYPES[raw.dtype]
-    new = np.frombuffer(memoryview(raw.data).cast("B"), dtype=f"<u{size}")
-    changed = np.flatnonzero(new != np.frombuffer(memoryview(kept.data).cast("B"), f"<u{size}"))
-    if changed.size == 0:
-        return None
-    index_dtype = np.dtype("<i4") if new.size < 2**31 else np.dtype("<i8")
-    patch_bytes = changed.size * (index_dtype.itemsize + size)
-    if 2 * patch_bytes > new.nbytes or patch_bytes > chunk_bytes:
-        return WHOLE
-    indices = pb.Array(
-        dtype=pb.DTYPE_INT32 if index_dtype.itemsize == 4 else pb.DTYPE_INT64,
-        data=changed.astype(index_dtype).tobytes(),
-    )
-    return pb.TensorChunk(
-        name=name,
-        shape=raw.shape,
-        data=pb.Array(dtype=dtype, data=new[changed].tobytes()),
-        indices=indices,
-    )
 
 
 def chunk_size(chunk_bytes: int | None, message_limit: int) -> int:
