@@ -68,13 +68,22 @@ def test_a_decoding_failure_fails_the_futures_instead_of_hanging(server, client,
         raise AttributeError("no such field")
 
     monkeypatch.setattr(stream_module, "decode_part", broken)
+    futures, refused = [], []
     with client.stream() as stream:
-        futures = [stream.submit([[1, 2, 3]]) for _ in range(3)]
-    for future in futures:
+        for _ in range(3):  # a submit after the failure ended the stream raises it
+            try:
+                futures.append(stream.submit([[1, 2, 3]]))
+            except ScoringError as exc:
+                refused.append(exc)
+    errors = list(refused)
+    for future in futures:  # the first submit always goes out
         with pytest.raises(ScoringError) as info:
             future.result(timeout=10)
-        assert info.value.code is grpc.StatusCode.INTERNAL
-        assert "AttributeError: no such field" in info.value.details
+        errors.append(info.value)
+    assert futures and len(errors) == 3
+    for error in errors:
+        assert error.code is grpc.StatusCode.INTERNAL
+        assert "AttributeError: no such field" in error.details
 
 
 def test_stream_failure_fails_outstanding_and_later_submits(server, client):
