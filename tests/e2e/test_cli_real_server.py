@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megascore.api import schema
+from megascore.api import reference_kl, schema
 from megascore_client import ScoringClient, score_jsonl
 from megascore_client.jsonl_rows import RowLimits
 from testkit.reference import VOCAB
@@ -168,8 +168,8 @@ def test_cli_rows_with_rollout_logprobs_get_their_mismatch(tp1, tmp_path):
 def test_cli_writes_every_output_of_the_table(tp1, tmp_path):
     """Every flag the CLI derives from the table asked at once, rows carrying target ids
     and rollout logprobs: each row holds every output of ``schema.OUTPUTS`` the model
-    has (routing only on a MoE model) under its name, equal to the SDK's answer to the
-    same request."""
+    has (routing only on a MoE model; the reference outputs only with a second weight
+    set) under its name, equal to the SDK's answer to the same request."""
     rows = _rows(seed=11, num=4)
     rng = np.random.default_rng(11)
     for row in rows:
@@ -196,7 +196,9 @@ def test_cli_writes_every_output_of_the_table(tp1, tmp_path):
     done = _cli(tp1.target, src, out, *("--" + name.replace("_", "-") for name in flags))
     assert done.returncode == 0, done.stderr
     written = [json.loads(line) for line in out.read_text().splitlines()]
-    expected = {o.name for o in schema.OUTPUTS if moe or o.name != "routing"}
+    # the reference outputs need a second weight set (tests/e2e/test_weight_sets_served.py)
+    reference = {"reference_logprobs", "kl", *(f"kl_{k}" for k in reference_kl.NAMES)}
+    expected = {o.name for o in schema.OUTPUTS if moe or o.name != "routing"} - reference
     assert len(expected) >= 12 and "target_logprobs" in expected
     for i, got in enumerate(written):
         assert expected <= got.keys(), expected - got.keys()
