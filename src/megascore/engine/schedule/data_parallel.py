@@ -321,8 +321,10 @@ class DataParallelGroup:
             WorkerLostError: sending a part's output to rank 0 failed.
         """
         store = cfg.prefix_store if batch.cache_slots is not None else None
-        if store is not None and batch.cache_moves is not None:
-            store.move(batch.cache_moves)  # between the cache's tiers, before the forward
+        if store is not None:
+            store.written.clear()  # this step's writes only (a failed step's never shared)
+            if batch.cache_moves is not None:
+                store.move(batch.cache_moves)  # between the cache's tiers, before the forward
         if self.size == 1:
             result = run_step(model, batch, groups, cfg)
             return finish_step(batch, result) if dist.get_rank() == cfg.output_rank else None
@@ -341,8 +343,6 @@ class DataParallelGroup:
         split = split_step(batch.lengths, self.size, cfg.pad_multiple, cfg.microbatches, shared)
         part_block = 0 if store is None else store.block
         part = sub_batch(batch, split.parts[self.rank], part_block)
-        if store is not None:
-            store.written.clear()  # a failed step's writes are never shared
         split_metrics = batch.return_moe_metrics and bool(model.config.num_moe_experts)
         cfg = dataclasses.replace(cfg, data_parallel_split=True)
         with aux_losses_over_data_parallel(model, split_metrics):
