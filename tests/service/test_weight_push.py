@@ -25,7 +25,7 @@ from megascore.api.errors import CheckpointError
 from megascore.api.types import LAYOUT_FUSED, LAYOUT_PER_EXPERT, WeightTarget
 from megascore.api.wire import encode_array
 from megascore.v1 import scoring_pb2 as pb
-from megascore_server.push.chunks import TensorBuffers
+from megascore_server.push.chunks import KEPT_AS_RECEIVED_BYTES, PushSession, TensorBuffers
 from tests.service.fake_engine import FakeEngine
 from tests.service.harness import serving, wait_for
 
@@ -367,3 +367,35 @@ def test_tensor_buffers_are_reused_once_nothing_uses_them():
     assert id(again.base) == base  # back once nothing used it
     del other, again  # two free buffers, room for one under the limit
     assert sum(len(v) for v in buffers._free.values()) == 1
+
+
+def test_a_small_whole_tensor_is_staged_on_its_message_bytes():
+    big = KEPT_AS_RECEIVED_BYTES // 4 + 1  # float32 elements: one over the bound
+    targets = {
+        "small": WeightTarget((4,)),
+        "split": WeightTarget((4,)),
+        "big": WeightTarget((big,)),
+    }
+    session = PushSession(targets, pb.WEIGHT_NAMES_HF, buffers=TensorBuffers(1 << 30))
+
+    def piece(name, values, offset=0):
+        shape = targets[name].shape
+        array = pb.Array(dtype=pb.DTYPE_FLOAT32, data=np.asarray(values, np.float32).tobytes())
+        return pb.TensorChunk(name=name, shape=shape, data=array, offset=offset)
+
+    small = session.add(piece("small", [1, 2, 3, 4]), 1)
+    assert isinstance(small.data.base, bytes) and not small.data.flags.writeable  # not copied
+    assert np.frombuffer(small.data, np.float32).tolist() == [1, 2, 3, 4]
+    assert session.add(piece("split", [5, 6]), 2) is None  # in two chunks: assembled
+    split = session.add(piece("split", [7, 8], offset=8), 3)
+    assert split.data.flags.writeable and np.frombuffer(split.data, np.float32).tolist() == [
+        5,
+        6,
+        7,
+        8,
+    ]
+    whole = session.add(piece("big", np.arange(big)), 4)  # whole, over the bound: a pooled copy
+    assert whole.data.flags.writeable and np.array_equal(
+        np.frombuffer(whole.data, np.float32), np.arange(big)
+    )
+    assert session.num_bytes == 16 + 16 + 4 * big

@@ -26,32 +26,65 @@ WHOLE = object()
 
 class Pack:
     """Small pieces waiting to go together in one ``chunks`` message (at most
-    ``limit`` serialized bytes); each is reported to ``progress`` once sent."""
+    ``limit`` serialized bytes); each is reported to ``progress`` once sent. Pieces are
+    written into the message itself as they come: building each apart, then the message
+    of them, copied every byte twice more (the bench's adapter, 168 tensors of 8.9 MB:
+    21 ms of the client's CPU to build and serialize its messages, 8 ms so)."""
 
     def __init__(self, limit: int, progress: Progress | None):
         self.limit, self.progress = limit, progress
-        self.pieces: list[tuple[pb.TensorChunk, int, str]] = []  # chunk, sent after, name
+        self.message = pb.UpdateWeightsRequest()
+        self.sent: list[tuple[int, str]] = []  # each piece's bytes sent after it, its name
         self.size = 0
 
-    def fits(self, chunk: pb.TensorChunk) -> bool:
-        return self.size + chunk.ByteSize() + _PIECE_FRAMING <= self.limit
-
-    def add(self, chunk: pb.TensorChunk, sent: int, name: str) -> None:
-        self.pieces.append((chunk, sent, name))
-        self.size += chunk.ByteSize() + _PIECE_FRAMING
+    def add(
+        self, fill: Callable[[pb.TensorChunk], object], sent: int, name: str
+    ) -> Iterator[pb.UpdateWeightsRequest]:
+        """Adds the piece ``fill`` writes into an empty chunk, after the waiting pieces'
+        message when it would pass the limit with them."""
+        pieces = self.message.chunks.chunks
+        fill(pieces.add())
+        size = pieces[-1].ByteSize() + _PIECE_FRAMING
+        if self.sent and self.size + size > self.limit:
+            piece = pieces.pop()
+            yield from self.flush()
+            self.message.chunks.chunks.append(piece)
+        self.sent.append((sent, name))
+        self.size += size
 
     def flush(self) -> Iterator[pb.UpdateWeightsRequest]:
         """The waiting pieces' message (a lone one as a plain ``chunk``), if any."""
-        if not self.pieces:
+        if not self.sent:
             return
-        pieces, self.pieces, self.size = self.pieces, [], 0
-        if len(pieces) == 1:
-            yield pb.UpdateWeightsRequest(chunk=pieces[0][0])
-        else:
-            yield pb.UpdateWeightsRequest(chunks=pb.TensorChunks(chunks=[p[0] for p in pieces]))
+        message, sent = self.message, self.sent
+        self.message, self.sent, self.size = pb.UpdateWeightsRequest(), [], 0
+        if len(sent) == 1:
+            message = pb.UpdateWeightsRequest(chunk=message.chunks.chunks[0])
+        yield message
         if self.progress is not None:
-            for _, sent, name in pieces:
-                self.progress(sent, name)
+            for done, name in sent:
+                self.progress(done, name)
+
+
+def _whole(name: str, shape, dtype: int, data: bytes) -> Callable[[pb.TensorChunk], None]:
+    """Writes a whole tensor into a piece."""
+
+    def fill(chunk: pb.TensorChunk) -> None:
+        chunk.name = name
+        chunk.shape.extend(shape)
+        chunk.data.dtype = dtype
+        chunk.data.data = data
+
+    return fill
+
+
+def _copy_of(patch: pb.TensorChunk) -> Callable[[pb.TensorChunk], None]:
+    """Writes a delta's patch into a piece."""
+
+    def fill(chunk: pb.TensorChunk) -> None:
+        chunk.CopyFrom(patch)
+
+    return fill
 
 
 def tensor_messages(
@@ -71,15 +104,12 @@ def tensor_messages(
     dtype = DTYPES[raw.dtype][0]
     if waiting is not None and (patch is not WHOLE or len(view) <= chunk_bytes):
         if patch is WHOLE:  # the whole tensor in one piece
-            patch = pb.TensorChunk(
-                name=name, shape=raw.shape, data=pb.Array(dtype=dtype, data=view.tobytes())
-            )
+            fill = _whole(name, raw.shape, dtype, view.tobytes())
             sent += len(view)
         else:
+            fill = _copy_of(patch)
             sent += _patch_bytes(patch)
-        if not waiting.fits(patch):
-            yield from waiting.flush()
-        waiting.add(patch, sent, name)
+        yield from waiting.add(fill, sent, name)
         return sent
     if waiting is not None:  # the pieces before this tensor's own messages
         yield from waiting.flush()

@@ -36,6 +36,14 @@ DTYPES = {  # proto Dtype -> (engine dtype name, element bytes)
 STAGING_BYTES = 256 * 1024 * 1024
 """Tensor bytes received and waiting for the engine thread to stage them, at most (one
 tensor of any size may always wait)."""
+KEPT_AS_RECEIVED_BYTES = 256 << 10
+"""A tensor of at most this many bytes that comes whole in one chunk (an adapter's
+tensors, a norm: small tensors packed several to a message) is staged on the bytes it
+came in, read-only, not copied into a pooled buffer (:class:`TensorBuffers`): at this
+size the allocator reuses freed memory anyway, and the copy and the buffer's bookkeeping
+cost 2-3 ms of an adapter push's ~30 ms of server CPU (``bench/adapters.py``). Bigger
+tensors still get a pooled buffer (holding their bytes instead was measured slower:
+new memory's page faults, docs/benchmarks.md)."""
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq")  # buffers of older transformers
 _LAYOUT_NAMES = {1: "per-expert (block_sparse_moe.experts.E.*)", 2: "fused (mlp.experts.*)"}
 
@@ -112,6 +120,10 @@ class PushedTensor:
         self.received = 0
 
     def put(self, data: bytes) -> None:
+        if self.data is None and len(data) == self.total <= KEPT_AS_RECEIVED_BYTES:
+            self.data = np.frombuffer(data, np.uint8)  # whole and small: its bytes, no copy
+            self.received = self.total
+            return
         if self.data is None:
             take = self._buffers.take if self._buffers else lambda n: np.empty(n, np.uint8)
             self.data = take(self.total)

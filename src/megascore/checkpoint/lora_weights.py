@@ -25,6 +25,7 @@ base output. Pipeline stages hold their own layers' adapters only.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -54,46 +55,59 @@ def _shard(total: int, ranks: ParallelRanks) -> tuple[int, int]:
     return ranks.tp_rank * per, (ranks.tp_rank + 1) * per
 
 
-def _qkv_rows(cfg: ModelConfig, ranks: ParallelRanks) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per part (q, k, v): (its rows this rank keeps, their rows in the local fused
-    output). Fused local output: ``[local groups, (heads per group + 2) * d]``."""
+class _Rows(NamedTuple):
+    """Where one part's ``B`` rows go in a column-parallel layer's local fused output, seen
+    as ``[groups, stride]`` rows: group ``g``'s ``width`` rows are the part's rows from
+    ``first + g * width`` on, placed from row ``offset`` of the group (slices, no index)."""
+
+    groups: int
+    stride: int
+    first: int
+    width: int
+    offset: int
+
+
+def _qkv_rows(cfg: ModelConfig, ranks: ParallelRanks) -> list[_Rows]:
+    """Per part (q, k, v): its rows this rank keeps and their rows in the local fused
+    output ``[local groups, (heads per group + 2) * d]``."""
     d, groups = cfg.kv_channels, cfg.num_query_groups
     hpg = cfg.num_attention_heads // groups
     g0, g1 = _shard(groups, ranks)
-    local = torch.arange(g1 - g0)[:, None] * (hpg + 2) * d  # [n, 1] first fused row of a group
-    out = []
-    for width, offset in ((hpg * d, 0), (d, hpg * d), (d, (hpg + 1) * d)):
-        span = torch.arange(width)[None]
-        src = (torch.arange(g0, g1)[:, None] * width + span).flatten()
-        out.append((src, (local + offset + span).flatten()))
-    return out
+    stride = (hpg + 2) * d
+    return [
+        _Rows(g1 - g0, stride, g0 * width, width, offset)
+        for width, offset in ((hpg * d, 0), (d, hpg * d), (d, (hpg + 1) * d))
+    ]
 
 
-def _fc1_rows(cfg: ModelConfig, ranks: ParallelRanks) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _fc1_rows(cfg: ModelConfig, ranks: ParallelRanks) -> list[_Rows]:
     """Per part (gate, up): this rank's rows, then their rows of ``[gate_local; up_local]``."""
     f0, f1 = _shard(cfg.ffn_hidden_size, ranks)
-    src, n = torch.arange(f0, f1), f1 - f0
-    return [(src, torch.arange(n)), (src, n + torch.arange(n))]
+    n = f1 - f0
+    return [_Rows(1, 2 * n, f0, n, 0), _Rows(1, 2 * n, f0, n, n)]
 
 
-def _column_parallel(parts, rows, out_local: int) -> LoraWeights:
+def _column_parallel(parts, rows: list[_Rows], out_local: int) -> LoraWeights:
     """``A`` stacked, ``B`` block-diagonal at the parts' local output rows (absent parts:
     no columns)."""
     present = [(p, r) for p, r in zip(parts, rows, strict=True) if p is not None]
     a = torch.cat([p.a.float() for p, _ in present])
     b = a.new_zeros(out_local, a.shape[0])
     col = 0
-    for part, (src, dst) in present:
+    for part, at in present:
         r = part.a.shape[0]
-        b[dst, col : col + r] = part.b.float()[src] * part.scale
+        src = part.b.float()[at.first : at.first + at.groups * at.width] * part.scale
+        fused = b.view(at.groups, at.stride, b.shape[1])
+        fused[:, at.offset : at.offset + at.width, col : col + r] = src.view(at.groups, at.width, r)
         col += r
     return LoraWeights(a, b)
 
 
 def _row_parallel(part: ModuleLora, ranks: ParallelRanks) -> LoraWeights:
-    """``A``'s columns of this rank's input shard; ``scale * B`` whole."""
+    """``A``'s columns of this rank's input shard (a copy: a pushed ``A`` is a view of the
+    server's pooled buffer); ``scale * B`` whole."""
     c0, c1 = _shard(part.a.shape[1], ranks)
-    return LoraWeights(part.a.float()[:, c0:c1], part.b.float() * part.scale)
+    return LoraWeights(part.a.float()[:, c0:c1].clone(), part.b.float() * part.scale)
 
 
 def megatron_lora(

@@ -434,6 +434,8 @@ def agree_on_status(failed: bool, status_group: dist.ProcessGroup) -> list[int]:
         RuntimeError: the all-reduce itself failed or timed out (a rank is gone).
     """
     ranks = dist.get_process_group_ranks(status_group)
+    if len(ranks) == 1:  # a one-rank replica: nothing to agree on (no collective)
+        return ranks if failed else []
     flags = torch.zeros(len(ranks), dtype=torch.int32)
     flags[dist.get_rank(status_group)] = int(failed)
     dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=status_group)

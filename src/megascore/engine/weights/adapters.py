@@ -151,11 +151,6 @@ class AdapterHandler:
             return attach(self.loaded.model).meta(name)
         return AdapterConfig.from_dict(config, source)
 
-    def _stage_adapter(self, name: str, dtype: str, shape: tuple[int, ...], data) -> None:
-        """Rank 0: one tensor of the open adapter push, copied (the buffer is pooled)."""
-        tensor = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype))
-        self._adapter_push.tensors[name] = tensor.reshape(shape)
-
     def _commit_adapter(self, weights_version: str) -> str:
         """Rank 0: the open adapter push to every rank, held once every rank agrees."""
         push, self._adapter_push = self._adapter_push, None
@@ -183,7 +178,10 @@ class AdapterHandler:
             raise self._mark_broken(f"broadcasting ADAPTER failed: {e}") from e
 
     def _receive_tensors(self, spec: dict, tensors: dict | None) -> dict[str, torch.Tensor]:
-        """Every rank: a push's tensors, broadcast from rank 0 as raw bytes."""
+        """Every rank: a push's tensors, broadcast from rank 0 as raw bytes (rank 0 keeps
+        its own; a one-rank replica broadcasts nothing)."""
+        if dist.get_world_size(self.command_group) == 1:
+            return tensors
         out = {}
         for name, dtype, shape in spec.get("tensors", ()):
             torch_dtype = getattr(torch, dtype)
@@ -192,11 +190,10 @@ class AdapterHandler:
             else:
                 size = int(np.prod(shape)) * torch.empty((), dtype=torch_dtype).element_size()
                 raw = torch.empty(size, dtype=torch.uint8)
-            if dist.get_world_size(self.command_group) > 1:
-                try:
-                    dist.broadcast(raw, src=DRIVER_RANK, group=self.command_group)
-                except RuntimeError as e:
-                    raise self._mark_broken(f"broadcasting adapter tensor {name}: {e}") from e
+            try:
+                dist.broadcast(raw, src=DRIVER_RANK, group=self.command_group)
+            except RuntimeError as e:
+                raise self._mark_broken(f"broadcasting adapter tensor {name}: {e}") from e
             out[name] = raw.view(torch_dtype).reshape(shape)
         return out
 

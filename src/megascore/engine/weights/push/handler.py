@@ -26,6 +26,7 @@ from megascore.engine.weights.push.apply import (
 )
 
 logger = logging.getLogger(__name__)
+_readonly_warned = False  # torch warned (silenced) about a read-only buffer: it never repeats
 
 
 @contextlib.contextmanager
@@ -44,6 +45,21 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def _frombuffer(data, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.frombuffer(data)``. A read-only buffer is only read (shards and an adapter's
+    weights are copies): torch's warning about it is silenced, and torch gives that
+    warning once per process, so only the first read-only buffer pays for the warnings
+    context (about 8 us a tensor, each of an adapter's hundreds of small tensors once)."""
+    global _readonly_warned
+    if _readonly_warned or not memoryview(data).readonly:
+        return torch.frombuffer(data, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        tensor = torch.frombuffer(data, dtype=dtype)
+    _readonly_warned = True
+    return tensor
 
 
 class WeightPushHandler:
@@ -72,17 +88,17 @@ class WeightPushHandler:
 
         ``data`` is the tensor's bytes, uint8 (a view of the server's pooled buffer,
         ``megascore_server.push.chunks.TensorBuffers``: the tensor built on it keeps it in
-        use until every part is sent and staged)."""
+        use until every part is sent and staged; or, for a small tensor, the read-only
+        bytes it came in)."""
         self._require_driver("stage_weight")
-        if self._adapter_push is not None:  # an adapter's tensors wait on rank 0
-            return self._stage_adapter(name, dtype, shape, data)
         torch_dtype = getattr(torch, dtype)
         if len(data):
-            with warnings.catch_warnings():  # a read-only buffer is only read (shards are copies)
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                tensor = torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
+            tensor = _frombuffer(data, torch_dtype).reshape(shape)
         else:
             tensor = torch.empty(shape, dtype=torch_dtype)
+        if self._adapter_push is not None:  # an adapter's tensors wait on rank 0, uncopied
+            self._adapter_push.tensors[name] = tensor  # (its weights are copies of them)
+            return
         message = protocol.WeightsMessage(name=name, tensor=tensor, layout=layout)
         self._send_weights(protocol.Command.WEIGHTS_TENSOR, message)
         self._on_weights(protocol.Command.WEIGHTS_TENSOR, message)
