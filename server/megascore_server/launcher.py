@@ -11,7 +11,10 @@ signals every worker at once and needs torch imported in this process):
   SHUTDOWN; workers ignore signals and leave with that broadcast. A second
   signal kills every rank.
 * A rank exiting non-zero (lost rank) -> the others get ``failure_grace_s`` to
-  exit (rank 0 notices the loss and exits 1), then SIGKILL; exit code non-zero.
+  exit (rank 0 notices the loss, fails its calls and exits 1), then SIGKILL; exit code
+  non-zero. Once rank 0 has failed, the workers left get ``orphan_grace_s`` only: no
+  SHUTDOWN can reach them and they hold nothing to save (a hung or stopped one would
+  otherwise hold the replica's end for the whole ``failure_grace_s``).
 * Children die with this process (``PR_SET_PDEATHSIG``), so no orphan survives
   even a SIGKILL of the launcher.
 * Rank 0's TCPStore binds a port of the kernel's choice and rank 0 writes it to a
@@ -77,11 +80,16 @@ class LocalLauncher:
     Args:
         config: the resolved configuration (passed to every rank verbatim).
         failure_grace_s: after a rank failed, time the others get before SIGKILL.
+        orphan_grace_s: after rank 0 failed, time the workers left get before SIGKILL.
     """
 
-    def __init__(self, config: ReplicaConfig, *, failure_grace_s: float = 15.0):
+    def __init__(
+        self, config: ReplicaConfig, *, failure_grace_s: float = 15.0, orphan_grace_s: float = 2.0
+    ):
         self.config = config
         self.failure_grace_s = failure_grace_s
+        self.orphan_grace_s = orphan_grace_s
+        self._orphaned = False
         self.procs: list[subprocess.Popen] = []
         self._signals = 0
         self._kill_at: float | None = None
@@ -143,6 +151,9 @@ class LocalLauncher:
                     self._deadline(self.failure_grace_s)
             if all(code is not None for code in codes):
                 break
+            if codes[0] not in (None, 0) and not self._orphaned:
+                self._orphaned = True
+                self._deadline(self.orphan_grace_s)
             if self._kill_at is not None and time.monotonic() >= self._kill_at:
                 logger.error("ranks did not exit in time: killing them")
                 for proc in self.procs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -75,3 +76,49 @@ def test_pick_port_without_room_below_the_ephemeral_range(monkeypatch):
 def test_ephemeral_port_low_reads_the_kernel_range():
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         assert ports.ephemeral_port_low() == int(f.read().split()[0])
+
+
+class _FakeRank:
+    """A rank that exits with ``code`` at ``exit_at`` (None: only when killed)."""
+
+    def __init__(self, code: int, exit_at: float | None):
+        self.code, self.exit_at, self.returncode, self.killed = code, exit_at, None, False
+
+    def poll(self) -> int | None:
+        due = self.exit_at is not None and time.monotonic() >= self.exit_at
+        if self.returncode is None and due:
+            self.returncode = self.code
+        return self.returncode
+
+    def kill(self) -> None:
+        self.killed, self.returncode = True, -9
+
+    def send_signal(self, signum: int) -> None:
+        pass
+
+    def wait(self) -> int | None:
+        return self.returncode
+
+
+def _run_with(monkeypatch, ranks: list[_FakeRank], **grace) -> tuple[int, float]:
+    fakes = iter(ranks)
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, env, preexec_fn: next(fakes))
+    config = ReplicaConfig(engine=EngineConfig(tensor_model_parallel_size=2), nproc=len(ranks))
+    start = time.monotonic()
+    code = launcher.LocalLauncher(config, **grace).run()
+    return code, time.monotonic() - start
+
+
+def test_workers_left_by_a_failed_rank_0_are_killed_after_the_orphan_grace(monkeypatch):
+    now = time.monotonic()
+    ranks = [_FakeRank(1, now + 0.2), _FakeRank(0, None)]  # rank 1 hung: never exits
+    code, took = _run_with(monkeypatch, ranks, failure_grace_s=30.0, orphan_grace_s=0.5)
+    assert code == 1 and ranks[1].killed
+    assert 0.6 <= took < 5.0, took  # not the 30 s a failed worker leaves rank 0
+
+
+def test_a_failed_worker_leaves_rank_0_the_failure_grace(monkeypatch):
+    now = time.monotonic()
+    ranks = [_FakeRank(1, now + 1.2), _FakeRank(3, now + 0.1)]  # rank 0 notices, exits 1
+    code, took = _run_with(monkeypatch, ranks, failure_grace_s=30.0, orphan_grace_s=0.1)
+    assert code == 3 and not ranks[0].killed and took >= 1.2
