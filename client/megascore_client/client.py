@@ -186,7 +186,8 @@ class ScoringClient(TextMethods, PushMethods, ClientBase):
             reference: a second weight set to score the same tokens with in the same
                 call: ``ScoreResult.reference_logprobs`` and the KL estimators between
                 ``model`` (p) and it (q), ``kl_k1`` / ``kl_k2`` / ``kl_k3`` per token and
-                their means over the scored tokens ``kl_mean`` (docs/client.md).
+                their means over the scored tokens ``kl_mean`` (docs/client.md); its
+                version is ``ScoreResult.reference_weights_version``.
             request_id: id echoed by the server and in its logs (generated if None).
             timeout: deadline of each request in seconds (default: the client's).
 

@@ -111,6 +111,9 @@ class ScoreResult:
             ``[B]``, its mean over each sequence's scored tokens; empty otherwise.
         weights_version: the weights that scored the batch. If a split batch was
             scored across a weight swap, the distinct versions joined by ``","``.
+        reference_weights_version: with ``reference=``, the version of the reference set
+            (or adapter) behind ``reference_logprobs``, joined as ``weights_version``
+            (a server older than the field: ""); "" otherwise.
         timings: see :class:`Timings`.
     """
 
@@ -138,6 +141,7 @@ class ScoreResult:
     kl_k3: list[np.ndarray] | None = None
     kl_mean: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     weights_version: str = ""
+    reference_weights_version: str = ""
     timings: Timings = dataclasses.field(default_factory=Timings)
 
     def __len__(self) -> int:

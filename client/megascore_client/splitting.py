@@ -446,6 +446,7 @@ def decode_part(response: pb.ScoreResponse, part: Part) -> ScoreResult:
     result.moe_metrics = dict(response.moe_metrics)
     result.mtp_metrics = dict(response.mtp_metrics)
     result.weights_version = response.weights_version
+    result.reference_weights_version = response.reference_weights_version
     result.timings = Timings.from_proto(response.timings)
     return result
 
@@ -478,7 +479,8 @@ def merge(results: list[ScoreResult], request_id: str) -> ScoreResult:
         result.request_id = request_id
         return result
     weights = [int(r.lengths.sum()) for r in results]
-    versions = list(dict.fromkeys(r.weights_version for r in results))
+    versions = ",".join(dict.fromkeys(r.weights_version for r in results))
+    references = ",".join(dict.fromkeys(r.reference_weights_version for r in results))
     joined = {out.sdk: _join([getattr(r, out.sdk) for r in results], out) for out in schema.OUTPUTS}
     return ScoreResult(
         request_id=request_id,
@@ -486,7 +488,8 @@ def merge(results: list[ScoreResult], request_id: str) -> ScoreResult:
         **joined,
         moe_metrics=_weighted_metrics([r.moe_metrics for r in results], weights),
         mtp_metrics=_weighted_metrics([r.mtp_metrics for r in results], weights),
-        weights_version=",".join(versions),
+        weights_version=versions,
+        reference_weights_version=references,
         timings=Timings(
             queue_ms=max(r.timings.queue_ms for r in results),
             compute_ms=sum(r.timings.compute_ms for r in results),

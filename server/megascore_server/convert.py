@@ -44,6 +44,7 @@ def build_response(
         request_id=request_id,
         lengths=encode_array(batch.lengths.astype(np.int64, copy=False)),
         weights_version=output.weights_version,
+        reference_weights_version=output.reference_weights_version,
         timings=timings,
     )
     for out in schema.OUTPUTS:

@@ -12,11 +12,13 @@ from megascore.api.wire import decode_array, encode_array
 from megascore.v1 import scoring_pb2 as pb
 from megascore_client import AsyncScoringClient, InvalidInputError, ScoringClient, ScoringError
 from megascore_client.inputs import make_batch
+from megascore_client.results import ScoreResult
 from megascore_client.splitting import (
     ROUTING_VALUES_GUESS,
     ScoreOptions,
     build_parts,
     decode_part,
+    merge,
     plan,
 )
 from tests.client.fake_server import (
@@ -284,3 +286,14 @@ def test_score_from_travels_with_its_sequences_in_every_part(groups):
     assert not build_parts(make_batch(seqs), options, "r", max_message_bytes=LIMIT)[
         0
     ].request.HasField("score_from")
+
+
+def test_a_split_batchs_versions_are_joined_the_reference_with_the_scored():
+    parts = [
+        ScoreResult("r", np.array([3]), None, weights_version=v, reference_weights_version=ref)
+        for v, ref in (("v1", "base-1"), ("v2", "base-1"), ("v2", "base-2"))
+    ]
+    merged = merge(parts, "r")
+    assert (merged.weights_version, merged.reference_weights_version) == ("v1,v2", "base-1,base-2")
+    plain = merge([ScoreResult("r", np.array([3]), None, weights_version="v1")] * 2, "r")
+    assert (plain.weights_version, plain.reference_weights_version) == ("v1", "")

@@ -80,6 +80,11 @@ def test_the_sdk_selects_a_set_and_gets_the_reference_kl(servers):
         reference = client.score(SEQUENCES)  # the default set
         kl = client.score(SEQUENCES, model="policy", reference="reference")
         assert_kl(kl, reference, policy)
+        assert (kl.weights_version, kl.reference_weights_version) == (
+            "builtin:tiny@2",
+            "builtin:tiny@1",
+        )
+        assert policy.reference_weights_version == ""
         with pytest.raises(ScoringError, match="nope") as caught:
             client.score(SEQUENCES, model="nope")
         assert caught.value.code == grpc.StatusCode.NOT_FOUND
@@ -100,6 +105,17 @@ def test_http_lists_the_sets_and_takes_the_model_field(servers):
         c["logprobs"]["token_logprobs"][1:] for c in (policy["choices"][0], reference["choices"][0])
     ]
     assert lp[0] != lp[1]
+    assert "reference_weights_version" not in policy["megascore"]
+    asked = {**body, "model": "policy", "megascore": {"reference": "reference"}}
+    status, kl = _http(port, "/v1/completions", asked)
+    assert status == 200, kl
+    versions = kl["megascore"]["weights_version"], kl["megascore"]["reference_weights_version"]
+    assert versions == ("builtin:tiny@2", "builtin:tiny@1")
+    status, generated = _http(
+        port, "/generate", {"input_ids": SEQUENCES, "megascore": {"reference": "reference"}}
+    )
+    assert status == 200, generated
+    assert generated[0]["meta_info"]["reference_weights_version"] == "builtin:tiny@1"
     status, missing = _http(port, "/v1/completions", {**body, "model": "nope"})
     assert status == 404 and "'nope'" in missing["error"]["message"], missing
     assert _http(port, "/v1/completions", body)[0] == 200  # still serving

@@ -11,7 +11,8 @@ is prompt i).
 Answer: each choice's ``"megascore"`` holds every output of
 :data:`megascore.api.schema.OUTPUTS` the request asked for, by its SDK name (per token: one
 list, entry 0 the fill; per sequence: the value or row; a map: name -> value), and the
-response's ``"megascore"`` the weights version, the MoE / MTP metrics and the timings.
+response's ``"megascore"`` the weights version (and the reference set's, with
+``reference``), the MoE / MTP metrics and the timings.
 No list of fields lives here: a new entry of the table is reachable over HTTP as it is.
 """
 
@@ -129,10 +130,19 @@ def outputs(scored: Scored, offsets: np.ndarray, index: int) -> dict:
     return out
 
 
+def reference_version(scored: Scored) -> dict:
+    """``{"reference_weights_version": ...}`` when the request named a ``reference``."""
+    if not scored.batch.reference:
+        return {}
+    return {"reference_weights_version": scored.output.reference_weights_version}
+
+
 def summary(scored: Scored) -> dict:
-    """The response-wide part: weights version, metrics of the forward, timings."""
+    """The response-wide part: weights version (and the reference's, with ``reference``),
+    metrics of the forward, timings."""
     body = {
         "weights_version": scored.output.weights_version,
+        **reference_version(scored),
         "timings": {
             "queue_ms": scored.queue_ms,
             "compute_ms": scored.compute_ms,

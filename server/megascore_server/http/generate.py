@@ -175,6 +175,7 @@ class _Encoder:
             "completion_tokens": len(output),
             "cached_tokens": 0 if cached is None else int(cached[i]),
             "weights_version": self.scored.output.weights_version,
+            **extras.reference_version(self.scored),
         }
         if body.return_logprob:
             meta.update(self._logprobs(i, prompt, start, output))

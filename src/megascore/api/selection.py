@@ -65,7 +65,11 @@ def select_sequences(
         rows = seq_idx if out.per == schema.SEQUENCE else tokens
         columns = tuple(slice(0, d) for d in schema.flat_dims(out, options))
         values[out.name] = value[(rows, *columns)]
-    return ScoreOutput(values=values, weights_version=output.weights_version)
+    return ScoreOutput(
+        values=values,
+        weights_version=output.weights_version,
+        reference_weights_version=output.reference_weights_version,
+    )
 
 
 def concat_outputs(parts: list[tuple[np.ndarray, ScoreOutput]], lengths: np.ndarray) -> ScoreOutput:
@@ -96,4 +100,8 @@ def concat_outputs(parts: list[tuple[np.ndarray, ScoreOutput]], lengths: np.ndar
             }
         else:
             values[name] = np.concatenate([o.values[name] for o in outs])[index]
-    return ScoreOutput(values=values, weights_version=outs[-1].weights_version)
+    return ScoreOutput(
+        values=values,
+        weights_version=outs[-1].weights_version,
+        reference_weights_version=outs[-1].reference_weights_version,
+    )

@@ -262,6 +262,8 @@ class ScoreOutput:
         metric_sums: what the metrics were formed from, where they add over steps
             (``metrics_reduction`` "step"); None otherwise.
         weights_version: version of the weights that produced these numbers.
+        reference_weights_version: with ``ScoreBatch.reference``, the version of the
+            reference set (or adapter) that produced ``reference_logprobs``; "" else.
     """
 
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -269,6 +271,7 @@ class ScoreOutput:
     mtp_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     metric_sums: MetricSums | None = None
     weights_version: str = ""
+    reference_weights_version: str = ""
 
     def __getattr__(self, name: str):
         for out in schema.OUTPUTS:

@@ -364,7 +364,7 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler, AdapterHand
 
         Returns:
             The batch's :class:`ScoreOutput` (flat token layout, ``weights_version`` of
-            its set).
+            its set, ``reference_weights_version`` of the reference's).
 
         Raises:
             InvalidRequestError: the batch does not fit the model (no collective issued).
@@ -381,13 +381,14 @@ class DistributedEngine(WorkerLoop, WeightReload, WeightPushHandler, AdapterHand
             self.sets.target(batch.reference, "options.reference") if batch.reference else None
         )
         version = self.sets.resolve(batch.model).weights_version
+        ref_version = self.sets.resolve(batch.reference).weights_version if reference else ""
         check_pinned_version(batch.weights_version, version)
         self.check(batch)
         if reference is not None:  # its logprobs first, an input of the step under model
             under = self._with_adapter(reference_batch(batch), *reference)
             batch = with_reference(batch, self._score_on(under, reference[0]))
         out = self._score_on(self._with_adapter(batch, weight_set, slot), weight_set)
-        out.weights_version = version
+        out.weights_version, out.reference_weights_version = version, ref_version
         return out
 
     def _score_on(self, batch: ScoreBatch, weight_set: int) -> ScoreOutput:

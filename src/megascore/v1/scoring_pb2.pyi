@@ -134,7 +134,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings", "routing", "routing_num_moe_layers", "routing_topk", "entropy", "target_logprobs", "num_target_ids", "mismatch", "importance_weights", "token_ranks", "next_token_ids", "next_token_logprobs", "next_top_k", "cached_tokens", "reference_logprobs", "kl_k1", "kl_k2", "kl_k3", "kl")
+    __slots__ = ("request_id", "lengths", "token_logprobs", "top_k_ids", "top_k_logprobs", "top_k", "sequence_losses", "num_loss_tokens", "moe_metrics", "mtp_metrics", "weights_version", "timings", "routing", "routing_num_moe_layers", "routing_topk", "entropy", "target_logprobs", "num_target_ids", "mismatch", "importance_weights", "token_ranks", "next_token_ids", "next_token_logprobs", "next_top_k", "cached_tokens", "reference_logprobs", "kl_k1", "kl_k2", "kl_k3", "kl", "reference_weights_version")
     class SequenceLossesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class ScoreResponse(_message.Message):
     KL_K2_FIELD_NUMBER: _ClassVar[int]
     KL_K3_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lengths: Array
     token_logprobs: Array
@@ -230,7 +231,8 @@ class ScoreResponse(_message.Message):
     kl_k2: Array
     kl_k3: Array
     kl: _containers.MessageMap[str, Array]
-    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., routing_num_moe_layers: _Optional[int] = ..., routing_topk: _Optional[int] = ..., entropy: _Optional[_Union[Array, _Mapping]] = ..., target_logprobs: _Optional[_Union[Array, _Mapping]] = ..., num_target_ids: _Optional[int] = ..., mismatch: _Optional[_Mapping[str, Array]] = ..., importance_weights: _Optional[_Union[Array, _Mapping]] = ..., token_ranks: _Optional[_Union[Array, _Mapping]] = ..., next_token_ids: _Optional[_Union[Array, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., next_top_k: _Optional[int] = ..., cached_tokens: _Optional[_Union[Array, _Mapping]] = ..., reference_logprobs: _Optional[_Union[Array, _Mapping]] = ..., kl_k1: _Optional[_Union[Array, _Mapping]] = ..., kl_k2: _Optional[_Union[Array, _Mapping]] = ..., kl_k3: _Optional[_Union[Array, _Mapping]] = ..., kl: _Optional[_Mapping[str, Array]] = ...) -> None: ...
+    reference_weights_version: str
+    def __init__(self, request_id: _Optional[str] = ..., lengths: _Optional[_Union[Array, _Mapping]] = ..., token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k_ids: _Optional[_Union[Array, _Mapping]] = ..., top_k_logprobs: _Optional[_Union[Array, _Mapping]] = ..., top_k: _Optional[int] = ..., sequence_losses: _Optional[_Mapping[str, Array]] = ..., num_loss_tokens: _Optional[_Union[Array, _Mapping]] = ..., moe_metrics: _Optional[_Mapping[str, float]] = ..., mtp_metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Array, _Mapping]] = ..., routing_num_moe_layers: _Optional[int] = ..., routing_topk: _Optional[int] = ..., entropy: _Optional[_Union[Array, _Mapping]] = ..., target_logprobs: _Optional[_Union[Array, _Mapping]] = ..., num_target_ids: _Optional[int] = ..., mismatch: _Optional[_Mapping[str, Array]] = ..., importance_weights: _Optional[_Union[Array, _Mapping]] = ..., token_ranks: _Optional[_Union[Array, _Mapping]] = ..., next_token_ids: _Optional[_Union[Array, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Array, _Mapping]] = ..., next_top_k: _Optional[int] = ..., cached_tokens: _Optional[_Union[Array, _Mapping]] = ..., reference_logprobs: _Optional[_Union[Array, _Mapping]] = ..., kl_k1: _Optional[_Union[Array, _Mapping]] = ..., kl_k2: _Optional[_Union[Array, _Mapping]] = ..., kl_k3: _Optional[_Union[Array, _Mapping]] = ..., kl: _Optional[_Mapping[str, Array]] = ..., reference_weights_version: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("texts", "add_special_tokens")
