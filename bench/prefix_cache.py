@@ -27,9 +27,9 @@ Workloads (scaled down for a 2-core CPU: the issue's sizes in brackets):
    ``local-completions`` with ``batch_size=1``: ``echo``, ``logprobs``, token-id
    prompts). Target: on / off >= 2.
 4. **no reuse**: distinct random sequences (``--distinct`` of 1024 tokens, 4 per request),
-   ``--rounds`` rounds, every server warmed up first, the servers in a rotated order per
-   round. Target: on / off >= 0.97 (the cache costs <= 3 %), blocks / plain >= 0.90 (the
-   key-block attention costs the dense path <= 10 %).
+   ``--rounds`` rounds, every server warmed up first, each request to the servers in
+   turn, in an order rotated per round. Target: on / off >= 0.97 (the cache costs <= 3
+   %), blocks / plain >= 0.90 (the key-block attention costs the dense path <= 10 %).
 
 A ratio is server CPU seconds of the slow side over the fast side (they barely move with
 the machine's load; wall-clock ratios beside them), the median over repetitions; every
@@ -74,6 +74,13 @@ SERVERS = {
     "blocks": ("--no-prefix-cache", "--no-prefix-sharing"),
 }
 OPTIONS = dict(top_k=common.TOP_K, losses=common.LOSSES)
+ALLOCATOR = "glibc.malloc.mmap_max=0"
+"""The servers' glibc malloc (``--allocator``): no mmapped chunks (so no moving
+threshold), a step's large temporaries reuse the heap. Under glibc's default (a dynamic
+mmap threshold) a server can settle in a state that maps and faults its temporaries
+afresh every call (one process, 4 x 1,024 tokens per call: 30k to 600k page faults per
+identical call from one run to the next, 0.1 to 1.5 s of its 6.5 to 8 s of CPU) and stay
+there: a bias of up to ~15 % on one side of a ratio, whatever the cache does."""
 
 
 def _lognormal(rng, median: float, sigma: float, lo: int, hi: int) -> int:
@@ -204,8 +211,9 @@ def passes(args, clients, ports, pids, rng) -> dict:
 
 def no_reuse_rounds(args, clients, pids, rng) -> list[dict]:
     """The no-reuse workload: every server warmed up on one request of its shape, then
-    ``--rounds`` rounds, each on new sequences, the four servers in a rotated order (a
-    server's first requests and the machine's drift fall on every side alike)."""
+    ``--rounds`` rounds, each on new sequences: every request goes to the four servers
+    one after the other, in an order rotated per round (the sides of a ratio are timed
+    seconds apart, so the machine's drift under a shared load falls on both alike)."""
     sides = list(SERVERS)
 
     def requests():
@@ -219,13 +227,15 @@ def no_reuse_rounds(args, clients, pids, rng) -> list[dict]:
     for r in range(args.rounds):
         batch = requests()
         order = sides[r % len(sides) :] + sides[: r % len(sides)]
-        rounds.append({})
-        for side in order:
-            client = clients[side]
-            wall, cpu, answers = timed(
-                pids[side], lambda c=client, b=batch: [c.score(x, **OPTIONS) for x in b]
-            )
-            rounds[-1][side] = (wall, cpu, answers)
+        rounds.append({side: (0.0, 0.0, []) for side in sides})
+        for request in batch:
+            for side in order:
+                wall, cpu, answer = timed(
+                    pids[side], lambda c=clients[side], x=request: c.score(x, **OPTIONS)
+                )
+                total_wall, total_cpu, answers = rounds[-1][side]
+                rounds[-1][side] = (total_wall + wall, total_cpu + cpu, [*answers, answer])
+        for side, (wall, cpu, _) in rounds[-1].items():
             logger.info("no reuse round %d %s: %.1f s wall, %.1f s CPU", r, side, wall, cpu)
     return rounds
 
@@ -256,6 +266,8 @@ def measure(args, workdir: Path) -> dict:
     from megascore_client import ScoringClient
 
     servers, ports = {}, {}
+    if args.allocator:
+        os.environ["GLIBC_TUNABLES"] = args.allocator  # the servers inherit it
     for name, extra in SERVERS.items():
         ports[name] = pick_port()
         servers[name] = start_server(
@@ -358,6 +370,7 @@ def section(res, args, elapsed: float, load_start: str, load_end: str) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     table = rows(res, args)
     peaks = ", ".join(f"{k} {v:.0f} MiB" for k, v in res["peaks"].items())
+    allocator = f"`GLIBC_TUNABLES={args.allocator}`" if args.allocator else "glibc default"
     lines = [
         BEGIN,
         "## Prefix cache (`bench/prefix_cache.py`)",
@@ -369,6 +382,10 @@ def section(res, args, elapsed: float, load_start: str, load_end: str) -> str:
         f"* intra-op threads per server: {os.environ.get('OMP_NUM_THREADS', 'torch default')}"
         " (`OMP_NUM_THREADS`; on a shared machine 1 keeps the CPU seconds free of OpenMP's "
         "spin-waits for a descheduled thread)",
+        f"* servers' allocator: {allocator} (`--allocator`: under the default a server can "
+        "settle in a state that "
+        "faults its step's temporaries afresh every call, up to ~15 % of its CPU, which "
+        "biases one side of a ratio)",
         "* model `bench` (CPU, float32), `megascore serve` subprocesses: `on` (defaults: "
         "the cache, blocks of 64), `off` (`--no-prefix-cache`), `plain` (`--prefix-cache-gib "
         "0 --no-prefix-sharing`), `blocks` (`--no-prefix-cache --no-prefix-sharing`); SDK "
@@ -385,7 +402,8 @@ def section(res, args, elapsed: float, load_start: str, load_end: str) -> str:
         f"{args.rounds} rounds",
         "* ratio: server CPU seconds, slow side / fast side, median over repetitions (new "
         "prompts each); the no-reuse rows: median over rounds, each server warmed up "
-        f"first, the four in a rotated order per round; peak RSS {peaks}",
+        "first, each request to the four in turn, in an order rotated per round; peak RSS "
+        f"{peaks}",
         "",
         "| workload | compared | value | target | result | measured |",
         "|---|---|---:|---|---|---|",
@@ -410,6 +428,9 @@ def main() -> None:
     p.add_argument("--distinct", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4, help="rounds of the no-reuse workload")
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument(
+        "--allocator", default=ALLOCATOR, help="the servers' GLIBC_TUNABLES ('': glibc default)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     args = p.parse_args()
