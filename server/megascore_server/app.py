@@ -119,10 +119,12 @@ def build_server(
         max_message_bytes=config.max_message_bytes,
         tokenizer=tokenizer,
     )
-    servicer = ScorerServicer(service, max_stream_inflight=config.max_stream_inflight)
+    memory = MemoryTrim()  # both fronts' large requests, stalled streams
+    servicer = ScorerServicer(
+        service, max_stream_inflight=config.max_stream_inflight, memory=memory
+    )
     token = read_token(config.auth_token_file) if config.auth_token_file else None
     credentials = server_credentials(config)  # unreadable files fail before anything starts
-    memory = MemoryTrim()  # both fronts' large requests
     server = _grpc_server(config, metrics, token, memory)
     # The engine thread: builds the engine (load_engine), then runs every step.
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megascore-engine")

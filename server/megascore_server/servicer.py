@@ -23,6 +23,7 @@ from megascore.v1 import scoring_pb2 as pb
 from megascore.v1 import scoring_pb2_grpc as pb_grpc
 from megascore_server.convert import build_response, model_info_to_proto
 from megascore_server.gate import SHUTTING_DOWN_MESSAGE
+from megascore_server.memory_trim import MemoryTrim
 from megascore_server.service import ScoringService, new_request_id
 from megascore_server.status import request_label
 from megascore_server.validation import validate_request
@@ -39,12 +40,22 @@ class ScorerServicer(pb_grpc.ScorerServicer):
             attached to it and its gate lets calls in).
         max_stream_inflight: ScoreStream messages submitted ahead of their responses
             being written.
+        memory: told when a stream whose reads waited for a slot ends (the server's
+            :class:`~megascore_server.memory_trim.MemoryTrim`: what its client sent
+            meanwhile filled grpc's receive window).
     """
 
-    def __init__(self, service: ScoringService, *, max_stream_inflight: int = 32):
+    def __init__(
+        self,
+        service: ScoringService,
+        *,
+        max_stream_inflight: int = 32,
+        memory: MemoryTrim | None = None,
+    ):
         self._service = service
         self._gate = service.gate
         self._max_stream_inflight = max_stream_inflight
+        self._memory = memory
 
     async def _score(
         self, request: pb.ScoreRequest, request_id: str, arrival: float, remaining: float | None
@@ -74,11 +85,14 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         slots = asyncio.Semaphore(self._max_stream_inflight)
         queue: asyncio.Queue = asyncio.Queue()
         reader_error: list[BaseException] = []
+        waited = []
 
         async def read() -> None:
             index = 0
             try:
                 async for request in request_iterator:
+                    if slots.locked() and not waited:
+                        waited.append(index)  # grpc buffers what its client sends meanwhile
                     await slots.acquire()
                     arrival = time.monotonic()
                     request_id = request.request_id or new_request_id()
@@ -108,6 +122,8 @@ class ScorerServicer(pb_grpc.ScorerServicer):
             finally:
                 reader.cancel()
                 _cancel_queued(queue)
+                if waited and self._memory is not None:
+                    self._memory.soon()
 
     async def _stream_responses(self, queue: asyncio.Queue, slots: asyncio.Semaphore):
         while True:

@@ -24,6 +24,7 @@ import importlib.abc
 import sys
 import threading
 
+
 def deferred_compile(fn=None, **options):
     """``torch.compile(fn, **options)``, made when ``fn`` is first called."""
     if fn is None:  # used as ``@jit_fuser(...)``

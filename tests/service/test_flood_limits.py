@@ -41,8 +41,10 @@ def test_a_stream_whose_answers_are_not_taken_stops_reading_at_its_inflight_boun
             taken += 1
             yield Req([[1, 2, 3]], request_id=f"r{i}").proto()
 
+    memory = _Memory()
+
     async def take_one_answer() -> int:
-        servicer = ScorerServicer(server.handles.service, max_stream_inflight=3)
+        servicer = ScorerServicer(server.handles.service, max_stream_inflight=3, memory=memory)
         stream = servicer.ScoreStream(requests(), _Context())
         assert (await anext(stream)).request_id == "r0"
         await asyncio.sleep(1.0)  # its write waits: the stream is not pulled again
@@ -53,6 +55,36 @@ def test_a_stream_whose_answers_are_not_taken_stops_reading_at_its_inflight_boun
         # r0 (answered, not yet written), r1 and r2 submitted, r3 read and waiting for a
         # slot; a slot freed when an answer is computed instead of written read one more
         assert server.call(take_one_answer()) == 3 + 1
+        assert memory.asked == 1  # what its client sent meanwhile is given back at its end
+    finally:
+        server.stop()
+
+
+class _Memory:
+    """Counts the trims a servicer asks for (``MemoryTrim.soon``)."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def soon(self) -> None:
+        self.asked += 1
+
+
+def test_a_stream_whose_reads_never_waited_for_a_slot_asks_for_no_trim():
+    server = ServerThread(FakeEngine())
+    memory = _Memory()
+
+    async def requests():  # no more than its in-flight bound: grpc buffers nothing
+        for i in range(3):
+            yield Req([[1, 2, 3]], request_id=f"r{i}").proto()
+
+    async def read_all() -> list[str]:
+        servicer = ScorerServicer(server.handles.service, max_stream_inflight=3, memory=memory)
+        return [answer.request_id async for answer in servicer.ScoreStream(requests(), _Context())]
+
+    try:
+        assert server.call(read_all()) == ["r0", "r1", "r2"]
+        assert memory.asked == 0
     finally:
         server.stop()
 

@@ -12,10 +12,6 @@ Torch-free to import; the weight readers import torch / Megatron when used.
   that loads into any TP / CP / EP layout (also the way to convert HF -> Megatron).
 """
 
-from megascore.deferred_compile import install as _defer_megatron_compile
-
-_defer_megatron_compile()  # before any module here imports Megatron-Core
-
 from megascore.checkpoint.checks import check_same_architecture
 from megascore.checkpoint.hf_config import SUPPORTED_MODEL_TYPES, hf_config_to_model_config
 from megascore.checkpoint.resolve import (
@@ -26,6 +22,9 @@ from megascore.checkpoint.resolve import (
     read_model_config,
     resolve_model,
 )
+from megascore.deferred_compile import install as _defer_megatron_compile
+
+_defer_megatron_compile()  # before any module here imports Megatron-Core (hf_bridge, ...)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
