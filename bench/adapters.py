@@ -24,7 +24,9 @@ Measurements (sizes scaled down for a 2-core CPU shared with other work):
    peak apart: ``VmHWM`` is reset once the server serves) and vs two servers.
 3. **Adapter push vs full push** into ``lora``: ``push_adapter("a", ...)`` (the peft
    state dict) vs ``push_weights`` of the full HF state dict into the default set.
-   Targets: time adapter / full <= 0.05, bytes adapter / full <= 0.02. The adapter side
+   Targets: time adapter / full <= 0.05, bytes adapter / full <= 0.02 (for the four
+   adapters' q/k/v/o + gate/up/down, and for an adapter with peft's default modules for
+   a Llama, q_proj and v_proj, pushed once as a new adapter). The adapter side
    of a repetition is ``--adapter-pushes`` pushes in a row, counted as their mean (one
    push is a few of the 10 ms clock ticks ``/proc`` counts CPU in).
 4. **Swap of a host set.** Steps of one sequence of ``--len`` tokens on ``host`` in the
@@ -119,6 +121,10 @@ def write_checkpoints(workdir: Path) -> dict:
         peft.save_pretrained(workdir / name)
     out["adapter"] = {k: v.clone() for k, v in get_peft_model_state_dict(peft).items()}
     out["adapter_config"] = peft.peft_config["default"]
+    # peft's own choice of modules for a Llama (no target_modules given: q_proj, v_proj)
+    defaults = get_peft_model(_hf_model(0), LoraConfig(r=RANK, lora_alpha=ALPHA))
+    out["default_adapter"] = dict(get_peft_model_state_dict(defaults))
+    out["default_adapter_config"] = defaults.peft_config["default"]
     out["full_params"] = sum(t.numel() for t in out["full"].values())
     out["adapter_params"] = sum(t.numel() for t in out["adapter"].values())
     out["target_params"] = sum(  # the base weights the adapter's modules change
@@ -269,6 +275,10 @@ def pushes(args, server, client, payload: dict) -> dict:
                 "swap %.0f ms", rep, side, wall, cpu, pushed.num_bytes,
                 pushed.server_stream_ms, pushed.server_swap_ms,
             )  # fmt: skip
+    out["default_bytes"] = client.push_adapter(
+        "peft-defaults", payload["default_adapter"], payload["default_adapter_config"],
+        weights_version="d-0",
+    ).num_bytes  # fmt: skip
     return out
 
 
@@ -538,6 +548,15 @@ def rows(res, args) -> tuple[list[tuple], dict]:
         f"head ({(sizes['full_params'] - sizes['target_params']) / 1e6:.1f}M) are not "
         f"enough to bring it under 2 %; the push sends the adapter's tensors only (bytes = "
         f"its fp32 tensors)",
+    ))  # fmt: skip
+    value = p["default_bytes"] / full_b
+    table.append((
+        "3b'. the same with peft's default modules for a Llama (`LoraConfig(r=16)`: "
+        "q_proj, v_proj)",
+        value, f"<= {PUSH_BYTES_TARGET}", value <= PUSH_BYTES_TARGET,
+        f"{p['default_bytes'] / 1e6:.2f} MB / {full_b / 1e6:.1f} MB (`num_bytes` of its "
+        f"push's answer, pushed once as a new adapter)",
+        "the shape, as in 3b",
     ))  # fmt: skip
     gib = full_b / 2**30
     for kind in ("host", "resident"):
