@@ -74,13 +74,6 @@ SERVERS = {
     "blocks": ("--no-prefix-cache", "--no-prefix-sharing"),
 }
 OPTIONS = dict(top_k=common.TOP_K, losses=common.LOSSES)
-ALLOCATOR = "glibc.malloc.mmap_max=0"
-"""The servers' glibc malloc (``--allocator``): no mmapped chunks (so no moving
-threshold), a step's large temporaries reuse the heap. Under glibc's default (a dynamic
-mmap threshold) a server can settle in a state that maps and faults its temporaries
-afresh every call (one process, 4 x 1,024 tokens per call: 30k to 600k page faults per
-identical call from one run to the next, 0.1 to 1.5 s of its 6.5 to 8 s of CPU) and stay
-there: a bias of up to ~15 % on one side of a ratio, whatever the cache does."""
 
 
 def _lognormal(rng, median: float, sigma: float, lo: int, hi: int) -> int:
@@ -266,8 +259,6 @@ def measure(args, workdir: Path) -> dict:
     from megascore_client import ScoringClient
 
     servers, ports = {}, {}
-    if args.allocator:
-        os.environ["GLIBC_TUNABLES"] = args.allocator  # the servers inherit it
     for name, extra in SERVERS.items():
         ports[name] = pick_port()
         servers[name] = start_server(
@@ -370,7 +361,6 @@ def section(res, args, elapsed: float, load_start: str, load_end: str) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     table = rows(res, args)
     peaks = ", ".join(f"{k} {v:.0f} MiB" for k, v in res["peaks"].items())
-    allocator = f"`GLIBC_TUNABLES={args.allocator}`" if args.allocator else "glibc default"
     lines = [
         BEGIN,
         "## Prefix cache (`bench/prefix_cache.py`)",
@@ -382,10 +372,6 @@ def section(res, args, elapsed: float, load_start: str, load_end: str) -> str:
         f"* intra-op threads per server: {os.environ.get('OMP_NUM_THREADS', 'torch default')}"
         " (`OMP_NUM_THREADS`; on a shared machine 1 keeps the CPU seconds free of OpenMP's "
         "spin-waits for a descheduled thread)",
-        f"* servers' allocator: {allocator} (`--allocator`: under the default a server can "
-        "settle in a state that "
-        "faults its step's temporaries afresh every call, up to ~15 % of its CPU, which "
-        "biases one side of a ratio)",
         "* model `bench` (CPU, float32), `megascore serve` subprocesses: `on` (defaults: "
         "the cache, blocks of 64), `off` (`--no-prefix-cache`), `plain` (`--prefix-cache-gib "
         "0 --no-prefix-sharing`), `blocks` (`--no-prefix-cache --no-prefix-sharing`); SDK "
@@ -428,9 +414,6 @@ def main() -> None:
     p.add_argument("--distinct", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4, help="rounds of the no-reuse workload")
     p.add_argument("--reps", type=int, default=1)
-    p.add_argument(
-        "--allocator", default=ALLOCATOR, help="the servers' GLIBC_TUNABLES ('': glibc default)"
-    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     args = p.parse_args()
