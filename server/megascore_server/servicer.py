@@ -85,14 +85,14 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         slots = asyncio.Semaphore(self._max_stream_inflight)
         queue: asyncio.Queue = asyncio.Queue()
         reader_error: list[BaseException] = []
-        waited = []
+        waited = False  # a read waited for a slot: grpc buffered what the client sent
 
         async def read() -> None:
+            nonlocal waited
             index = 0
             try:
                 async for request in request_iterator:
-                    if slots.locked() and not waited:
-                        waited.append(index)  # grpc buffers what its client sends meanwhile
+                    waited = waited or slots.locked()
                     await slots.acquire()
                     arrival = time.monotonic()
                     request_id = request.request_id or new_request_id()
