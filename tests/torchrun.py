@@ -1,4 +1,5 @@
-"""Runs a script under ``torch.distributed.run`` (gloo on CPU) from pytest.
+"""Runs a script on N gloo ranks on the CPU from pytest: forked from the session's
+zygote (:mod:`tests.rank_zygote`), or under ``torch.distributed.run`` itself.
 
 Scripts write their results (numpy ``.npz`` / JSON) into an output directory the
 test then compares; a failure anywhere fails the test with the ranks' output.
@@ -10,13 +11,28 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from tests.rank_zygote import ZYGOTE
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 300) -> str:
-    """Runs ``script`` on ``nproc`` local ranks; returns combined output, raises on failure."""
+def run_torchrun(
+    script: Path | str, nproc: int, *args: str, timeout: float = 300, forked: bool = True
+) -> str:
+    """Runs ``script`` on ``nproc`` local ranks; returns combined output, raises on failure.
+
+    ``forked``: the ranks are forked from the session's zygote, which has imported torch,
+    Megatron-Core and the engine once (:mod:`tests.rank_zygote`); otherwise each is a
+    fresh interpreter under ``torch.distributed.run`` itself.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    # the scripts may import the shared test helpers (``tests.*``)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if forked:
+        return _run_forked(Path(script), nproc, list(args), env, timeout)
     cmd = [
         sys.executable,
         "-m",
@@ -27,15 +43,29 @@ def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 30
         str(script),
         *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    # the scripts may import the shared test helpers (``tests.*``)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True
     )
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}:\n{out[-8000:]}")
+    return out
+
+
+def _run_forked(script: Path, nproc: int, args: list[str], env: dict, timeout: float) -> str:
+    with tempfile.NamedTemporaryFile("r", prefix="ranks-", suffix=".log") as output:
+        request = {
+            "script": str(script.resolve()),
+            "nproc": nproc,
+            "args": args,
+            "env": env,
+            "cwd": os.getcwd(),
+            "output": output.name,
+        }
+        code = ZYGOTE.run(request, env, timeout)
+        out = output.read()
+    if code != 0:
+        raise AssertionError(f"forked torchrun exited {code}:\n{out[-8000:]}")
     return out
 
 

@@ -1,7 +1,7 @@
 """Issue 24: a sequence's outputs are bit-identical whatever else is in the step.
 
 200 random sequences (lengths 1-512, capped by the model's positions) are scored alone,
-twice; in 20 random packings; and in one packing with 2 and 4 microbatches, each with
+twice; in 6 random packings; and in one packing with 2 and 4 microbatches, each with
 its own temperature, target ids and rollout logprobs. Every per-token and per-sequence
 output of the table (logprobs, top-k ids and logprobs, losses, loss-token counts,
 entropy, target-id logprobs, mismatch statistics, importance weights, token ranks, the
@@ -25,7 +25,7 @@ from testkit.checkpoints import write_hf_checkpoint
 from tests.one_rank import one_rank_world
 
 NUM_SEQUENCES = 200
-PACKINGS = 20
+PACKINGS = 6
 LOSSES = ("nll", "mean_nll", "perplexity")
 NUM_TARGETS = 3
 
