@@ -69,6 +69,9 @@ def _run_rank(script: str, args: list[str], env: dict[str, str], out_fd: int) ->
     except BaseException:
         traceback.print_exc()
         code = 1
+    # what an interpreter's exit runs (multiprocessing ends its pools' workers there);
+    # the fork ends with os._exit, which would skip it
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     return code
@@ -134,6 +137,7 @@ def _job(req: dict) -> int:
     import torch.distributed as dist
 
     os.setsid()
+    _die_with_parent()
     out_fd = os.open(req["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.chdir(req["cwd"])
     pids, writers = _fork_ranks(req, out_fd)
@@ -166,6 +170,7 @@ def serve() -> None:
     answering ``{"pid": job}`` at once and ``{"code": exit code}`` when it ends."""
     import importlib
 
+    _die_with_parent()  # pytest killed: no zygote (and through it no job, no rank) left
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # a stray print must not reach the replies
     for stream in (sys.stdout, sys.stderr):  # a rank's lines out as they are printed
