@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh dev
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+unset PYTHONDONTWRITEBYTECODE  # as scripts/test.sh
 data=$(mktemp -d)
 trap 'rm -rf "$data"' EXIT
 export COVERAGE_FILE=$data/coverage

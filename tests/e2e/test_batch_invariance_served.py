@@ -1,12 +1,13 @@
 """Issue 24, served: through ``megascore serve`` and the SDK a sequence's outputs are the
 same bits whether it is sent alone, inside a batch the SDK splits into many requests, or
 by one of 4 clients sending at once (the dynamic batcher then packs their requests into
-shared steps in whatever order they arrive), on ``tiny``, ``tiny-moe`` (with routing) and
-a Qwen3-MoE ``hf:DIR`` checkpoint. Every output the SDK returns is compared with ``==``:
+shared steps in whatever order they arrive), on ``tiny`` and ``tiny-moe`` (with routing):
+the session's shared servers. Every output the SDK returns is compared with ``==``:
 logprobs, top-k, losses, loss-token counts, entropy, target-id logprobs, mismatch
 statistics, importance weights, token ranks, the next token and routing, at temperature
 0.7; each sequence carries its own target ids and rollout logprobs. The engine-side
-packings and microbatch splits are ``tests/distributed/test_batch_invariance.py``.
+packings and microbatch splits, and the Qwen3-MoE ``hf:DIR`` checkpoint (the serving
+path is the same for every model), are ``tests/distributed/test_batch_invariance.py``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import numpy as np
 import pytest
 
 from megascore_client import ScoringClient
-from testkit.checkpoints import write_hf_checkpoint
-from tests.e2e.server_pool import ServerSpec, module_pool
+from tests.e2e.server_pool import module_pool
 
 NUM_SEQUENCES = 200
 CLIENTS = 4
@@ -35,20 +35,16 @@ KW = dict(
 PER_TOKEN = ("logprobs", "top_k_ids", "top_k_logprobs", "entropy", "target_logprobs")
 PER_TOKEN += ("importance_weights", "routing", "token_ranks")
 PER_SEQUENCE = ("next_token_ids", "next_token_logprobs")
-CONFIGS = ("tiny", "tiny-moe", "hf-qwen3-moe")
 SHARED_SERVERS = {"tiny": "tp1", "tiny-moe": "moe1"}
-"""``tiny`` and ``tiny-moe`` are the session's shared one-rank servers (their other
-tests' calls before these do not change a sequence's bits either); the Qwen3-MoE
-checkpoint gets a server of the module's own."""
+"""The session's shared one-rank servers (their other tests' calls before these do not
+change a sequence's bits either)."""
+CONFIGS = tuple(SHARED_SERVERS)
 pytestmark = pytest.mark.usefixtures(*(f"shared_{name}" for name in SHARED_SERVERS.values()))
 
 
 @pytest.fixture(scope="module")
 def pool(request, tmp_path_factory):
-    hf_dir = tmp_path_factory.mktemp("hf") / "qwen3_moe"
-    write_hf_checkpoint("qwen3_moe", hf_dir)
-    specs = {"hf-qwen3-moe": ServerSpec(f"hf:{hf_dir}")}
-    yield from module_pool(request, tmp_path_factory, "serve-invariance", specs, SHARED_SERVERS)
+    yield from module_pool(request, tmp_path_factory, "serve-invariance", {}, SHARED_SERVERS)
 
 
 @pytest.fixture
