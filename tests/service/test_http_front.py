@@ -196,14 +196,17 @@ def counter(srv, route: str, code: str) -> float:
 def test_calls_are_counted_by_front_and_route(server):
     ok, bad = counter(server, "/v1/completions", "200"), counter(server, "/v1/completions", "400")
     missing = counter(server, "other", "404")
+    grpc_ok = server.handles.metrics.requests.labels(front="grpc", rpc="Score", code="OK")
+    grpc_before = grpc_ok._value.get()
     call(server, "POST", "/v1/completions", completion())
     call(server, "POST", "/v1/completions", completion(n=3))
     call(server, "GET", "/not/a/route/abc")
+    req = Req([[9, 8, 7]], request_id="counted")
+    check_response(server.stub().Score(req.proto(), timeout=10), req)
     assert counter(server, "/v1/completions", "200") == ok + 1
     assert counter(server, "/v1/completions", "400") == bad + 1
     assert counter(server, "other", "404") == missing + 1
-    grpc_ok = server.handles.metrics.requests.labels(front="grpc", rpc="Score", code="OK")
-    assert grpc_ok._value.get() >= 1  # the gRPC calls above, under their own front
+    assert grpc_ok._value.get() == grpc_before + 1  # under its own front, not HTTP's
 
 
 def test_bearer_token_on_both_ports(tmp_path):

@@ -16,11 +16,17 @@ def notices(monkeypatch):
     monkeypatch.setattr(startup_logs, "_NOTICES", None)
     for name in startup_logs._TORCH_OWN_HANDLER_LOGGERS:
         monkeypatch.setattr(logging.getLogger(name), "filters", [])
-    # the loggers as a new process has them: what ran before in this one (a model build,
-    # a server, another library's log set-up) may have set a level or disabled one
-    for name in ("megatron.core", "megatron.core.models.gpt", "megascore.engine"):
-        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
-        monkeypatch.setattr(logging.getLogger(name), "disabled", False)
+    # the loggers as a new process has them, their ancestors too: what ran before in this
+    # one (a model build, gpu_check's parity row: "megatron" at ERROR) may have set a
+    # level or disabled one; setLevel also drops the effective levels logging cached
+    saved = {}
+    for name in ("megatron.core.models.gpt", "megascore.engine", "torch.utils.cpp_extension"):
+        while name:
+            logger = logging.getLogger(name)
+            saved.setdefault(logger, (logger.level, logger.disabled))
+            logger.setLevel(logging.NOTSET)
+            logger.disabled = False
+            name = name.rpartition(".")[0]
     shown_warnings: list[str] = []
     monkeypatch.setattr(warnings, "showwarning", lambda m, *a, **k: shown_warnings.append(str(m)))
     monkeypatch.setattr(startup_logs, "shown_warnings", shown_warnings, raising=False)
@@ -32,6 +38,9 @@ def notices(monkeypatch):
     monkeypatch.setattr(root, "level", logging.INFO)
     yield records
     root.removeHandler(handler)
+    for logger, (level, disabled) in saved.items():
+        logger.setLevel(level)
+        logger.disabled = disabled
     for other in root.handlers:  # pytest's own handlers outlive the test
         other.filters = [f for f in other.filters if f is not startup_logs._NOTICES]
 
