@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Installs the dev environment (if needed) and runs the test suite.
-# Extra arguments go to pytest, e.g. scripts/test.sh tests/unit -x
+# Installs the dev environment (if needed) and runs the test suite: scripts/suite.py runs
+# it in two pytest processes side by side, then tests/reliability alone. Extra arguments
+# go to pytest; with a path among them it is one plain pytest run, e.g.
+# scripts/test.sh tests/unit -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh dev
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # keep compiled modules and pytest's rewritten asserts between runs (~7 s of each run)
 unset PYTHONDONTWRITEBYTECODE
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python scripts/suite.py "$@"

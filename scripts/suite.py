@@ -1,0 +1,133 @@
+"""The whole test suite in three pytest processes, two of them side by side (scripts/test.sh).
+
+Phase 1 runs the real-server tests (``tests/e2e``, ``tests/http``) beside every other
+directory but ``tests/reliability`` (the torchrun, checkpoint, unit, client and service
+tests): one side mostly waits on servers and clients, the other keeps cores busy with
+torchrun ranks, so on 2 cores they overlap. Phase 2 runs ``tests/reliability`` alone:
+its floods, loads and soak compare latencies and resources against a quiet machine.
+A directory nobody named goes to phase 1's second side, so no test is left out.
+
+With a path among the arguments (``tests/unit``, ``tests/x.py::test_y``) it is one
+plain pytest run. Other arguments go to every part. The first side's output is shown as
+it runs, the second side's once the phase ends; the status is 0 only when every part
+passed. A SIGTERM here is a SIGINT to each part: pytest then stops its servers as on
+Ctrl-C. docs/reliability.md "The suite" has the timings.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVERS = ("tests/e2e", "tests/http")
+ALONE = ("tests/reliability",)
+
+
+def names_a_path(args: list[str]) -> bool:
+    """Whether an argument is a file or directory of the checkout (``x.py::test_y`` too)."""
+    return any(not a.startswith("-") and (ROOT / a.split("::")[0]).exists() for a in args)
+
+
+def parts() -> list[list[tuple[str, ...]]]:
+    """The phases, each a list of parts run side by side, each part its directories."""
+    dirs = sorted(f"tests/{d.name}" for d in (ROOT / "tests").iterdir() if any(d.glob("test_*.py")))
+    rest = tuple(d for d in dirs if d not in SERVERS + ALONE)
+    return [[SERVERS, rest], [ALONE]]
+
+
+def pytest(args: list[str], dirs: tuple[str, ...], log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pytest", "-q", *args, *dirs]
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def follow(log: Path, proc: subprocess.Popen) -> None:
+    """Copies ``log`` to our stdout as ``proc`` writes it, until it has exited."""
+    with log.open("rb") as src:
+        while True:
+            done = proc.poll() is not None
+            chunk = src.read()
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+            elif done:
+                return
+            else:
+                time.sleep(0.2)
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+class Stopped(Exception):
+    """This runner got SIGTERM."""
+
+
+def _stopped(signum, frame):
+    raise Stopped
+
+
+def end(procs: list[subprocess.Popen], interrupt: bool) -> None:
+    """Waits for the parts still running (after SIGINT if ``interrupt``); SIGKILL at 120 s."""
+    for proc in procs:
+        if interrupt and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_phase(args: list[str], phase: list[tuple[str, ...]], log_dir: Path) -> list[tuple]:
+    """Runs ``phase``'s parts side by side; (dirs, status, summary line) of each."""
+    logs = [log_dir / f"part{i}.log" for i in range(len(phase))]
+    procs, codes = [], None
+    try:
+        for i, dirs in enumerate(phase):
+            print(f"suite: {' '.join(dirs)}" + (" (shown after)" if i else ""), flush=True)
+            procs.append(pytest(args, dirs, logs[i]))
+        follow(logs[0], procs[0])
+        codes = [proc.wait() for proc in procs]
+    except Stopped:
+        end(procs, interrupt=True)
+    finally:
+        end(procs, interrupt=False)  # on Ctrl-C the parts got SIGINT from the terminal
+        for dirs, log in list(zip(phase, logs, strict=True))[1 : len(procs)]:
+            print(f"\nsuite: output of {' '.join(dirs)}", flush=True)
+            sys.stdout.buffer.write(log.read_bytes())
+            sys.stdout.flush()
+    if codes is None:
+        raise SystemExit(128 + signal.SIGTERM)
+    texts = [log.read_text(errors="replace") for log in logs]
+    return [(d, c, last_line(t)) for d, c, t in zip(phase, codes, texts, strict=True)]
+
+
+def main(args: list[str]) -> int:
+    if names_a_path(args):
+        return subprocess.call([sys.executable, "-m", "pytest", "-q", *args], cwd=ROOT)
+    signal.signal(signal.SIGTERM, _stopped)
+    start = time.monotonic()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="megascore-suite-") as log_dir:
+        try:
+            for phase in parts():
+                results += run_phase(args, phase, Path(log_dir))
+        except KeyboardInterrupt:
+            return 128 + signal.SIGINT
+    print(f"\nsuite: {time.monotonic() - start:.0f} s in all")
+    for dirs, code, summary in results:
+        print(f"  {'ok    ' if code == 0 else 'FAILED'} {' '.join(dirs)}: {summary}")
+    return next((code for _, code, _ in results if code != 0), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
