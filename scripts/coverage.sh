@@ -2,7 +2,8 @@
 # The suite under coverage.py, every `megascore serve`, torchrun rank and other Python
 # subprocess included (pyproject's [tool.coverage]: `patch = ["subprocess"]`, data saved
 # on SIGTERM): prints line coverage of src/, server/ and client/ (docs/reliability.md
-# "The suite"). Extra arguments go to pytest; the pytest status is the script's.
+# "The suite"). It runs the suite as scripts/test.sh does (scripts/suite.py); extra
+# arguments go to pytest; the suite's status is the script's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh dev
@@ -12,7 +13,7 @@ data=$(mktemp -d)
 trap 'rm -rf "$data"' EXIT
 export COVERAGE_FILE=$data/coverage
 status=0
-.venv/bin/python -m coverage run -m pytest -q "$@" || status=$?
+.venv/bin/python -m coverage run scripts/suite.py "$@" || status=$?  # as scripts/test.sh
 .venv/bin/python -m coverage combine -q
 .venv/bin/python -m coverage report --format=total --precision=2 \
   | sed 's/^/line coverage of src, server, client: /; s/$/ %/'
