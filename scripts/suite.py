@@ -11,7 +11,7 @@ With a path among the arguments (``tests/unit``, ``tests/x.py::test_y``) it is o
 plain pytest run. Other arguments go to every part. The first side's output is shown as
 it runs, the second side's once the phase ends; the status is 0 only when every part
 passed. A SIGTERM here is a SIGINT to each part: pytest then stops its servers as on
-Ctrl-C. docs/reliability.md "The suite" has the timings.
+Ctrl-C (SIGINT is made to interrupt again where the shell ignored it: a background job). docs/reliability.md "The suite" has the timings.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def main(args: list[str]) -> int:
     if names_a_path(args):
         return subprocess.call([sys.executable, "-m", "pytest", "-q", *args], cwd=ROOT)
     signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the parts get it by default
     start = time.monotonic()
     results = []
     with tempfile.TemporaryDirectory(prefix="megascore-suite-") as log_dir:
