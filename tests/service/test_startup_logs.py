@@ -18,9 +18,10 @@ def notices(monkeypatch):
         monkeypatch.setattr(logging.getLogger(name), "filters", [])
     # the loggers as a new process has them, their ancestors too: what ran before in this
     # one (a model build, gpu_check's parity row: "megatron" at ERROR) may have set a
-    # level or disabled one; setLevel also drops the effective levels logging cached
+    # level or disabled one; setLevel also drops the effective levels logging cached.
+    # Not torch's: torch sets "torch" to WARNING at import, which a new process has too.
     saved = {}
-    for name in ("megatron.core.models.gpt", "megascore.engine", "torch.utils.cpp_extension"):
+    for name in ("megatron.core.models.gpt", "megascore.engine"):
         while name:
             logger = logging.getLogger(name)
             saved.setdefault(logger, (logger.level, logger.disabled))
