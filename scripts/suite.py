@@ -11,7 +11,8 @@ With a path among the arguments (``tests/unit``, ``tests/x.py::test_y``) it is o
 plain pytest run. Other arguments go to every part. The first side's output is shown as
 it runs, the second side's once the phase ends; the status is 0 only when every part
 passed. A SIGTERM here is a SIGINT to each part: pytest then stops its servers as on
-Ctrl-C (SIGINT is made to interrupt again where the shell ignored it: a background job). docs/reliability.md "The suite" has the timings.
+Ctrl-C (SIGINT is made to interrupt again where the shell ignored it: a background job).
+docs/reliability.md "The suite" has the timings.
 """
 
 from __future__ import annotations
