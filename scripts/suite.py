@@ -102,13 +102,11 @@ def run_phase(args: list[str], phase: list[tuple[str, ...]], log_dir: Path) -> l
         end(procs, interrupt=True)
     finally:
         end(procs, interrupt=False)  # on Ctrl-C the parts got SIGINT from the terminal
-        for dirs, log in list(zip(phase, logs, strict=True))[1 : len(procs)]:
-            print(f"\nsuite: output of {' '.join(dirs)}", flush=True)
-            sys.stdout.buffer.write(log.read_bytes())
-            sys.stdout.flush()
+        texts = [log.read_text(errors="replace") for log in logs[: len(procs)]]
+        for dirs, text in list(zip(phase, texts, strict=False))[1:]:
+            print(f"\nsuite: output of {' '.join(dirs)}\n{text}", end="", flush=True)
     if codes is None:
         raise SystemExit(128 + signal.SIGTERM)
-    texts = [log.read_text(errors="replace") for log in logs]
     return [(d, c, last_line(t)) for d, c, t in zip(phase, codes, texts, strict=True)]
 
 

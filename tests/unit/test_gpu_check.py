@@ -8,7 +8,6 @@ minutes; a row is stopped at its window's end and the rows written before it sta
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.script_module import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -34,14 +35,6 @@ INFO_ROWS = (
     "HAVE_TE",
     "HAVE_BRIDGE",
 )
-
-
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _parse(stdout: str) -> dict[str, tuple[str, float, str]]:
@@ -72,7 +65,7 @@ def test_the_dry_run_plans_the_default_run_inside_the_deadline():
     assert sum(int(m[1]) for _, m in plan) == planned  # the kit install's share included
     assert "kit install" in plan[0][0]
     keys = [line.split()[0] for line, _ in plan[1:]]
-    checker = _module("gpu_check")
+    checker = script_module("gpu_check")
     assert keys == [row.key for row in checker.ROWS if row.default]
     assert keys[:2] == ["versions", "parity"]  # parity first, then performance
     assert keys.index("startup-8b") < keys.index("mla")
@@ -81,7 +74,7 @@ def test_the_dry_run_plans_the_default_run_inside_the_deadline():
 
 
 def test_rows_are_picked_by_key_in_the_given_order():
-    checker = _module("gpu_check")
+    checker = script_module("gpu_check")
     assert [r.key for r in checker.pick("memory,parity")] == ["memory", "parity"]
     assert len(checker.pick("all")) == len(checker.ROWS)
     with pytest.raises(SystemExit, match="unknown rows"):
@@ -89,7 +82,7 @@ def test_rows_are_picked_by_key_in_the_given_order():
 
 
 def test_a_row_is_stopped_at_its_window_and_earlier_rows_are_written(tmp_path, monkeypatch):
-    checker = _module("gpu_check")
+    checker = script_module("gpu_check")
     monkeypatch.setattr(checker, "GRACE_S", 0.5)
     jsonl = tmp_path / "gpu_check.jsonl"
     first = "import json; print(json.dumps({'row': ['first', 'PASS', 0.1, 'done']}))"
@@ -118,7 +111,7 @@ def test_a_row_is_stopped_at_its_window_and_earlier_rows_are_written(tmp_path, m
 
 
 def test_a_failed_row_is_a_row_and_the_exit_status(tmp_path, capsys):
-    checker = _module("gpu_check")
+    checker = script_module("gpu_check")
     table = checker.Table(tmp_path)
     table.add("ok", "PASS", 1.0)
     row = checker.Row("broken", "broken", 10, "")
@@ -131,7 +124,7 @@ def test_a_failed_row_is_a_row_and_the_exit_status(tmp_path, capsys):
 
 def test_host_syncs_fail_above_the_per_layer_limit_on_a_gpu():
     sys.path.insert(0, str(ROOT / "scripts"))
-    rows = _module("gpu_check_rows")
+    rows = script_module("gpu_check_rows")
     limit = rows.SYNCS_PER_LAYER
     clean = Counter({("step", "_local_scalar_dense"): 9, ("layer", "nonzero"): int(limit * 4)})
     synced = Counter({("layer", "_local_scalar_dense"): int(limit * 4) + 1})
@@ -161,7 +154,7 @@ def test_runs_to_the_end_with_a_no_cuda_table(tmp_path):
     assert (warn is None) == HAVE_TE, "a missing TE must be a visible row"
     assert warn is None or (warn[0] == "WARN" and warn[2].startswith("absent"))
     gpu = {name: row for name, row in rows.items() if name not in INFO_ROWS}
-    checker = _module("gpu_check")
+    checker = script_module("gpu_check")
     assert set(gpu) == {row.check for row in checker.pick(None)} - {"versions"}
     assert all(result == "SKIP" and detail == "no CUDA" for result, _, detail in gpu.values())
     want = f"gpu_check: 0 pass, 0 fail, {len(gpu)} skip, {0 if HAVE_TE else 1} warn"
@@ -173,7 +166,7 @@ def test_runs_to_the_end_with_a_no_cuda_table(tmp_path):
 def test_the_prefix_sharing_row_runs_shared_against_dense_on_the_cpu():
     """The row a GPU run fills (tiny here, float32): the shared engine really shares,
     its logprobs equal the dense engine's and the detail gives the ideal ratio."""
-    module = _module("gpu_prefix_sharing")
+    module = script_module("gpu_prefix_sharing")
     from tests.one_rank import one_rank_world
 
     with one_rank_world():
@@ -188,7 +181,7 @@ def test_the_prefix_cache_row_runs_turn_by_turn_against_no_cache_on_the_cpu():
     """The row a GPU run fills (tiny here, float32): the cache's logprobs from each turn
     on equal the engine's without it, with and without a host tier behind a small device
     tier, and both read the histories (the tiers moving blocks out and back)."""
-    module = _module("gpu_prefix_sharing")
+    module = script_module("gpu_prefix_sharing")
     from tests.one_rank import one_rank_world
 
     with one_rank_world():

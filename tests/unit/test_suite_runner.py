@@ -4,7 +4,6 @@ side by side, the status of the part that failed."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import subprocess
@@ -12,18 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+from tests.script_module import script_module
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _suite():
-    spec = importlib.util.spec_from_file_location("suite", ROOT / "scripts" / "suite.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_test_directory_runs_in_exactly_one_part_and_reliability_alone():
-    suite = _suite()
+    suite = script_module("suite")
     phases = suite.parts()
     named = [d for phase in phases for part in phase for d in part]
     on_disk = {f"tests/{p.parent.name}" for p in (ROOT / "tests").glob("*/test_*.py")}
@@ -33,7 +27,7 @@ def test_every_test_directory_runs_in_exactly_one_part_and_reliability_alone():
 
 
 def test_a_path_argument_makes_it_one_plain_run():
-    named = _suite().names_a_path
+    named = script_module("suite").names_a_path
     assert named(["tests/unit"]) and named(["-x", "tests/unit/test_docs.py::test_x"])
     assert not named([]) and not named(["-p", "tests.shuffle_order", "--durations=0", "-x"])
 
