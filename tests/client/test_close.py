@@ -137,7 +137,7 @@ def test_sync_wait_until_serving_on_a_closed_client_raises_at_once(server):
     begin = time.monotonic()
     with pytest.raises(ScoringError) as info:
         client.wait_until_serving(timeout=30, interval=0.05)
-    assert time.monotonic() - begin < 1
+    assert time.monotonic() - begin < 5  # at once, not after the 30 s timeout
     assert_closed(info.value)
     assert sent(server) == 0
 
@@ -153,7 +153,7 @@ def test_async_wait_until_serving_on_a_closed_client_raises_at_once(server):
 
     error, elapsed = asyncio.run(main())
     assert_closed(error)
-    assert elapsed < 1
+    assert elapsed < 5  # at once, not after the 30 s timeout
     assert sent(server) == 0
 
 

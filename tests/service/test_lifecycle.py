@@ -62,7 +62,7 @@ def test_health_not_serving_until_ready_then_serving_then_draining():
                 srv.stub().Score(req.proto(), timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert SHUTTING_DOWN_MESSAGE in info.value.details()
-            assert time.monotonic() - refused_at < 2  # fails fast, not at the end of the drain
+            assert time.monotonic() - refused_at < 10  # fails fast, not at the drain's end (20 s)
             assert not blocker.done()
         check_response(future.result(timeout=30), inflight)
         assert stopping.result(timeout=30) is True
