@@ -60,7 +60,6 @@ def failed_score(server, mode: str, *, call_timeout=None, **kwargs) -> tuple[Sco
     """Like ``score`` for a call that must fail: its error and how long ``client.score``
     itself took (the client's set-up and close are not counted: a loaded machine can
     spend a good part of a second on them, and the call's timeout starts at the call)."""
-
     if mode == "sync":
         with sync_client(server, **kwargs) as client:
             begin = time.monotonic()
