@@ -113,11 +113,12 @@ def test_a_pushed_adapter_moves_its_bytes_and_equals_it_loaded(served):
             info = client.model_info()
         finally:  # "b" as the server started with it: the module's other tests compare it
             client.load_weights(str(root / "b"), adapter="b")
-        np.testing.assert_array_equal(client.score(seqs, model="b").logprobs, before.logprobs)
+        restored = client.score(seqs, model="b")
     assert after.weights_version == "b-1"
     for i in range(len(seqs)):
         np.testing.assert_array_equal(after.logprobs[i], same.logprobs[i])
         assert not np.array_equal(after.logprobs[i], before.logprobs[i])
+        np.testing.assert_array_equal(restored.logprobs[i], before.logprobs[i])
     listed = {m.name: m.base for m in info.models}
     assert listed["loaded"] == listed["b"] == "default"
 
