@@ -1,15 +1,18 @@
-"""The whole test suite in three pytest processes, two of them side by side (scripts/test.sh).
+"""The whole test suite in pytest processes, four side by side, then one (scripts/test.sh).
 
-Phase 1 runs the real-server tests (``tests/e2e``, ``tests/http``) beside every other
-directory but ``tests/reliability`` (the torchrun, checkpoint, unit, client and service
-tests): one side mostly waits on servers and clients, the other keeps cores busy with
-torchrun ranks, so on 2 cores they overlap. Phase 2 runs ``tests/reliability`` alone:
-its floods, loads and soak compare latencies and resources against a quiet machine.
-A directory nobody named goes to phase 1's second side, so no test is left out.
+Phase 1 runs four parts at once: the real-server tests (``tests/e2e``, ``tests/http``)
+in two halves (:data:`E2E_FIRST`, the heavier modules by CPU time, then the rest), the
+torchrun tests (``tests/distributed``) with the reliability tests that check answers and
+exits, not speed or resources, and every other directory (checkpoint, unit, client,
+service). Each part alone leaves a core idle much of its time (waiting on servers,
+ranks, subprocesses), so four keep both cores busy; the 24 GB machine holds them.
+Phase 2 runs :data:`QUIET` alone: the flood, load and soak tests compare latencies and
+resources against a quiet machine. A directory nobody named goes to phase 1's last part,
+so no test is left out.
 
 With a path among the arguments (``tests/unit``, ``tests/x.py::test_y``) it is one
-plain pytest run. Other arguments go to every part. The first side's output is shown as
-it runs, the second side's once the phase ends; the status is 0 only when every part
+plain pytest run. Other arguments go to every part. The first part's output is shown as
+it runs, the others' once the phase ends; the status is 0 only when every part
 passed. A SIGTERM here is a SIGINT to each part: pytest then stops its servers as on
 Ctrl-C (SIGINT is made to interrupt again where the shell ignored it: a background job).
 docs/reliability.md "The suite" has the timings.
@@ -26,7 +29,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("tests/e2e", "tests/http")
-ALONE = ("tests/reliability",)
+E2E_FIRST = tuple(
+    f"tests/e2e/test_{name}.py"
+    for name in (
+        "family_serving",
+        "pipeline_serving",
+        "checkpoint_serving",
+        "trl_example",
+        "bad_weights",
+        "fp8_serving",
+        "data_parallel_serving",
+        "adapter_replicas",
+        "prefix_cache_memory",
+    )
+)
+"""The first half of the real-server tests: about half their CPU time (docs/reliability.md)."""
+RANKS = ("tests/distributed",)
+QUIET = tuple(
+    f"tests/reliability/test_{name}.py" for name in ("flood", "load", "soak", "soak_changing")
+)
+"""Phase 2, alone: latencies and resources compared against a quiet machine."""
+
+
+def module_files(directory: str) -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / directory).glob("test_*.py"))
+
+
+def label(paths: tuple[str, ...]) -> str:
+    """A part's paths, the files of a folder beyond the first two as a count."""
+    if len(paths) <= 3:
+        return " ".join(paths)
+    return f"{paths[0]} {paths[1]} and {len(paths) - 2} more"
 
 
 def names_a_path(args: list[str]) -> bool:
@@ -35,10 +68,12 @@ def names_a_path(args: list[str]) -> bool:
 
 
 def parts() -> list[list[tuple[str, ...]]]:
-    """The phases, each a list of parts run side by side, each part its directories."""
+    """The phases, each a list of parts run side by side, each part its paths."""
     dirs = sorted(f"tests/{d.name}" for d in (ROOT / "tests").iterdir() if any(d.glob("test_*.py")))
-    rest = tuple(d for d in dirs if d not in SERVERS + ALONE)
-    return [[SERVERS, rest], [ALONE]]
+    e2e_rest = tuple(f for f in module_files("tests/e2e") if f not in E2E_FIRST) + SERVERS[1:]
+    reliability = tuple(f for f in module_files("tests/reliability") if f not in QUIET)
+    rest = tuple(d for d in dirs if d not in (*SERVERS, *RANKS, "tests/reliability"))
+    return [[E2E_FIRST, e2e_rest, RANKS + reliability, rest], [QUIET]]
 
 
 def pytest(args: list[str], dirs: tuple[str, ...], log: Path) -> subprocess.Popen:
@@ -104,7 +139,7 @@ def run_phase(args: list[str], phase: list[tuple[str, ...]], log_dir: Path) -> l
         end(procs, interrupt=False)  # on Ctrl-C the parts got SIGINT from the terminal
         texts = [log.read_text(errors="replace") for log in logs[: len(procs)]]
         for dirs, text in list(zip(phase, texts, strict=False))[1:]:
-            print(f"\nsuite: output of {' '.join(dirs)}\n{text}", end="", flush=True)
+            print(f"\nsuite: output of {label(dirs)}\n{text}", end="", flush=True)
     if codes is None:
         raise SystemExit(128 + signal.SIGTERM)
     return [(d, c, last_line(t)) for d, c, t in zip(phase, codes, texts, strict=True)]
@@ -125,7 +160,7 @@ def main(args: list[str]) -> int:
             return 128 + signal.SIGINT
     print(f"\nsuite: {time.monotonic() - start:.0f} s in all")
     for dirs, code, summary in results:
-        print(f"  {'ok    ' if code == 0 else 'FAILED'} {' '.join(dirs)}: {summary}")
+        print(f"  {'ok    ' if code == 0 else 'FAILED'} {label(dirs)}: {summary}")
     return next((code for _, code, _ in results if code != 0), 0)
 
 

@@ -16,14 +16,18 @@ from tests.script_module import script_module
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_test_directory_runs_in_exactly_one_part_and_reliability_alone():
+def test_every_test_module_runs_in_exactly_one_part_and_the_quiet_ones_alone():
     suite = script_module("suite")
     phases = suite.parts()
-    named = [d for phase in phases for part in phase for d in part]
-    on_disk = {f"tests/{p.parent.name}" for p in (ROOT / "tests").glob("*/test_*.py")}
+
+    def modules(path: str) -> list[str]:
+        return [path] if (ROOT / path).is_file() else suite.module_files(path)
+
+    named = [m for phase in phases for part in phase for path in part for m in modules(path)]
+    on_disk = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*/test_*.py")]
     assert sorted(named) == sorted(on_disk)  # each once, none missing
-    assert phases[-1] == [("tests/reliability",)]
-    assert all(len(phase) <= 2 for phase in phases)  # two cores
+    assert phases[-1] == [suite.QUIET]
+    assert all((ROOT / f).is_file() for f in suite.QUIET + suite.E2E_FIRST)  # none renamed
 
 
 def test_a_path_argument_makes_it_one_plain_run():
