@@ -13,15 +13,12 @@ step) on the built-in tiny model:
 Under ``torchrun`` (PP=2 on 2 ranks, ``-m megascore_server.main``): the same numbers,
 and a SIGTERM drains both stages.
 
-PP=2 x EP=2 on ``tiny-moe`` (MTP on the last stage; a ``--nproc 4`` server started
-ahead by :class:`ServerPool`, stopped with SIGTERM after its test, exit 0, no process
-left), 3 microbatches per step, the sample cases (top-k, a loss mask, temperatures;
-several split into 2-3 microbatches), MoE and MTP metrics requested, equals a
-``--nproc 1`` server with the same ``--pipeline-microbatches``: logprobs, top-k, losses
-and every metric <= 1e-5. PP=2 x CP=2 and PP=4 (``tiny-deep``, an uneven split) are
-checked against one stage in the 4-rank torchrun launch of
-``tests/distributed/test_engine_pipeline.py``, with PP=2 x TP=2 and PP=2 x EP=2; a
-server of their own here repeated those numbers through the same serving path.
+PP=2 x EP=2 (``tiny-moe`` with MTP on the last stage, MoE and MTP metrics), PP=2 x CP=2
+and PP=4 (``tiny-deep``, an uneven split) are checked against one stage in the 4-rank
+torchrun launch of ``tests/distributed/test_engine_pipeline.py``, with PP=2 x TP=2; a
+server of their own here repeated those numbers through the serving path this module's
+servers take (MoE metrics of an HF checkpoint served at PP=2:
+``tests/e2e/test_family_serving.py``; MTP metrics served: the same module at TP=1).
 """
 
 from __future__ import annotations
@@ -36,14 +33,11 @@ import pytest
 from megascore.engine.layout.microbatch_plan import split_microbatches
 from megascore_client import ScoringClient, ScoringError
 from testkit.reference import (
-    ATOL,
     WEIGHTS,
     assert_result_matches_output,
-    assert_results_equal,
     engine_outputs,
 )
 from tests.e2e.serve import assert_not_serving
-from tests.e2e.server_pool import ServerPool, ServerSpec
 
 PP2_TP2 = (
     "--model",
@@ -62,14 +56,6 @@ PP2_TP2 = (
     "5",
 )
 MICROBATCHES = 3
-STEP = ("--pipeline-microbatches", str(MICROBATCHES))
-SERVERS = {
-    "pp2_ep2": ServerSpec("tiny-moe", 4, ("--pp", "2", "--ep", "2", *STEP)),
-    "moe_ref": ServerSpec("tiny-moe", 1, STEP),
-}
-METRICS = ("moe", "mtp")
-MOE_METRICS = {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"}
-MTP_METRICS = {"mtp_1_loss", "mtp_1_acceptance_rate"}
 
 
 def assert_matches_engine(result, case, out) -> None:
@@ -136,23 +122,6 @@ def test_pp2_under_torchrun_drains_both_stages(serve, cases, engine_reference):
     assert not server.leftovers(), "processes left behind"
 
 
-def metrics_of(case) -> dict:
-    """The MoE layout asks for its metrics, except on a batch of length-1 sequences only: it
-    has no MTP position, and Megatron's aux losses of the MTP layer's router are then 0 / 0
-    (NaN, also at one rank)."""
-    return {"metrics": METRICS} if max(map(len, case.sequences)) > 1 else {}
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    """The PP=2 x EP=2 server and its one-rank reference, started together (4 + 1 ranks)."""
-    servers = ServerPool(tmp_path_factory.mktemp("serve-pipeline"), SERVERS, list(SERVERS))
-    try:
-        yield servers
-    finally:
-        servers.close()
-
-
 def test_sample_cases_split_into_microbatches(cases):
     counts = [
         len(split_microbatches(case.batch().lengths, pad, MICROBATCHES)[0])
@@ -162,28 +131,3 @@ def test_sample_cases_split_into_microbatches(cases):
     assert max(counts) == MICROBATCHES and 2 in counts, counts
     assert any(c.top_k for c in cases) and any(c.loss_mask for c in cases)
     assert {c.temperature for c in cases} != {1.0}
-
-
-@pytest.mark.timeout(900)  # waits for the start-up of four ranks (and the reference)
-def test_pp2_ep2_matches_one_rank_with_metrics(pool, cases):
-    server = pool.get("pp2_ep2")
-    with ScoringClient(server.target, timeout=120, retries=None) as client:
-        parallel = client.model_info().parallel
-        results = [case.score(client, **metrics_of(case)) for case in cases]
-    pool.done("pp2_ep2")
-    assert parallel.world_size == 4 and parallel.pipeline_model_parallel_size == 2
-    assert parallel.expert_model_parallel_size == 2
-    with ScoringClient(pool.get("moe_ref").target, timeout=120, retries=None) as client:
-        refs = [case.score(client, **metrics_of(case)) for case in cases]
-    pool.done("moe_ref")
-    for case, got, ref in zip(cases, results, refs, strict=True):
-        assert got.weights_version == ref.weights_version == "builtin:tiny-moe@1234"
-        assert_results_equal(got, ref, atol=ATOL)
-        if not metrics_of(case):
-            continue
-        assert set(ref.moe_metrics) == set(got.moe_metrics) == MOE_METRICS, got.moe_metrics
-        assert set(ref.mtp_metrics) == set(got.mtp_metrics) == MTP_METRICS, got.mtp_metrics
-        assert ref.moe_metrics["load_balancing_loss"] > 0, ref.moe_metrics
-        for name, value in {**ref.moe_metrics, **ref.mtp_metrics}.items():
-            got_value = {**got.moe_metrics, **got.mtp_metrics}[name]
-            assert abs(got_value - value) <= ATOL, (case, name, got_value, value)
