@@ -246,6 +246,34 @@ def test_bad_streams_are_refused_and_nothing_changes(server, case):
     assert isinstance(push(server, full_push("after")), pb.UpdateWeightsResponse)  # not busy
 
 
+def test_a_stream_that_has_sent_nothing_holds_no_push(server):
+    """A stream the server took but that has sent no message yet (a probe, a slow client)
+    does not turn away a push arriving meanwhile; sending its begin later, it is the one
+    refused while that push is open, and it may push once that push ended."""
+    release, go_on = threading.Event(), threading.Event()
+
+    def silent():
+        release.wait(30)
+        yield from full_push("late")
+
+    def held():
+        yield begin()
+        go_on.wait(30)
+        yield from full_push("first")[1:]
+
+    waiting = server.stub().UpdateWeights.future(silent(), timeout=30)
+    wait_for(lambda: server.handles.gate.active_calls == 1, what="the silent stream taken")
+    first = server.stub().UpdateWeights.future(held(), timeout=30)
+    wait_for(lambda: any(e[0] == "begin" for e in server.engine.events), what="the push opened")
+    release.set()
+    error = waiting.exception(timeout=30)
+    assert error.code() is grpc.StatusCode.ABORTED and "in progress" in error.details()
+    go_on.set()
+    assert first.result(timeout=30).weights_version == "first"
+    assert isinstance(push(server, full_push("later")), pb.UpdateWeightsResponse)
+    assert score_version(server) == "later"
+
+
 def test_a_second_push_is_aborted_while_one_is_open(server):
     release = threading.Event()
 

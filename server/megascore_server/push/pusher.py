@@ -118,6 +118,11 @@ class WeightPusher:
             InvalidRequestError: a malformed stream or a tensor that does not fit.
             CheckpointError: some rank could not commit (nothing changed).
         """
+        start = time.monotonic()
+        iterator = aiter(requests)
+        # busy from the first message on: a stream that has sent nothing holds no push
+        # (an empty one, refused below, never turns away a push arriving meanwhile)
+        first = await anext(iterator, None)
         if self._busy:
             raise ConflictError(
                 "another UpdateWeights is in progress on this server; retry when it ends"
@@ -126,9 +131,6 @@ class WeightPusher:
         opened = settled = False  # settled: the engine no longer holds this push's tensors
         release = True
         try:
-            start = time.monotonic()
-            iterator = aiter(requests)
-            first = await anext(iterator, None)
             target, base = self._check_begin(first, batcher)
             base_version = first.begin.base_weights_version
             opened = True
