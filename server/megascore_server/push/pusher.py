@@ -120,8 +120,7 @@ class WeightPusher:
         """
         start = time.monotonic()
         iterator = aiter(requests)
-        # busy from the first message on: a stream that has sent nothing holds no push
-        # (an empty one, refused below, never turns away a push arriving meanwhile)
+        # busy from the first message: a stream that has sent nothing holds no push
         first = await anext(iterator, None)
         if self._busy:
             raise ConflictError(
