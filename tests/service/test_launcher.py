@@ -49,10 +49,25 @@ def test_launcher_gives_every_rank_one_port_file_and_no_master_port(monkeypatch)
     assert not os.path.exists(os.path.dirname(files.pop()))  # removed after the run
 
 
+def _hold_a_port_before_a_free_one(held: socket.socket) -> int:
+    """Binds ``held`` to a port below the ephemeral range whose next port is free, and
+    returns it. Below that range the kernel hands out no port by itself, so the next one
+    stays free; an ephemeral neighbour could be any connection's of the tests beside."""
+    for _ in range(100):
+        port = ports.pick_port()
+        with socket.socket() as neighbour:
+            try:
+                neighbour.bind(("127.0.0.1", port + 1))
+                held.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no port below the ephemeral range with a free next one")
+
+
 def test_pick_port_skips_ports_in_use(monkeypatch):
     with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        taken = held.getsockname()[1]
+        taken = _hold_a_port_before_a_free_one(held)
         # Candidates: [taken, taken + 1]; taken is busy.
         monkeypatch.setattr(ports, "ephemeral_port_low", lambda: taken + 2)
         assert ports.pick_port(low=taken) == taken + 1
