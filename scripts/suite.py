@@ -70,7 +70,7 @@ def names_a_path(args: list[str]) -> bool:
 def parts() -> list[list[tuple[str, ...]]]:
     """The phases, each a list of parts run side by side, each part its paths."""
     dirs = sorted(f"tests/{d.name}" for d in (ROOT / "tests").iterdir() if any(d.glob("test_*.py")))
-    e2e_rest = tuple(f for f in module_files("tests/e2e") if f not in E2E_FIRST) + SERVERS[1:]
+    e2e_rest = (*(f for f in module_files("tests/e2e") if f not in E2E_FIRST), "tests/http")
     reliability = tuple(f for f in module_files("tests/reliability") if f not in QUIET)
     rest = tuple(d for d in dirs if d not in (*SERVERS, *RANKS, "tests/reliability"))
     return [[E2E_FIRST, e2e_rest, RANKS + reliability, rest], [QUIET]]
