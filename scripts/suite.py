@@ -7,7 +7,8 @@ exits, not speed or resources, and every other directory (checkpoint, unit, clie
 service). Each part alone leaves a core idle much of its time (waiting on servers,
 ranks, subprocesses), so four keep both cores busy; the 24 GB machine holds them.
 Phase 2 runs :data:`QUIET` alone: the flood, load and soak tests compare latencies and
-resources against a quiet machine. A directory nobody named goes to phase 1's last part,
+resources against a quiet machine, and the GPU check's tests run its rows in wall-clock
+windows sized for a quiet host. A directory nobody named goes to phase 1's last part,
 so no test is left out.
 
 With a path among the arguments (``tests/unit``, ``tests/x.py::test_y``) it is one
@@ -45,14 +46,23 @@ E2E_FIRST = tuple(
 )
 """The first half of the real-server tests: about half their CPU time (docs/reliability.md)."""
 RANKS = ("tests/distributed",)
-QUIET = tuple(
-    f"tests/reliability/test_{name}.py" for name in ("flood", "load", "soak", "soak_changing")
+QUIET = (
+    *(f"tests/reliability/test_{name}.py" for name in ("flood", "load", "soak", "soak_changing")),
+    "tests/unit/test_gpu_check.py",
 )
-"""Phase 2, alone: latencies and resources compared against a quiet machine."""
+"""Phase 2, alone: latencies, resources and time windows that assume a quiet machine."""
 
 
 def module_files(directory: str) -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / directory).glob("test_*.py"))
+
+
+def outside_quiet(directory: str) -> tuple[str, ...]:
+    """``directory``, or its modules but the :data:`QUIET` ones where it holds some."""
+    files = module_files(directory)
+    if not any(f in QUIET for f in files):
+        return (directory,)
+    return tuple(f for f in files if f not in QUIET)
 
 
 def label(paths: tuple[str, ...]) -> str:
@@ -71,8 +81,9 @@ def parts() -> list[list[tuple[str, ...]]]:
     """The phases, each a list of parts run side by side, each part its paths."""
     dirs = sorted(f"tests/{d.name}" for d in (ROOT / "tests").iterdir() if any(d.glob("test_*.py")))
     e2e_rest = (*(f for f in module_files("tests/e2e") if f not in E2E_FIRST), "tests/http")
-    reliability = tuple(f for f in module_files("tests/reliability") if f not in QUIET)
-    rest = tuple(d for d in dirs if d not in (*SERVERS, *RANKS, "tests/reliability"))
+    reliability = outside_quiet("tests/reliability")
+    others = (d for d in dirs if d not in (*SERVERS, *RANKS, "tests/reliability"))
+    rest = tuple(path for d in others for path in outside_quiet(d))
     return [[E2E_FIRST, e2e_rest, RANKS + reliability, rest], [QUIET]]
 
 
@@ -129,7 +140,7 @@ def run_phase(args: list[str], phase: list[tuple[str, ...]], log_dir: Path) -> l
     procs, codes = [], None
     try:
         for i, dirs in enumerate(phase):
-            print(f"suite: {' '.join(dirs)}" + (" (shown after)" if i else ""), flush=True)
+            print(f"suite: {label(dirs)}" + (" (shown after)" if i else ""), flush=True)
             procs.append(pytest(args, dirs, logs[i]))
         follow(logs[0], procs[0])
         codes = [proc.wait() for proc in procs]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the dev environment (if needed) and runs the test suite: scripts/suite.py runs
-# it in two pytest processes side by side, then tests/reliability alone. Extra arguments
+# it in four pytest processes side by side, then the tests that need a quiet machine
+# (flood, load, soak, the GPU check's windows) alone. Extra arguments
 # go to pytest; with a path among them it is one plain pytest run, e.g.
 # scripts/test.sh tests/unit -x
 set -euo pipefail

@@ -3,7 +3,8 @@
 The dry run prints the plan whose default run (kit install included) fits the 8
 minutes; a row is stopped at its window's end and the rows written before it stay;
 ``gpu_check.sh`` on a machine without CUDA runs to the end with every GPU row SKIP
-"no CUDA" and exit status 0.
+"no CUDA" and exit status 0. The rows' windows are sized for a quiet host, so
+scripts/suite.py runs this module alone, in its quiet phase.
 """
 
 from __future__ import annotations
